@@ -1,0 +1,3 @@
+"""The ``mcore-bridge`` command line: Hugging Face <-> mcore checkpoint conversion."""
+
+__version__ = "0.1.0"

@@ -1,0 +1,5 @@
+import sys
+
+from mcore.bridge.cli import main
+
+sys.exit(main())

@@ -1,0 +1,5 @@
+import sys
+
+from mcore.train.cli import main
+
+sys.exit(main())
