@@ -41,7 +41,8 @@ def _install_layers(session: nox.Session, upto: str, editable: bool = True) -> N
 
 def _pytest(session: nox.Session, *paths: str) -> None:
     env = {"TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}
-    session.run("pytest", *paths, *session.posargs, env=env)
+    # Positional arguments replace the default paths: `nox -s tests -- tests/kernels -x`.
+    session.run("pytest", *(session.posargs or paths), env=env)
 
 
 @nox.session

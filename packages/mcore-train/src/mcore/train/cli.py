@@ -1,11 +1,214 @@
-"""Entry point of the ``mcore-train`` console script."""
+"""The ``mcore-train`` command (also ``python -m mcore.train``).
 
+::
+
+    mcore-train [--config FILE.yaml] [--load CKPT] [key=value ...]      train (no arguments: the embedded demo)
+    mcore-train --nproc-per-node N [--max-restarts R] ...                 N local workers (torch elastic)
+    mcore-train evaluate [--config FILE.yaml] --load CKPT [key=value ...] validation loss/perplexity as JSON
+    mcore-train plan [--config FILE.yaml] [--world-size N] [--gpu-memory GB] [key=value ...]
+    mcore-train plot RUN_DIR
+    mcore-train preprocess --input DOCS.jsonl --output-prefix PREFIX [--tokenizer NAME]
+
+A bad input (config key, value, file, checkpoint) prints one line ``mcore-train: error: ...`` on stderr
+and exits with code 2; ``--debug`` adds the traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
 import sys
+import traceback
+from collections.abc import Callable
+from datetime import datetime
+
+from mcore.train import __version__
+from mcore.train.errors import UserError
+
+COMMANDS = ("train", "evaluate", "plan", "plot", "preprocess")
+
+
+def _common(parser: argparse.ArgumentParser, *, overrides: bool = True) -> None:
+    parser.add_argument("--config", metavar="FILE.yaml", help="YAML config file (default: the embedded demo)")
+    parser.add_argument("--debug", action="store_true", help="show tracebacks of errors")
+    if overrides:
+        parser.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, e.g. train.steps=50")
+
+
+def build_parser(command: str) -> argparse.ArgumentParser:
+    """The argument parser of one sub-command."""
+    prog = "mcore-train" if command == "train" else f"mcore-train {command}"
+    parser = argparse.ArgumentParser(
+        prog=prog,
+        description=__doc__.split("\n\n")[0] if command == "train" else None,
+        epilog=f"commands: {', '.join(COMMANDS)} (train is the default)" if command == "train" else None,
+    )
+    if command == "train":
+        _common(parser)
+        parser.add_argument("--load", metavar="CKPT", help="checkpoint to start from (same as checkpoint.load=CKPT)")
+        parser.add_argument(
+            "--nproc-per-node", type=int, default=None, metavar="N", help="launch N local workers (torch elastic)"
+        )
+        parser.add_argument(
+            "--max-restarts",
+            type=int,
+            default=0,
+            metavar="R",
+            help="restart the workers up to R times after a failure; each restart resumes from the last checkpoint",
+        )
+        parser.add_argument("--version", action="version", version=f"mcore-train {__version__}")
+    elif command == "evaluate":
+        _common(parser)
+        parser.add_argument("--load", metavar="CKPT", required=True, help="checkpoint to evaluate")
+    elif command == "plan":
+        _common(parser)
+        parser.add_argument("--world-size", type=int, default=None, help="ranks (default: tp x pp x dp of the config)")
+        parser.add_argument("--gpu-memory", type=float, default=None, metavar="GB", help="GPU memory to fit in")
+        parser.add_argument("--json", action="store_true", help="print the plan as JSON")
+    elif command == "plot":
+        parser.add_argument("run_dir", metavar="RUN_DIR", help="directory of a run (holds metrics.jsonl)")
+        parser.add_argument("--output", metavar="FILE.png", help="where to write (default: RUN_DIR/curves.png)")
+        parser.add_argument("--debug", action="store_true", help="show tracebacks of errors")
+    elif command == "preprocess":
+        from mcore.train.preprocess import add_preprocess_arguments
+
+        add_preprocess_arguments(parser)
+        parser.add_argument("--debug", action="store_true", help="show tracebacks of errors")
+    return parser
+
+
+# ------------------------------------------------------------------------------------------------ commands
+def _model_of_checkpoint(path: str | None) -> dict | None:
+    """The model_config of checkpoint ``path``, used when the config names no model."""
+    if not path:
+        return None
+    from mcore.train.checkpoint.reader import CheckpointReader
+
+    with CheckpointReader(path) as reader:
+        return reader.model_config_dict
+
+
+def _config(args: argparse.Namespace, extra: list[str] | None = None):
+    from mcore.train.config import load_config, parse_overrides
+
+    overrides = list(getattr(args, "overrides", []) or []) + (extra or [])
+    load = getattr(args, "load", None)
+    for key, value in parse_overrides(overrides):
+        if key == "checkpoint.load":
+            load = str(value)
+    return load_config(args.config, overrides, default_model=_model_of_checkpoint(load)), overrides
+
+
+def _train(args: argparse.Namespace) -> int:
+    extra = [f"checkpoint.load={args.load}"] if args.load else []
+    config, overrides = _config(args, extra)
+    nproc = args.nproc_per_node
+    if nproc is not None or args.max_restarts > 0:
+        if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+            raise UserError("--nproc-per-node is for launching; this process is already one of several workers")
+        from mcore.train.launcher import launch_local
+
+        run_dir = config.log.run_dir or os.path.join("runs", datetime.now().strftime("%Y%m%d-%H%M%S"))
+        worker_args = (["--config", args.config] if args.config else []) + (["--debug"] if args.debug else [])
+        worker_args += [*overrides, f"log.run_dir={run_dir}"]
+        print(f"mcore-train: launching {nproc or 1} worker(s), run directory {run_dir}", flush=True)
+        return launch_local(nproc or 1, worker_args, max_restarts=args.max_restarts)
+
+    from mcore.train.loop import run_training
+    from mcore.train.runtime import init_runtime
+
+    runtime = init_runtime(config)
+    try:
+        run_training(config, runtime)
+    finally:
+        runtime.shutdown()
+    return 0
+
+
+def _evaluate(args: argparse.Namespace) -> int:
+    from mcore.train.evaluate import run_evaluation
+    from mcore.train.runtime import init_runtime
+
+    config, _ = _config(args)
+    runtime = init_runtime(config)
+    try:
+        result = run_evaluation(config, runtime, args.load)
+    finally:
+        runtime.shutdown()
+    if runtime.is_logging_rank:
+        print(json.dumps(result), flush=True)
+    return 0
+
+
+def _plan(args: argparse.Namespace) -> int:
+    import torch
+
+    from mcore.train.metrics import peak_flops
+    from mcore.train.plan import default_world_size, format_plan, make_plan, plan_to_dict
+
+    config, _ = _config(args)
+    world = args.world_size or default_world_size(config)
+    if world < 1:
+        raise UserError(f"--world-size must be >= 1, got {world}")
+    memory = args.gpu_memory
+    peak = None
+    if torch.cuda.is_available():
+        device = torch.device("cuda", 0)
+        peak = peak_flops(device)
+        if memory is None:
+            memory = torch.cuda.get_device_properties(device).total_memory / 1e9
+    if memory is None:
+        memory = 80.0
+    if memory <= 0:
+        raise UserError(f"--gpu-memory must be > 0 GB, got {memory}")
+    plan = make_plan(config, world, memory)
+    print(json.dumps(plan_to_dict(plan), indent=1) if args.json else format_plan(plan, peak))
+    return 0
+
+
+def _plot(args: argparse.Namespace) -> int:
+    from mcore.train.plot import plot_run
+
+    print(plot_run(args.run_dir, args.output))
+    return 0
+
+
+def _preprocess(args: argparse.Namespace) -> int:
+    from mcore.train.preprocess import run_preprocess
+
+    return run_preprocess(args)
+
+
+HANDLERS: dict[str, Callable[[argparse.Namespace], int]] = {
+    "train": _train,
+    "evaluate": _evaluate,
+    "plan": _plan,
+    "plot": _plot,
+    "preprocess": _preprocess,
+}
 
 
 def main(argv: list[str] | None = None) -> int:
-    print("mcore-train: this command is not built yet (see the project's open issues).", file=sys.stderr)
-    return 2
+    """Run ``mcore-train`` with ``argv`` (default ``sys.argv[1:]``); return the exit code."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    command = "train"
+    if argv and argv[0] in COMMANDS:
+        command = argv.pop(0)
+    args = build_parser(command).parse_intermixed_args(argv)
+    debug = bool(getattr(args, "debug", False)) or os.environ.get("MCORE_DEBUG") == "1"
+    try:
+        return HANDLERS[command](args)
+    except UserError as exc:
+        if debug:
+            traceback.print_exc()
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        where = f"[rank {os.environ.get('RANK', '0')}] " if world > 1 else ""
+        print(f"mcore-train: error: {where}{exc}", file=sys.stderr, flush=True)
+        return 2
+    except KeyboardInterrupt:
+        print("mcore-train: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

@@ -1,0 +1,289 @@
+"""Streaming conversion between Hugging Face directories and mcore checkpoints (the ``convert`` command).
+
+Both directions follow the same shape: *prepare* reads only headers and metadata and validates everything (family,
+config, every tensor name, shape and dtype), then *write* streams one output tensor at a time into a staged
+directory that replaces DST only when complete. No model is instantiated (the expected parameters come from a
+model on the ``meta`` device) and no GPU is used. Peak memory is that of one fused tensor and its inputs.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from mcore.bridge.config_translation import hf_to_mcore, mcore_to_hf
+from mcore.bridge.dtypes import parse_dtype_choice, parse_size, torch_dtype_from_name, torch_dtype_name
+from mcore.bridge.errors import BridgeError
+from mcore.bridge.hf import (
+    CONFIG_FILE,
+    HFWriter,
+    copy_side_files,
+    list_side_files,
+    read_config,
+    read_hf_dir,
+    write_config,
+)
+from mcore.bridge.mappings import family_by_name, family_for_hf_config
+from mcore.bridge.memory import release_freed_memory
+from mcore.bridge.plan import ExportPlan, ImportPlan, plan_export, plan_import
+from mcore.bridge.progress import Progress
+from mcore.bridge.safetensors_io import TensorSpec, read_tensor
+from mcore.bridge.sources import check_destination, resolve_source, staged_directory
+from mcore.bridge.transforms import to_hf, to_mcore
+from mcore.models.config import TransformerConfig
+from mcore.train.checkpoint import (
+    CheckpointError,
+    CheckpointReader,
+    ModelCheckpointWriter,
+    TensorMeta,
+    expected_model_tensors,
+)
+
+log = logging.getLogger("mcore.bridge")
+
+HF_SIDECAR = "hf"  # inside an mcore checkpoint: the original config.json and side files, verbatim
+
+
+@dataclass(frozen=True)
+class ConversionResult:
+    """What ``convert`` did."""
+
+    direction: str  # "hf->mcore" or "mcore->hf"
+    source: Path
+    destination: Path
+    family: str
+    tensors: int
+    bytes_written: int
+    notes: list[str] = field(default_factory=list)  # entries of the source that were deliberately not carried
+
+
+def _head_args(config: TransformerConfig) -> dict[str, int]:
+    return {
+        "num_heads": config.num_attention_heads,
+        "num_kv_heads": config.num_key_value_heads,
+        "head_dim": config.head_dim,
+    }
+
+
+class HFToMcore:
+    """A validated HF -> mcore conversion, ready to write."""
+
+    def __init__(self, path: Path, target_dtype: torch.dtype | None):
+        self.hf = read_hf_dir(path)
+        where = str(path / CONFIG_FILE)
+        family = family_for_hf_config(self.hf.config, where)
+        config = hf_to_mcore(self.hf.config, family, where)
+        self.plan: ImportPlan = plan_import(
+            family, config, self.hf.tensors, expected_model_tensors(config), target_dtype, str(path)
+        )
+        dtypes = sorted({m.dtype for m in self.plan.outputs.values()})
+        if len(dtypes) != 1:
+            # The mcore checkpoint stores one dtype; keeping several would need a per-tensor dtype there.
+            raise BridgeError(f"{path}: tensors have mixed dtypes {dtypes}; pass --dtype to store them as one")
+        self.dtype = torch_dtype_from_name(dtypes[0])
+        self.notes = [f"not carried: {s}" for s in self.hf.skipped]
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(_nbytes(m.shape, self.dtype) for m in self.plan.outputs.values())
+
+    def write(self, out: Path, progress: bool | None) -> int:
+        plan, config = self.plan, self.plan.config
+        heads = _head_args(config)
+        with (
+            Progress(self.total_bytes, len(plan.steps), "hf -> mcore", progress) as bar,
+            ModelCheckpointWriter(out, config, dtype=self.dtype) as writer,
+        ):
+            for step in plan.steps:
+                # cast each input as it is read, so that at most one input exists in both dtypes
+                inputs = [read_tensor(plan.sources[h]).to(self.dtype) for h in step.hf]
+                meta = plan.outputs[step.mcore]
+                padded = meta.shape[meta.vocab_padded_dim] if meta.vocab_padded_dim is not None else None
+                tensor = to_mcore(step.op, inputs, padded_rows=padded, **heads)
+                del inputs
+                writer.add(step.mcore, tensor)
+                del tensor
+                release_freed_memory()
+                bar.advance(_nbytes(plan.outputs[step.mcore].shape, self.dtype))
+        sidecar = out / HF_SIDECAR
+        sidecar.mkdir()
+        shutil.copyfile(self.hf.path / CONFIG_FILE, sidecar / CONFIG_FILE)
+        copy_side_files(self.hf.side_files, sidecar)
+        return len(plan.steps)
+
+
+class McoreToHF:
+    """A validated mcore -> HF conversion, ready to write.
+
+    The tensors come from ``read_full(name)`` (full, vocabulary padding removed), so the same code exports a
+    checkpoint (:meth:`from_checkpoint`) or a model in memory (``mcore.bridge.api.export_hf``). ``assets`` is a
+    directory holding the original ``config.json`` and the side files to copy (the checkpoint's ``hf/``), or None.
+    """
+
+    def __init__(
+        self,
+        config: TransformerConfig,
+        saved: dict[str, TensorMeta],
+        read_full: Callable[[str], torch.Tensor],
+        *,
+        where: str,
+        target_dtype: torch.dtype | None,
+        max_shard_bytes: int,
+        assets: Path | None,
+    ):
+        family = family_by_name(config.model_type, where)
+        self.plan: ExportPlan = plan_export(family, config, saved, expected_model_tensors(config), target_dtype, where)
+        self.read_full = read_full
+        self.max_shard_bytes = max_shard_bytes
+        self.notes: list[str] = []
+        self.original_config_file: Path | None = None
+        self.side_files: list[Path] = []
+        original = None
+        if assets is not None and (assets / CONFIG_FILE).is_file():
+            self.original_config_file = assets / CONFIG_FILE
+            original = read_config(assets)
+            self.side_files = list_side_files(assets, {p.name for p in assets.glob("*.safetensors")})[0]
+        else:
+            self.notes.append(
+                f"{where} carries no Hugging Face files ({HF_SIDECAR}/config.json): config.json is generated from "
+                "the model config and no tokenizer files are written (give them with --hf-assets)"
+            )
+        out_dtypes = sorted({torch_dtype_name(d) for _, d, _ in self.plan.outputs})
+        weights_dtype = out_dtypes[0] if len(out_dtypes) == 1 else None
+        self.hf_config = mcore_to_hf(config, family, original, weights_dtype=weights_dtype)
+
+    @classmethod
+    def from_checkpoint(
+        cls, path: Path, target_dtype: torch.dtype | None, max_shard_bytes: int, assets: Path | None = None
+    ) -> McoreToHF:
+        reader = CheckpointReader(path)
+        where = str(reader.path)
+        try:
+            config = reader.model_config
+        except (TypeError, ValueError) as exc:
+            raise BridgeError(f"{where}: model_config cannot be read: {exc}") from None
+        saved = {name: reader.tensor_meta(name) for name in reader.tensor_names()}
+
+        def read_full(name: str) -> torch.Tensor:
+            try:
+                return reader.read_full(name)
+            finally:
+                # safe_open keeps every page it touched mapped (and resident) until closed: release per tensor
+                reader.close()
+
+        sidecar = reader.path / HF_SIDECAR
+        return cls(
+            config,
+            saved,
+            read_full,
+            where=where,
+            target_dtype=target_dtype,
+            max_shard_bytes=max_shard_bytes,
+            assets=assets if assets is not None else (sidecar if sidecar.is_dir() else None),
+        )
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(_nbytes(shape, dtype) for _, dtype, shape in self.plan.outputs)
+
+    def write(self, out: Path, progress: bool | None) -> int:
+        plan, config = self.plan, self.plan.config
+        heads = _head_args(config)
+        out.mkdir()
+        specs = [TensorSpec(name, dtype, shape) for name, dtype, shape in plan.outputs]
+        dtype_of = {s.name: s.dtype for s in specs}
+        writer = HFWriter(out, specs, self.max_shard_bytes)
+        try:
+            with Progress(self.total_bytes, len(specs), "mcore -> hf", progress) as bar:
+                for step in plan.steps:
+                    full = self.read_full(step.mcore)
+                    for name, part in zip(step.hf, to_hf(step.op, full, **heads)):
+                        writer.write(name, part.to(dtype_of[name]))
+                        bar.advance(part.numel() * dtype_of[name].itemsize)
+                    del full, part
+                    release_freed_memory()
+            writer.finish()
+        except BaseException:
+            writer.abort()
+            raise
+        write_config(out, self.hf_config, self.original_config_file)
+        copy_side_files(self.side_files, out)
+        return len(specs)
+
+
+def assets_dir(hf_assets: str | os.PathLike | None) -> Path | None:
+    """Check an ``--hf-assets`` directory: it must hold a ``config.json``."""
+    if hf_assets is None:
+        return None
+    assets = Path(hf_assets).expanduser()
+    if not (assets / CONFIG_FILE).is_file():
+        raise BridgeError(f"--hf-assets {assets}: no config.json there; give a Hugging Face model directory")
+    return assets
+
+
+def _nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
+    n = dtype.itemsize
+    for d in shape:
+        n *= d
+    return n
+
+
+def convert(
+    src: str | os.PathLike,
+    dst: str | os.PathLike,
+    *,
+    to: str | None = None,
+    dtype: str = "keep",
+    max_shard_size: str | int = "5GB",
+    overwrite: bool = False,
+    progress: bool | None = None,
+    hf_assets: str | os.PathLike | None = None,
+) -> ConversionResult:
+    """Convert SRC (HF directory, hub id, or mcore checkpoint) into DST, in the direction SRC implies.
+
+    Args:
+        to: ``"mcore"`` or ``"hf"``; checked against the direction detected from SRC when given.
+        dtype: ``keep`` (bit-exact) or ``bf16``/``fp16``/``fp32`` for floating tensors.
+        max_shard_size: largest HF shard (``"5GB"``, ``"500MiB"``, bytes); HF output only.
+        overwrite: replace an existing DST (it is only replaced once the new one is complete).
+        progress: show the progress bar (``None``: only on a terminal).
+        hf_assets: mcore -> HF only: a directory with the ``config.json`` (extra keys, spelling) and tokenizer files
+            to write beside the weights, for a checkpoint that carries none (e.g. one saved by training).
+
+    Raises:
+        BridgeError: for any problem with the input, before DST is touched.
+    """
+    if to not in (None, "mcore", "hf"):
+        raise BridgeError(f"--to must be 'mcore' or 'hf', got {to!r}")
+    target_dtype = parse_dtype_choice(dtype)
+    max_shard_bytes = parse_size(max_shard_size)
+    dst = Path(dst).expanduser()
+    if dst.exists() and not overwrite:  # checked before a possibly long hub download
+        check_destination(dst, overwrite, [])
+    source = resolve_source(src)
+    direction = "hf->mcore" if source.kind == "hf" else "mcore->hf"
+    detected = "mcore" if source.kind == "hf" else "hf"
+    if to is not None and to != detected:
+        kind = "a Hugging Face model" if source.kind == "hf" else "an mcore checkpoint"
+        raise BridgeError(f"{source.given} is {kind}, which converts --to {detected}, not --to {to}")
+    check_destination(dst, overwrite, [source.path])
+    try:
+        if source.kind == "hf":
+            if hf_assets is not None:
+                raise BridgeError("--hf-assets applies to mcore -> hf conversions; SRC is a Hugging Face model")
+            job: HFToMcore | McoreToHF = HFToMcore(source.path, target_dtype)
+        else:
+            job = McoreToHF.from_checkpoint(source.path, target_dtype, max_shard_bytes, assets_dir(hf_assets))
+        with staged_directory(dst, overwrite) as staged:
+            count = job.write(staged, progress)
+    except CheckpointError as exc:
+        raise BridgeError(str(exc)) from None
+    for note in job.notes:
+        log.warning(note)
+    return ConversionResult(direction, source.path, dst, job.plan.family.name, count, job.total_bytes, job.notes)

@@ -1,0 +1,81 @@
+"""Names of tensor dtypes in the three vocabularies the bridge speaks: torch, safetensors and ``--dtype``."""
+
+from __future__ import annotations
+
+import torch
+
+from mcore.bridge.errors import BridgeError
+
+# safetensors header codes (https://github.com/huggingface/safetensors, format section)
+SAFETENSORS_TO_TORCH: dict[str, torch.dtype] = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+}
+TORCH_TO_SAFETENSORS: dict[torch.dtype, str] = {v: k for k, v in SAFETENSORS_TO_TORCH.items()}
+
+# values of the --dtype option; "keep" writes every tensor in the dtype it was read in
+DTYPE_CHOICES: dict[str, torch.dtype | None] = {
+    "keep": None,
+    "bf16": torch.bfloat16,
+    "fp16": torch.float16,
+    "fp32": torch.float32,
+}
+
+
+def torch_dtype_name(dtype: torch.dtype) -> str:
+    """``torch.bfloat16`` -> ``"bfloat16"`` (the spelling of mcore metadata and HF ``torch_dtype``)."""
+    return str(dtype).removeprefix("torch.")
+
+
+def torch_dtype_from_name(name: str) -> torch.dtype:
+    """Inverse of :func:`torch_dtype_name`; raises BridgeError for a name torch does not know."""
+    dtype = getattr(torch, str(name), None)
+    if not isinstance(dtype, torch.dtype):
+        raise BridgeError(f"unknown dtype name {name!r}; expected a torch dtype name such as 'bfloat16' or 'float32'")
+    return dtype
+
+
+def parse_dtype_choice(choice: str) -> torch.dtype | None:
+    """Parse a ``--dtype`` value; ``None`` means keep each tensor's dtype."""
+    if choice not in DTYPE_CHOICES:
+        raise BridgeError(f"--dtype {choice!r} is not supported; choose one of {', '.join(DTYPE_CHOICES)}")
+    return DTYPE_CHOICES[choice]
+
+
+def cast_dtype(source: torch.dtype, target: torch.dtype | None) -> torch.dtype:
+    """The dtype a tensor of dtype ``source`` is written in: only floating tensors follow ``--dtype``."""
+    if target is None or not source.is_floating_point:
+        return source
+    return target
+
+
+def parse_size(text: str | int) -> int:
+    """``"5GB"`` -> 5_000_000_000, ``"500MiB"`` -> 524_288_000, plain integers are bytes (as in HF)."""
+    if isinstance(text, int):
+        if text <= 0:
+            raise BridgeError(f"shard size must be positive, got {text}")
+        return text
+    units = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
+    units |= {"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+    raw = str(text).strip().upper()
+    number = raw.rstrip("KMGTIB")
+    unit = raw[len(number) :]
+    try:
+        value = float(number)
+    except ValueError:
+        value = -1.0
+    if unit not in units or value <= 0:
+        raise BridgeError(
+            f"cannot read size {text!r}; expected a positive number with a unit such as '5GB' or '500MiB'"
+        )
+    return int(value * units[unit])

@@ -1,0 +1,46 @@
+"""Family mappings, one module per family; this registry finds the one for an HF config or an mcore model."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from mcore.bridge.errors import BridgeError
+from mcore.bridge.mappings import llama, mistral, qwen2, qwen3
+from mcore.bridge.mappings.base import FamilyMapping, TensorRule
+
+FAMILIES: dict[str, FamilyMapping] = {m.MAPPING.name: m.MAPPING for m in (llama, qwen2, qwen3, mistral)}
+
+
+def _supported() -> str:
+    return ", ".join(f"{f.name} ({'/'.join(f.hf_architectures)})" for f in FAMILIES.values())
+
+
+def family_for_hf_config(config: dict[str, Any], where: str = "config.json") -> FamilyMapping:
+    """The mapping for an HF config, by ``architectures`` (and ``model_type`` when there is none)."""
+    architectures = config.get("architectures") or []
+    if isinstance(architectures, str):
+        architectures = [architectures]
+    for family in FAMILIES.values():
+        if any(a in family.hf_architectures for a in architectures):
+            if config.get("model_type", family.hf_model_type) != family.hf_model_type:
+                raise BridgeError(
+                    f"{where}: architectures {architectures} says {family.name} but model_type is "
+                    f"{config.get('model_type')!r}, expected {family.hf_model_type!r}"
+                )
+            return family
+    if not architectures:
+        for family in FAMILIES.values():
+            if config.get("model_type") == family.hf_model_type:
+                return family
+    found = architectures or config.get("model_type")
+    raise BridgeError(f"{where}: unsupported architecture {found!r}; supported: {_supported()}")
+
+
+def family_by_name(name: str, where: str = "checkpoint") -> FamilyMapping:
+    """The mapping of an mcore family name (``TransformerConfig.model_type``)."""
+    if name not in FAMILIES:
+        raise BridgeError(f"{where}: model_type {name!r} has no Hugging Face mapping; supported: {_supported()}")
+    return FAMILIES[name]
+
+
+__all__ = ["FAMILIES", "FamilyMapping", "TensorRule", "family_by_name", "family_for_hf_config"]

@@ -1,0 +1,81 @@
+"""The vocabulary a family mapping is written in: tensor rules and the family record.
+
+A family file (``llama.py``, ``qwen2.py``...) is data: a tuple of :class:`TensorRule` saying which Hugging Face
+tensors make each mcore parameter and how (``copy``, the grouped ``qkv`` fusion, the ``gate_up`` fusion, or a
+``vocab`` tensor padded to the padded vocabulary), and a tuple of config rules (``config_rules.py``).
+Patterns use ``{layer}`` for the layer index.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from mcore.bridge.mappings.config_rules import ConfigRule
+
+Op = Literal["copy", "qkv", "gate_up", "vocab"]
+_SOURCES_PER_OP = {"copy": 1, "vocab": 1, "qkv": 3, "gate_up": 2}
+
+
+@dataclass(frozen=True)
+class TensorRule:
+    """One mcore parameter and the Hugging Face tensors it is made of.
+
+    ``when`` names a boolean ``TransformerConfig`` field that must be true for the tensor to exist (biases,
+    qk-norm), ``unless`` one that must be false (``output.weight`` exists unless the embeddings are tied).
+    """
+
+    mcore: str
+    hf: tuple[str, ...]
+    op: Op = "copy"
+    when: str | None = None
+    unless: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.op not in _SOURCES_PER_OP:
+            raise ValueError(f"TensorRule {self.mcore!r}: op must be one of {list(_SOURCES_PER_OP)}, got {self.op!r}")
+        if len(self.hf) != _SOURCES_PER_OP[self.op]:
+            raise ValueError(
+                f"TensorRule {self.mcore!r}: op {self.op!r} takes {_SOURCES_PER_OP[self.op]} HF tensors, "
+                f"got {len(self.hf)}"
+            )
+        per_layer = "{layer}" in self.mcore
+        if any(("{layer}" in h) != per_layer for h in self.hf):
+            raise ValueError(
+                f"TensorRule {self.mcore!r}: HF patterns {self.hf} must use {{layer}} exactly when it does"
+            )
+
+    @property
+    def per_layer(self) -> bool:
+        return "{layer}" in self.mcore
+
+    def applies(self, config: Any) -> bool:
+        if self.when is not None and not getattr(config, self.when):
+            return False
+        return not (self.unless is not None and getattr(config, self.unless))
+
+
+@dataclass(frozen=True)
+class FamilyMapping:
+    """Everything the bridge knows about one family: HF identity, tensor rules and config rules."""
+
+    name: str  # the mcore family (TransformerConfig.model_type and mcore.models.families name)
+    hf_model_type: str
+    hf_architectures: tuple[str, ...]
+    tensors: tuple[TensorRule, ...]
+    config: tuple[ConfigRule, ...]
+    description: str = ""
+
+    def __post_init__(self) -> None:
+        names = [r.mcore for r in self.tensors]
+        if len(set(names)) != len(names):
+            raise ValueError(f"family {self.name!r}: duplicate mcore tensor rules")
+        hf = [h for r in self.tensors for h in r.hf]
+        if len(set(hf)) != len(hf):
+            raise ValueError(f"family {self.name!r}: an HF tensor is consumed by two rules")
+        keys = [k for rule in self.config for k in rule.hf_keys]
+        if len(set(keys)) != len(keys):
+            raise ValueError(f"family {self.name!r}: an HF config key is handled by two config rules")
+        fields = [f for rule in self.config for f in rule.mcore_fields]
+        if len(set(fields)) != len(fields):
+            raise ValueError(f"family {self.name!r}: a TransformerConfig field is set by two config rules")

@@ -1,0 +1,208 @@
+"""Config translation rules: each rule owns some Hugging Face ``config.json`` keys and some ``TransformerConfig``
+fields and translates between them in both directions.
+
+The translator (``mcore.bridge.config_translation``) runs every rule of a family; HF keys no rule owns are carried
+verbatim, so nothing is dropped. On export a rule whose fields still equal what the original ``config.json``
+translates to writes the original keys back untouched (same spelling, same int/float, same key order), and only
+a field that changed is written afresh with :meth:`ConfigRule.to_hf`.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any
+
+from mcore.bridge.errors import BridgeError
+
+REQUIRED = object()  # sentinel: the HF key has no default and must be present
+
+
+class ConfigRule(ABC):
+    """Base of the rules; subclasses set ``hf_keys`` and ``mcore_fields`` and implement both directions."""
+
+    hf_keys: tuple[str, ...] = ()
+    mcore_fields: tuple[str, ...] = ()
+
+    @abstractmethod
+    def to_mcore(self, hf: dict[str, Any]) -> dict[str, Any]:
+        """``TransformerConfig`` keyword values for this rule's fields, from the whole HF config."""
+
+    @abstractmethod
+    def to_hf(self, values: dict[str, Any], original: dict[str, Any] | None) -> dict[str, Any]:
+        """HF keys for this rule from the whole ``TransformerConfig`` dict; ``original`` picks the spelling."""
+
+
+@dataclass(frozen=True)
+class Field(ConfigRule):
+    """An HF key with the same name and meaning as a ``TransformerConfig`` field, with HF's default."""
+
+    name: str
+    default: Any = REQUIRED
+
+    @property
+    def hf_keys(self) -> tuple[str, ...]:
+        return (self.name,)
+
+    @property
+    def mcore_fields(self) -> tuple[str, ...]:
+        return (self.name,)
+
+    def to_mcore(self, hf: dict[str, Any]) -> dict[str, Any]:
+        if self.name in hf:
+            return {self.name: hf[self.name]}
+        if self.default is REQUIRED:
+            raise BridgeError(f"config.json has no {self.name!r}, which this family requires")
+        return {self.name: self.default}
+
+    def to_hf(self, values: dict[str, Any], original: dict[str, Any] | None) -> dict[str, Any]:
+        return {self.name: values[self.name]}
+
+
+@dataclass(frozen=True)
+class Fixed(ConfigRule):
+    """A ``TransformerConfig`` field the family fixes (no HF key): e.g. Qwen2 always has Q/K/V biases.
+
+    Exporting a model whose field differs fails: HF's class for this family cannot express it.
+    """
+
+    field: str
+    value: Any
+
+    @property
+    def mcore_fields(self) -> tuple[str, ...]:
+        return (self.field,)
+
+    def to_mcore(self, hf: dict[str, Any]) -> dict[str, Any]:
+        return {self.field: self.value}
+
+    def to_hf(self, values: dict[str, Any], original: dict[str, Any] | None) -> dict[str, Any]:
+        if values[self.field] != self.value:
+            raise BridgeError(
+                f"this family always has {self.field}={self.value!r} in Hugging Face, but the model has "
+                f"{self.field}={values[self.field]!r}; it cannot be exported as this family"
+            )
+        return {}
+
+
+@dataclass(frozen=True)
+class McoreOnly(ConfigRule):
+    """A ``TransformerConfig`` field without HF meaning (e.g. vocabulary padding): its default on import, ignored
+    on export."""
+
+    field: str
+    value: Any
+
+    @property
+    def mcore_fields(self) -> tuple[str, ...]:
+        return (self.field,)
+
+    def to_mcore(self, hf: dict[str, Any]) -> dict[str, Any]:
+        return {self.field: self.value}
+
+    def to_hf(self, values: dict[str, Any], original: dict[str, Any] | None) -> dict[str, Any]:
+        return {}
+
+
+@dataclass(frozen=True)
+class SharedAttentionBias(ConfigRule):
+    """HF ``attention_bias`` (Llama, Qwen3) puts biases on Q/K/V *and* the output projection."""
+
+    key: str = "attention_bias"
+
+    @property
+    def hf_keys(self) -> tuple[str, ...]:
+        return (self.key,)
+
+    mcore_fields = ("attention_bias", "attention_out_bias")
+
+    def to_mcore(self, hf: dict[str, Any]) -> dict[str, Any]:
+        bias = hf.get(self.key, False)
+        return {"attention_bias": bias, "attention_out_bias": bias}
+
+    def to_hf(self, values: dict[str, Any], original: dict[str, Any] | None) -> dict[str, Any]:
+        if values["attention_bias"] != values["attention_out_bias"]:
+            raise BridgeError(
+                f"HF {self.key!r} sets Q/K/V and output-projection biases together, but the model has "
+                f"attention_bias={values['attention_bias']} and attention_out_bias={values['attention_out_bias']}"
+            )
+        return {self.key: values["attention_bias"]}
+
+
+@dataclass(frozen=True)
+class Rope(ConfigRule):
+    """RoPE base and scaling, spelled ``rope_theta`` + ``rope_scaling`` (transformers 4) or ``rope_parameters``
+    (transformers 5, theta inside). Export keeps the spelling of the original config; a fresh export uses the
+    transformers-4 spelling, which both major versions read."""
+
+    default_theta: float = 10000.0
+    hf_keys = ("rope_theta", "rope_scaling", "rope_parameters")
+    mcore_fields = ("rope_theta", "rope_scaling")
+
+    def to_mcore(self, hf: dict[str, Any]) -> dict[str, Any]:
+        params = hf.get("rope_parameters")
+        if params is not None:
+            if not isinstance(params, dict):
+                raise BridgeError(f"config.json 'rope_parameters' must be an object, got {params!r}")
+            theta = params.get("rope_theta", hf.get("rope_theta", self.default_theta))
+            scaling = {k: v for k, v in params.items() if k != "rope_theta"}
+        else:
+            theta = hf.get("rope_theta", self.default_theta)
+            scaling = hf.get("rope_scaling")
+        if isinstance(scaling, dict) and scaling.get("rope_type", scaling.get("type", "default")) == "default":
+            extra = set(scaling) - {"rope_type", "type"}
+            if extra:
+                raise BridgeError(f"config.json rope settings of type 'default' have unexpected keys {sorted(extra)}")
+            scaling = None
+        return {"rope_theta": theta, "rope_scaling": scaling}
+
+    def to_hf(self, values: dict[str, Any], original: dict[str, Any] | None) -> dict[str, Any]:
+        theta, scaling = values["rope_theta"], values["rope_scaling"]
+        if original is not None and "rope_parameters" in original:
+            params = dict(scaling) if scaling else {"rope_type": "default"}
+            params["rope_theta"] = theta
+            return {"rope_parameters": params}
+        return {"rope_theta": theta, "rope_scaling": dict(scaling) if scaling else None}
+
+
+@dataclass(frozen=True)
+class QwenSlidingWindow(ConfigRule):
+    """Qwen2/Qwen3: ``use_sliding_window`` switches ``sliding_window`` on for the layers from
+    ``max_window_layers`` on (or as ``layer_types`` lists); with it off every layer attends fully."""
+
+    default_window: int | None = 4096
+    default_max_window_layers: int = 28
+    hf_keys = ("use_sliding_window", "sliding_window", "max_window_layers", "layer_types")
+    mcore_fields = ("sliding_window", "layer_types")
+
+    def to_mcore(self, hf: dict[str, Any]) -> dict[str, Any]:
+        n = hf.get("num_hidden_layers")
+        window = hf.get("sliding_window", self.default_window) if hf.get("use_sliding_window", False) else None
+        types = hf.get("layer_types")
+        if types is None:
+            start = hf.get("max_window_layers", self.default_max_window_layers)
+            types = ["sliding_attention" if i >= start else "full_attention" for i in range(n or 0)]
+        sliding = [t == "sliding_attention" for t in types]
+        if window is None or not any(sliding):
+            return {"sliding_window": None, "layer_types": None}
+        if all(sliding):
+            return {"sliding_window": window, "layer_types": None}
+        return {"sliding_window": window, "layer_types": list(types)}
+
+    def to_hf(self, values: dict[str, Any], original: dict[str, Any] | None) -> dict[str, Any]:
+        n, window, types = values["num_hidden_layers"], values["sliding_window"], values["layer_types"]
+        if window is None:
+            return {
+                "use_sliding_window": False,
+                "sliding_window": None,
+                "max_window_layers": n,
+                "layer_types": ["full_attention"] * n,
+            }
+        types = list(types) if types is not None else ["sliding_attention"] * n
+        leading_full = next((i for i, t in enumerate(types) if t != "full_attention"), n)
+        return {
+            "use_sliding_window": True,
+            "sliding_window": window,
+            "max_window_layers": leading_full,
+            "layer_types": types,
+        }

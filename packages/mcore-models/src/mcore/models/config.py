@@ -1,0 +1,250 @@
+"""The typed, validated configuration of a GPT-family decoder.
+
+Field names follow Hugging Face ``config.json`` wherever it has one, so that a user can read both side by
+side and the bridge stays a thin renaming. Fields that describe what a family *is* (norm type, activation,
+bias flags, qk-norm) are ordinary data here; ``mcore.models.families`` fills them per family.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Any
+
+NORMALIZATIONS = ("rmsnorm", "layernorm")
+# HF ``hidden_act`` names of the gated MLP activations the kernels provide (silu -> swiglu, gelu -> geglu).
+GATED_ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
+LAYER_TYPES = ("full_attention", "sliding_attention")
+# rope_scaling["rope_type"] -> the keys that type needs (as in HF ``config.json``).
+ROPE_SCALING_KEYS: dict[str, tuple[str, ...]] = {
+    "default": (),
+    "linear": ("factor",),
+    "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+    "yarn": ("factor",),
+}
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _positive_int(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"TransformerConfig.{name} must be an int, got {type(value).__name__} {value!r}")
+    if value < 1:
+        raise ValueError(f"TransformerConfig.{name} must be >= 1, got {value}")
+
+
+def _positive_float(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise TypeError(f"TransformerConfig.{name} must be a number, got {type(value).__name__} {value!r}")
+    if not (math.isfinite(value) and value > 0):
+        raise ValueError(f"TransformerConfig.{name} must be a finite number > 0, got {value}")
+
+
+def _bool(name: str, value: Any) -> None:
+    if not isinstance(value, bool):
+        raise TypeError(f"TransformerConfig.{name} must be a bool, got {type(value).__name__} {value!r}")
+
+
+@dataclass(frozen=True)
+class TransformerConfig:
+    """Shape and behaviour of a decoder-only transformer (Llama / Qwen2 / Qwen3 / Mistral and kin).
+
+    ``num_key_value_heads=None`` means multi-head attention (as many KV heads as query heads);
+    ``head_dim=None`` means ``hidden_size // num_attention_heads``. ``layer_types`` (HF name) picks, per
+    layer, ``"full_attention"`` or ``"sliding_attention"``; when it is ``None`` every layer uses
+    ``sliding_window`` if that is set. ``attention_bias`` adds biases to the Q/K/V projection (Qwen2),
+    ``attention_out_bias`` to the output projection (HF Llama's ``attention_bias=True`` sets both).
+    ``make_vocab_size_divisible_by`` (Megatron's name) pads the vocabulary to a multiple of it times tp.
+    The config is frozen: derive variants with ``dataclasses.replace``, which validates again.
+    """
+
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    vocab_size: int
+    num_key_value_heads: int | None = None
+    head_dim: int | None = None
+    max_position_embeddings: int = 4096
+    rope_theta: float = 10000.0
+    rope_scaling: dict[str, Any] | None = None
+    rms_norm_eps: float = 1e-6
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    attention_out_bias: bool = False
+    mlp_bias: bool = False
+    qk_norm: bool = False
+    sliding_window: int | None = None
+    layer_types: tuple[str, ...] | None = None
+    hidden_act: str = "silu"
+    normalization: str = "rmsnorm"
+    initializer_range: float = 0.02
+    make_vocab_size_divisible_by: int = 128
+    model_type: str = "llama"
+
+    def __post_init__(self) -> None:
+        for name in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size"):
+            _positive_int(name, getattr(self, name))
+        _positive_int("max_position_embeddings", self.max_position_embeddings)
+        _positive_int("make_vocab_size_divisible_by", self.make_vocab_size_divisible_by)
+        for name in ("rope_theta", "rms_norm_eps", "initializer_range"):
+            _positive_float(name, getattr(self, name))
+        for name in ("tie_word_embeddings", "attention_bias", "attention_out_bias", "mlp_bias", "qk_norm"):
+            _bool(name, getattr(self, name))
+        if not isinstance(self.model_type, str) or not self.model_type:
+            raise TypeError(f"TransformerConfig.model_type must be a non-empty str, got {self.model_type!r}")
+        self._check_heads()
+        self._check_rope_scaling()
+        self._check_attention_pattern()
+        if self.hidden_act not in GATED_ACTIVATIONS:
+            raise ValueError(
+                f"TransformerConfig.hidden_act must be one of {GATED_ACTIVATIONS} (gated MLP), got {self.hidden_act!r}"
+            )
+        if self.normalization not in NORMALIZATIONS:
+            raise ValueError(
+                f"TransformerConfig.normalization must be one of {NORMALIZATIONS}, got {self.normalization!r}"
+            )
+
+    def _check_heads(self) -> None:
+        heads = self.num_attention_heads
+        if self.num_key_value_heads is None:
+            object.__setattr__(self, "num_key_value_heads", heads)
+        _positive_int("num_key_value_heads", self.num_key_value_heads)
+        kv = self.num_key_value_heads
+        if heads % kv != 0:
+            raise ValueError(
+                f"TransformerConfig: num_attention_heads ({heads}) must be divisible by num_key_value_heads ({kv}); "
+                f"valid num_key_value_heads for {heads} heads: {_divisors(heads)}"
+            )
+        if self.head_dim is None:
+            if self.hidden_size % heads != 0:
+                raise ValueError(
+                    f"TransformerConfig: hidden_size ({self.hidden_size}) is not divisible by num_attention_heads "
+                    f"({heads}); set head_dim explicitly (e.g. head_dim={self.hidden_size // heads}) or pick a "
+                    f"head count from {_divisors(self.hidden_size)}"
+                )
+            object.__setattr__(self, "head_dim", self.hidden_size // heads)
+        _positive_int("head_dim", self.head_dim)
+        if self.head_dim % 2 != 0:
+            raise ValueError(f"TransformerConfig.head_dim must be even (RoPE rotates pairs), got {self.head_dim}")
+
+    def _check_rope_scaling(self) -> None:
+        scaling = self.rope_scaling
+        if scaling is None:
+            return
+        if not isinstance(scaling, dict):
+            raise TypeError(f"TransformerConfig.rope_scaling must be a dict or None, got {type(scaling).__name__}")
+        # Older HF configs spell the key "type"; normalise so that the kernels see one spelling.
+        rope_type = scaling.get("rope_type", scaling.get("type"))
+        if rope_type not in ROPE_SCALING_KEYS:
+            raise ValueError(
+                f"TransformerConfig.rope_scaling['rope_type'] must be one of {sorted(ROPE_SCALING_KEYS)}, "
+                f"got {rope_type!r}"
+            )
+        missing = [k for k in ROPE_SCALING_KEYS[rope_type] if k not in scaling]
+        if missing:
+            raise ValueError(
+                f"TransformerConfig.rope_scaling of rope_type {rope_type!r} needs the keys {missing}; got {scaling}"
+            )
+        if "factor" in scaling:
+            _positive_float("rope_scaling['factor']", scaling["factor"])
+        normalised = {k: v for k, v in scaling.items() if k != "type"}
+        normalised["rope_type"] = rope_type
+        object.__setattr__(self, "rope_scaling", normalised)
+
+    def _check_attention_pattern(self) -> None:
+        if self.sliding_window is not None:
+            _positive_int("sliding_window", self.sliding_window)
+        if self.layer_types is None:
+            return
+        if isinstance(self.layer_types, str) or not isinstance(self.layer_types, list | tuple):
+            raise TypeError(
+                f"TransformerConfig.layer_types must be a list of {LAYER_TYPES} or None, got {self.layer_types!r}"
+            )
+        object.__setattr__(self, "layer_types", tuple(self.layer_types))
+        if len(self.layer_types) != self.num_hidden_layers:
+            raise ValueError(
+                f"TransformerConfig.layer_types has {len(self.layer_types)} entries but num_hidden_layers is "
+                f"{self.num_hidden_layers}; give one entry per layer"
+            )
+        bad = sorted({t for t in self.layer_types if t not in LAYER_TYPES})
+        if bad:
+            raise ValueError(f"TransformerConfig.layer_types entries must be in {LAYER_TYPES}, got {bad}")
+        if "sliding_attention" in self.layer_types and self.sliding_window is None:
+            raise ValueError(
+                "TransformerConfig.layer_types has 'sliding_attention' layers but sliding_window is None; "
+                "set sliding_window"
+            )
+
+    # --- derived quantities -------------------------------------------------------------------------
+
+    @property
+    def num_query_groups(self) -> int:
+        """Query heads per KV head (1 for multi-head attention)."""
+        return self.num_attention_heads // self.num_key_value_heads
+
+    @property
+    def q_size(self) -> int:
+        """Width of all query heads together (may differ from ``hidden_size`` when ``head_dim`` is set)."""
+        return self.num_attention_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        """Width of all key heads together (and of all value heads)."""
+        return self.num_key_value_heads * self.head_dim
+
+    def window_for_layer(self, layer_index: int) -> int | None:
+        """The sliding window of layer ``layer_index`` (global index), or ``None`` for full attention."""
+        if not 0 <= layer_index < self.num_hidden_layers:
+            raise ValueError(f"layer_index must be in [0, {self.num_hidden_layers}), got {layer_index}")
+        if self.layer_types is None:
+            return self.sliding_window
+        return self.sliding_window if self.layer_types[layer_index] == "sliding_attention" else None
+
+    def padded_vocab_size(self, tp: int = 1) -> int:
+        """Vocabulary padded to a multiple of ``make_vocab_size_divisible_by * tp`` (every TP shard equal)."""
+        _positive_int("tp", tp)
+        multiple = self.make_vocab_size_divisible_by * tp
+        return -(-self.vocab_size // multiple) * multiple
+
+    def check_tensor_parallel(self, tp: int) -> None:
+        """Raise ``ValueError`` unless this model can be split over ``tp`` tensor-parallel ranks.
+
+        TP splits whole query groups (a KV head and its query heads) and the MLP's hidden width.
+        """
+        _positive_int("tp", tp)
+        kv = self.num_key_value_heads
+        ok = [d for d in _divisors(kv) if self.intermediate_size % d == 0]
+        if kv % tp != 0:
+            raise ValueError(
+                f"tensor parallel size {tp} must divide num_key_value_heads ({kv}) so that each rank holds whole "
+                f"query groups; valid tp for this model: {ok}"
+            )
+        if self.intermediate_size % tp != 0:
+            raise ValueError(
+                f"tensor parallel size {tp} must divide intermediate_size ({self.intermediate_size}); "
+                f"valid tp for this model: {ok}"
+            )
+
+    # --- serialisation --------------------------------------------------------------------------------
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain JSON-able dict of every field (what checkpoints store as ``model_config``)."""
+        out = dataclasses.asdict(self)
+        if out["layer_types"] is not None:
+            out["layer_types"] = list(out["layer_types"])
+        return out
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> TransformerConfig:
+        """Inverse of ``to_dict``; unknown keys raise ``ValueError`` naming them (typos never pass silently)."""
+        if not isinstance(data, dict):
+            raise TypeError(f"TransformerConfig.from_dict expects a dict, got {type(data).__name__}")
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"TransformerConfig: unknown fields {unknown}; known fields are {sorted(known)}")
+        return cls(**data)

@@ -1,0 +1,275 @@
+"""GPTModel: a decoder-only transformer, whole or one pipeline stage, built from mcore.parallel modules.
+
+Hidden states are ``[s, b, h]`` (``[s/tp, b, h]`` under sequence parallelism); token ids, labels, position
+ids and losses are ``[b, s]``. The model never calls a collective: the parallel modules it composes do.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from mcore.kernels import rope_cos_sin, rope_inv_freq
+from mcore.models.config import TransformerConfig
+from mcore.models.layers.block import TransformerLayer
+from mcore.models.layers.embedding import build_embedding, build_output_layer, mask_padded_logits
+from mcore.models.layers.kv_cache import KVCache
+from mcore.models.layers.norm import build_norm
+from mcore.parallel.grid import ProcessGroups
+from mcore.parallel.init import seeded_generator
+from mcore.parallel.tensor_parallel import ColumnParallelLinear, vocab_parallel_cross_entropy
+
+RECOMPUTE_MODES = (None, "full", "selective")
+IGNORE_INDEX = -100
+
+
+class GPTModel(nn.Module):
+    """A Llama-family decoder, or the pipeline stage holding layers ``layer_range = (start, end)``.
+
+    ``pre_process`` adds the embedding (the stage reads token ids), ``post_process`` the final norm, the
+    output layer and the loss. Parameter names are global (``layers.<global index>...``), so a stage's names
+    are a subset of the whole model's. With tied embeddings the output layer multiplies by
+    ``embedding.weight``; a last stage without the embedding holds its own copy of that parameter (same
+    name, same initial values). Under pipeline parallelism both copies are marked ``shared_embedding`` (as
+    ``finalize_model_grads`` expects), so their gradients are summed over the embedding group.
+
+    ``recompute``: ``None``; ``"full"`` (each layer's activations are recomputed in backward) or
+    ``"selective"`` (only the attention core's). The vocabulary is padded to a multiple of
+    ``config.make_vocab_size_divisible_by * tp``; padded rows are tagged ``vocab_padded_dim``/``vocab_size``,
+    never enter the loss and are masked to ``-inf`` in returned logits.
+    """
+
+    def __init__(
+        self,
+        config: TransformerConfig,
+        *,
+        groups: ProcessGroups | None = None,
+        layer_range: tuple[int, int] | None = None,
+        pre_process: bool = True,
+        post_process: bool = True,
+        sequence_parallel: bool = False,
+        recompute: str | None = None,
+        params_dtype: torch.dtype = torch.float32,
+        device: torch.device | str | None = None,
+    ) -> None:
+        super().__init__()
+        if not isinstance(config, TransformerConfig):
+            raise TypeError(f"GPTModel: config must be a TransformerConfig, got {type(config).__name__}")
+        if recompute not in RECOMPUTE_MODES:
+            raise ValueError(f"GPTModel: recompute must be one of {RECOMPUTE_MODES}, got {recompute!r}")
+        groups = ProcessGroups.single() if groups is None else groups
+        tp = groups.tp_size
+        config.check_tensor_parallel(tp)
+        start, end = _check_layer_range(layer_range, config.num_hidden_layers)
+
+        self.config = config
+        self.groups = groups
+        self.tp_group = groups.tp
+        self.layer_range = (start, end)
+        self.pre_process = pre_process
+        self.post_process = post_process
+        self.sequence_parallel = sequence_parallel
+        self.recompute = recompute
+        self.padded_vocab_size = config.padded_vocab_size(tp)
+        self._inv_freq: dict[torch.device, torch.Tensor] = {}
+        self._attention_factor = 1.0
+
+        factory = dict(params_dtype=params_dtype, device=device)
+        parallel = dict(tp_group=self.tp_group, sequence_parallel=sequence_parallel, **factory)
+        if pre_process or (post_process and config.tie_word_embeddings):
+            self.embedding = build_embedding(config, self.padded_vocab_size, **parallel)
+            # Tied embeddings split over pipeline stages live twice (first stage: lookup, last stage: output
+            # layer); finalize_model_grads sums the gradients of every copy marked shared_embedding.
+            self.embedding.weight.shared_embedding = config.tie_word_embeddings and groups.pp_size > 1
+        self.layers = nn.ModuleDict(
+            {
+                str(i): TransformerLayer(
+                    config,
+                    i,
+                    tp_group=self.tp_group,
+                    tp_size=tp,
+                    sequence_parallel=sequence_parallel,
+                    recompute_attention_core=recompute == "selective",
+                    **factory,
+                )
+                for i in range(start, end)
+            }
+        )
+        self._tied_output: tuple[ColumnParallelLinear, ...] = ()
+        if post_process:
+            self.final_norm = build_norm(config, config.hidden_size, sequence_parallel=sequence_parallel, **factory)
+            if config.tie_word_embeddings:
+                # Kept outside the module tree (a tuple attribute), so that the shared weight has one name,
+                # embedding.weight, in named_parameters() and state_dict() alike and is initialised once.
+                self._tied_output = (
+                    build_output_layer(config, self.padded_vocab_size, tied_weight=self.embedding.weight, **parallel),
+                )
+            else:
+                self.output = build_output_layer(config, self.padded_vocab_size, **parallel)
+
+    # --- weights --------------------------------------------------------------------------------------
+
+    def init_weights(self, seed: int) -> None:
+        """Initialise every parameter from ``seed`` and its global name (identical full weights at any tp/pp).
+
+        Each module owning parameters redraws them with ``reset_parameters(generator)``, the generator
+        seeded by ``(seed, "<module name>.<first parameter name>")``.
+        """
+        done: set[int] = set()
+        for module_name, module in self.named_modules():
+            own = list(module.named_parameters(recurse=False))
+            if not own:
+                continue
+            if not hasattr(module, "reset_parameters"):
+                raise TypeError(f"GPTModel.init_weights: module {module_name!r} has parameters but no reset_parameters")
+            module.reset_parameters(seeded_generator(seed, f"{module_name}.{own[0][0]}"))
+            done.update(id(p) for _, p in own)
+        missed = [name for name, p in self.named_parameters() if id(p) not in done]
+        if missed:
+            raise RuntimeError(f"GPTModel.init_weights left parameters uninitialised: {missed}")
+
+    def make_kv_cache(self, batch_size: int, max_length: int) -> KVCache:
+        """An empty KV cache for this model's layers (local KV heads), for ``generate``."""
+        c = self.config
+        ref = next(self.parameters())
+        return KVCache(
+            list(range(*self.layer_range)),
+            batch_size,
+            max_length,
+            c.num_key_value_heads // self.groups.tp_size,
+            c.head_dim,
+            dtype=ref.dtype,
+            device=ref.device,
+        )
+
+    # --- forward --------------------------------------------------------------------------------------
+
+    def forward(
+        self,
+        input_ids: torch.Tensor | None = None,
+        *,
+        hidden_states: torch.Tensor | None = None,
+        labels: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        cu_seqlens: torch.Tensor | None = None,
+        kv_cache: KVCache | None = None,
+    ) -> torch.Tensor:
+        """Run this stage.
+
+        First stage: ``input_ids [b, s]``; other stages: ``hidden_states [s, b, h]`` (``[s/tp, b, h]`` with
+        sequence parallelism). ``position_ids [b, s]`` default to ``0..s-1`` per row, or, with ``cu_seqlens``
+        (int32 document boundaries over the flattened ``b * s`` tokens), restart at 0 in every document.
+        Returns: on the last stage the per-token loss ``[b, s]`` fp32 (0 where ``labels == -100``) if
+        ``labels`` are given, else logits ``[b, s, V_pad / tp]`` (a transposed view of ``[s, b, ...]``);
+        elsewhere the hidden states to send on. ``kv_cache`` (inference only, see ``generate``) appends
+        this call's keys/values and positions the tokens after the cached ones.
+        """
+        tp = self.groups.tp_size
+        if self.pre_process:
+            if input_ids is None or hidden_states is not None:
+                raise ValueError("GPTModel: the first pipeline stage takes input_ids [b, s] and no hidden_states")
+            if input_ids.dim() != 2 or input_ids.is_floating_point():
+                raise ValueError(
+                    f"GPTModel: input_ids must be an integer tensor [b, s], got {input_ids.dtype} "
+                    f"of shape {tuple(input_ids.shape)}"
+                )
+            b, s = input_ids.shape
+            if self.sequence_parallel and s % tp != 0:
+                raise ValueError(f"GPTModel: sequence parallelism needs s ({s}) divisible by tp ({tp})")
+            x = self.embedding(input_ids.t())
+        else:
+            if hidden_states is None or input_ids is not None:
+                raise ValueError("GPTModel: a later pipeline stage takes hidden_states [s, b, h] and no input_ids")
+            if hidden_states.dim() != 3 or hidden_states.shape[-1] != self.config.hidden_size:
+                raise ValueError(
+                    f"GPTModel: hidden_states must be [s, b, {self.config.hidden_size}], "
+                    f"got {tuple(hidden_states.shape)}"
+                )
+            x = hidden_states
+            s = x.shape[0] * (tp if self.sequence_parallel else 1)
+            b = x.shape[1]
+        if kv_cache is not None and (labels is not None or cu_seqlens is not None or self.sequence_parallel):
+            raise ValueError("GPTModel: kv_cache is for inference: no labels, no cu_seqlens, no sequence parallel")
+        position_ids = self._position_ids(position_ids, cu_seqlens, b, s, x.device, kv_cache)
+        cos, sin = self._rope(position_ids)
+
+        for layer in self.layers.values():
+            if self.recompute == "full" and torch.is_grad_enabled():
+                x = checkpoint(layer, x, cos, sin, cu_seqlens, use_reentrant=False)
+            else:
+                x = layer(x, cos, sin, cu_seqlens, kv_cache)
+        if kv_cache is not None:
+            kv_cache.advance(s)
+        if not self.post_process:
+            return x
+
+        logits = self._logits(self.final_norm(x))  # [s, b, V_pad / tp]
+        if labels is None:
+            return mask_padded_logits(logits, self.config.vocab_size, self.groups.tp_rank).transpose(0, 1)
+        if tuple(labels.shape) != (b, s):
+            raise ValueError(f"GPTModel: labels must be [b, s] = [{b}, {s}], got {tuple(labels.shape)}")
+        loss = vocab_parallel_cross_entropy(
+            logits,
+            labels.t(),
+            self.tp_group,
+            ignore_index=IGNORE_INDEX,
+            valid_vocab_size=self.config.vocab_size,
+        )
+        return loss.t().contiguous()
+
+    def _logits(self, x: torch.Tensor) -> torch.Tensor:
+        output = self._tied_output[0] if self._tied_output else self.output
+        return output(x)
+
+    def _position_ids(
+        self,
+        position_ids: torch.Tensor | None,
+        cu_seqlens: torch.Tensor | None,
+        b: int,
+        s: int,
+        device: torch.device,
+        kv_cache: KVCache | None,
+    ) -> torch.Tensor:
+        if position_ids is not None:
+            if tuple(position_ids.shape) != (b, s) or position_ids.is_floating_point():
+                raise ValueError(
+                    f"GPTModel: position_ids must be integer [b, s] = [{b}, {s}], got {position_ids.dtype} "
+                    f"of shape {tuple(position_ids.shape)}"
+                )
+            return position_ids
+        offset = 0 if kv_cache is None else kv_cache.length
+        if cu_seqlens is None:
+            return torch.arange(offset, offset + s, device=device).expand(b, s)
+        # Packed documents: each token's position counts from its document's first token.
+        tokens = torch.arange(b * s, device=device, dtype=cu_seqlens.dtype)
+        doc = torch.searchsorted(cu_seqlens, tokens, right=True) - 1
+        return (tokens - cu_seqlens[doc]).view(b, s)
+
+    def _rope(self, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin ``[s, b, 1, head_dim]`` fp32 (broadcast over the KV groups of the attention views)."""
+        device = position_ids.device
+        if device not in self._inv_freq:
+            c = self.config
+            inv_freq, self._attention_factor = rope_inv_freq(
+                c.head_dim, c.rope_theta, c.rope_scaling, c.max_position_embeddings
+            )
+            self._inv_freq[device] = inv_freq.to(device)
+        # Built from [s, b] positions so the tables are contiguous [s, b, D]: expanded over the KV groups they
+        # still flatten to rows without a copy inside apply_rotary.
+        cos, sin = rope_cos_sin(self._inv_freq[device], position_ids.t(), self._attention_factor)
+        return cos.unsqueeze(2), sin.unsqueeze(2)
+
+
+def _check_layer_range(layer_range: tuple[int, int] | None, num_layers: int) -> tuple[int, int]:
+    if layer_range is None:
+        return 0, num_layers
+    try:
+        start, end = (int(v) for v in layer_range)
+    except (TypeError, ValueError) as exc:
+        raise TypeError(f"GPTModel: layer_range must be a (start, end) pair of ints, got {layer_range!r}") from exc
+    if not 0 <= start <= end <= num_layers:
+        raise ValueError(
+            f"GPTModel: layer_range {layer_range!r} must satisfy 0 <= start <= end <= num_hidden_layers ({num_layers})"
+        )
+    return start, end

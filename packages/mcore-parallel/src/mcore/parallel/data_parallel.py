@@ -1,0 +1,208 @@
+"""Data parallelism with gradient reduction overlapped with backward.
+
+``DistributedDataParallel`` keeps every gradient in contiguous fp32 buffers (``param.main_grad``), split
+into buckets (see ``grad_buffer``). A post-accumulate-grad hook adds ``param.grad`` into ``main_grad`` and
+frees ``param.grad``; when a bucket's last gradient arrives its collective starts asynchronously
+(``overlap_grad_reduce``), while autograd keeps computing the gradients of earlier layers. Gradients are
+averaged over ``dp_group`` (pass the dp x cp group under context parallelism).
+
+Gradient accumulation: run the backward of every micro-batch but the last inside ``no_sync()``; the
+gradients add up in ``main_grad`` and are reduced once. Then ``finish_grad_sync()`` (or
+``finalize_model_grads``) waits for the collectives.
+
+With ``use_distributed_optimizer`` the buckets are reduce-scattered (each dp rank owns one contiguous
+shard of each) and ``start_param_sync()`` all-gathers the updated parameters after the optimizer step;
+with ``overlap_param_gather`` those gathers run asynchronously and each submodule waits for its
+bucket in a forward pre-hook.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from mcore.parallel.comm import group_rank, group_size
+from mcore.parallel.grad_buffer import GradBuffer
+
+__all__ = ["DistributedDataParallel"]
+
+
+class DistributedDataParallel(nn.Module):
+    """Wrap ``module`` for data parallelism over ``dp_group`` (``None``: one rank; buffers still used).
+
+    ``overlap_param_gather`` (only with ``use_distributed_optimizer``) is an addition to the contract's
+    signature. Wrap the model before building its optimizer: with the distributed optimizer the
+    parameters' storage moves into the flat parameter buffer.
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        dp_group: dist.ProcessGroup | None,
+        *,
+        bucket_size: int = 40_000_000,
+        overlap_grad_reduce: bool = True,
+        use_distributed_optimizer: bool = False,
+        grad_dtype: torch.dtype = torch.float32,
+        overlap_param_gather: bool = False,
+    ) -> None:
+        super().__init__()
+        if not isinstance(module, nn.Module):
+            raise TypeError(f"DistributedDataParallel wraps an nn.Module, got {type(module).__name__}")
+        if isinstance(bucket_size, bool) or not isinstance(bucket_size, int) or bucket_size < 1:
+            raise ValueError(
+                f"DistributedDataParallel: bucket_size must be a positive int (elements), got {bucket_size!r}"
+            )
+        if not isinstance(grad_dtype, torch.dtype) or not grad_dtype.is_floating_point:
+            raise TypeError(f"DistributedDataParallel: grad_dtype must be a floating torch.dtype, got {grad_dtype!r}")
+        if overlap_param_gather and not use_distributed_optimizer:
+            raise ValueError(
+                "DistributedDataParallel: overlap_param_gather=True needs use_distributed_optimizer=True "
+                "(only the distributed optimizer all-gathers parameters)"
+            )
+        self.module = module
+        self.dp_group = dp_group
+        self.dp_size = group_size(dp_group)
+        self.dp_rank = group_rank(dp_group)
+        self.overlap_grad_reduce = overlap_grad_reduce
+        self.use_distributed_optimizer = use_distributed_optimizer
+        self.overlap_param_gather = overlap_param_gather
+        self._sync_enabled = True
+
+        params = [p for p in module.parameters() if p.requires_grad]
+        if not params:
+            raise ValueError("DistributedDataParallel: the module has no parameter that requires grad")
+        by_key: dict[tuple[torch.dtype, torch.device], list[nn.Parameter]] = {}
+        for p in reversed(params):  # backward order
+            by_key.setdefault((p.dtype, p.device), []).append(p)
+        self._grad_buffers: list[GradBuffer] = [
+            GradBuffer(
+                group,
+                dp_group=dp_group,
+                bucket_size=bucket_size,
+                grad_dtype=grad_dtype,
+                use_distributed_optimizer=use_distributed_optimizer,
+            )
+            for group in by_key.values()
+        ]
+        self._buffer_of = {p: buf for buf in self._grad_buffers for p in buf.ranges}
+
+        self._hook_handles = []
+        for p in params:
+            hook = self._make_grad_hook(p)
+            p.mcore_grad_ready_hook = hook  # WeightGradStore calls it after a deferred weight gradient
+            self._hook_handles.append(p.register_post_accumulate_grad_hook(hook))
+        if overlap_param_gather:
+            for sub in module.modules():
+                if any(p in self._buffer_of for p in sub.parameters(recurse=False)):
+                    self._hook_handles.append(sub.register_forward_pre_hook(self._wait_for_params))
+
+    @property
+    def grad_buffers(self) -> list[GradBuffer]:
+        """The flat buffers, one per parameter dtype (read by the optimizer)."""
+        return self._grad_buffers
+
+    def forward(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+    def _make_grad_hook(self, param: nn.Parameter):
+        buffer = self._buffer_of[param]
+
+        def hook(p: torch.Tensor) -> None:
+            # autograd also calls this when a deferred weight gradient left p.grad empty (WeightGradStore):
+            # the parameter is ready only once a gradient has actually been accumulated
+            if p.grad is None:
+                return
+            p.main_grad.add_(p.grad)
+            p.grad = None
+            if self._sync_enabled and self.overlap_grad_reduce:
+                buffer.mark_ready(param)
+
+        return hook
+
+    def _wait_for_params(self, module: nn.Module, args) -> None:
+        for p in module.parameters(recurse=False):
+            buf = self._buffer_of.get(p)
+            if buf is not None:
+                buf.wait_param_gather(buf.bucket_of[p])
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Accumulate gradients without reducing them (every micro-batch but the last)."""
+        previous = self._sync_enabled
+        self._sync_enabled = False
+        try:
+            yield
+        finally:
+            self._sync_enabled = previous
+
+    def finish_grad_sync(self) -> None:
+        """Wait until every bucket is reduced (issuing those not issued yet): ``main_grad`` then holds the
+        average over the dp group (with the distributed optimizer: in this rank's shard of each bucket)."""
+        for buf in self._grad_buffers:
+            buf.finish_grad_sync()
+
+    def zero_grad_buffer(self) -> None:
+        """Zero ``main_grad`` (and ``param.grad``) before the next step's first micro-batch."""
+        for buf in self._grad_buffers:
+            buf.zero()
+            for p in buf.ranges:
+                p.grad = None
+
+    def launched_buckets(self) -> int:
+        """Buckets whose collective has been issued in the current step (all buffers)."""
+        return sum(buf.launched_buckets() for buf in self._grad_buffers)
+
+    def num_buckets(self) -> int:
+        return sum(len(buf.buckets) for buf in self._grad_buffers)
+
+    def start_param_sync(self, force_sync: bool = False) -> None:
+        """All-gather the parameter shards updated by the distributed optimizer. Asynchronous with
+        ``overlap_param_gather`` (the next forward waits per bucket) unless ``force_sync``."""
+        for buf in self._grad_buffers:
+            buf.start_param_gather()
+        if force_sync or not self.overlap_param_gather:
+            self.finish_param_sync()
+
+    def finish_param_sync(self) -> None:
+        """Wait for every parameter all-gather in flight (before reading parameters outside forward)."""
+        for buf in self._grad_buffers:
+            buf.finish_param_gather()
+
+    def broadcast_params(self) -> None:
+        """Copy dp rank 0's parameters to the other dp ranks (when they were not initialized identically)."""
+        if self.dp_size == 1:
+            return
+        src = dist.get_global_rank(self.dp_group, 0)
+        for p in self.module.parameters():
+            dist.broadcast(p.data, src=src, group=self.dp_group)
+
+    def remove_hooks(self) -> None:
+        """Detach this wrapper's hooks from the module's parameters and submodules."""
+        for handle in self._hook_handles:
+            handle.remove()
+        self._hook_handles.clear()
+        for buf in self._grad_buffers:
+            for p in buf.ranges:
+                if hasattr(p, "mcore_grad_ready_hook"):
+                    del p.mcore_grad_ready_hook
+
+    # Parameter names and state dicts are the wrapped module's: no "module." prefix.
+    def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):
+        return self.module.named_parameters(prefix=prefix, recurse=recurse, remove_duplicate=remove_duplicate)
+
+    def state_dict(self, *args, **kwargs):
+        self.finish_param_sync()
+        return self.module.state_dict(*args, **kwargs)
+
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        if assign:
+            raise ValueError(
+                "DistributedDataParallel.load_state_dict: assign=True would detach the parameters from the buffers"
+            )
+        self.finish_param_sync()
+        return self.module.load_state_dict(state_dict, strict=strict)

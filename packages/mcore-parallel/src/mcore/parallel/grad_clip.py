@@ -1,0 +1,92 @@
+"""Global gradient-norm computation and clipping across tensor, pipeline and data parallelism.
+
+Every gradient element of the full model is counted exactly once:
+
+* a TP-sharded parameter (``tensor_parallel=True``) contributes its shard on every TP rank;
+* a parameter replicated over TP (norms, row biases; ``tensor_parallel`` false) is counted on TP rank 0 only;
+* a tied-embedding copy (``shared_embedding=True``) is counted on the first pipeline stage only;
+
+then the sums of squares are all-reduced over TP, over PP, and, when each data-parallel rank holds a
+different shard of the gradients (distributed optimizer), over DP.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+import torch.distributed as dist
+
+from mcore.parallel.comm import group_rank, group_size
+
+__all__ = ["clip_grad_norm", "clip_grads_", "total_grad_norm"]
+
+
+def _counted_here(param: torch.Tensor, tp_rank: int, pp_rank: int) -> bool:
+    if getattr(param, "shared_embedding", False) and pp_rank != 0:
+        return False
+    return bool(getattr(param, "tensor_parallel", False)) or tp_rank == 0
+
+
+def total_grad_norm(
+    params_and_grads: Iterable[tuple[torch.Tensor, torch.Tensor]],
+    *,
+    tp_group: dist.ProcessGroup | None = None,
+    pp_group: dist.ProcessGroup | None = None,
+    dp_group: dist.ProcessGroup | None = None,
+    device: torch.device | str | None = None,
+) -> torch.Tensor:
+    """L2 norm (fp32 0-d tensor, same value on every rank) of the gradients of the whole model.
+
+    ``params_and_grads`` pairs each gradient (or gradient shard) with the parameter whose attributes say how
+    it is replicated. Pass ``dp_group`` only when the dp ranks hold disjoint shards of the gradients.
+    No host synchronization.
+    """
+    tp_rank, pp_rank = group_rank(tp_group), group_rank(pp_group)
+    grads = [g for p, g in params_and_grads if g is not None and _counted_here(p, tp_rank, pp_rank)]
+    if device is None:
+        device = grads[0].device if grads else "cpu"
+    total = torch.zeros((), dtype=torch.float32, device=device)
+    fp32 = [g for g in grads if g.dtype == torch.float32]
+    if fp32:
+        total = total + torch.stack(torch._foreach_norm(fp32)).square().sum()
+    for g in grads:
+        if g.dtype != torch.float32:
+            total = total + torch.linalg.vector_norm(g, dtype=torch.float32).square()
+    for group in (tp_group, pp_group, dp_group):
+        if group_size(group) > 1:
+            dist.all_reduce(total, group=group)
+    return total.sqrt()
+
+
+def clip_grads_(grads: list[torch.Tensor], max_norm: float, total_norm: torch.Tensor, eps: float = 1e-6) -> None:
+    """Scale ``grads`` in place by ``min(1, max_norm / (total_norm + eps))`` (as ``torch.nn.utils``), no sync."""
+    if not max_norm > 0:
+        raise ValueError(f"clip_grads_: max_norm must be > 0, got {max_norm}")
+    if not grads:
+        return
+    coef = (max_norm / (total_norm + eps)).clamp(max=1.0)
+    for dtype in {g.dtype for g in grads}:
+        same = [g for g in grads if g.dtype == dtype]
+        torch._foreach_mul_(same, coef.to(dtype))
+
+
+def clip_grad_norm(
+    parameters: Iterable[torch.Tensor],
+    max_norm: float,
+    *,
+    tp_group: dist.ProcessGroup | None = None,
+    pp_group: dist.ProcessGroup | None = None,
+    dp_group: dist.ProcessGroup | None = None,
+) -> torch.Tensor:
+    """Clip the gradients of ``parameters`` (``main_grad`` when present, else ``grad``) to a global norm of
+    ``max_norm`` (0 disables clipping) and return the norm before clipping."""
+    items = []
+    for p in parameters:
+        g = p.main_grad if hasattr(p, "main_grad") else p.grad
+        if g is not None:
+            items.append((p, g))
+    norm = total_grad_norm(items, tp_group=tp_group, pp_group=pp_group, dp_group=dp_group)
+    if max_norm > 0:
+        clip_grads_([g for _, g in items], max_norm, norm)
+    return norm

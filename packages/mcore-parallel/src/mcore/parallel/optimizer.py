@@ -1,0 +1,478 @@
+"""AdamW on fp32 master weights: replicated (``MixedPrecisionOptimizer``) or sharded over data parallelism
+(``DistributedOptimizer``, ZeRO-1).
+
+Both optimizers keep, for each parameter (or, sharded, each piece of a parameter that falls in this
+rank's shard of a gradient bucket), an fp32 master copy and run ``torch.optim.AdamW`` on those (fused on
+CUDA, foreach elsewhere). A step:
+
+1. unscales the gradients (fp16 with ``DynamicLossScaler``);
+2. computes the global gradient norm (no double counting across tp/pp/dp; see ``grad_clip``);
+3. skips the step when the norm is not finite (fp16 overflow, or any inf/nan with ``check_nonfinite``),
+   which is the step's only host synchronization;
+4. clips, updates the masters, copies them into the model's (bf16/fp16/fp32) parameters and, sharded,
+   all-gathers the updated parameters over dp (overlapped with the next forward when the DDP wrapper has
+   ``overlap_param_gather``).
+
+``state_dict()`` is independent of the dp size: per parameter name (as in the module's
+``named_parameters()``), TP-local full fp32 tensors ``"<name>/master"``, ``"<name>/exp_avg"``,
+``"<name>/exp_avg_sq"`` (gathered over dp), plus the step count and the loss-scaler state.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from mcore.parallel.comm import all_gather_into, group_size
+from mcore.parallel.data_parallel import DistributedDataParallel
+from mcore.parallel.grad_clip import clip_grads_, total_grad_norm
+from mcore.parallel.grid import ProcessGroups
+from mcore.parallel.loss_scaler import DynamicLossScaler
+
+__all__ = [
+    "DistributedOptimizer",
+    "MixedPrecisionOptimizer",
+    "StepResult",
+    "default_param_groups",
+]
+
+_STATE_KINDS = ("master", "exp_avg", "exp_avg_sq")
+_GROUP_KEYS = {"params", "weight_decay", "lr_mult"}
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """Outcome of ``optimizer.step()``.
+
+    ``ok``: the parameters were updated with finite gradients. ``skipped``: the update was skipped because a
+    gradient was inf/nan (always ``not ok``). ``grad_norm``: fp32 0-d tensor, the global norm before
+    clipping (unscaled); reading it synchronizes, so the caller decides when. ``loss_scale``: the scale to
+    apply to the next loss (``None`` without a loss scaler).
+    """
+
+    ok: bool
+    grad_norm: torch.Tensor
+    skipped: bool
+    loss_scale: float | None
+
+
+def default_param_groups(model: nn.Module | Sequence[nn.Module], weight_decay: float) -> list[dict]:
+    """Two groups: matrices with ``weight_decay``, vectors (norm weights, biases) without."""
+    chunks = [model] if isinstance(model, nn.Module) else list(model)
+    decay, no_decay, seen = [], [], set()
+    for chunk in chunks:
+        for p in chunk.parameters():
+            if p.requires_grad and id(p) not in seen:
+                seen.add(id(p))
+                (decay if p.dim() >= 2 else no_decay).append(p)
+    return [
+        {"params": decay, "weight_decay": weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
+
+
+@dataclass(eq=False)
+class _Piece:
+    """A contiguous flat range ``[lo, hi)`` of one parameter, with its fp32 master and gradient."""
+
+    param: nn.Parameter
+    name: str
+    lo: int
+    hi: int
+    master: torch.Tensor
+    group_index: int
+    aliased: bool = False  # master shares the parameter's storage (fp32, not sharded): no copy-back
+    grad_view: torch.Tensor | None = None  # view into the DDP buffer; None: read param.grad each step
+
+
+def _scalar_dtype(fused: bool) -> torch.dtype:
+    # matches torch.optim's choice for the 'step' state, so a loaded state is indistinguishable from a fresh one
+    if fused:
+        return torch.float32
+    return torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
+
+
+class MixedPrecisionOptimizer:
+    """AdamW on fp32 master copies of every parameter (replicated over dp).
+
+    ``model_chunks``: the model (a module, typically the ``DistributedDataParallel`` wrapper) or its
+    pipeline chunks; parameter names come from their ``named_parameters()``. ``param_groups``: dicts with
+    ``params`` and optionally ``weight_decay`` and ``lr_mult`` (default: one group of every trainable
+    parameter). ``clip_grad``: max global grad norm (0: no clipping). ``check_nonfinite``: skip steps whose
+    gradient norm is inf/nan (one host sync per step; always on with a ``loss_scaler``).
+    """
+
+    def __init__(
+        self,
+        model_chunks: nn.Module | Sequence[nn.Module],
+        param_groups: Sequence[dict] | None = None,
+        *,
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+        clip_grad: float = 0.0,
+        loss_scaler: DynamicLossScaler | None = None,
+        groups: ProcessGroups | None = None,
+        check_nonfinite: bool = True,
+    ) -> None:
+        self.chunks = [model_chunks] if isinstance(model_chunks, nn.Module) else list(model_chunks)
+        if not self.chunks or not all(isinstance(c, nn.Module) for c in self.chunks):
+            raise TypeError("optimizer: model_chunks must be an nn.Module or a non-empty sequence of them")
+        for name, value in (("lr", lr), ("eps", eps), ("weight_decay", weight_decay), ("clip_grad", clip_grad)):
+            if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value < 0:
+                raise ValueError(f"optimizer: {name} must be a finite number >= 0, got {value!r}")
+        if len(betas) != 2 or not all(0 <= b < 1 for b in betas):
+            raise ValueError(f"optimizer: betas must be two numbers in [0, 1), got {betas!r}")
+        if loss_scaler is not None and not isinstance(loss_scaler, DynamicLossScaler):
+            raise TypeError(f"optimizer: loss_scaler must be a DynamicLossScaler or None, got {type(loss_scaler)}")
+        if type(self) is MixedPrecisionOptimizer:
+            for i, c in enumerate(self.chunks):
+                if isinstance(c, DistributedDataParallel) and c.use_distributed_optimizer:
+                    raise ValueError(
+                        f"MixedPrecisionOptimizer: model_chunks[{i}] reduce-scatters its gradients "
+                        "(use_distributed_optimizer=True); use DistributedOptimizer with it"
+                    )
+        self.groups = groups or ProcessGroups.single()
+        self.clip_grad = float(clip_grad)
+        self.loss_scaler = loss_scaler
+        self.check_nonfinite = check_nonfinite or loss_scaler is not None
+        self.step_count = 0
+
+        self.names: dict[nn.Parameter, str] = {}
+        for chunk in self.chunks:
+            for name, p in chunk.named_parameters():
+                self.names.setdefault(p, name)
+        self._param_groups = self._normalize_groups(param_groups, weight_decay)
+        params = [p for g in self._param_groups for p in g["params"]]
+        self.device = params[0].device
+        self._pieces = self._build_pieces()
+
+        self._fused = self.device.type == "cuda"
+        adam_groups = []
+        for gi, g in enumerate(self._param_groups):
+            masters = [pc.master for pc in self._pieces if pc.group_index == gi]
+            if masters:
+                lr_mult = g.get("lr_mult", 1.0)
+                adam_groups.append(
+                    {"params": masters, "weight_decay": g["weight_decay"], "lr": lr * lr_mult, "lr_mult": lr_mult}
+                )
+        # a rank whose shards hold no parameter (tiny model, large dp) has nothing to update locally
+        self._adam = (
+            torch.optim.AdamW(
+                adam_groups,
+                lr=lr,
+                betas=betas,
+                eps=eps,
+                fused=True if self._fused else None,
+                foreach=None if self._fused else True,
+            )
+            if adam_groups
+            else None
+        )
+        self._lr = lr
+
+    # ---- construction ---------------------------------------------------------------------------------------
+
+    def _normalize_groups(self, param_groups: Sequence[dict] | None, weight_decay: float) -> list[dict]:
+        if param_groups is None:
+            param_groups = [{"params": [p for p in self.names if p.requires_grad]}]
+        out, seen = [], set()
+        for i, g in enumerate(param_groups):
+            if not isinstance(g, dict) or "params" not in g:
+                raise TypeError(f"optimizer: param_groups[{i}] must be a dict with 'params', got {g!r}")
+            unknown = set(g) - _GROUP_KEYS
+            if unknown:
+                raise ValueError(
+                    f"optimizer: param_groups[{i}] has unknown keys {sorted(unknown)}; accepted: {sorted(_GROUP_KEYS)}"
+                )
+            params = list(g["params"])
+            for p in params:
+                if p not in self.names:
+                    raise ValueError(
+                        f"optimizer: param_groups[{i}] holds a parameter of shape {tuple(p.shape)} that is not in "
+                        "model_chunks"
+                    )
+                if id(p) in seen:
+                    raise ValueError(f"optimizer: parameter {self.names[p]!r} appears in more than one param group")
+                if not p.is_contiguous():
+                    raise ValueError(f"optimizer: parameter {self.names[p]!r} must be contiguous")
+                seen.add(id(p))
+            out.append(
+                {
+                    "params": params,
+                    "weight_decay": float(g.get("weight_decay", weight_decay)),
+                    "lr_mult": float(g.get("lr_mult", 1.0)),
+                }
+            )
+        if not seen:
+            raise ValueError("optimizer: no parameter to optimize (param_groups are empty)")
+        return out
+
+    def _group_index(self) -> dict[nn.Parameter, int]:
+        return {p: gi for gi, g in enumerate(self._param_groups) for p in g["params"]}
+
+    def _build_pieces(self) -> list[_Piece]:
+        pieces = []
+        for p, gi in self._group_index().items():
+            flat = p.detach().view(-1)
+            aliased = p.dtype == torch.float32
+            master = flat if aliased else flat.float().clone()
+            grad_view = p.main_grad.view(-1) if hasattr(p, "main_grad") else None
+            pieces.append(_Piece(p, self.names[p], 0, p.numel(), master, gi, aliased, grad_view))
+        return pieces
+
+    # ---- hooks for the sharded subclass -----------------------------------------------------------------------
+
+    def _norm_dp_group(self):
+        return None  # replicated gradients: every dp rank already holds the full, identical gradient
+
+    def _after_update(self) -> None:
+        """Nothing to do: every rank updated its full parameters (the sharded subclass all-gathers here)."""
+
+    # ---- public API ---------------------------------------------------------------------------------------------
+
+    @property
+    def param_groups(self) -> list[dict]:
+        """The inner AdamW's param groups (``lr``, ``weight_decay``, ``lr_mult``; may be edited)."""
+        return [] if self._adam is None else self._adam.param_groups
+
+    @property
+    def lr(self) -> float:
+        return self._lr
+
+    def set_lr(self, lr: float) -> None:
+        """Set the learning rate of every group to ``lr * lr_mult``."""
+        if isinstance(lr, bool) or not isinstance(lr, int | float) or not math.isfinite(lr) or lr < 0:
+            raise ValueError(f"set_lr: lr must be a finite number >= 0, got {lr!r}")
+        self._lr = float(lr)
+        for g in self.param_groups:
+            g["lr"] = self._lr * g.get("lr_mult", 1.0)
+
+    @property
+    def loss_scale(self) -> float:
+        """Multiply the loss by this before backward (1.0 without a loss scaler)."""
+        return 1.0 if self.loss_scaler is None else self.loss_scaler.scale
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        return loss if self.loss_scaler is None else self.loss_scaler.scale_loss(loss)
+
+    def zero_grad(self) -> None:
+        """Zero the DDP gradient buffers of the chunks and drop ``param.grad``."""
+        for chunk in self.chunks:
+            if isinstance(chunk, DistributedDataParallel):
+                chunk.zero_grad_buffer()
+        for p in self.names:
+            p.grad = None
+
+    def _gradients(self) -> list[torch.Tensor | None]:
+        grads = []
+        for pc in self._pieces:
+            if pc.grad_view is not None:
+                g = pc.grad_view[pc.lo : pc.hi]
+            elif pc.param.grad is not None:
+                g = pc.param.grad.reshape(-1)[pc.lo : pc.hi]
+            else:
+                grads.append(None)  # unused parameter: AdamW skips it, as torch.optim would
+                continue
+            grads.append(g if g.dtype == torch.float32 else g.float())
+        return grads
+
+    @torch.no_grad()
+    def step(self) -> StepResult:
+        """Unscale, measure, (maybe) skip, clip, update; see the module docstring."""
+        grads = self._gradients()
+        present = [g for g in grads if g is not None]
+        if self.loss_scaler is not None and present:
+            torch._foreach_mul_(present, 1.0 / self.loss_scaler.scale)
+        norm = total_grad_norm(
+            [(pc.param, g) for pc, g in zip(self._pieces, grads)],
+            tp_group=self.groups.tp,
+            pp_group=self.groups.pp,
+            dp_group=self._norm_dp_group(),
+            device=self.device,
+        )
+        if self.check_nonfinite and not bool(torch.isfinite(norm).item()):
+            if self.loss_scaler is not None:
+                self.loss_scaler.update(found_inf=True)
+            return StepResult(ok=False, grad_norm=norm, skipped=True, loss_scale=self._reported_scale())
+        if self.clip_grad > 0:
+            clip_grads_(present, self.clip_grad, norm)
+        for pc, g in zip(self._pieces, grads):
+            pc.master.grad = g
+        if self._adam is not None:
+            self._adam.step()
+        for pc in self._pieces:
+            pc.master.grad = None
+            if not pc.aliased:
+                pc.param.data.view(-1)[pc.lo : pc.hi].copy_(pc.master)
+        self._after_update()
+        if self.loss_scaler is not None:
+            self.loss_scaler.update(found_inf=False)
+        self.step_count += 1
+        return StepResult(ok=True, grad_norm=norm, skipped=False, loss_scale=self._reported_scale())
+
+    def _reported_scale(self) -> float | None:
+        return None if self.loss_scaler is None else self.loss_scaler.scale
+
+    # ---- state ------------------------------------------------------------------------------------------------
+
+    def _piece_state(self, pc: _Piece, kind: str) -> torch.Tensor:
+        if kind == "master":
+            return pc.master
+        state = {} if self._adam is None else self._adam.state.get(pc.master, {})
+        return state[kind] if kind in state else torch.zeros_like(pc.master)
+
+    def _full_states(self) -> dict[nn.Parameter, dict[str, torch.Tensor]]:
+        out = {}
+        for pc in self._pieces:
+            shape = pc.param.shape
+            out[pc.param] = {k: self._piece_state(pc, k).detach().float().view(shape).clone() for k in _STATE_KINDS}
+        return out
+
+    def state_dict(self) -> dict:
+        """``{"step": int, "tensors": {"<name>/<kind>": fp32 TP-local full tensor}, "loss_scaler": dict | None}``.
+
+        Collective over the dp group for ``DistributedOptimizer`` (every dp rank must call it)."""
+        tensors = {}
+        for p, states in self._full_states().items():
+            for kind, t in states.items():
+                tensors[f"{self.names[p]}/{kind}"] = t
+        return {
+            "step": self.step_count,
+            "tensors": tensors,
+            "loss_scaler": None if self.loss_scaler is None else self.loss_scaler.state_dict(),
+        }
+
+    def _optimized_params(self) -> list[nn.Parameter]:
+        return [p for g in self._param_groups for p in g["params"]]
+
+    @torch.no_grad()
+    def load_state_dict(self, state: dict, strict: bool = True) -> None:
+        """Load a ``state_dict()`` saved at any dp size; also sets the model parameters from the masters."""
+        if not isinstance(state, dict) or "tensors" not in state or "step" not in state:
+            raise ValueError("optimizer.load_state_dict: expected a dict with 'step' and 'tensors' (see state_dict())")
+        tensors = state["tensors"]
+        expected = {f"{self.names[p]}/{k}" for p in self._optimized_params() for k in _STATE_KINDS}
+        missing = sorted(expected - set(tensors))
+        extra = sorted(set(tensors) - expected)
+        if missing or (strict and extra):
+            raise ValueError(
+                f"optimizer.load_state_dict: missing {missing[:6]}{'...' if len(missing) > 6 else ''}, "
+                f"unexpected {extra[:6]}{'...' if len(extra) > 6 else ''} (strict={strict})"
+            )
+        for p in self._optimized_params():
+            for k in _STATE_KINDS:
+                t = tensors[f"{self.names[p]}/{k}"]
+                if tuple(t.shape) != tuple(p.shape):
+                    raise ValueError(
+                        f"optimizer.load_state_dict: {self.names[p]}/{k} has shape {tuple(t.shape)}, the TP-local "
+                        f"parameter has {tuple(p.shape)}; reshard the checkpoint for this tensor-parallel size"
+                    )
+        step = int(state["step"])
+        for chunk in self.chunks:
+            if isinstance(chunk, DistributedDataParallel):
+                chunk.finish_param_sync()  # a gather still in flight would overwrite what is loaded here
+        for pc in self._pieces:
+            full = {k: tensors[f"{pc.name}/{k}"].reshape(-1)[pc.lo : pc.hi] for k in _STATE_KINDS}
+            pc.master.copy_(full["master"])
+            if self._adam is not None:
+                self._adam.state[pc.master] = {
+                    "step": torch.tensor(
+                        float(step), dtype=_scalar_dtype(self._fused), device=self.device if self._fused else "cpu"
+                    ),
+                    "exp_avg": full["exp_avg"].to(device=self.device, dtype=torch.float32).clone(),
+                    "exp_avg_sq": full["exp_avg_sq"].to(device=self.device, dtype=torch.float32).clone(),
+                }
+        # every rank received the full tensors, so each sets its whole parameter without a gather
+        for p in self._optimized_params():
+            p.data.copy_(tensors[f"{self.names[p]}/master"].to(device=p.device, dtype=p.dtype))
+        self.step_count = step
+        if self.loss_scaler is not None and state.get("loss_scaler") is not None:
+            self.loss_scaler.load_state_dict(state["loss_scaler"])
+
+
+class DistributedOptimizer(MixedPrecisionOptimizer):
+    """ZeRO-1: each dp rank keeps fp32 masters and Adam states only for its shard of every gradient bucket.
+
+    ``model_chunks`` must be ``DistributedDataParallel`` wrappers built with ``use_distributed_optimizer=True``
+    over one dp group; the other arguments are those of ``MixedPrecisionOptimizer``.
+    """
+
+    def __init__(self, model_chunks: nn.Module | Sequence[nn.Module], param_groups=None, **kwargs) -> None:
+        chunks = [model_chunks] if isinstance(model_chunks, nn.Module) else list(model_chunks)
+        for i, c in enumerate(chunks):
+            if not isinstance(c, DistributedDataParallel) or not c.use_distributed_optimizer:
+                raise TypeError(
+                    f"DistributedOptimizer: model_chunks[{i}] must be a DistributedDataParallel built with "
+                    f"use_distributed_optimizer=True, got {type(c).__name__}"
+                )
+        if len({id(c.dp_group) for c in chunks}) != 1:
+            raise ValueError("DistributedOptimizer: every model chunk must use the same dp group")
+        self.dp_group = chunks[0].dp_group
+        super().__init__(chunks, param_groups, **kwargs)
+
+    def _build_pieces(self) -> list[_Piece]:
+        group_of = self._group_index()
+        pieces = []
+        for chunk in self.chunks:
+            for buf in chunk.grad_buffers:
+                for bucket in buf.buckets:
+                    for p in bucket.params:
+                        if p not in group_of:
+                            continue
+                        lo, hi = buf.ranges[p]
+                        a, b = max(lo, bucket.shard_start), min(hi, bucket.shard_end)
+                        if a >= b:
+                            continue
+                        master = buf.param_data[a:b].float().clone()
+                        grad_view = buf.grad_data[lo:hi]
+                        pieces.append(_Piece(p, self.names[p], a - lo, b - lo, master, group_of[p], False, grad_view))
+        return pieces
+
+    def _norm_dp_group(self):
+        return self.dp_group  # each dp rank holds a different shard of the gradients
+
+    def _after_update(self) -> None:
+        for chunk in self.chunks:
+            chunk.start_param_sync()
+
+    def _full_states(self) -> dict[nn.Parameter, dict[str, torch.Tensor]]:
+        """Gather every bucket's shards of master/exp_avg/exp_avg_sq over dp (collective over the dp group)."""
+        dp = group_size(self.dp_group)
+        by_param: dict[int, list[_Piece]] = {}
+        for pc in self._pieces:
+            by_param.setdefault(id(pc.param), []).append(pc)
+        optimized = {id(p) for p in self._optimized_params()}
+        out: dict[nn.Parameter, dict[str, torch.Tensor]] = {}
+        for chunk in self.chunks:
+            chunk.finish_param_sync()
+            for buf in chunk.grad_buffers:
+                for bucket in buf.buckets:
+                    length = bucket.shard_end - bucket.shard_start
+                    shard = torch.zeros(len(_STATE_KINDS), length, dtype=torch.float32, device=self.device)
+                    for p in bucket.params:
+                        lo, _ = buf.ranges[p]
+                        for pc in by_param.get(id(p), []):
+                            dst = slice(lo + pc.lo - bucket.shard_start, lo + pc.hi - bucket.shard_start)
+                            for k, kind in enumerate(_STATE_KINDS):
+                                shard[k, dst] = self._piece_state(pc, kind)
+                    kinds = len(_STATE_KINDS)
+                    gathered = torch.empty(dp * kinds, length, dtype=torch.float32, device=self.device)
+                    if dp == 1:
+                        gathered.copy_(shard)
+                    else:
+                        all_gather_into(gathered, shard, self.dp_group)
+                    # [dp, kind, shard] -> [kind, dp * shard]: the bucket in order, one row per state kind
+                    full = gathered.view(dp, kinds, length).permute(1, 0, 2).reshape(kinds, dp * length)
+                    for p in bucket.params:
+                        if id(p) not in optimized:
+                            continue
+                        lo, hi = buf.ranges[p]
+                        rng = slice(lo - bucket.start, hi - bucket.start)
+                        out[p] = {kind: full[k, rng].view(p.shape).clone() for k, kind in enumerate(_STATE_KINDS)}
+        return out

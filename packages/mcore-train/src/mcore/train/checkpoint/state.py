@@ -1,0 +1,371 @@
+"""Save and load the full training state of a :class:`~mcore.train.trainer.Trainer` in the mcore format.
+
+Saving is collective: every rank snapshots its state (the distributed optimizer gathers its shards over
+dp), the dp-rank-0 replica of each (tp, pp) position writes ``model/`` and ``optim/`` shards, every rank
+writes its RNG states, and global rank 0 writes ``metadata.json`` and ``train_state.json`` and commits the
+directory (see :mod:`mcore.train.checkpoint.directory`). With ``async_save`` the files are written by a
+background thread from CPU copies taken at the save step, and the commit happens at a later step once
+every rank has finished writing.
+
+Loading works at any tp/pp/dp: each parameter's slice (and each optimizer state's) is read through
+:meth:`CheckpointReader.read_local`, which reshards from whatever layout the checkpoint was saved at.
+"""
+
+from __future__ import annotations
+
+import threading
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+from safetensors.torch import save_file
+
+from mcore.parallel.random import get_rng_tracker
+from mcore.train.checkpoint.directory import CheckpointDirectory
+from mcore.train.checkpoint.format import (
+    FORMAT_NAME,
+    FORMAT_VERSION,
+    METADATA_FILE,
+    TRAIN_STATE_FILE,
+    Layout,
+    rng_file,
+    shard_file,
+    tensor_meta_of,
+    write_json_atomic,
+)
+from mcore.train.checkpoint.reader import CheckpointReader
+from mcore.train.checkpoint.resharding import Target
+from mcore.train.errors import CheckpointError
+
+if TYPE_CHECKING:
+    from mcore.train.trainer import Trainer
+
+OPTIM_KINDS = ("master", "exp_avg", "exp_avg_sq")
+# Fields that decide the model's tensor shapes and structure: a checkpoint must agree on all of them.
+STRUCTURE_FIELDS = (
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "vocab_size",
+    "tie_word_embeddings",
+    "attention_bias",
+    "attention_out_bias",
+    "mlp_bias",
+    "qk_norm",
+    "normalization",
+)
+
+
+# ------------------------------------------------------------------------------------------------ helpers
+def checkpoint_parameters(trainer: Trainer) -> dict[str, torch.nn.Parameter]:
+    """This rank's parameters that go into its shard: the last stage's copy of a tied embedding is left out
+    (it equals the first stage's ``embedding.weight``, from which it is loaded)."""
+    out: dict[str, torch.nn.Parameter] = {}
+    for name, param, chunk in trainer.named_local_parameters():
+        if getattr(param, "shared_embedding", False) and not chunk.pre_process:
+            continue
+        out[name] = param
+    return out
+
+
+def target_of(param: torch.Tensor, trainer: Trainer) -> Target:
+    """The resharding target that ``param`` (a TP-local slice) represents at this rank."""
+    meta = tensor_meta_of(param, trainer.groups.tp_size)
+    return Target(
+        full_shape=meta.shape,
+        partition_dim=meta.partition_dim,
+        partition_blocks=meta.partition_blocks,
+        tp_size=trainer.groups.tp_size,
+        tp_rank=trainer.groups.tp_rank,
+        vocab_padded_dim=meta.vocab_padded_dim,
+        vocab_size=meta.vocab_size,
+    )
+
+
+def check_model_matches(reader: CheckpointReader, model_config: Any) -> None:
+    """Raise :class:`CheckpointError` if the checkpoint's model differs in shape or structure."""
+    saved = reader.model_config_dict
+    current = model_config.to_dict()
+    diffs = [
+        f"{key}: checkpoint {saved.get(key)!r}, config {current.get(key)!r}"
+        for key in STRUCTURE_FIELDS
+        if key in saved and saved.get(key) != current.get(key)
+    ]
+    if diffs:
+        raise CheckpointError(
+            f"checkpoint {reader.path} was saved from a different model ({'; '.join(diffs)}); set the model "
+            f"section to match the checkpoint (its metadata.json lists the model_config)"
+        )
+
+
+def _rng_tensors(device: torch.device) -> dict[str, torch.Tensor]:
+    out = {"torch_cpu": torch.get_rng_state()}
+    if device.type == "cuda":
+        out["torch_cuda"] = torch.cuda.get_rng_state(device)
+    for stream, state in get_rng_tracker().get_states().items():
+        for key, tensor in state.items():
+            out[f"tracker/{stream}/{key}"] = tensor.cpu()
+    return out
+
+
+def _restore_rng(tensors: dict[str, torch.Tensor], device: torch.device) -> None:
+    torch.set_rng_state(tensors["torch_cpu"])
+    if device.type == "cuda" and "torch_cuda" in tensors:
+        torch.cuda.set_rng_state(tensors["torch_cuda"], device)
+    streams: dict[str, dict[str, torch.Tensor]] = {}
+    for key, tensor in tensors.items():
+        if key.startswith("tracker/"):
+            _, stream, inner = key.split("/", 2)
+            streams.setdefault(stream, {})[inner] = tensor
+    if streams:
+        get_rng_tracker().set_states(streams)
+
+
+def _save_shard(tensors: dict[str, torch.Tensor], path: Path) -> None:
+    """Write one safetensors file (a separate function so that fault-injection tests can intercept it)."""
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(path))
+
+
+def layout_of(trainer: Trainer) -> Layout:
+    g = trainer.groups
+    return Layout(tp=g.tp_size, pp=g.pp_size, vpp=trainer.config.parallel.vpp, dp=g.dp_size)
+
+
+# ------------------------------------------------------------------------------------------------ loading
+@torch.no_grad()
+def load_model_weights(trainer: Trainer, reader: CheckpointReader) -> None:
+    """Copy the checkpoint's weights into this rank's parameters, resharding from any saved layout."""
+    check_model_matches(reader, trainer.config.model)
+    known = set(reader.tensor_names())
+    local = trainer.named_local_parameters()
+    missing = sorted({name for name, _, _ in local if name not in known})
+    if missing:
+        raise CheckpointError(
+            f"checkpoint {reader.path} lacks {len(missing)} tensor(s) this model needs, e.g. {missing[:3]}; "
+            f"it was saved from a different model"
+        )
+    for name, param, _ in local:
+        param.data.copy_(reader.read_local(name, target_of(param, trainer), dtype=param.dtype))
+
+
+@torch.no_grad()
+def load_training_state(
+    trainer: Trainer, reader: CheckpointReader, *, load_optimizer: bool = True, load_rng: bool = True
+) -> list[str]:
+    """Restore optimizer, step, data position and RNG from a full checkpoint; return notes to print."""
+    notes: list[str] = []
+    state = reader.train_state
+    if state is None or not reader.has_optimizer_state:
+        raise CheckpointError(f"checkpoint {reader.path} holds no training state (a model-only checkpoint)")
+    for key in ("iteration", "consumed_samples", "optimizer"):
+        if key not in state:
+            raise CheckpointError(f"{reader.path / TRAIN_STATE_FILE} is corrupt: key '{key}' is missing")
+    if load_optimizer and trainer.optimizer is not None:
+        tensors = {}
+        for name, param, _ in trainer.named_local_parameters():
+            target = target_of(param, trainer)
+            for kind in OPTIM_KINDS:
+                key = f"{name}/{kind}"
+                tensors[key] = reader.read_local(name, target, kind="optim", key=key, dtype=torch.float32)
+        optim = state["optimizer"]
+        trainer.optimizer.load_state_dict(
+            {"step": int(optim["step"]), "tensors": tensors, "loss_scaler": optim.get("loss_scaler")}
+        )
+    else:
+        notes.append("optimizer state not loaded (checkpoint.load_optimizer=false)")
+    trainer.iteration = int(state["iteration"])
+    trainer.consumed_samples = int(state["consumed_samples"])
+    same_layout = reader.layout == layout_of(trainer)
+    if load_rng and same_layout:
+        tensors = reader.rng_state(trainer.runtime.rank)
+        if tensors is None:
+            notes.append(f"no RNG state for rank {trainer.runtime.rank}; RNG streams start fresh")
+        else:
+            _restore_rng(tensors, trainer.device)
+    elif load_rng:
+        notes.append(
+            f"checkpoint layout {reader.layout.to_dict()} differs from this run's {layout_of(trainer).to_dict()}: "
+            f"weights and optimizer were resharded, RNG streams start fresh"
+        )
+    return notes
+
+
+# ------------------------------------------------------------------------------------------------ saving
+@dataclass
+class _Snapshot:
+    iteration: int
+    temp_dir: Path
+    model: dict[str, torch.Tensor]
+    optim: dict[str, torch.Tensor]
+    rng: dict[str, torch.Tensor]
+    metadata: dict[str, Any] | None  # rank 0 only
+    train_state: dict[str, Any] | None  # rank 0 only
+    error: BaseException | None = None
+    done: threading.Event = field(default_factory=threading.Event)
+
+
+class CheckpointSaver:
+    """Writes checkpoints of a :class:`Trainer` into ``directory``, synchronously or in the background.
+
+    ``save`` is collective. With ``async_save`` it returns once the state is copied to CPU; call
+    :meth:`poll` once per step on every rank (it commits a finished save) and :meth:`wait` before exiting.
+    """
+
+    def __init__(self, trainer: Trainer, directory: CheckpointDirectory, *, keep_last: int, async_save: bool) -> None:
+        self.trainer = trainer
+        self.directory = directory
+        self.keep_last = keep_last
+        self.async_save = async_save
+        self._pending: _Snapshot | None = None
+        self._thread: threading.Thread | None = None
+        self.last_committed: Path | None = directory.latest()
+
+    # ---- public
+    def save(self, train_config: dict[str, Any] | None, extra_state: dict[str, Any] | None = None) -> None:
+        """Snapshot the trainer's state now and write it (in the background with ``async_save``)."""
+        self.wait()
+        snap = self._snapshot(train_config, extra_state or {})
+        if self.async_save:
+            self._pending = snap
+            self._thread = threading.Thread(target=self._write, args=(snap,), name="mcore-ckpt-writer", daemon=True)
+            self._thread.start()
+        else:
+            self._write(snap)
+            self._pending = snap
+            self._finish(blocking=True)
+
+    def poll(self) -> Path | None:
+        """Commit a background save if every rank has finished writing it; returns the committed path."""
+        if self._pending is None:
+            return None
+        return self._finish(blocking=False)
+
+    def wait(self) -> Path | None:
+        """Block until a pending save is written and committed."""
+        if self._pending is None:
+            return None
+        return self._finish(blocking=True)
+
+    @property
+    def pending(self) -> bool:
+        return self._pending is not None
+
+    # ---- internals
+    def _snapshot(self, train_config: dict[str, Any] | None, extra_state: dict[str, Any]) -> _Snapshot:
+        trainer = self.trainer
+        rt, g = trainer.runtime, trainer.groups
+        if trainer.optimizer is None:
+            raise RuntimeError("cannot save a training checkpoint of a Trainer without optimizer")
+        opt_state = trainer.optimizer.state_dict()  # collective for the distributed optimizer
+        params = checkpoint_parameters(trainer)
+        writer = g.dp_rank == 0
+        model = {n: p.detach().to("cpu", copy=True) for n, p in params.items()} if writer else {}
+        optim = {}
+        if writer:
+            for key, tensor in opt_state["tensors"].items():
+                if key.rsplit("/", 1)[0] in params:
+                    optim[key] = tensor.detach().to("cpu", copy=True)
+        metas = {n: tensor_meta_of(p, g.tp_size).to_dict() for n, p in params.items()}
+        token = uuid.uuid4().hex[:12]
+        if rt.distributed:
+            gathered: list[Any] = [None] * rt.world_size
+            dist.all_gather_object(gathered, metas, group=rt.control_group)
+            merged: dict[str, Any] = {}
+            for part in gathered:
+                merged.update(part)
+            box = [token]
+            dist.broadcast_object_list(box, src=0, group=rt.control_group)
+            token = box[0]
+        else:
+            merged = metas
+        iteration = trainer.iteration
+        metadata = train_state = None
+        if rt.rank == 0:
+            layout = layout_of(trainer)
+            order = sorted(merged, key=_name_order)
+            metadata = {
+                "format": FORMAT_NAME,
+                "version": FORMAT_VERSION,
+                "iteration": iteration,
+                "layout": layout.to_dict(),
+                "model_config": trainer.config.model.to_dict(),
+                "train_config": train_config,
+                "tensors": {n: merged[n] for n in order},
+            }
+            train_state = {
+                "iteration": iteration,
+                "consumed_samples": trainer.consumed_samples,
+                "optimizer": {"step": opt_state["step"], "loss_scaler": opt_state.get("loss_scaler")},
+                "lr": trainer.lr_schedule(max(iteration - 1, 0)),
+                "world_size": rt.world_size,
+                **extra_state,
+            }
+        return _Snapshot(
+            iteration=iteration,
+            temp_dir=self.directory.new_temp_dir(iteration, token),
+            model=model,
+            optim=optim,
+            rng=_rng_tensors(trainer.device),
+            metadata=metadata,
+            train_state=train_state,
+        )
+
+    def _write(self, snap: _Snapshot) -> None:
+        try:
+            g, rank = self.trainer.groups, self.trainer.runtime.rank
+            for sub in ("model", "optim", "rng"):
+                (snap.temp_dir / sub).mkdir(parents=True, exist_ok=True)
+            if snap.model:
+                _save_shard(snap.model, snap.temp_dir / shard_file("model", g.tp_rank, g.pp_rank))
+                _save_shard(snap.optim, snap.temp_dir / shard_file("optim", g.tp_rank, g.pp_rank))
+            _save_shard(snap.rng, snap.temp_dir / rng_file(rank))
+        except BaseException as exc:  # noqa: BLE001 - reported to every rank at commit time
+            snap.error = exc
+        finally:
+            snap.done.set()
+
+    def _finish(self, *, blocking: bool) -> Path | None:
+        snap = self._pending
+        assert snap is not None
+        rt = self.trainer.runtime
+        if blocking and self._thread is not None:
+            self._thread.join()
+        status = torch.tensor([0.0 if snap.done.is_set() else 1.0, 1.0 if snap.error else 0.0])
+        if rt.distributed:
+            dist.all_reduce(status, group=rt.control_group)
+        if status[0] > 0:
+            return None  # some rank is still writing: try again at the next step
+        self._pending = None
+        self._thread = None
+        if status[1] > 0:
+            mine = f": {snap.error!r}" if snap.error else ""
+            raise CheckpointError(
+                f"saving checkpoint {snap.temp_dir.name} failed on {int(status[1])} rank(s){mine}; the previous "
+                f"checkpoint ({self.last_committed or 'none'}) is untouched"
+            )
+        final = self.directory.final_dir(snap.iteration)
+        if rt.rank == 0:
+            assert snap.metadata is not None and snap.train_state is not None
+            write_json_atomic(snap.temp_dir / TRAIN_STATE_FILE, snap.train_state)
+            write_json_atomic(snap.temp_dir / METADATA_FILE, snap.metadata)
+            final = self.directory.commit(snap.temp_dir, snap.iteration, keep_last=self.keep_last)
+        if rt.distributed:
+            dist.barrier(group=rt.control_group)
+        self.last_committed = final
+        return final
+
+
+def _name_order(name: str) -> tuple:
+    """Sort key giving embedding, layers in numeric order, then the rest."""
+    parts = name.split(".")
+    if parts[0] == "embedding":
+        return (0, 0, name)
+    if parts[0] == "layers" and len(parts) > 1 and parts[1].isdigit():
+        return (1, int(parts[1]), name)
+    return (2, 0, name)

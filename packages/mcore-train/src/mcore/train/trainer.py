@@ -1,0 +1,284 @@
+"""The training step: model chunks of this rank, data parallelism, the pipeline schedule and the optimizer.
+
+``Trainer(config, runtime).train_step(microbatches)`` runs one optimizer step over the micro-batches of this
+data-parallel rank (``num_microbatches`` of them) and returns the loss and gradient norm as device
+tensors, so nothing forces a host synchronization: the caller reads them when it logs. On CUDA the
+default precision is bf16 parameters with fp32 master weights and fp32 gradient buffers; on CPU fp32.
+The only per-step host synchronization is the optimizer's non-finite check, on when
+``train.skip_nonfinite`` is (the default on CPU and with fp16; off by default on CUDA with bf16/fp32).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from mcore.models.gpt import GPTModel
+from mcore.parallel.data_parallel import DistributedDataParallel
+from mcore.parallel.finalize import finalize_model_grads
+from mcore.parallel.loss_scaler import DynamicLossScaler
+from mcore.parallel.optimizer import DistributedOptimizer, MixedPrecisionOptimizer, StepResult, default_param_groups
+from mcore.parallel.pipeline import (
+    GPipe,
+    Interleaved1F1B,
+    NoPipelining,
+    OneFOneB,
+    PipelineSchedule,
+    ZeroBubbleH1,
+    p2p_activation_shape,
+    stage_layer_ranges,
+)
+from mcore.train.config import Config
+from mcore.train.errors import UserError
+from mcore.train.runtime import Runtime
+
+PRECISION_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+SCHEDULES: dict[str, type[PipelineSchedule]] = {
+    "gpipe": GPipe,
+    "1f1b": OneFOneB,
+    "interleaved": Interleaved1F1B,
+    "zero-bubble": ZeroBubbleH1,
+}
+BATCH_TENSORS = ("tokens", "labels", "loss_mask", "position_ids", "cu_seqlens")
+
+
+def resolve_precision(config: Config, device: torch.device) -> str:
+    """``train.precision`` with ``auto`` resolved: bf16 on CUDA, fp32 elsewhere."""
+    if config.train.precision != "auto":
+        return config.train.precision
+    return "bf16" if device.type == "cuda" else "fp32"
+
+
+def resolve_skip_nonfinite(config: Config, device: torch.device, precision: str) -> bool:
+    """Whether the optimizer checks every step for NaN/Inf (a host sync); fp16 always needs it."""
+    if precision == "fp16":
+        return True
+    if config.train.skip_nonfinite is not None:
+        return config.train.skip_nonfinite
+    return device.type != "cuda"
+
+
+def schedule_class(config: Config) -> type[PipelineSchedule]:
+    """The pipeline schedule ``parallel.schedule`` names (``auto``: none, 1F1B or interleaved 1F1B)."""
+    name = config.parallel.schedule
+    if config.parallel.pp == 1:
+        if name not in ("auto", "1f1b", "gpipe"):
+            raise UserError(f"parallel.schedule={name} needs parallel.pp > 1")
+        return NoPipelining
+    if name == "auto":
+        return Interleaved1F1B if config.parallel.vpp > 1 else OneFOneB
+    if config.parallel.vpp > 1 and name != "interleaved":
+        raise UserError(f"parallel.vpp={config.parallel.vpp} needs parallel.schedule=interleaved (or auto), got {name}")
+    return SCHEDULES[name]
+
+
+@dataclass
+class StepOutput:
+    """What one optimizer step produced (tensors stay on the device; read them when logging).
+
+    ``loss``: mean micro-batch loss on the last pipeline stage (0 on other stages). ``finite``: whether the
+    update was applied, or ``None`` when the step was not checked (``train.skip_nonfinite`` off).
+    """
+
+    loss: torch.Tensor
+    grad_norm: torch.Tensor
+    finite: bool | None
+    lr: float
+    loss_scale: float | None
+
+
+def microbatch_to_device(batch: Mapping[str, Any], device: torch.device) -> dict[str, Any]:
+    """Move the tensors of a collated micro-batch to ``device`` (non-blocking from pinned memory)."""
+    return {k: (v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v) for k, v in batch.items()}
+
+
+class Trainer:
+    """This rank's part of the model, its optimizer and the step function.
+
+    Args:
+        config: the run's configuration.
+        runtime: rank, device and process groups (``init_runtime``).
+        weights: optional ``CheckpointReader`` whose model weights are loaded before the optimizer takes
+            its fp32 master copies (for fine-tuning and resuming).
+        with_optimizer: build DDP and the optimizer (``False`` for evaluation only).
+    """
+
+    def __init__(self, config: Config, runtime: Runtime, *, weights: Any = None, with_optimizer: bool = True) -> None:
+        self.config = config
+        self.runtime = runtime
+        self.device = runtime.device
+        groups = runtime.groups
+        self.groups = groups
+        self.precision = resolve_precision(config, self.device)
+        self.params_dtype = PRECISION_DTYPES[self.precision]
+        self.skip_nonfinite = resolve_skip_nonfinite(config, self.device, self.precision)
+        pp, vpp = groups.pp_size, config.parallel.vpp
+        self.num_stages = pp * vpp
+        ranges = stage_layer_ranges(config.model.num_hidden_layers, pp, vpp)[groups.pp_rank]
+        recompute = None if config.train.recompute == "none" else config.train.recompute
+        self.chunks: list[GPTModel] = []
+        for c, layer_range in enumerate(ranges):
+            stage = c * pp + groups.pp_rank
+            chunk = GPTModel(
+                config.model,
+                groups=groups,
+                layer_range=layer_range,
+                pre_process=stage == 0,
+                post_process=stage == self.num_stages - 1,
+                sequence_parallel=config.parallel.sequence_parallel,
+                recompute=recompute,
+                params_dtype=self.params_dtype,
+                device=self.device,
+            )
+            chunk.init_weights(config.train.seed)
+            self.chunks.append(chunk)
+        if weights is not None:
+            from mcore.train.checkpoint.state import load_model_weights
+
+            load_model_weights(self, weights)
+
+        self.iteration = 0
+        self.consumed_samples = 0
+        self.lr_schedule = config.lr_schedule()
+        self.num_microbatches = config.num_microbatches(groups.dp_size)
+        self.optimizer: MixedPrecisionOptimizer | None = None
+        self.model: list[Any] = list(self.chunks)
+        if with_optimizer:
+            self._build_optimizer()
+        self.schedule = self._build_schedule()
+
+    # ------------------------------------------------------------------------------------------ building
+    def _build_optimizer(self) -> None:
+        cfg, groups = self.config, self.groups
+        self.model = [
+            DistributedDataParallel(
+                chunk,
+                groups.dp,
+                bucket_size=cfg.parallel.bucket_size,
+                overlap_grad_reduce=cfg.parallel.overlap_grad_reduce,
+                use_distributed_optimizer=cfg.parallel.distributed_optimizer,
+                grad_dtype=torch.float32,
+            )
+            for chunk in self.chunks
+        ]
+        scaler = DynamicLossScaler(initial_scale=cfg.train.initial_loss_scale) if self.precision == "fp16" else None
+        optimizer_cls = DistributedOptimizer if cfg.parallel.distributed_optimizer else MixedPrecisionOptimizer
+        self.optimizer = optimizer_cls(
+            self.model,
+            default_param_groups(self.model, cfg.optim.weight_decay),
+            lr=self.lr_schedule(0),
+            betas=(cfg.optim.beta1, cfg.optim.beta2),
+            eps=cfg.optim.eps,
+            weight_decay=cfg.optim.weight_decay,
+            clip_grad=cfg.optim.clip_grad,
+            loss_scaler=scaler,
+            groups=groups,
+            check_nonfinite=self.skip_nonfinite,
+        )
+
+    def _build_schedule(self) -> PipelineSchedule:
+        cfg, groups = self.config, self.groups
+        cls = schedule_class(cfg)
+        shape = p2p_activation_shape(
+            cfg.data.seq_length,
+            cfg.train.micro_batch_size,
+            cfg.model.hidden_size,
+            tp_size=groups.tp_size,
+            sequence_parallel=cfg.parallel.sequence_parallel,
+        )
+        try:
+            return cls(
+                self.model,
+                num_microbatches=self.num_microbatches,
+                pp_group=groups.pp,
+                activation_shape=shape,
+                activation_dtype=self.params_dtype,
+                device=self.device,
+                finalize_grads=self._finalize_grads,
+                grad_scale_func=self.optimizer.scale_loss if self.optimizer is not None else None,
+            )
+        except ValueError as exc:
+            raise UserError(f"pipeline schedule {cls.__name__}: {exc}") from None
+
+    def _finalize_grads(self) -> None:
+        finalize_model_grads(self.model, self.groups)
+
+    # ------------------------------------------------------------------------------------------ stepping
+    @property
+    def is_last_stage(self) -> bool:
+        return self.groups.pp_rank == self.groups.pp_size - 1
+
+    def _forward_step(self, chunk_index: int, input_tensor: torch.Tensor | None, batch: Mapping[str, Any]):
+        module = self.model[chunk_index]
+        chunk = self.chunks[chunk_index]
+        kwargs: dict[str, Any] = {"position_ids": batch["position_ids"], "cu_seqlens": batch.get("cu_seqlens")}
+        if chunk.post_process:
+            kwargs["labels"] = batch["labels"]
+        if chunk.pre_process:
+            out = module(batch["tokens"], **kwargs)
+        else:
+            out = module(hidden_states=input_tensor, **kwargs)
+        if not chunk.post_process:
+            return out
+        mask = batch["loss_mask"]
+        # Mean over the tokens that count; clamp keeps an all-masked micro-batch at 0 instead of NaN.
+        return (out * mask).sum() / mask.sum().clamp(min=1.0)
+
+    def train_step(self, microbatches: Sequence[Mapping[str, Any]]) -> StepOutput:
+        """One optimizer step over this rank's ``num_microbatches`` micro-batches (already on the device)."""
+        if self.optimizer is None:
+            raise RuntimeError("Trainer was built with with_optimizer=False; it cannot train")
+        lr = self.lr_schedule(self.iteration)
+        self.optimizer.set_lr(lr)
+        self.optimizer.zero_grad()
+        losses = self.schedule.run(self._forward_step, list(microbatches))
+        result: StepResult = self.optimizer.step()
+        self.iteration += 1
+        self.consumed_samples += self.config.train.global_batch_size
+        loss = torch.stack(losses).mean() if losses else torch.zeros((), device=self.device)
+        return StepOutput(
+            loss=loss,
+            grad_norm=result.grad_norm,
+            finite=result.ok if self.skip_nonfinite else None,
+            lr=lr,
+            loss_scale=result.loss_scale,
+        )
+
+    @torch.no_grad()
+    def evaluate(self, batches: Iterable[Sequence[Mapping[str, Any]]]) -> torch.Tensor:
+        """Mean loss over every micro-batch of ``batches`` (each item: one step's micro-batches).
+
+        Collective: every rank calls it with the same number of steps; all ranks get the same value.
+        """
+        for chunk in self.chunks:
+            chunk.eval()
+        total = torch.zeros((), dtype=torch.float64, device=self.device)
+        count = torch.zeros((), dtype=torch.float64, device=self.device)
+        try:
+            for microbatches in batches:
+                losses = self.schedule.run(self._forward_step, list(microbatches), forward_only=True)
+                if losses:
+                    total += torch.stack(losses).double().sum()
+                    count += len(losses)
+        finally:
+            for chunk in self.chunks:
+                chunk.train()
+        pair = torch.stack([total, count])
+        self.reduce_across_stages_and_replicas(pair)
+        return (pair[0] / pair[1].clamp(min=1.0)).float()
+
+    def reduce_across_stages_and_replicas(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Sum ``tensor`` in place over the pipeline group (only the last stage holds losses) and the dp group."""
+        for group in (self.groups.pp, self.groups.dp):
+            if group is not None and dist.get_world_size(group) > 1:
+                dist.all_reduce(tensor, group=group)
+        return tensor
+
+    # ------------------------------------------------------------------------------------------ names
+    def named_local_parameters(self) -> list[tuple[str, torch.nn.Parameter, GPTModel]]:
+        """(global name, parameter, chunk) of every parameter on this rank, shared copies included."""
+        return [(name, p, chunk) for chunk in self.chunks for name, p in chunk.named_parameters()]

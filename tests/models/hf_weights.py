@@ -1,0 +1,152 @@
+"""Test helpers: tiny Hugging Face models from our configs, and their weights under our parameter names.
+
+Our fused QKV weight holds, for each KV head g, the rows ``[q heads of group g; k_g; v_g]``; the fused MLP
+weight is ``[gate; up]``. The bridge owns the real mapping; this copy exists so that the model's parity
+tests do not depend on a layer above them.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
+
+from mcore.models.config import TransformerConfig
+
+_HF = {
+    "llama": (LlamaConfig, LlamaForCausalLM),
+    "qwen2": (Qwen2Config, Qwen2ForCausalLM),
+    "qwen3": (Qwen3Config, Qwen3ForCausalLM),
+    "mistral": (MistralConfig, MistralForCausalLM),
+}
+
+
+def hf_config(config: TransformerConfig):
+    """The HF config of the same model (eager attention, fp32)."""
+    config_cls, _ = _HF[config.model_type]
+    rope = {"rope_type": "default"} if config.rope_scaling is None else dict(config.rope_scaling)
+    kwargs = dict(
+        hidden_size=config.hidden_size,
+        intermediate_size=config.intermediate_size,
+        num_hidden_layers=config.num_hidden_layers,
+        num_attention_heads=config.num_attention_heads,
+        num_key_value_heads=config.num_key_value_heads,
+        head_dim=config.head_dim,
+        vocab_size=config.vocab_size,
+        max_position_embeddings=config.max_position_embeddings,
+        rms_norm_eps=config.rms_norm_eps,
+        tie_word_embeddings=config.tie_word_embeddings,
+        rope_parameters={**rope, "rope_theta": config.rope_theta},
+        attn_implementation="eager",
+        pad_token_id=None,
+        bos_token_id=None,
+        eos_token_id=None,
+    )
+    if config.model_type == "mistral":
+        kwargs["sliding_window"] = config.sliding_window
+    if config.model_type == "llama":
+        kwargs["attention_bias"] = config.attention_bias
+        kwargs["mlp_bias"] = config.mlp_bias
+    return config_cls(**kwargs)
+
+
+def hf_model(config: TransformerConfig, seed: int) -> torch.nn.Module:
+    """A randomly initialised HF model of ``config`` (fp32, eval mode, no dropout).
+
+    HF zero-initialises biases and sets norms to one; both are redrawn here so that a wrong mapping of
+    either cannot hide behind a constant.
+    """
+    _, model_cls = _HF[config.model_type]
+    torch.manual_seed(seed)
+    model = model_cls(hf_config(config)).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("bias"):
+                p.normal_(0.0, 0.1)
+            elif "norm" in name:
+                p.uniform_(0.5, 1.5)
+    return model
+
+
+def _fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, config: TransformerConfig) -> torch.Tensor:
+    groups, d = config.num_key_value_heads, config.head_dim
+    rest = q.shape[1:]
+    q = q.reshape(groups, config.num_query_groups * d, *rest)
+    k = k.reshape(groups, d, *rest)
+    v = v.reshape(groups, d, *rest)
+    return torch.cat([q, k, v], dim=1).reshape(-1, *rest)
+
+
+def hf_to_mcore_state(hf_state: dict[str, torch.Tensor], config: TransformerConfig) -> dict[str, torch.Tensor]:
+    """Rename (and fuse) an HF Llama-family state dict into our global parameter names (unpadded vocab)."""
+    out: dict[str, torch.Tensor] = {"embedding.weight": hf_state["model.embed_tokens.weight"]}
+    out["final_norm.weight"] = hf_state["model.norm.weight"]
+    if not config.tie_word_embeddings:
+        out["output.weight"] = hf_state["lm_head.weight"]
+    for i in range(config.num_hidden_layers):
+        hf, ours = f"model.layers.{i}.", f"layers.{i}."
+        attn = hf + "self_attn."
+        out[ours + "input_norm.weight"] = hf_state[hf + "input_layernorm.weight"]
+        out[ours + "mlp_norm.weight"] = hf_state[hf + "post_attention_layernorm.weight"]
+        for kind in ("weight", "bias"):
+            if attn + f"q_proj.{kind}" in hf_state:
+                out[ours + f"attention.qkv.{kind}"] = _fuse_qkv(
+                    hf_state[attn + f"q_proj.{kind}"],
+                    hf_state[attn + f"k_proj.{kind}"],
+                    hf_state[attn + f"v_proj.{kind}"],
+                    config,
+                )
+            if attn + f"o_proj.{kind}" in hf_state:
+                out[ours + f"attention.out_proj.{kind}"] = hf_state[attn + f"o_proj.{kind}"]
+            mlp = hf + "mlp."
+            if mlp + f"gate_proj.{kind}" in hf_state:
+                out[ours + f"mlp.gate_up.{kind}"] = torch.cat(
+                    [hf_state[mlp + f"gate_proj.{kind}"], hf_state[mlp + f"up_proj.{kind}"]], dim=0
+                )
+                out[ours + f"mlp.down.{kind}"] = hf_state[mlp + f"down_proj.{kind}"]
+        for norm in ("q_norm", "k_norm"):
+            if attn + f"{norm}.weight" in hf_state:
+                out[ours + f"attention.{norm}.weight"] = hf_state[attn + f"{norm}.weight"]
+    return out
+
+
+def load_hf_weights(model: torch.nn.Module, hf: torch.nn.Module, config: TransformerConfig) -> None:
+    """Copy an HF model's weights into a single-process mcore model (padding rows of the vocab are zeroed).
+
+    Every parameter of ``model`` must be covered and every mapped tensor used, so a naming slip fails loudly.
+    """
+    state = hf_to_mcore_state({k: v.detach() for k, v in hf.state_dict().items()}, config)
+    params = dict(model.named_parameters())
+    missing = sorted(set(params) - set(state))
+    unused = sorted(set(state) - set(params))
+    if missing or unused:
+        raise KeyError(f"weight mapping mismatch: missing {missing}, unused {unused}")
+    with torch.no_grad():
+        for name, p in params.items():
+            src = state[name]
+            if getattr(p, "vocab_padded_dim", None) is not None:
+                p.zero_()
+                p[: src.shape[0]].copy_(src)
+            else:
+                if p.shape != src.shape:
+                    raise ValueError(f"{name}: ours {tuple(p.shape)} vs HF {tuple(src.shape)}")
+                p.copy_(src)
+
+
+def mcore_grads_as_hf(model: torch.nn.Module, config: TransformerConfig) -> dict[str, torch.Tensor]:
+    """Our parameter gradients, unpadded, keyed by our names (compare with ``hf_to_mcore_state`` of HF grads)."""
+    out = {}
+    for name, p in model.named_parameters():
+        g = p.grad
+        if getattr(p, "vocab_padded_dim", None) is not None:
+            g = g[: config.vocab_size]
+        out[name] = g
+    return out

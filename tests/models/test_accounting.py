@@ -1,0 +1,80 @@
+"""Parameter counts against Hugging Face models (built on the meta device) and FLOPs against a count of the
+HF model's own matmul weights."""
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+
+from mcore.models.accounting import (
+    H100_BF16_PEAK_FLOPS,
+    matmul_weight_count,
+    mfu,
+    model_flops_per_token,
+    parameter_counts,
+)
+from mcore.models.families import family_of, get_config, preset_names
+
+_HF_CONFIG = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config, "mistral": MistralConfig}
+
+
+def _hf_meta_model(name: str):
+    c = get_config(name)
+    rope = {"rope_type": "default"} if c.rope_scaling is None else dict(c.rope_scaling)
+    hf = _HF_CONFIG[family_of(name)](
+        hidden_size=c.hidden_size,
+        intermediate_size=c.intermediate_size,
+        num_hidden_layers=c.num_hidden_layers,
+        num_attention_heads=c.num_attention_heads,
+        num_key_value_heads=c.num_key_value_heads,
+        head_dim=c.head_dim,
+        vocab_size=c.vocab_size,
+        max_position_embeddings=c.max_position_embeddings,
+        tie_word_embeddings=c.tie_word_embeddings,
+        rope_parameters={**rope, "rope_theta": c.rope_theta},
+    )
+    with torch.device("meta"):
+        return c, AutoModelForCausalLM.from_config(hf)
+
+
+@pytest.mark.parametrize("name", preset_names())
+def test_parameter_count_equals_hf(name):
+    config, model = _hf_meta_model(name)
+    counts = parameter_counts(config)
+    assert counts.total == sum(p.numel() for p in model.parameters())
+    assert counts.embedding == model.model.embed_tokens.weight.numel()
+    mlp = sum(p.numel() for n, p in model.named_parameters() if ".mlp." in n)
+    attn = sum(p.numel() for n, p in model.named_parameters() if ".self_attn." in n)
+    assert (counts.mlp, counts.attention) == (mlp, attn)
+    assert counts.output == (0 if config.tie_word_embeddings else model.lm_head.weight.numel())
+
+
+def test_published_totals():
+    # Sizes quoted by the model cards (exact counts of the released checkpoints).
+    assert parameter_counts(get_config("llama2-7b")).total == 6_738_415_616
+    assert parameter_counts(get_config("llama3-8b")).total == 8_030_261_248
+    assert parameter_counts(get_config("qwen2.5-7b")).total == 7_615_616_512
+
+
+@pytest.mark.parametrize("name", ["llama3-8b", "qwen2.5-0.5b", "qwen3-8b", "mistral-nemo-12b"])
+def test_matmul_weights_are_the_hf_linear_weights(name):
+    config, model = _hf_meta_model(name)
+    linear = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
+    assert matmul_weight_count(config) == linear
+
+
+def test_flops_per_token_formula():
+    config, model = _hf_meta_model("qwen3-8b")
+    linear = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
+    seq = 4096
+    expected = 6 * linear + 12 * 36 * (32 * 128) * seq
+    assert model_flops_per_token(config, seq) == expected
+    with pytest.raises(ValueError, match="seq_len must be a positive int"):
+        model_flops_per_token(config, 0)
+
+
+def test_mfu():
+    flops = model_flops_per_token(get_config("llama3-8b"), 8192)
+    tokens = 0.4 * 8 * H100_BF16_PEAK_FLOPS / flops
+    assert mfu(tokens, flops, num_gpus=8) == pytest.approx(0.4)
+    with pytest.raises(ValueError, match="num_gpus must be >= 1"):
+        mfu(1.0, 1.0, num_gpus=0)

@@ -1,0 +1,102 @@
+"""The typed config: YAML plus overrides, presets, and one clear error per bad input."""
+
+from __future__ import annotations
+
+import pytest
+import yaml
+
+from mcore.models.families import get_config
+from mcore.train.config import DEMO_MODEL, Config, build_config, config_to_dict, dump_config, load_config
+from mcore.train.errors import UserError
+
+
+def test_defaults_are_the_demo_and_round_trip_through_yaml():
+    config = load_config()
+    assert config.model.hidden_size == DEMO_MODEL["hidden_size"]
+    assert config.model.vocab_size == DEMO_MODEL["vocab_size"]
+    again = build_config(yaml.safe_load(dump_config(config)))
+    assert config_to_dict(again) == config_to_dict(config)
+
+
+def test_yaml_then_overrides_in_order(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text(
+        "model:\n  preset: llama-tiny\n  num_hidden_layers: 4\n"
+        "train:\n  steps: 40\n  global_batch_size: 8\n  micro_batch_size: 2\n"
+        "lr:\n  max_lr: 1.0e-3\n  min_lr: 0.0\n  warmup_steps: 4\n"
+    )
+    config = load_config(path, ["train.steps=60", "lr.max_lr=2e-3", "data.path=0123", "parallel.pp=2"])
+    assert config.model.num_hidden_layers == 4
+    assert config.model.hidden_size == get_config("llama-tiny").hidden_size
+    assert config.train.steps == 60 and config.train.micro_batch_size == 2
+    assert config.lr.max_lr == 2e-3  # "2e-3" is a string to YAML; the float field converts it
+    assert config.data.path == "0123"  # a str field keeps the override's text as written
+    assert config.parallel.pp == 2
+
+
+def test_model_named_by_preset_on_the_command_line():
+    config = load_config(None, ["model=llama3-8b", "model.num_hidden_layers=2", "data.seq_length=1024"])
+    expected = get_config("llama3-8b", num_hidden_layers=2)
+    assert config.model == expected
+
+
+def test_num_microbatches_follows_dp():
+    config = load_config(None, ["train.global_batch_size=32", "train.micro_batch_size=4"])
+    assert config.num_microbatches(1) == 8
+    assert config.num_microbatches(2) == 4
+    with pytest.raises(UserError, match="multiple of train.micro_batch_size x dp"):
+        config.num_microbatches(3)
+
+
+@pytest.mark.parametrize(
+    "overrides,message",
+    [
+        (["train.stpes=3"], "unknown config key 'train.stpes'; did you mean 'train.steps'?"),
+        (["optim.wieght_decay=0.1"], "did you mean 'optim.weight_decay'"),
+        (["model.hiden_size=8"], "did you mean 'model.hidden_size'"),
+        (["trian.steps=3"], "did you mean 'train'"),
+        (["train.steps=abc"], "'train.steps' expects an integer, got 'abc'"),
+        (["train.steps=2.5"], "'train.steps' expects an integer, got 2.5"),
+        (["train.precision=fp8"], "'train.precision' must be one of 'auto', 'fp32', 'bf16', 'fp16'"),
+        (["checkpoint.async_save=maybe"], "'checkpoint.async_save' expects true or false"),
+        (["model=llama3-8"], "unknown model preset 'llama3-8'; did you mean 'llama3-8b'?"),
+        (["model=llama3-8b", "parallel.tp=3"], "tensor parallel size 3 must divide num_key_value_heads"),
+        (["parallel.pp=3"], "num_hidden_layers (4) must be divisible by parallel.pp x parallel.vpp"),
+        (["lr.min_lr=1"], "must not exceed lr.max_lr"),
+        (["lr.warmup_steps=500"], "lr.warmup_steps (500) exceeds the decay end (300)"),
+        (["train.global_batch_size=10", "train.micro_batch_size=4"], "must be a multiple of train.micro_batch_size"),
+        (["data.seq_length=4096"], "exceeds model.max_position_embeddings"),
+        (["train=3"], "config section 'train' expects a mapping"),
+        (["train.steps"], "expected an override of the form section.key=value"),
+        (["parallel.sequence_parallel=true"], "sequence_parallel needs tp > 1"),
+    ],
+)
+def test_bad_input_raises_one_clear_user_error(overrides, message):
+    with pytest.raises(UserError) as info:
+        load_config(None, overrides)
+    assert message in str(info.value)
+
+
+def test_missing_and_malformed_config_files(tmp_path):
+    with pytest.raises(UserError, match="config file not found"):
+        load_config(tmp_path / "nope.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("train: [unclosed\n")
+    with pytest.raises(UserError, match="not valid YAML"):
+        load_config(bad)
+    listy = tmp_path / "list.yaml"
+    listy.write_text("- 1\n- 2\n")
+    with pytest.raises(UserError, match="must hold a mapping"):
+        load_config(listy)
+
+
+def test_model_section_without_preset_must_be_complete(tmp_path):
+    path = tmp_path / "m.yaml"
+    path.write_text("model:\n  hidden_size: 64\n")
+    with pytest.raises(UserError, match="missing required key"):
+        load_config(path)
+
+
+def test_config_is_a_plain_dataclass_with_defaults():
+    assert isinstance(Config(), Config)
+    assert Config().train.precision == "auto"
