@@ -82,7 +82,14 @@ def test_extra_tensor_is_named(capsys, hf, tmp_path):
             state["model.layers.0.self_attn.rotary_emb.inv_freq"] = torch.rand(8)
 
     _edit_tensors(hf, add)
-    _fails(capsys, hf, tmp_path / "out", "no llama mapping consumes", "model.layers.0.self_attn.rotary_emb.inv_freq")
+    _fails(
+        capsys,
+        hf,
+        tmp_path / "out",
+        "no llama mapping consumes",
+        "model.layers.0.self_attn.rotary_emb.inv_freq",
+        "recomputed from config.json",
+    )
 
 
 def test_stored_lm_head_of_a_tied_model_is_an_extra_tensor_with_a_hint(capsys, hf, tmp_path):
@@ -158,3 +165,13 @@ def test_unknown_dtype_choice_is_an_argument_error(capsys, hf, tmp_path):
         main(["convert", str(hf), str(tmp_path / "out"), "--dtype", "fp8"])
     assert exc.value.code == 2
     assert "invalid choice: 'fp8'" in capsys.readouterr().err
+
+
+def test_mixed_dtypes_need_an_explicit_dtype(capsys, hf, tmp_path):
+    def widen(state, _):
+        if "model.norm.weight" in state:
+            state["model.norm.weight"] = state["model.norm.weight"].double()
+
+    _edit_tensors(hf, widen)
+    _fails(capsys, hf, tmp_path / "out", "mixed dtypes ['float32', 'float64']", "pass --dtype")
+    assert main(["convert", str(hf), str(tmp_path / "out"), "--no-progress", "--dtype", "fp32"]) == 0

@@ -3,6 +3,8 @@ converted offline from a populated local cache; a missing id fails in one line."
 
 from __future__ import annotations
 
+import fnmatch
+
 import huggingface_hub
 import huggingface_hub.constants
 import pytest
@@ -57,8 +59,9 @@ def test_fetch_asks_for_weights_config_and_tokenizer_only(tmp_path, monkeypatch)
     repo_id, kwargs = calls[0]
     assert repo_id == "meta-llama/Llama-3.2-1B" and kwargs["revision"] == "refs/pr/3"
     patterns = kwargs["allow_patterns"]
-    assert {"*.safetensors", "*.json", "*.model", "*.jinja"} <= set(patterns)
+    assert {"model*.safetensors", "*.json", "tokenizer.model*", "*.jinja"} <= set(patterns)
     assert not any(p.endswith((".bin", ".pth", ".pt")) for p in patterns)
+    assert not any(fnmatch.fnmatch("consolidated.safetensors", p) for p in patterns)
 
 
 def test_hub_ids_are_told_apart_from_paths(tmp_path, monkeypatch):

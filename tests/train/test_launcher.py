@@ -74,9 +74,11 @@ def test_max_restarts_resumes_after_a_worker_dies(tmp_path):
         workers = _workers(proc.pid)
         assert len(workers) == 2, workers
         os.kill(workers[1], signal.SIGKILL)
-        output, _ = proc.communicate(timeout=600)
+        output, _ = proc.communicate(timeout=240)
     finally:
-        if proc.poll() is None:
+        if proc.poll() is None:  # do not leave workers behind when the test fails
+            for pid in _workers(proc.pid):
+                os.kill(pid, signal.SIGKILL)
             proc.kill()
     assert proc.returncode == 0, output[-3000:]
     assert "resuming from" in output

@@ -7,8 +7,18 @@ from pathlib import Path
 
 from mcore.bridge.errors import BridgeError
 
-# config, weights, tokenizer and generation files; no pickle weights, no original/ consolidated checkpoints
-HUB_PATTERNS = ["*.json", "*.safetensors", "*.model", "*.txt", "*.tiktoken", "*.jinja", "*.md", "LICENSE*"]
+# config, weights, tokenizer and generation files; no pickle weights and no second copy of the weights in another
+# layout (Mistral repositories also ship consolidated.safetensors, Llama ones original/consolidated.*.pth)
+HUB_PATTERNS = [
+    "*.json",
+    "model*.safetensors",
+    "tokenizer.model*",
+    "*.txt",
+    "*.tiktoken",
+    "*.jinja",
+    "*.md",
+    "LICENSE*",
+]
 _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?(@[\w./-]+)?$")
 
 

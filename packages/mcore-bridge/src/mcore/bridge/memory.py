@@ -11,10 +11,11 @@ import ctypes
 import ctypes.util
 import functools
 import sys
+from collections.abc import Callable
 
 
 @functools.cache
-def _malloc_trim():
+def _malloc_trim() -> Callable[[int], int] | None:
     if not sys.platform.startswith("linux"):
         return None
     try:

@@ -112,6 +112,8 @@ def plan_import(
         hint = ""
         if "lm_head.weight" in extra and config.tie_word_embeddings:
             hint = " (lm_head.weight is stored although config.json says tie_word_embeddings=true)"
+        elif any(name.endswith("rotary_emb.inv_freq") for name in extra):
+            hint = " (rotary inv_freq buffers are recomputed from config.json; re-save without them)"
         raise BridgeError(f"{where}: tensor(s) no {family.name} mapping consumes: {_listing(extra)}{hint}")
     outputs: dict[str, TensorMeta] = {}
     for step in steps:

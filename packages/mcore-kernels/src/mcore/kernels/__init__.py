@@ -2,37 +2,30 @@
 
 Every public op runs on any device: on CUDA it dispatches to a Triton kernel, elsewhere to the torch
 reference (``MCORE_KERNELS_BACKEND=reference|triton`` or the ``backend=`` keyword override it).
-Names are resolved lazily so that ``import mcore.kernels`` stays cheap and never imports Triton.
+Triton itself is imported only when a Triton kernel is first launched.
 """
 
 from __future__ import annotations
 
-import importlib
+# Imported eagerly on purpose: two ops share their module's name (``attention``, ``cross_entropy``).
+# Binding the functions here, after the submodules are loaded, keeps ``mcore.kernels.attention`` the
+# function whatever a caller imports first.
+from mcore.kernels.activations import geglu, swiglu
+from mcore.kernels.attention import attention
+from mcore.kernels.cross_entropy import cross_entropy
+from mcore.kernels.norms import layer_norm, rms_norm
+from mcore.kernels.rotary import apply_rotary, rope_cos_sin, rope_inv_freq
 
 __version__ = "0.1.0"
 
-_EXPORTS = {
-    "rms_norm": "mcore.kernels.norms",
-    "layer_norm": "mcore.kernels.norms",
-    "rope_inv_freq": "mcore.kernels.rotary",
-    "rope_cos_sin": "mcore.kernels.rotary",
-    "apply_rotary": "mcore.kernels.rotary",
-    "swiglu": "mcore.kernels.activations",
-    "geglu": "mcore.kernels.activations",
-    "cross_entropy": "mcore.kernels.cross_entropy",
-    "attention": "mcore.kernels.attention",
-}
-
-__all__ = sorted(_EXPORTS)
-
-
-def __getattr__(name: str):
-    if name in _EXPORTS:
-        value = getattr(importlib.import_module(_EXPORTS[name]), name)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module 'mcore.kernels' has no attribute {name!r}")
-
-
-def __dir__() -> list[str]:
-    return sorted(list(globals()) + list(_EXPORTS))
+__all__ = [
+    "apply_rotary",
+    "attention",
+    "cross_entropy",
+    "geglu",
+    "layer_norm",
+    "rms_norm",
+    "rope_cos_sin",
+    "rope_inv_freq",
+    "swiglu",
+]

@@ -41,6 +41,9 @@ def launch_local(nproc_per_node: int, worker_args: list[str], *, max_restarts: i
     )
     # The workers inherit our environment; keep CPU threads per rank sensible on shared machines.
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    # The c10d rendezvous shares one TCPStore across restart rounds, so restarted workers can read the
+    # dead workers' gloo/NCCL addresses from it and hang while connecting; a store per round avoids that.
+    os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     try:
         elastic_launch(config, sys.executable)("-m", "mcore.train", *worker_args)
     except ChildFailedError as exc:
