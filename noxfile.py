@@ -20,7 +20,7 @@ LAYER_TEST_DEPS = {
     "kernels": ["transformers"],
     "parallel": [],
     "models": ["transformers"],
-    "train": ["transformers", "megatron-core"],
+    "train": ["transformers", "megatron-core", "matplotlib"],
     "bridge": ["transformers"],
 }
 

@@ -9,7 +9,9 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from mcore.train.checkpoint import CheckpointReader, resolve_checkpoint_dir
+from mcore.models.families import get_config
+from mcore.models.gpt import GPTModel
+from mcore.train.checkpoint import CheckpointReader, ModelCheckpointWriter, resolve_checkpoint_dir
 from mcore.train.checkpoint.directory import CheckpointDirectory
 from mcore.train.checkpoint.resharding import Target
 from mcore.train.checkpoint.safetensors_stream import SafetensorsStreamWriter
@@ -204,3 +206,46 @@ def test_directory_commit_latest_prune_and_stale_temp(tmp_path):
     (stale / "half-written").write_text("x")
     assert d.latest() == d.root / "iter_0000030"  # an incomplete save is invisible
     assert d.remove_stale_temp_dirs() == [stale] and not stale.exists()
+
+
+def test_model_writer_round_trip_and_padding(tmp_path):
+    config = get_config("llama-tiny")
+    model = GPTModel(config)
+    model.init_weights(7)
+    with ModelCheckpointWriter(tmp_path / "ckpt", config, dtype=torch.bfloat16) as writer:
+        for name, param in model.named_parameters():
+            full = param.detach()
+            if getattr(param, "vocab_padded_dim", None) == 0:
+                full = full[: config.vocab_size]  # unpadded, as Hugging Face holds it
+            writer.add(name, full)
+    with CheckpointReader(tmp_path / "ckpt") as reader:
+        assert reader.model_config == config and reader.layout.tp == 1 and reader.iteration == 0
+        assert not reader.has_optimizer_state and reader.train_config is None
+        for name, param in model.named_parameters():
+            got = reader.read_full(name)
+            assert got.dtype == torch.bfloat16
+            expected = param.detach()[: config.vocab_size] if name in ("embedding.weight", "output.weight") else param
+            assert torch.equal(got, expected.detach().to(torch.bfloat16)), name
+        padded = reader.read_full("embedding.weight", padded=True)
+        assert padded.shape[0] == config.padded_vocab_size(1) and not padded[config.vocab_size :].any()
+
+
+def test_model_writer_rejects_bad_input_and_publishes_nothing(tmp_path):
+    config = get_config("llama-tiny")
+    writer = ModelCheckpointWriter(tmp_path / "ckpt", config)
+    with pytest.raises(KeyError, match="did you mean 'layers.0.mlp.gate_up.weight'"):
+        writer.add("layers.0.mlp.gate_proj.weight", torch.zeros(1))
+    with pytest.raises(ValueError, match=r"layers.0.mlp.down.weight: expected shape \[64, 176\], got \[176, 64\]"):
+        writer.add("layers.0.mlp.down.weight", torch.zeros(176, 64))
+    writer.add("final_norm.weight", torch.ones(64))
+    with pytest.raises(ValueError, match="tensor\\(s\\) were never added"):
+        writer.finalize()
+    writer.abort()
+    assert not list(tmp_path.iterdir())  # neither the checkpoint nor its temporary directory
+    with pytest.raises(RuntimeError), ModelCheckpointWriter(tmp_path / "ckpt", config) as w:
+        w.add("final_norm.weight", torch.ones(64))
+        raise RuntimeError("conversion failed")
+    assert not list(tmp_path.iterdir())
+    (tmp_path / "taken").mkdir()
+    with pytest.raises(FileExistsError, match="nothing is overwritten"):
+        ModelCheckpointWriter(tmp_path / "taken", config)

@@ -89,6 +89,29 @@ def test_corrupt_metadata_is_refused(capsys, tmp_path, trained):
     assert code == 2 and "invalid JSON" in err and "Traceback" not in err
 
 
+def test_fine_tune_from_a_model_only_checkpoint(capsys, tmp_path, trained):
+    import torch
+
+    from mcore.train.checkpoint import CheckpointReader, ModelCheckpointWriter
+    from tests.train.tiny import train_records
+
+    # What mcore-bridge does: stream full tensors into a model-only checkpoint.
+    reader = CheckpointReader(trained)
+    with reader, ModelCheckpointWriter(tmp_path / "model-only", reader.model_config, dtype=torch.float32) as writer:
+        for name in reader.tensor_names():
+            writer.add(name, reader.read_full(name))
+    code, out, err = _run(
+        capsys, *TINY, "train.steps=2", f"--load={tmp_path / 'model-only'}", f"log.run_dir={tmp_path / 'ft'}"
+    )
+    assert code == 0, err
+    assert "fine-tuning from step 0" in out
+    scratch = _run(capsys, *TINY, "train.steps=2", f"log.run_dir={tmp_path / 'scratch'}")
+    assert scratch[0] == 0
+    fine_tuned, from_scratch = train_records(tmp_path / "ft")[1], train_records(tmp_path / "scratch")[1]
+    assert fine_tuned["loss"] < from_scratch["loss"] - 0.3  # the loaded weights had already learned
+    assert sorted(train_records(tmp_path / "ft")) == [1, 2]
+
+
 def test_evaluate_prints_loss_and_perplexity(capsys, trained):
     code, out, err = _run(capsys, "evaluate", "--load", str(trained / "checkpoints"), *TINY, "train.eval_steps=2")
     assert code == 0, err
@@ -97,6 +120,15 @@ def test_evaluate_prints_loss_and_perplexity(capsys, trained):
     assert 0 < result["val_loss"] < 10
     assert result["val_perplexity"] == pytest.approx(2.718281828459045 ** result["val_loss"], rel=1e-6)
     assert result["tokens"] == 2 * 4 * 32
+
+
+def test_evaluate_without_config_reuses_the_run_config(capsys, trained):
+    code, out, err = _run(capsys, "evaluate", "--load", str(trained), "train.eval_steps=2")
+    assert code == 0, err
+    alone = json.loads(out.strip().splitlines()[-1])
+    code, out, _ = _run(capsys, "evaluate", "--load", str(trained), *TINY, "train.eval_steps=2")
+    explicit = json.loads(out.strip().splitlines()[-1])
+    assert alone["val_loss"] == explicit["val_loss"] and alone["tokens"] == explicit["tokens"]
 
 
 def test_plan_reports_memory_and_fit(capsys):

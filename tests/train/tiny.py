@@ -11,7 +11,9 @@ from mcore.train.loop import RunResult, run_training
 from mcore.train.runtime import init_runtime
 
 # llama-tiny (hidden 64, 2 layers, GQA, untied, vocab 320) on the embedded corpus: about 0.1 s per step.
+# The CPU tests pin the device, so that they test fp32 on CPU also on a machine with a GPU.
 TINY = [
+    "train.device=cpu",
     "model=llama-tiny",
     "data.seq_length=32",
     "train.global_batch_size=4",

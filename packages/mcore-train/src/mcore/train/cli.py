@@ -27,6 +27,8 @@ from mcore.train import __version__
 from mcore.train.errors import UserError
 
 COMMANDS = ("train", "evaluate", "plan", "plot", "preprocess")
+# The command table of the module docstring, shown by --help.
+OVERVIEW = __doc__.split("::\n\n", 1)[1].split("\n\n", 1)[0]
 
 
 def _common(parser: argparse.ArgumentParser, *, overrides: bool = True) -> None:
@@ -41,8 +43,10 @@ def build_parser(command: str) -> argparse.ArgumentParser:
     prog = "mcore-train" if command == "train" else f"mcore-train {command}"
     parser = argparse.ArgumentParser(
         prog=prog,
-        description=__doc__.split("\n\n")[0] if command == "train" else None,
-        epilog=f"commands: {', '.join(COMMANDS)} (train is the default)" if command == "train" else None,
+        description="Train GPT models with mcore (tensor, pipeline and data parallelism).\n\n" + OVERVIEW
+        if command == "train"
+        else None,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     if command == "train":
         _common(parser)
@@ -79,17 +83,19 @@ def build_parser(command: str) -> argparse.ArgumentParser:
 
 
 # ------------------------------------------------------------------------------------------------ commands
-def _model_of_checkpoint(path: str | None) -> dict | None:
-    """The model_config of checkpoint ``path``, used when the config names no model."""
+def _checkpoint_configs(path: str | None) -> tuple[dict | None, dict | None]:
+    """(model_config, train_config) recorded in checkpoint ``path`` (``None`` where absent)."""
     if not path:
-        return None
+        return None, None
     from mcore.train.checkpoint.reader import CheckpointReader
 
     with CheckpointReader(path) as reader:
-        return reader.model_config_dict
+        return reader.model_config_dict, reader.train_config
 
 
-def _config(args: argparse.Namespace, extra: list[str] | None = None):
+def _config(args: argparse.Namespace, extra: list[str] | None = None, *, reuse_run_config: bool = False):
+    """The run's config. With ``--load`` and no model in the config, the checkpoint's model is used;
+    with ``reuse_run_config`` (evaluate) and no ``--config``, the checkpoint's whole training config is."""
     from mcore.train.config import load_config, parse_overrides
 
     overrides = list(getattr(args, "overrides", []) or []) + (extra or [])
@@ -97,7 +103,11 @@ def _config(args: argparse.Namespace, extra: list[str] | None = None):
     for key, value in parse_overrides(overrides):
         if key == "checkpoint.load":
             load = str(value)
-    return load_config(args.config, overrides, default_model=_model_of_checkpoint(load)), overrides
+    model, train_config = _checkpoint_configs(load)
+    if reuse_run_config and args.config is None and train_config is not None:
+        base = {k: v for k, v in train_config.items() if k not in ("checkpoint", "log")}
+        return load_config(None, overrides, base=base), overrides
+    return load_config(args.config, overrides, default_model=model), overrides
 
 
 def _train(args: argparse.Namespace) -> int:
@@ -107,8 +117,16 @@ def _train(args: argparse.Namespace) -> int:
     if nproc is not None or args.max_restarts > 0:
         if int(os.environ.get("WORLD_SIZE", "1")) > 1:
             raise UserError("--nproc-per-node is for launching; this process is already one of several workers")
+        from mcore.parallel.grid import ParallelConfig
         from mcore.train.launcher import launch_local
 
+        try:  # fail here, before any worker starts, when the layout cannot fit the local workers
+            layout = ParallelConfig(
+                tp=config.parallel.tp, pp=config.parallel.pp, vpp=config.parallel.vpp, dp=config.parallel.dp
+            ).resolve(nproc or 1)
+        except ValueError as exc:
+            raise UserError(f"parallel layout does not fit {nproc or 1} worker(s): {exc}") from None
+        config.num_microbatches(layout.dp)
         run_dir = config.log.run_dir or os.path.join("runs", datetime.now().strftime("%Y%m%d-%H%M%S"))
         worker_args = (["--config", args.config] if args.config else []) + (["--debug"] if args.debug else [])
         worker_args += [*overrides, f"log.run_dir={run_dir}"]
@@ -130,7 +148,7 @@ def _evaluate(args: argparse.Namespace) -> int:
     from mcore.train.evaluate import run_evaluation
     from mcore.train.runtime import init_runtime
 
-    config, _ = _config(args)
+    config, _ = _config(args, reuse_run_config=True)
     runtime = init_runtime(config)
     try:
         result = run_evaluation(config, runtime, args.load)

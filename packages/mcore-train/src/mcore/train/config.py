@@ -141,7 +141,11 @@ class OptimSection:
 
 @dataclass
 class LRSection:
-    """Learning-rate schedule (see :class:`mcore.train.lr.LRSchedule`); ``decay_steps`` defaults to train.steps."""
+    """Learning-rate schedule (see :class:`mcore.train.lr.LRSchedule`).
+
+    ``decay_steps`` defaults to ``train.steps``; ``wsd_decay_steps`` (the WSD decay phase) to a fifth of the
+    steps between the end of warmup and ``decay_steps``.
+    """
 
     schedule: Literal["cosine", "linear", "wsd", "constant"] = "cosine"
     max_lr: float = 3e-3
@@ -271,6 +275,11 @@ class Config:
             raise ValueError(
                 f"model.num_hidden_layers ({layers}) must be divisible by parallel.pp x parallel.vpp "
                 f"({self.parallel.pp} x {self.parallel.vpp} = {stages})"
+            )
+        if self.parallel.sequence_parallel and self.data.seq_length % self.parallel.tp:
+            raise ValueError(
+                f"parallel.sequence_parallel splits the sequence over tp={self.parallel.tp} ranks, so data.seq_length "
+                f"({self.data.seq_length}) must be a multiple of {self.parallel.tp}"
             )
         if self.data.seq_length > self.model.max_position_embeddings:
             raise ValueError(

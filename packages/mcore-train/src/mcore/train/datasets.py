@@ -91,13 +91,16 @@ def microbatch_stream(
     dp_size: int,
 ) -> Iterator[dict[str, Any]]:
     """This rank's micro-batches, starting after ``consumed_samples`` (the data state of a checkpoint)."""
-    loader = build_data_loader(
-        dataset,
-        micro_batch_size=config.train.micro_batch_size,
-        consumed_samples=consumed_samples,
-        dp_rank=dp_rank,
-        dp_size=dp_size,
-        num_workers=config.data.num_workers,
-        pin_memory=torch.cuda.is_available(),
-    )
+    try:
+        loader = build_data_loader(
+            dataset,
+            micro_batch_size=config.train.micro_batch_size,
+            consumed_samples=consumed_samples,
+            dp_rank=dp_rank,
+            dp_size=dp_size,
+            num_workers=config.data.num_workers,
+            pin_memory=torch.cuda.is_available(),
+        )
+    except ValueError as exc:  # e.g. a resumed run whose batch sizes no longer divide the consumed samples
+        raise UserError(f"cannot resume the data stream after {consumed_samples} samples: {exc}") from None
     return iter(loader)

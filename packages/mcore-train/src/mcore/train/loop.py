@@ -23,7 +23,7 @@ from mcore.models.accounting import model_flops_per_token, parameter_counts
 from mcore.models.generate import generate
 from mcore.train.checkpoint.directory import CheckpointDirectory
 from mcore.train.checkpoint.reader import CheckpointReader
-from mcore.train.checkpoint.state import CheckpointSaver, load_training_state
+from mcore.train.checkpoint.state import CheckpointSaver, check_model_matches, load_training_state
 from mcore.train.config import Config, config_to_dict, dump_config
 from mcore.train.datasets import RunData, build_run_data, microbatch_stream
 from mcore.train.fault import HangWatchdog, NonFiniteGuard, StopSignal, TrainingDiverged
@@ -112,17 +112,19 @@ def run_training(config: Config, runtime: Runtime, *, stream: TextIO | None = No
 
     run_dir = resolve_run_dir(config, runtime)
     directory = CheckpointDirectory(config.checkpoint.dir or run_dir / "checkpoints")
-    if is_main:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        directory.root.mkdir(parents=True, exist_ok=True)
-        directory.remove_stale_temp_dirs()
-        say("mcore-train: resolved config\n" + _indent(dump_config(config)))
-    runtime.barrier()
-
+    # Inputs first (data files, the checkpoint to start from), so that bad ones fail before any work.
     data = build_run_data(config)
-    notes: list[str] = []
     reader, full_resume, source = _choose_start(config, directory)
+    notes: list[str] = []
     try:
+        if reader is not None:
+            check_model_matches(reader, config.model)
+        if is_main:
+            run_dir.mkdir(parents=True, exist_ok=True)
+            directory.root.mkdir(parents=True, exist_ok=True)
+            directory.remove_stale_temp_dirs()
+            say("mcore-train: resolved config\n" + _indent(dump_config(config)))
+        runtime.barrier()
         trainer = Trainer(config, runtime, weights=reader)
         if reader is not None and full_resume:
             notes += load_training_state(
@@ -245,15 +247,16 @@ def _train(
                 ):
                     _log_gpu_stats(runtime, logger, step)
                 if data.valid is not None and cfg.train.eval_interval and step % cfg.train.eval_interval == 0:
-                    if watchdog is not None:
-                        watchdog.beat(step, "evaluation")
-                    val_loss = _evaluate(cfg, trainer, data, logger, step)
+                    val_loss = _evaluate(cfg, trainer, data, logger, step, watchdog)
                 if cfg.checkpoint.save_interval and step % cfg.checkpoint.save_interval == 0 and step < stop_at:
                     save("interval")
                 if _stop_requested(stop, runtime):
                     status = "stopped"
-                    sig = stop.received
-                    say(f"received signal {sig}: saving a checkpoint at step {step} and exiting")
+                    say(f"received signal {stop.received}: saving a checkpoint at step {step} and exiting")
+                    if interval.steps:  # the steps since the last log line
+                        last_loss = _log_interval(
+                            cfg, runtime, trainer, interval, logger, out, total_skipped, flops_per_token, peak, saver
+                        )
                     break
             if status == "stopped" or stop_at < cfg.train.steps:
                 status = "stopped"
@@ -261,20 +264,21 @@ def _train(
             elif cfg.checkpoint.save_at_end:
                 save("end")
             saver.wait()
+        finished = status == "finished"
+        if (
+            finished
+            and data.valid is not None
+            and cfg.train.eval_interval
+            and trainer.iteration % cfg.train.eval_interval
+        ):
+            val_loss = _evaluate(cfg, trainer, data, logger, trainer.iteration, watchdog)
+        if watchdog is not None:
+            watchdog.beat(trainer.iteration, "sample generation")
+        sample = _sample(cfg, trainer, data, say, notes) if finished and cfg.train.sample_tokens > 0 else None
     finally:
         if watchdog is not None:
             watchdog.stop()
-    if (
-        status == "finished"
-        and data.valid is not None
-        and cfg.train.eval_interval
-        and trainer.iteration % cfg.train.eval_interval
-    ):
-        val_loss = _evaluate(cfg, trainer, data, logger, trainer.iteration)
-    sample = None
-    if status == "finished" and cfg.train.sample_tokens > 0:
-        sample = _sample(cfg, trainer, data, say, notes)
-    logger.close()
+        logger.close()
     if is_main and status == "finished" and cfg.log.plot:
         _plot(run_dir, say)
     last = saver.last_committed
@@ -382,6 +386,7 @@ def _log_interval(
         "loss_scale": out.loss_scale,
         "skipped_steps": total_skipped,
         "consumed_samples": trainer.consumed_samples,
+        "eta_s": (cfg.train.steps - step) * elapsed / interval.steps,
     }
     logger.log(record, console=format_train_line(record, cfg.train.steps))
     interval.reset(time.perf_counter())
@@ -411,13 +416,17 @@ def _log_gpu_stats(runtime: Runtime, logger: MetricsLogger, step: int) -> None:
     logger.log(record, console=f"gpu @ step {step} (rank 0): " + ", ".join(parts))
 
 
-def _evaluate(cfg: Config, trainer: Trainer, data: RunData, logger: MetricsLogger, step: int) -> float:
+def _evaluate(
+    cfg: Config, trainer: Trainer, data: RunData, logger: MetricsLogger, step: int, watchdog: HangWatchdog | None
+) -> float:
     g = trainer.groups
     stream = microbatch_stream(data.valid, cfg, consumed_samples=0, dp_rank=g.dp_rank, dp_size=g.dp_size)
     device = trainer.device
 
     def steps():
-        for _ in range(cfg.train.eval_steps):
+        for i in range(cfg.train.eval_steps):
+            if watchdog is not None:
+                watchdog.beat(step, f"evaluation batch {i + 1}/{cfg.train.eval_steps}")
             yield [microbatch_to_device(next(stream), device) for _ in range(trainer.num_microbatches)]
 
     loss = float(trainer.evaluate(steps()).item())

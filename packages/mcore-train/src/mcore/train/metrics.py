@@ -86,7 +86,16 @@ def format_train_line(record: dict[str, Any], total_steps: int) -> str:
         parts.append(f"scale {record['loss_scale']:.0f}")
     if record.get("skipped_steps"):
         parts.append(f"skipped {record['skipped_steps']}")
+    if record.get("eta_s") is not None:
+        parts.append(f"ETA {_fmt_duration(record['eta_s'])}")
     return " | ".join(parts)
+
+
+def _fmt_duration(seconds: float) -> str:
+    seconds = int(round(seconds))
+    hours, rest = divmod(seconds, 3600)
+    minutes, secs = divmod(rest, 60)
+    return f"{hours}:{minutes:02d}:{secs:02d}" if hours else f"{minutes}:{secs:02d}"
 
 
 class MetricsLogger:

@@ -28,8 +28,8 @@ def plot_run(run_dir: str | Path, output: str | Path | None = None) -> Path:
         raise UserError("plotting needs matplotlib: pip install 'mcore-train[plot]'") from None
 
     records = read_metrics(run_dir)
-    train = [r for r in records if r.get("kind") == "train"]
-    evals = [r for r in records if r.get("kind") == "eval"]
+    train = _last_per_step(records, "train")
+    evals = _last_per_step(records, "eval")
     if not train:
         raise UserError(f"{run_dir / METRICS_FILE} holds no training records yet")
 
@@ -54,3 +54,9 @@ def plot_run(run_dir: str | Path, output: str | Path | None = None) -> Path:
     fig.savefig(out, dpi=100)
     plt.close(fig)
     return out
+
+
+def _last_per_step(records: list[dict], kind: str) -> list[dict]:
+    """Records of ``kind`` in step order; a step logged again after a resume keeps its latest record."""
+    by_step = {r["step"]: r for r in records if r.get("kind") == kind}
+    return [by_step[step] for step in sorted(by_step)]

@@ -6,6 +6,20 @@ tensors, so nothing forces a host synchronization: the caller reads them when it
 default precision is bf16 parameters with fp32 master weights and fp32 gradient buffers; on CPU fp32.
 The only per-step host synchronization is the optimizer's non-finite check, on when
 ``train.skip_nonfinite`` is (the default on CPU and with fp16; off by default on CUDA with bf16/fp32).
+
+The real training step on mock data, as a benchmark runs it (one process, or one rank under torchrun)::
+
+    config = load_config(None, ["model=llama3-8b", "model.num_hidden_layers=4", "data.mock=true",
+                                "data.seq_length=4096", "train.micro_batch_size=1", "train.global_batch_size=8"])
+    runtime = init_runtime(config)
+    trainer = Trainer(config, runtime)
+    data = build_run_data(config)
+    stream = microbatch_stream(data.train, config, consumed_samples=0,
+                               dp_rank=runtime.groups.dp_rank, dp_size=runtime.groups.dp_size)
+    for _ in range(steps):
+        out = trainer.train_step([microbatch_to_device(next(stream), runtime.device)
+                                  for _ in range(trainer.num_microbatches)])
+    torch.cuda.synchronize(); print(out.loss.item())
 """
 
 from __future__ import annotations
@@ -183,14 +197,14 @@ class Trainer:
     def _build_schedule(self) -> PipelineSchedule:
         cfg, groups = self.config, self.groups
         cls = schedule_class(cfg)
-        shape = p2p_activation_shape(
-            cfg.data.seq_length,
-            cfg.train.micro_batch_size,
-            cfg.model.hidden_size,
-            tp_size=groups.tp_size,
-            sequence_parallel=cfg.parallel.sequence_parallel,
-        )
         try:
+            shape = p2p_activation_shape(
+                cfg.data.seq_length,
+                cfg.train.micro_batch_size,
+                cfg.model.hidden_size,
+                tp_size=groups.tp_size,
+                sequence_parallel=cfg.parallel.sequence_parallel,
+            )
             return cls(
                 self.model,
                 num_microbatches=self.num_microbatches,

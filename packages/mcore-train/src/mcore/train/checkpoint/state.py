@@ -332,7 +332,8 @@ class CheckpointSaver:
 
     def _finish(self, *, blocking: bool) -> Path | None:
         snap = self._pending
-        assert snap is not None
+        if snap is None:
+            raise RuntimeError("no checkpoint save is pending")
         rt = self.trainer.runtime
         if blocking and self._thread is not None:
             self._thread.join()
@@ -350,8 +351,7 @@ class CheckpointSaver:
                 f"checkpoint ({self.last_committed or 'none'}) is untouched"
             )
         final = self.directory.final_dir(snap.iteration)
-        if rt.rank == 0:
-            assert snap.metadata is not None and snap.train_state is not None
+        if rt.rank == 0 and snap.metadata is not None and snap.train_state is not None:
             write_json_atomic(snap.temp_dir / TRAIN_STATE_FILE, snap.train_state)
             write_json_atomic(snap.temp_dir / METADATA_FILE, snap.metadata)
             final = self.directory.commit(snap.temp_dir, snap.iteration, keep_last=self.keep_last)

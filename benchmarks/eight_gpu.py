@@ -1,0 +1,308 @@
+"""Eight-GPU 3D-parallel benchmark of mcore-train: Llama-3-8B at several (tp, pp, dp) layouts, plus resharding.
+
+Llama-3-8B (32 layers, vocab 128256) at seq 8192, micro-batch 1, global batch 16, bf16 parameters with fp32
+master weights, trained on mock data for ``--steps`` (30) steps with the distributed optimizer and overlapped
+gradient reduction at (tp, pp, dp) = (2, 2, 2), (1, 2, 4), (2, 1, 4), and (1, 1, 8) when ``mcore-train plan``'s
+memory estimate says it fits ``--gpu-memory`` (141 GB; skipped with the printed estimate otherwise). Each
+layout runs in its own process group (``torch.distributed.run``, NVLS/multicast off) through the real
+``Trainer``. Reported per layout: tokens/s/GPU, TFLOP/s/GPU, MFU, peak memory (the training steps'; the
+checkpoint save's own peak is reported apart).
+
+Checked (non-zero exit otherwise): every layout's losses agree with (2, 2, 2)'s over the first
+``--compare-steps`` (20) steps (relative 1e-2 and the same trend in bf16, 1e-4 in fp32), and a checkpoint saved
+by (2, 2, 2) after step ``--save-at`` (10) loads at (1, 2, 4) and continues for ``--resume-steps`` (5) steps with
+the losses (2, 2, 2) had at those steps.
+
+::
+
+    python benchmarks/eight_gpu.py --out DIR [--configs a,b] [--ckpt-dir /dev/shm/ckpt]   # on 8 GPUs
+    python benchmarks/eight_gpu.py --dry-run --out DIR     # CPU, gloo, world size 8, tiny Llama, 4 steps
+    python benchmarks/eight_gpu.py --report DIR [DIR ...] --out DIR2   # check results saved by several runs
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from _common import (
+    BENCH_OVERRIDES,
+    RunSpec,
+    add_worker_arguments,
+    compare_loss_curves,
+    curve,
+    default_rtol,
+    load_results,
+    markdown_table,
+    parse_names,
+    run_launches,
+    worker_main,
+    write_json,
+)
+
+WORLD = 8
+REFERENCE = "tp2-pp2-dp2"
+RESUME = "resume-tp1-pp2-dp4"
+OPTIONAL = "tp1-pp1-dp8"  # run only when the memory plan says it fits
+LAYOUTS: dict[str, tuple[int, int, int]] = {
+    REFERENCE: (2, 2, 2),
+    "tp1-pp2-dp4": (1, 2, 4),
+    "tp2-pp1-dp4": (2, 1, 4),
+    OPTIONAL: (1, 1, 8),
+}
+CONFIG_NAMES = [*LAYOUTS, RESUME]
+
+
+def _layout_overrides(tp: int, pp: int, dp: int) -> list[str]:
+    return [
+        f"parallel.tp={tp}",
+        f"parallel.pp={pp}",
+        f"parallel.dp={dp}",
+        "parallel.distributed_optimizer=true",
+        "parallel.overlap_grad_reduce=true",
+    ]
+
+
+def build_specs(args: argparse.Namespace, names: list[str], ckpt_dir: str) -> list[RunSpec]:
+    """The run specs of ``names``; the reference saves the checkpoint that the resume spec continues from."""
+    if args.dry_run:
+        model: dict[str, Any] = {"preset": "llama-tiny", "num_hidden_layers": 4, "vocab_size": 300}
+        shape = ["data.seq_length=64", "train.micro_batch_size=1", "train.global_batch_size=8", "lr.warmup_steps=1"]
+    else:
+        model = {"preset": "llama3-8b"}
+        shape = [
+            "data.seq_length=8192",
+            "train.micro_batch_size=1",
+            f"train.global_batch_size={args.global_batch_size}",
+            f"lr.warmup_steps={max(1, args.steps // 6)}",
+            "lr.max_lr=3e-4",
+            "lr.min_lr=3e-5",
+        ]
+    common = [
+        f"train.device={'cpu' if args.dry_run else 'cuda'}",
+        f"train.precision={args.precision}",
+        f"train.steps={args.steps}",
+        *shape,
+    ]
+    specs = []
+    for name in names:
+        if name == RESUME:
+            specs.append(
+                RunSpec(
+                    name,
+                    WORLD,
+                    [*common, *_layout_overrides(1, 2, 4)],
+                    model,
+                    untimed_steps=1,
+                    resume_from=ckpt_dir,
+                    stop_after=args.save_at + args.resume_steps,
+                )
+            )
+            continue
+        save = name == REFERENCE and RESUME in names
+        specs.append(
+            RunSpec(
+                name,
+                WORLD,
+                [*common, *_layout_overrides(*LAYOUTS[name])],
+                model,
+                untimed_steps=args.untimed_steps,
+                save_at=args.save_at if save else None,
+                ckpt_dir=ckpt_dir if save else None,
+            )
+        )
+    return specs
+
+
+def memory_plan(spec: RunSpec, gpu_memory_gb: float) -> tuple[bool, str]:
+    """Whether ``spec`` fits ``gpu_memory_gb`` per GPU by ``mcore-train plan``'s estimate, and the estimate."""
+    from mcore.train.config import load_config
+    from mcore.train.plan import make_plan
+
+    config = load_config(None, [*BENCH_OVERRIDES, *spec.overrides], default_model=spec.model)
+    plan = make_plan(config, spec.world_size, gpu_memory_gb)
+    worst = plan.worst
+    text = (
+        f"{spec.name}: mcore-train plan estimates {worst.total / 1e9:.1f} GB on pp rank {worst.pp_rank} (weights "
+        f"{worst.weights / 1e9:.1f}, grads {worst.gradients / 1e9:.1f}, optimizer {worst.optimizer / 1e9:.1f}, "
+        f"activations {worst.activations / 1e9:.1f}, overhead {worst.overhead / 1e9:.1f}) of {gpu_memory_gb:g} GB"
+    )
+    return plan.fits, text
+
+
+def evaluate(
+    results: dict[str, dict[str, Any]], expected: list[str], skipped: dict[str, str], rtol: float, compare_steps: int
+) -> dict[str, Any]:
+    """Losses of every layout against (2, 2, 2), and the resumed run against (2, 2, 2) at the same steps."""
+    checks: dict[str, Any] = {}
+    missing = [n for n in expected if n not in results and n not in skipped]
+    ref = results.get(REFERENCE)
+    for name in expected:
+        if name == REFERENCE or name not in results:
+            continue
+        if ref is None:
+            checks[name] = {"ok": False, "problems": [f"the reference '{REFERENCE}' did not run"]}
+            continue
+        if name == RESUME:
+            # The resumed run starts after the checkpoint's step; compare every step it ran.
+            check = compare_loss_curves(curve(ref), curve(results[name]), rtol=rtol)
+            saved = ref.get("checkpoint") or {}
+            resumed_at = results[name]["steps"][0] - 1
+            problems = list(check.problems)
+            if saved.get("step") != resumed_at:
+                problems.append(f"resumed after step {resumed_at}, but {REFERENCE} saved after step {saved.get('step')}")
+            checks[name] = {**check.to_dict(), "ok": check.ok and not problems, "problems": problems}
+        else:
+            checks[name] = compare_loss_curves(
+                curve(ref), curve(results[name]), rtol=rtol, max_steps=compare_steps
+            ).to_dict()
+    ok = not missing and all(c["ok"] for c in checks.values())
+    return {"ok": ok, "rtol": rtol, "reference": REFERENCE, "missing": missing, "skipped": skipped, "checks": checks}
+
+
+def render(results: dict[str, dict[str, Any]], verdict: dict[str, Any]) -> str:
+    """The markdown report: one row per configuration, then the verdict."""
+    rows = []
+    for name in CONFIG_NAMES:
+        res = results.get(name)
+        if res is None:
+            continue
+        lay = res["layout"]
+        check = verdict["checks"].get(name)
+        ckpt = res.get("checkpoint") or {}
+        rows.append(
+            [
+                name,
+                f"({lay['tp']}, {lay['pp']}, {lay['dp']})",
+                f"{res['steps'][0]}-{res['steps'][-1]}",
+                res["tokens_per_s_per_gpu"],
+                res["tflops_per_gpu"],
+                100 * res["mfu"],
+                res["peak_mem_gb"],
+                ckpt.get("save_peak_mem_gb"),
+                1000 * res["step_s"],
+                res["final_loss"],
+                None if check is None else check.get("max_rel_diff"),
+                "reference" if name == REFERENCE else ("ok" if check and check["ok"] else "FAIL"),
+            ]
+        )
+    headers = [
+        "config",
+        "(tp, pp, dp)",
+        "steps",
+        "tokens/s/GPU",
+        "TFLOP/s/GPU",
+        "MFU %",
+        "peak GB",
+        "save peak GB",
+        "step ms",
+        "final loss",
+        f"max rel diff vs {REFERENCE}",
+        f"loss check (rtol {verdict['rtol']:g})",
+    ]
+    lines = [markdown_table(headers, rows), ""]
+    for name, reason in verdict["skipped"].items():
+        lines.append(f"- skipped {name}: {reason}")
+    for name, check in verdict["checks"].items():
+        for problem in check["problems"]:
+            lines.append(f"- {name}: {problem}")
+    if verdict["missing"]:
+        lines.append(f"- did not run: {', '.join(verdict['missing'])}")
+    lines.append("PASS" if verdict["ok"] else "FAIL")
+    return "\n".join(lines)
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", type=Path, default=Path("runs/bench/eight_gpu"), help="results directory")
+    ap.add_argument("--precision", choices=["bf16", "fp32"], default=None, help="bf16 (fp32 in dry runs)")
+    ap.add_argument("--steps", type=int, default=None, help="steps per layout (30; dry run 4)")
+    ap.add_argument("--global-batch-size", type=int, default=16, help="sequences per step (16)")
+    ap.add_argument("--untimed-steps", type=int, default=None, help="leading steps left out of the timing (3)")
+    ap.add_argument("--compare-steps", type=int, default=20, help="steps whose losses must agree (20)")
+    ap.add_argument("--save-at", type=int, default=None, help="step after which (2,2,2) saves (10; dry run 2)")
+    ap.add_argument("--resume-steps", type=int, default=None, help="steps run after resuming (5; dry run 2)")
+    ap.add_argument("--ckpt-dir", type=Path, default=None, help="checkpoint directory (default: a temporary one)")
+    ap.add_argument("--keep-checkpoint", action="store_true", help="do not delete the checkpoint at the end")
+    ap.add_argument("--gpu-memory", type=float, default=141.0, help="GB per GPU for the memory plan (141)")
+    ap.add_argument("--rtol", type=float, default=None, help="loss tolerance (bf16 1e-2, fp32 1e-4)")
+    ap.add_argument("--one-launch", action="store_true", help="run all configurations in one process group")
+    ap.add_argument("--launch-timeout", type=float, default=600.0, help="seconds per process group (600)")
+    ap.add_argument("--dry-run", action="store_true", help="CPU, gloo, world size 8, tiny Llama, 4 steps")
+    ap.add_argument("--report", type=Path, nargs="+", metavar="DIR", help="only check and report saved results")
+    add_worker_arguments(ap)
+    args = ap.parse_args(argv)
+    dry = args.dry_run
+    args.precision = args.precision or ("fp32" if dry else "bf16")
+    args.steps = args.steps or (4 if dry else 30)
+    args.untimed_steps = args.untimed_steps or (1 if dry else 3)
+    args.save_at = args.save_at or (2 if dry else 10)
+    args.resume_steps = args.resume_steps or (2 if dry else 5)
+    args.one_launch = args.one_launch or dry
+    for name in ("steps", "untimed_steps", "compare_steps", "global_batch_size"):
+        if getattr(args, name) < 1:
+            ap.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.untimed_steps >= args.steps:
+        ap.error(f"--untimed-steps ({args.untimed_steps}) must be < --steps ({args.steps}) to leave steps to time")
+    if not 1 <= args.save_at < args.steps or args.save_at + args.resume_steps > args.steps:
+        ap.error(
+            f"need 1 <= --save-at < --steps and --save-at + --resume-steps <= --steps, got save-at {args.save_at}, "
+            f"resume-steps {args.resume_steps}, steps {args.steps}"
+        )
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.worker:
+        worker_main(args.plan, args.configs.split(","), args.out)
+        return 0
+    names = parse_names(args.configs, CONFIG_NAMES)
+    if args.report:
+        results = load_results(args.report)
+        expected = CONFIG_NAMES if args.configs is None else names
+        skipped = {n: "not run (see the run that produced these results)" for n in [OPTIONAL] if n not in results}
+    else:
+        if RESUME in names and REFERENCE not in names and args.ckpt_dir is None:
+            raise SystemExit(f"{RESUME} continues from the checkpoint {REFERENCE} saves: run both, or give --ckpt-dir")
+        own_ckpt = args.ckpt_dir is None
+        ckpt_dir = Path(tempfile.mkdtemp(prefix="mcore-bench-ckpt-")) if own_ckpt else args.ckpt_dir
+        specs = build_specs(args, names, str(ckpt_dir))
+        skipped = {}
+        for spec in specs:
+            fits, text = memory_plan(spec, args.gpu_memory)
+            print(text, flush=True)
+            if not fits and spec.name == OPTIONAL:
+                skipped[spec.name] = f"does not fit: {text}"
+                print(f"skipping {spec.name}: it does not fit", flush=True)
+        specs = [s for s in specs if s.name not in skipped]
+        try:
+            run_launches(
+                Path(__file__).resolve(),
+                specs,
+                args.out,
+                one_launch=args.one_launch,
+                dry_run=args.dry_run,
+                timeout_s=args.launch_timeout,
+            )
+        finally:
+            if own_ckpt and not args.keep_checkpoint:
+                shutil.rmtree(ckpt_dir, ignore_errors=True)
+        results = {n: r for n, r in load_results([args.out]).items() if n in names}
+        expected = names
+    precision = results[REFERENCE]["precision"] if REFERENCE in results else args.precision
+    rtol = args.rtol if args.rtol is not None else default_rtol(precision)
+    verdict = evaluate(results, expected, skipped, rtol, args.compare_steps)
+    report = render(results, verdict)
+    write_json(args.out / "results.json", {"configs": results, **verdict})
+    (args.out / "results.md").write_text(report + "\n")
+    print(report, flush=True)
+    return 0 if verdict["ok"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

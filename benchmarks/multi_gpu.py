@@ -1,0 +1,239 @@
+"""Two-GPU benchmark and NCCL correctness check of mcore-train: tp=2, pp=2, dp=2 against one GPU.
+
+One run on a machine with 2 GPUs trains the same GPT (default: the Llama-3-8B layer shape with 4 layers, bf16,
+seq 4096, micro-batch 2, 8 micro-batches of the global batch) for ``--steps`` steps in each configuration:
+
+- ``single``: one GPU, the reference (8 micro-batches per step);
+- ``tp2``, ``tp2-sp``: tensor parallelism, without and with sequence parallelism;
+- ``pp2-1f1b``, ``pp2-vpp2-interleaved``, ``pp2-zero-bubble``: pipeline parallelism (8 micro-batches);
+- ``dp2``, ``dp2-overlap``, ``dp2-distopt``, ``dp2-distopt-overlap``: data parallelism with the plain or the
+  distributed optimizer, without and with overlapping the gradient reduction with backward (4 micro-batches
+  per rank: the same global batch).
+
+Every configuration runs in its own process group (``torch.distributed.run``; NVLS/multicast off), through the
+real ``Trainer``, on the same seed, data and global batch. It reports tokens/s, TFLOP/s/GPU, MFU, peak memory
+and the loss after the last step, and checks that each 2-GPU loss curve matches the single-GPU one over the
+first ``--compare-steps`` steps (relative 1e-2 at every step and the same trend in bf16, 1e-4 in fp32); it
+exits non-zero when a check fails or a configuration did not run. Scaling is reported as each
+configuration's throughput over twice the single GPU's at the same global batch (for dp that is the per-GPU
+throughput ratio, with each dp rank running half the micro-batches of the single GPU: the optimizer step is
+amortised over fewer tokens, so it is a lower bound of the weak-scaling efficiency).
+
+::
+
+    python benchmarks/multi_gpu.py --out DIR                      # on 2 GPUs (see benchmarks/README.md)
+    python benchmarks/multi_gpu.py --shape small --precision fp32 --out DIR   # fp32 smoke run, tolerance 1e-4
+    python benchmarks/multi_gpu.py --dry-run --out DIR            # CPU, gloo, world size 2, tiny fp32 model
+    python benchmarks/multi_gpu.py --report DIR [DIR ...] --out DIR2   # re-check and re-report saved results
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+from _common import (
+    SHAPES,
+    RunSpec,
+    add_worker_arguments,
+    compare_loss_curves,
+    curve,
+    default_rtol,
+    llama_model,
+    load_results,
+    markdown_table,
+    parse_names,
+    run_launches,
+    worker_main,
+    write_json,
+)
+
+REFERENCE = "single"
+# name -> (world size, parallel overrides)
+CONFIGS: dict[str, tuple[int, list[str]]] = {
+    REFERENCE: (1, []),
+    "tp2": (2, ["parallel.tp=2", "parallel.dp=1"]),
+    "tp2-sp": (2, ["parallel.tp=2", "parallel.dp=1", "parallel.sequence_parallel=true"]),
+    "pp2-1f1b": (2, ["parallel.pp=2", "parallel.dp=1", "parallel.schedule=1f1b"]),
+    "pp2-vpp2-interleaved": (2, ["parallel.pp=2", "parallel.vpp=2", "parallel.dp=1", "parallel.schedule=interleaved"]),
+    "pp2-zero-bubble": (2, ["parallel.pp=2", "parallel.dp=1", "parallel.schedule=zero-bubble"]),
+    "dp2": (2, ["parallel.dp=2", "parallel.overlap_grad_reduce=false"]),
+    "dp2-overlap": (2, ["parallel.dp=2", "parallel.overlap_grad_reduce=true"]),
+    "dp2-distopt": (2, ["parallel.dp=2", "parallel.distributed_optimizer=true", "parallel.overlap_grad_reduce=false"]),
+    "dp2-distopt-overlap": (
+        2,
+        ["parallel.dp=2", "parallel.distributed_optimizer=true", "parallel.overlap_grad_reduce=true"],
+    ),
+}
+
+
+def build_specs(args: argparse.Namespace, names: list[str]) -> list[RunSpec]:
+    """The run spec of each configuration in ``names`` (same model, seed, data and global batch)."""
+    shape = SHAPES[args.shape]
+    # pp=2 x vpp=2 needs the layers to split into 4 chunks; the dry-run shape has 2 layers otherwise.
+    model = llama_model(shape, num_hidden_layers=max(4, shape["layers"]))
+    lr = ["lr.warmup_steps=1"] if args.dry_run else [f"lr.warmup_steps={max(1, args.steps // 4)}", "lr.max_lr=3e-4"]
+    common = [
+        f"train.device={'cpu' if args.dry_run else 'cuda'}",
+        f"train.precision={args.precision}",
+        f"data.seq_length={shape['seq']}",
+        f"train.micro_batch_size={shape['mbs']}",
+        f"train.global_batch_size={shape['mbs'] * args.micro_batches}",
+        f"train.steps={args.steps}",
+        "lr.min_lr=3e-5",
+        *lr,
+    ]
+    return [
+        RunSpec(name, CONFIGS[name][0], [*common, *CONFIGS[name][1]], model, untimed_steps=args.untimed_steps)
+        for name in names
+    ]
+
+
+def evaluate(results: dict[str, dict[str, Any]], expected: list[str], rtol: float, compare_steps: int) -> dict:
+    """Loss-curve checks against the single-GPU run, scaling, and what is missing."""
+    checks: dict[str, Any] = {}
+    missing = [n for n in expected if n not in results]
+    ref = results.get(REFERENCE)
+    for name in expected:
+        if name == REFERENCE or name not in results:
+            continue
+        if ref is None:
+            checks[name] = {"ok": False, "problems": [f"the reference '{REFERENCE}' did not run"]}
+            continue
+        check = compare_loss_curves(curve(ref), curve(results[name]), rtol=rtol, max_steps=compare_steps)
+        checks[name] = check.to_dict()
+    scaling = {}
+    if ref is not None:
+        for name, res in results.items():
+            if name != REFERENCE:
+                speedup = ref["step_s"] / res["step_s"]
+                scaling[name] = {"speedup": speedup, "efficiency": speedup / res["world_size"]}
+    ok = not missing and all(c["ok"] for c in checks.values())
+    return {"ok": ok, "rtol": rtol, "reference": REFERENCE, "missing": missing, "checks": checks, "scaling": scaling}
+
+
+def render(results: dict[str, dict[str, Any]], verdict: dict[str, Any], compare_steps: int) -> str:
+    """The markdown report: one row per configuration, then the verdict."""
+    rows = []
+    for name in CONFIGS:
+        res = results.get(name)
+        if res is None:
+            continue
+        lay = res["layout"]
+        check = verdict["checks"].get(name)
+        scale = verdict["scaling"].get(name)
+        rows.append(
+            [
+                name,
+                f"{lay['tp']}/{lay['pp']}/{lay['dp']}" + (f" vpp{lay['vpp']}" if lay["vpp"] > 1 else ""),
+                res["schedule"],
+                res["num_microbatches"],
+                res["tokens_per_s"],
+                res["tflops_per_gpu"],
+                100 * res["mfu"],
+                res["peak_mem_gb"],
+                1000 * res["step_s"],
+                res["final_loss"],
+                None if check is None else check.get("max_rel_diff"),
+                "reference" if name == REFERENCE else ("ok" if check and check["ok"] else "FAIL"),
+                None if scale is None else scale["efficiency"],
+            ]
+        )
+    headers = [
+        "config",
+        "tp/pp/dp",
+        "schedule",
+        "micro-batches/rank",
+        "tokens/s",
+        "TFLOP/s/GPU",
+        "MFU %",
+        "peak GB",
+        "step ms",
+        "final loss",
+        f"max rel diff (first {compare_steps} steps)",
+        f"loss check (rtol {verdict['rtol']:g})",
+        "efficiency vs 1 GPU",
+    ]
+    lines = [markdown_table(headers, rows), ""]
+    for name, check in verdict["checks"].items():
+        for problem in check["problems"]:
+            lines.append(f"- {name}: {problem}")
+    if verdict["missing"]:
+        lines.append(f"- did not run: {', '.join(verdict['missing'])}")
+    lines.append("PASS" if verdict["ok"] else "FAIL")
+    return "\n".join(lines)
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", type=Path, default=Path("runs/bench/multi_gpu"), help="results directory")
+    ap.add_argument("--shape", choices=[s for s in SHAPES if s != "1b"], default=None, help="model shape (8b4l)")
+    ap.add_argument("--precision", choices=["bf16", "fp32"], default=None, help="bf16 (fp32 in dry runs)")
+    ap.add_argument("--steps", type=int, default=None, help="steps per configuration (20; dry run 4)")
+    ap.add_argument("--micro-batches", type=int, default=None, help="micro-batches per global batch (8; dry run 4)")
+    ap.add_argument("--untimed-steps", type=int, default=None, help="leading steps left out of the timing (3)")
+    ap.add_argument("--compare-steps", type=int, default=20, help="steps whose losses must match (20)")
+    ap.add_argument("--rtol", type=float, default=None, help="loss tolerance (bf16 1e-2, fp32 1e-4)")
+    ap.add_argument("--one-launch", action="store_true", help="run all 2-rank configurations in one process group")
+    ap.add_argument("--launch-timeout", type=float, default=600.0, help="seconds per process group (600)")
+    ap.add_argument("--dry-run", action="store_true", help="CPU, gloo, world size 2, tiny fp32 model, 4 steps")
+    ap.add_argument("--report", type=Path, nargs="+", metavar="DIR", help="only check and report saved results")
+    add_worker_arguments(ap)
+    args = ap.parse_args(argv)
+    dry = args.dry_run
+    args.shape = args.shape or ("tiny" if dry else "8b4l")
+    args.precision = args.precision or ("fp32" if dry else "bf16")
+    args.steps = args.steps or (4 if dry else 20)
+    args.micro_batches = args.micro_batches or (4 if dry else 8)
+    args.untimed_steps = args.untimed_steps or (1 if dry else 3)
+    args.one_launch = args.one_launch or dry
+    for name in ("steps", "micro_batches", "untimed_steps", "compare_steps"):
+        if getattr(args, name) < 1:
+            ap.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.untimed_steps >= args.steps:
+        ap.error(f"--untimed-steps ({args.untimed_steps}) must be < --steps ({args.steps}) to leave steps to time")
+    if args.micro_batches % 2:
+        ap.error(f"--micro-batches must be even (dp=2 and pp=2 split them), got {args.micro_batches}")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.worker:
+        worker_main(args.plan, args.configs.split(","), args.out)
+        return 0
+    names = parse_names(args.configs, list(CONFIGS))
+    if args.report:
+        results = load_results(args.report)
+        expected = list(CONFIGS) if args.configs is None else names
+    else:
+        if REFERENCE not in names:
+            names = [REFERENCE, *names]  # every check needs the single-GPU curve
+        run_launches(
+            Path(__file__).resolve(),
+            build_specs(args, names),
+            args.out,
+            one_launch=args.one_launch,
+            dry_run=args.dry_run,
+            timeout_s=args.launch_timeout,
+        )
+        results = {n: r for n, r in load_results([args.out]).items() if n in names}
+        expected = names
+    if REFERENCE in results:
+        precision = results[REFERENCE]["precision"]
+    else:
+        precision = args.precision
+    rtol = args.rtol if args.rtol is not None else default_rtol(precision)
+    verdict = evaluate(results, expected, rtol, args.compare_steps)
+    report = render(results, verdict, args.compare_steps)
+    write_json(args.out / "results.json", {"configs": results, **verdict})
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "results.md").write_text(report + "\n")
+    print(report, flush=True)
+    return 0 if verdict["ok"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
