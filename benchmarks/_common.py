@@ -138,6 +138,33 @@ class RunSpec:
         return cls(**data)
 
 
+def spec_config(spec: RunSpec) -> Any:
+    """The validated ``mcore.train`` config of ``spec`` (what its workers will build)."""
+    from mcore.train.config import load_config
+
+    return load_config(None, [*BENCH_OVERRIDES, *spec.overrides], default_model=spec.model)
+
+
+def check_spec(spec: RunSpec) -> Any:
+    """Validate ``spec`` before any process starts: its config, its layout on ``spec.world_size`` ranks, the
+    micro-batch split and the pipeline schedule's constraints (GPU time is too dear to find these out there).
+
+    Returns the config; raises ``ValueError`` naming the configuration and the problem.
+    """
+    from mcore.parallel.grid import ParallelConfig
+    from mcore.train.errors import UserError
+    from mcore.train.trainer import schedule_class
+
+    try:
+        config = spec_config(spec)
+        p = config.parallel
+        layout = ParallelConfig(tp=p.tp, pp=p.pp, vpp=p.vpp, dp=p.dp).resolve(spec.world_size)
+        schedule_class(config).check_sizes(layout.pp, p.vpp, config.num_microbatches(layout.dp))
+    except (ValueError, TypeError, UserError) as exc:
+        raise ValueError(f"configuration {spec.name} is invalid: {exc}") from None
+    return config
+
+
 def write_plan(out_dir: Path, specs: Sequence[RunSpec]) -> Path:
     """Write the specs the workers read (``<out_dir>/plan.json``)."""
     path = out_dir / "plan.json"
@@ -194,13 +221,13 @@ def run_spec(spec: RunSpec) -> tuple[dict[str, Any], Any]:
     from mcore.train.checkpoint.directory import CheckpointDirectory
     from mcore.train.checkpoint.reader import CheckpointReader
     from mcore.train.checkpoint.state import CheckpointSaver, load_training_state
-    from mcore.train.config import config_to_dict, load_config
+    from mcore.train.config import config_to_dict
     from mcore.train.datasets import build_run_data, microbatch_stream
     from mcore.train.metrics import peak_memory_bytes
     from mcore.train.runtime import init_runtime
     from mcore.train.trainer import Trainer, microbatch_to_device
 
-    config = load_config(None, [*BENCH_OVERRIDES, *spec.overrides], default_model=spec.model)
+    config = spec_config(spec)
     runtime = init_runtime(config)
     if runtime.world_size != spec.world_size:
         raise RuntimeError(f"{spec.name} needs {spec.world_size} rank(s) but was launched on {runtime.world_size}")
@@ -474,7 +501,10 @@ def launch_groups(specs: Sequence[RunSpec], *, one_launch: bool) -> list[list[Ru
 def run_launches(
     script: Path, specs: Sequence[RunSpec], out_dir: Path, *, one_launch: bool, dry_run: bool, timeout_s: float
 ) -> list[Launch]:
-    """Write the plan, then launch every group of ``specs`` in turn (a failed group does not stop the rest)."""
+    """Check every spec, write the plan, then launch every group of ``specs`` in turn (a failed group does not
+    stop the rest)."""
+    for spec in specs:
+        check_spec(spec)
     plan = write_plan(out_dir, specs)
     for spec in specs:  # a stale result of an earlier run must not stand in for one that fails now
         result_path(out_dir, spec.name).unlink(missing_ok=True)

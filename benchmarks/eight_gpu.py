@@ -30,9 +30,9 @@ from pathlib import Path
 from typing import Any
 
 from _common import (
-    BENCH_OVERRIDES,
     RunSpec,
     add_worker_arguments,
+    check_spec,
     compare_loss_curves,
     curve,
     default_rtol,
@@ -120,10 +120,9 @@ def build_specs(args: argparse.Namespace, names: list[str], ckpt_dir: str) -> li
 
 def memory_plan(spec: RunSpec, gpu_memory_gb: float) -> tuple[bool, str]:
     """Whether ``spec`` fits ``gpu_memory_gb`` per GPU by ``mcore-train plan``'s estimate, and the estimate."""
-    from mcore.train.config import load_config
     from mcore.train.plan import make_plan
 
-    config = load_config(None, [*BENCH_OVERRIDES, *spec.overrides], default_model=spec.model)
+    config = check_spec(spec)
     plan = make_plan(config, spec.world_size, gpu_memory_gb)
     worst = plan.worst
     text = (
@@ -139,13 +138,17 @@ def evaluate(
 ) -> dict[str, Any]:
     """Losses of every layout against (2, 2, 2), and the resumed run against (2, 2, 2) at the same steps."""
     checks: dict[str, Any] = {}
+    pending: list[str] = []
     missing = [n for n in expected if n not in results and n not in skipped]
     ref = results.get(REFERENCE)
     for name in expected:
         if name == REFERENCE or name not in results:
             continue
         if ref is None:
-            checks[name] = {"ok": False, "problems": [f"the reference '{REFERENCE}' did not run"]}
+            if REFERENCE in expected:
+                checks[name] = {"ok": False, "problems": [f"the reference '{REFERENCE}' did not run"]}
+            else:  # a partial run (device time is limited per call): compared later with --report
+                pending.append(name)
             continue
         if name == RESUME:
             # The resumed run starts after the checkpoint's step; compare every step it ran.
@@ -154,14 +157,23 @@ def evaluate(
             resumed_at = results[name]["steps"][0] - 1
             problems = list(check.problems)
             if saved.get("step") != resumed_at:
-                problems.append(f"resumed after step {resumed_at}, but {REFERENCE} saved after step {saved.get('step')}")
+                saved_at = saved.get("step")
+                problems.append(f"resumed after step {resumed_at}, but {REFERENCE} saved after step {saved_at}")
             checks[name] = {**check.to_dict(), "ok": check.ok and not problems, "problems": problems}
         else:
             checks[name] = compare_loss_curves(
                 curve(ref), curve(results[name]), rtol=rtol, max_steps=compare_steps
             ).to_dict()
     ok = not missing and all(c["ok"] for c in checks.values())
-    return {"ok": ok, "rtol": rtol, "reference": REFERENCE, "missing": missing, "skipped": skipped, "checks": checks}
+    return {
+        "ok": ok,
+        "rtol": rtol,
+        "reference": REFERENCE,
+        "missing": missing,
+        "skipped": skipped,
+        "pending": pending,
+        "checks": checks,
+    }
 
 
 def render(results: dict[str, dict[str, Any]], verdict: dict[str, Any]) -> str:
@@ -212,6 +224,11 @@ def render(results: dict[str, dict[str, Any]], verdict: dict[str, Any]) -> str:
             lines.append(f"- {name}: {problem}")
     if verdict["missing"]:
         lines.append(f"- did not run: {', '.join(verdict['missing'])}")
+    if verdict["pending"]:
+        lines.append(
+            f"- not compared yet ({REFERENCE} ran elsewhere; combine the result directories with --report): "
+            f"{', '.join(verdict['pending'])}"
+        )
     lines.append("PASS" if verdict["ok"] else "FAIL")
     return "\n".join(lines)
 
@@ -270,6 +287,10 @@ def main(argv: list[str] | None = None) -> int:
         if RESUME in names and REFERENCE not in names and args.ckpt_dir is None:
             raise SystemExit(f"{RESUME} continues from the checkpoint {REFERENCE} saves: run both, or give --ckpt-dir")
         own_ckpt = args.ckpt_dir is None
+        saving = RESUME in names and REFERENCE in names
+        if saving and not own_ckpt and args.ckpt_dir.exists() and any(args.ckpt_dir.iterdir()):
+            # A published checkpoint of the same step would be kept and this run's discarded (never overwritten).
+            raise SystemExit(f"--ckpt-dir {args.ckpt_dir} is not empty; give a new or empty directory")
         ckpt_dir = Path(tempfile.mkdtemp(prefix="mcore-bench-ckpt-")) if own_ckpt else args.ckpt_dir
         specs = build_specs(args, names, str(ckpt_dir))
         skipped = {}

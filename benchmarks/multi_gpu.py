@@ -152,7 +152,7 @@ def render(results: dict[str, dict[str, Any]], verdict: dict[str, Any], compare_
         "peak GB",
         "step ms",
         "final loss",
-        f"max rel diff (first {compare_steps} steps)",
+        f"max rel diff vs 1 GPU (first {compare_steps} steps)",
         f"loss check (rtol {verdict['rtol']:g})",
         "efficiency vs 1 GPU",
     ]
