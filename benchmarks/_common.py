@@ -1,13 +1,15 @@
 """Shared machinery of the training benchmarks: run specs, the measuring worker, launching, loss-curve checks.
 
-The three benchmark scripts follow one pattern. An orchestrator (no GPU work of its own) writes the run specs
-of its configurations to ``<out>/plan.json`` and launches workers, each configuration (or, in dry runs, a group
-of configurations sharing a world size) in its own process group:
+The three benchmark scripts follow one pattern. An orchestrator (no GPU work of its own) validates the run
+specs of its configurations, writes them to ``<work>/plan.json`` and launches workers, each configuration (or, in
+dry runs, a group of configurations sharing a world size) in its own process group:
 ``python -m torch.distributed.run --standalone --nproc-per-node N <script> --worker ...`` (a plain
-``python <script> --worker ...`` for one process). A worker builds the run exactly like ``mcore-train`` does
-(``load_config`` -> ``init_runtime`` -> ``Trainer``, mock data through ``build_run_data`` and
-``microbatch_stream``), times ``Trainer.train_step`` over pre-loaded device micro-batches, and rank 0 writes
-``<out>/configs/<name>.json``. The orchestrator then compares the loss curves and writes the report.
+``python <script> --worker ...`` for one process), all output appended to one log. A worker builds the run
+exactly like ``mcore-train`` does (``load_config`` -> ``init_runtime`` -> ``Trainer``, mock data through
+``build_run_data`` and ``microbatch_stream``), times ``Trainer.train_step`` over micro-batches already on the
+device, and rank 0 writes ``<work>/configs/<name>.json``. The orchestrator compares the loss curves and rewrites
+its few output files after every launch (a device call returns at most 8 files, and a call cut short returns
+what is there).
 
 Timing follows ``hf_baseline.py``: the wall time of the first step (synchronized), then the median of per-step
 CUDA-event times over the steps after the warm-up (on CPU ``time.perf_counter``); with several ranks each
@@ -22,11 +24,14 @@ import gc
 import json
 import math
 import os
+import shutil
+import signal
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -37,14 +42,14 @@ DEFAULT_HF_BASELINE = REPO_ROOT.parent / "shared" / "bench" / "hf_baseline.py"
 # NVLink SHARP / multicast stay off on the lent machines (see the device notes); every multi-GPU child gets these.
 NVLS_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 
-# The shapes of hf_baseline.py, number for number (Llama layers, untied embeddings).
 SHAPES: dict[str, dict[str, int]] = {
+    # hf_baseline.py's shapes, number for number (Llama layers, untied embeddings)
     "1b": {"hidden": 2048, "layers": 16, "heads": 16, "kv": 8, "ffn": 8192, "vocab": 32000, "seq": 4096, "mbs": 4},
     "8b4l": {"hidden": 4096, "layers": 4, "heads": 32, "kv": 8, "ffn": 14336, "vocab": 128256, "seq": 4096, "mbs": 2},
+    # not in hf_baseline.py: a small shape for fp32 smoke runs on the GPU, and the CPU dry-run shape
+    "small": {"hidden": 512, "layers": 4, "heads": 8, "kv": 4, "ffn": 1408, "vocab": 32000, "seq": 512, "mbs": 2},
+    "tiny": {"hidden": 64, "layers": 2, "heads": 4, "kv": 2, "ffn": 176, "vocab": 300, "seq": 64, "mbs": 2},
 }
-# Not in hf_baseline.py: a small shape for fp32 smoke runs on the GPU, and the CPU dry-run shape.
-SHAPES["small"] = {"hidden": 512, "layers": 4, "heads": 8, "kv": 4, "ffn": 1408, "vocab": 32000, "seq": 512, "mbs": 2}
-SHAPES["tiny"] = {"hidden": 64, "layers": 2, "heads": 4, "kv": 2, "ffn": 176, "vocab": 300, "seq": 64, "mbs": 2}
 
 # Overrides every benchmark run shares: mock tokens, no evaluation, nothing printed or plotted by the loop.
 BENCH_OVERRIDES = (
@@ -165,9 +170,9 @@ def check_spec(spec: RunSpec) -> Any:
     return config
 
 
-def write_plan(out_dir: Path, specs: Sequence[RunSpec]) -> Path:
-    """Write the specs the workers read (``<out_dir>/plan.json``)."""
-    path = out_dir / "plan.json"
+def write_plan(work_dir: Path, specs: Sequence[RunSpec]) -> Path:
+    """Write the specs the workers read (``<work_dir>/plan.json``)."""
+    path = work_dir / "plan.json"
     write_json(path, {"specs": [s.to_dict() for s in specs]})
     return path
 
@@ -189,12 +194,12 @@ def write_json(path: Path, data: Any) -> None:
     os.replace(tmp, path)
 
 
-def result_path(out_dir: Path, name: str) -> Path:
-    return out_dir / "configs" / f"{name}.json"
+def result_path(work_dir: Path, name: str) -> Path:
+    return work_dir / "configs" / f"{name}.json"
 
 
 # ----------------------------------------------------------------------------------------------- the worker
-def worker_main(plan: Path, names: Sequence[str], out_dir: Path) -> None:
+def worker_main(plan: Path, names: Sequence[str], work_dir: Path) -> None:
     """Run the configurations ``names`` of ``plan`` one after another in this process group (every rank)."""
     specs = read_plan(plan, names)
     runtimes = []
@@ -203,7 +208,7 @@ def worker_main(plan: Path, names: Sequence[str], out_dir: Path) -> None:
             result, runtime = run_spec(spec)
             runtimes.append(runtime)
             if runtime.is_logging_rank:
-                write_json(result_path(out_dir, spec.name), result)
+                write_json(result_path(work_dir, spec.name), result)
                 print(f"[{spec.name}] {summary_line(result)}", flush=True)
     finally:
         for runtime in reversed(runtimes):  # only the first runtime created (owns) the process group
@@ -217,64 +222,88 @@ def run_spec(spec: RunSpec) -> tuple[dict[str, Any], Any]:
     """
     import torch
 
-    from mcore.models.accounting import H200_BF16_PEAK_FLOPS, model_flops_per_token, parameter_counts
-    from mcore.train.checkpoint.directory import CheckpointDirectory
+    config, runtime, trainer, notes = _build_run(spec)
+    measured = _train_and_measure(spec, config, runtime, trainer)
+    result = _result(spec, config, runtime, trainer, measured, notes)
+    del trainer, measured
+    gc.collect()
+    if runtime.device.type == "cuda":
+        torch.cuda.empty_cache()
+    runtime.barrier()
+    return result, runtime
+
+
+def _build_run(spec: RunSpec) -> tuple[Any, Any, Any, list[str]]:
+    """(config, runtime, trainer, notes) as ``mcore-train`` builds them, resumed from a checkpoint if asked."""
     from mcore.train.checkpoint.reader import CheckpointReader
-    from mcore.train.checkpoint.state import CheckpointSaver, load_training_state
-    from mcore.train.config import config_to_dict
-    from mcore.train.datasets import build_run_data, microbatch_stream
-    from mcore.train.metrics import peak_memory_bytes
+    from mcore.train.checkpoint.state import load_training_state
     from mcore.train.runtime import init_runtime
-    from mcore.train.trainer import Trainer, microbatch_to_device
+    from mcore.train.trainer import Trainer
 
     config = spec_config(spec)
     runtime = init_runtime(config)
     if runtime.world_size != spec.world_size:
         raise RuntimeError(f"{spec.name} needs {spec.world_size} rank(s) but was launched on {runtime.world_size}")
-    device = runtime.device
-    if spec.resume_from is not None:
-        # What `mcore-train` does with checkpoint.load pointing at a full checkpoint (loop._choose_start).
-        with CheckpointReader(spec.resume_from) as reader:
-            trainer = Trainer(config, runtime, weights=reader)
-            notes = load_training_state(trainer, reader)
-    else:
-        trainer = Trainer(config, runtime)
-        notes = []
-    g = trainer.groups
+    if spec.resume_from is None:
+        return config, runtime, Trainer(config, runtime), []
+    # What `mcore-train` does when checkpoint.load names a full checkpoint (loop._choose_start).
+    with CheckpointReader(spec.resume_from) as reader:
+        trainer = Trainer(config, runtime, weights=reader)
+        notes = load_training_state(trainer, reader)
+    return config, runtime, trainer, notes
+
+
+@dataclass
+class _Measured:
+    steps: list[int]
+    losses: list[float]  # mean over the global batch (all dp replicas)
+    grad_norms: list[float]
+    step_times_s: list[float]  # the slowest rank's, per step
+    first_step_s: float  # wall time of the first step, synchronized (the slowest rank's)
+    peak_bytes: list[int]  # per rank, training steps only
+    checkpoint: dict[str, Any] | None
+
+
+def _train_and_measure(spec: RunSpec, config: Any, runtime: Any, trainer: Any) -> _Measured:
+    import torch
+
+    from mcore.train.checkpoint.directory import CheckpointDirectory
+    from mcore.train.checkpoint.state import CheckpointSaver
+    from mcore.train.config import config_to_dict
+    from mcore.train.datasets import build_run_data, microbatch_stream
+    from mcore.train.metrics import peak_memory_bytes
+    from mcore.train.trainer import microbatch_to_device
+
+    g, device = trainer.groups, runtime.device
+    cuda = device.type == "cuda"
     data = build_run_data(config)
     stream = microbatch_stream(
         data.train, config, consumed_samples=trainer.consumed_samples, dp_rank=g.dp_rank, dp_size=g.dp_size
     )
-    last_step = min(config.train.steps, spec.stop_after or config.train.steps)
-    first_step = trainer.iteration + 1
-    if last_step < first_step:
-        raise ValueError(f"{spec.name}: nothing to run (starts at step {first_step}, stop_after={last_step})")
-    if spec.save_at is not None and not first_step <= spec.save_at <= last_step:
-        raise ValueError(f"{spec.name}: save_at={spec.save_at} lies outside the steps run [{first_step}, {last_step}]")
-
-    cuda = device.type == "cuda"
+    first, last = trainer.iteration + 1, min(config.train.steps, spec.stop_after or config.train.steps)
+    if last < first:
+        raise ValueError(f"{spec.name}: nothing to run (starts at step {first}, stop_after={spec.stop_after})")
+    if spec.save_at is not None and not first <= spec.save_at <= last:
+        raise ValueError(f"{spec.name}: save_at={spec.save_at} lies outside the steps run [{first}, {last}]")
 
     def sync() -> None:
         if cuda:
             torch.cuda.synchronize(device)
 
-    saved: dict[str, Any] = {}
     if cuda:
         torch.cuda.reset_peak_memory_stats(device)
-    peak_before_save = 0
     steps, losses, norms, timers = [], [], [], []
-    first_step_s = math.nan
+    first_step_s, peak_before_save, checkpoint = math.nan, 0, None
     sync()
     runtime.barrier()
-    for step in range(first_step, last_step + 1):
+    for step in range(first, last + 1):
         micro = [microbatch_to_device(next(stream), device) for _ in range(trainer.num_microbatches)]
-        if step == first_step:
-            sync()
-            t0 = time.perf_counter()
+        sync()
+        t0 = time.perf_counter()
         timer = _StepTimer(cuda)
         out = trainer.train_step(micro)
         timer.stop()
-        if step == first_step:
+        if step == first:
             sync()
             first_step_s = time.perf_counter() - t0
         steps.append(step)
@@ -282,32 +311,44 @@ def run_spec(spec: RunSpec) -> tuple[dict[str, Any], Any]:
         norms.append(out.grad_norm.detach().reshape(()).double())
         timers.append(timer)
         if step == spec.save_at:
-            # The save gathers the optimizer state over dp: keep its memory out of the training peak.
+            # The save gathers the optimizer state over dp: its memory is reported apart from the training peak.
             sync()
             peak_before_save = peak_memory_bytes(device)
             t_save = time.perf_counter()
             saver = CheckpointSaver(trainer, CheckpointDirectory(spec.ckpt_dir), keep_last=1, async_save=False)
             saver.save(config_to_dict(config), {"reason": f"benchmark {spec.name}"})
-            saved = {"path": str(saver.last_committed), "step": step, "save_s": time.perf_counter() - t_save}
+            checkpoint = {"path": str(saver.last_committed), "step": step, "save_s": time.perf_counter() - t_save}
             if cuda:
-                saved["save_peak_mem_gb"] = peak_memory_bytes(device) / 1e9
+                checkpoint["save_peak_mem_gb"] = max(_gather(runtime, peak_memory_bytes(device))) / 1e9
                 torch.cuda.reset_peak_memory_stats(device)
     sync()
     peak = max(peak_memory_bytes(device), peak_before_save)
-
     # Losses live on the last pipeline stage of every replica: sum over pp, mean over dp (one collective).
     loss_tensor = trainer.reduce_across_stages_and_replicas(torch.stack(losses)) / g.dp_size
-    loss_values = loss_tensor.cpu().tolist()
-    norm_values = torch.stack(norms).cpu().tolist()
-    my_times = [t.seconds() for t in timers]
-    per_rank_times = _gather(runtime, my_times)
-    per_rank_peaks = _gather(runtime, peak)
-    step_times = [max(ts[i] for ts in per_rank_times) for i in range(len(my_times))]
-    timed = step_times[spec.untimed_steps :]
+    per_rank_times = _gather(runtime, [t.seconds() for t in timers])
+    return _Measured(
+        steps=steps,
+        losses=loss_tensor.cpu().tolist(),
+        grad_norms=torch.stack(norms).cpu().tolist(),
+        step_times_s=[max(ts[i] for ts in per_rank_times) for i in range(len(steps))],
+        first_step_s=max(_gather(runtime, first_step_s)),
+        peak_bytes=_gather(runtime, peak),
+        checkpoint=checkpoint,
+    )
+
+
+def _result(spec: RunSpec, config: Any, runtime: Any, trainer: Any, m: _Measured, notes: list[str]) -> dict:
+    """The JSON record of one configuration (the keys of hf_baseline.py's records among them)."""
+    import torch
+
+    from mcore.models.accounting import H200_BF16_PEAK_FLOPS, model_flops_per_token, parameter_counts
+
+    timed = m.step_times_s[spec.untimed_steps :]
     if not timed:
         raise ValueError(
-            f"{spec.name}: ran {len(step_times)} step(s), all untimed (untimed_steps={spec.untimed_steps}); run more"
+            f"{spec.name}: ran {len(m.steps)} step(s), all untimed (untimed_steps={spec.untimed_steps}); run more"
         )
+    g, device = trainer.groups, runtime.device
     step_s = statistics.median(timed)
     seq = config.data.seq_length
     tokens_per_step = config.train.global_batch_size * seq
@@ -315,7 +356,8 @@ def run_spec(spec: RunSpec) -> tuple[dict[str, Any], Any]:
     flops_per_token = model_flops_per_token(config.model, seq)
     tflops_per_gpu = flops_per_token * tokens_per_s / runtime.world_size / 1e12
     schedule = type(trainer.schedule)
-    result = {
+    cuda = device.type == "cuda"
+    return {
         "name": spec.name,
         "impl": "mcore",
         "world_size": runtime.world_size,
@@ -335,33 +377,27 @@ def run_spec(spec: RunSpec) -> tuple[dict[str, Any], Any]:
         "micro_batch_size": config.train.micro_batch_size,
         "global_batch_size": config.train.global_batch_size,
         "tokens_per_step": tokens_per_step,
-        "steps": steps,
-        "losses": loss_values,
-        "grad_norms": norm_values,
-        "final_loss": loss_values[-1],
-        "step_times_s": step_times,
+        "steps": m.steps,
+        "losses": m.losses,
+        "grad_norms": m.grad_norms,
+        "final_loss": m.losses[-1],
+        "step_times_s": m.step_times_s,
         "untimed_steps": spec.untimed_steps,
         "step_s": step_s,
-        "first_step_s": first_step_s,
+        "first_step_s": m.first_step_s,
         "tokens_per_s": tokens_per_s,
         "tokens_per_s_per_gpu": tokens_per_s / runtime.world_size,
         "flops_per_token": flops_per_token,
         "tflops_per_gpu": tflops_per_gpu,
         "peak_flops": H200_BF16_PEAK_FLOPS,
         "mfu": tflops_per_gpu * 1e12 / H200_BF16_PEAK_FLOPS,
-        "peak_mem_gb": max(per_rank_peaks) / 1e9,
-        "peak_mem_gb_per_rank": [p / 1e9 for p in per_rank_peaks],
+        "peak_mem_gb": max(m.peak_bytes) / 1e9,
+        "peak_mem_gb_per_rank": [p / 1e9 for p in m.peak_bytes],
         "peak_mem_kind": "cuda max_memory_allocated" if cuda else "process peak RSS",
-        "checkpoint": saved or None,
+        "checkpoint": m.checkpoint,
         "resumed_from": spec.resume_from,
         "notes": notes,
     }
-    del trainer, data, stream, micro, out
-    gc.collect()
-    if cuda:
-        torch.cuda.empty_cache()
-    runtime.barrier()
-    return result, runtime
 
 
 class _StepTimer:
@@ -419,6 +455,7 @@ def child_env(*, dry_run: bool) -> dict[str, str]:
     env.update(NVLS_ENV)
     sources = [str(p) for p in sorted((REPO_ROOT / "packages").glob("*/src"))]
     env["PYTHONPATH"] = os.pathsep.join([*sources, *filter(None, [env.get("PYTHONPATH")])])
+    env["PYTHONUNBUFFERED"] = "1"  # so that a run cut short still leaves its output in the log
     if dry_run:
         env["OMP_NUM_THREADS"] = "1"
         env.setdefault("CUDA_VISIBLE_DEVICES", "")
@@ -427,7 +464,7 @@ def child_env(*, dry_run: bool) -> dict[str, str]:
 
 @dataclass
 class Launch:
-    """One process group started by the orchestrator and how it ended."""
+    """One process group started by an orchestrator and how it ended."""
 
     names: list[str]
     world_size: int
@@ -440,45 +477,55 @@ class Launch:
 def launch_workers(
     script: Path,
     world_size: int,
-    worker_args: Sequence[str],
+    args: Sequence[str],
     *,
     names: Sequence[str],
     log_path: Path,
     env: Mapping[str, str],
     timeout_s: float,
 ) -> Launch:
-    """Run ``script --worker ...`` on ``world_size`` local ranks (torch's elastic launcher when > 1)."""
+    """Run ``script *args`` on ``world_size`` local ranks (torch's elastic launcher when > 1), its output
+    appended to ``log_path`` (one log for all launches: a device call returns only a few files)."""
     if world_size == 1:
-        cmd = [sys.executable, str(script), *worker_args]
+        cmd = [sys.executable, str(script), *args]
     else:
-        cmd = [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            f"--nproc-per-node={world_size}",
-            str(script),
-            *worker_args,
-        ]
+        launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world_size}"]
+        cmd = [*launcher, str(script), *args]
     log_path.parent.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
-    with open(log_path, "w") as log:
-        log.write("$ " + " ".join(cmd) + "\n")
+    with open(log_path, "a") as log:
+        log.write(f"===== {', '.join(names)} on {world_size} rank(s)\n$ {' '.join(cmd)}\n")
         log.flush()
+        offset = log.tell()
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=dict(env), start_new_session=True)
         try:
-            proc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=dict(env), timeout=timeout_s)
-            code = proc.returncode
+            code = proc.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
-            log.write(f"\n[orchestrator] timed out after {timeout_s:.0f} s\n")
+            _stop(proc)
+            log.write(f"\n[orchestrator] timed out after {timeout_s:.0f} s; stopped\n")
             code = 124
     seconds = time.perf_counter() - start
-    lines = log_path.read_text(errors="replace").splitlines()
-    tail = "\n".join(lines[-40:]) if code else ""
+    tail = ""
+    if code:
+        with open(log_path, errors="replace") as log:
+            log.seek(offset)
+            tail = "\n".join(log.read().splitlines()[-40:])
     return Launch(list(names), world_size, code, seconds, str(log_path), tail)
 
 
+def _stop(proc: subprocess.Popen) -> None:
+    """End a launch we started: SIGTERM to its process group (torch's launcher then stops its workers, which run
+    in sessions of their own), SIGKILL to the group if it is still there a minute later."""
+    os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
 def report_launch(launch: Launch) -> None:
-    """Print how a launch ended (the end of its log when it failed)."""
+    """Print how a launch ended (the end of its output when it failed)."""
     status = "ok" if launch.returncode == 0 else f"FAILED (exit {launch.returncode})"
     print(f"  {', '.join(launch.names)}: {status} in {launch.seconds:.1f} s (log: {launch.log})", flush=True)
     if launch.returncode:
@@ -487,8 +534,7 @@ def report_launch(launch: Launch) -> None:
 
 def launch_groups(specs: Sequence[RunSpec], *, one_launch: bool) -> list[list[RunSpec]]:
     """Split ``specs`` (in order) into process groups: one per spec, or with ``one_launch`` each run of
-    consecutive specs of the same world size shares one (cheap dry runs; memory stats then stay per spec only on
-    CUDA)."""
+    consecutive specs of the same world size shares one (cheap for dry runs)."""
     groups: list[list[RunSpec]] = []
     for spec in specs:
         if one_launch and groups and groups[-1][0].world_size == spec.world_size:
@@ -498,43 +544,63 @@ def launch_groups(specs: Sequence[RunSpec], *, one_launch: bool) -> list[list[Ru
     return groups
 
 
-def run_launches(
-    script: Path, specs: Sequence[RunSpec], out_dir: Path, *, one_launch: bool, dry_run: bool, timeout_s: float
-) -> list[Launch]:
-    """Check every spec, write the plan, then launch every group of ``specs`` in turn (a failed group does not
-    stop the rest)."""
+def orchestrate(
+    script: Path,
+    specs: Sequence[RunSpec],
+    *,
+    work_dir: Path | None,
+    log_path: Path,
+    one_launch: bool,
+    dry_run: bool,
+    timeout_s: float,
+    publish: Callable[[dict[str, dict[str, Any]], bool], int],
+) -> int:
+    """Check every spec, then launch the groups of ``specs`` one after another (a failed group does not stop the
+    rest). After each launch ``publish(results so far, False)`` rewrites the report, so a device call cut short
+    still returns what finished; the return value is ``publish(results, True)``'s (the exit code).
+
+    ``work_dir`` holds the plan and the per-configuration JSON (default: a temporary directory, removed after).
+    """
     for spec in specs:
         check_spec(spec)
-    plan = write_plan(out_dir, specs)
-    for spec in specs:  # a stale result of an earlier run must not stand in for one that fails now
-        result_path(out_dir, spec.name).unlink(missing_ok=True)
-    env = child_env(dry_run=dry_run)
-    launches = []
-    for group in launch_groups(specs, one_launch=one_launch):
-        names = [s.name for s in group]
-        args = ["--worker", "--plan", str(plan), "--configs", ",".join(names), "--out", str(out_dir)]
-        print(f"launching {', '.join(names)} on {group[0].world_size} rank(s)", flush=True)
-        launch = launch_workers(
-            script,
-            group[0].world_size,
-            args,
-            names=names,
-            log_path=out_dir / "logs" / f"{names[0]}.log",
-            env=env,
-            timeout_s=timeout_s,
-        )
-        report_launch(launch)
-        launches.append(launch)
-    return launches
+    own_work = work_dir is None
+    work = Path(tempfile.mkdtemp(prefix="mcore-bench-")) if work_dir is None else work_dir
+    names = [s.name for s in specs]
+
+    def results() -> dict[str, dict[str, Any]]:
+        found = {p.stem: json.loads(p.read_text()) for p in sorted((work / "configs").glob("*.json"))}
+        return {n: found[n] for n in names if n in found}
+
+    try:
+        plan = write_plan(work, specs)
+        for spec in specs:  # a stale result of an earlier run must not stand in for one that fails now
+            result_path(work, spec.name).unlink(missing_ok=True)
+        env = child_env(dry_run=dry_run)
+        for group in launch_groups(specs, one_launch=one_launch):
+            group_names = [s.name for s in group]
+            args = ["--worker", "--plan", str(plan), "--configs", ",".join(group_names), "--work-dir", str(work)]
+            print(f"launching {', '.join(group_names)} on {group[0].world_size} rank(s)", flush=True)
+            launch = launch_workers(
+                script, group[0].world_size, args, names=group_names, log_path=log_path, env=env, timeout_s=timeout_s
+            )
+            report_launch(launch)
+            publish(results(), False)
+        return publish(results(), True)
+    finally:
+        if own_work:
+            shutil.rmtree(work, ignore_errors=True)
 
 
 def add_worker_arguments(parser: Any) -> None:
-    """The hidden arguments of a script's worker mode (set by :func:`run_launches`)."""
+    """The hidden arguments of a script's worker mode (set by :func:`orchestrate`)."""
     import argparse
 
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--plan", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--configs", help="comma-separated configuration names (default: all)")
+    parser.add_argument(
+        "--work-dir", type=Path, help="plan and per-configuration results (default: a temporary directory)"
+    )
 
 
 def default_rtol(precision: str) -> float:
@@ -556,13 +622,21 @@ def parse_names(text: str | None, known: Sequence[str]) -> list[str]:
     return [n for n in known if n in names]
 
 
-def load_results(dirs: Sequence[Path]) -> dict[str, dict[str, Any]]:
-    """Every ``configs/<name>.json`` under ``dirs`` (a later directory wins for a name found twice)."""
+def load_reported(dirs: Sequence[Path]) -> dict[str, dict[str, Any]]:
+    """The configurations in the ``results.json`` of each of ``dirs`` (a later directory wins a name found twice)."""
     results: dict[str, dict[str, Any]] = {}
     for d in dirs:
-        for path in sorted((Path(d) / "configs").glob("*.json")):
-            results[path.stem] = json.loads(path.read_text())
+        path = Path(d) / "results.json"
+        if not path.is_file():
+            raise SystemExit(f"--report: {path} does not exist (give directories that a run's --out wrote)")
+        results.update(json.loads(path.read_text())["configs"])
     return results
+
+
+def write_report(out_dir: Path, data: Mapping[str, Any], markdown: str) -> None:
+    """``results.json`` and ``results.md`` in ``out_dir``."""
+    write_json(out_dir / "results.json", data)
+    (out_dir / "results.md").write_text(markdown + "\n")
 
 
 # ----------------------------------------------------------------------------------------------- checking

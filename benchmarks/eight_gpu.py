@@ -23,6 +23,7 @@ the losses (2, 2, 2) had at those steps.
 from __future__ import annotations
 
 import argparse
+import os
 import shutil
 import sys
 import tempfile
@@ -36,12 +37,12 @@ from _common import (
     compare_loss_curves,
     curve,
     default_rtol,
-    load_results,
+    load_reported,
     markdown_table,
+    orchestrate,
     parse_names,
-    run_launches,
     worker_main,
-    write_json,
+    write_report,
 )
 
 WORLD = 8
@@ -235,7 +236,9 @@ def render(results: dict[str, dict[str, Any]], verdict: dict[str, Any]) -> str:
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", type=Path, default=Path("runs/bench/eight_gpu"), help="results directory")
+    ap.add_argument(
+        "--out", type=Path, default=Path("runs/bench/eight_gpu"), help="where results.json, results.md, launches.log go"
+    )
     ap.add_argument("--precision", choices=["bf16", "fp32"], default=None, help="bf16 (fp32 in dry runs)")
     ap.add_argument("--steps", type=int, default=None, help="steps per layout (30; dry run 4)")
     ap.add_argument("--global-batch-size", type=int, default=16, help="sequences per step (16)")
@@ -243,23 +246,34 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--compare-steps", type=int, default=20, help="steps whose losses must agree (20)")
     ap.add_argument("--save-at", type=int, default=None, help="step after which (2,2,2) saves (10; dry run 2)")
     ap.add_argument("--resume-steps", type=int, default=None, help="steps run after resuming (5; dry run 2)")
-    ap.add_argument("--ckpt-dir", type=Path, default=None, help="checkpoint directory (default: a temporary one)")
-    ap.add_argument("--keep-checkpoint", action="store_true", help="do not delete the checkpoint at the end")
+    ap.add_argument(
+        "--ckpt-dir", type=Path, default=None, help="checkpoint directory, kept (default: a temporary one, removed)"
+    )
     ap.add_argument("--gpu-memory", type=float, default=141.0, help="GB per GPU for the memory plan (141)")
     ap.add_argument("--rtol", type=float, default=None, help="loss tolerance (bf16 1e-2, fp32 1e-4)")
-    ap.add_argument("--one-launch", action="store_true", help="run all configurations in one process group")
+    ap.add_argument(
+        "--one-launch",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="run configurations of the same world size in one process group (default: only in dry runs)",
+    )
     ap.add_argument("--launch-timeout", type=float, default=600.0, help="seconds per process group (600)")
     ap.add_argument("--dry-run", action="store_true", help="CPU, gloo, world size 8, tiny Llama, 4 steps")
     ap.add_argument("--report", type=Path, nargs="+", metavar="DIR", help="only check and report saved results")
     add_worker_arguments(ap)
     args = ap.parse_args(argv)
     dry = args.dry_run
-    args.precision = args.precision or ("fp32" if dry else "bf16")
-    args.steps = args.steps or (4 if dry else 30)
-    args.untimed_steps = args.untimed_steps or (1 if dry else 3)
-    args.save_at = args.save_at or (2 if dry else 10)
-    args.resume_steps = args.resume_steps or (2 if dry else 5)
-    args.one_launch = args.one_launch or dry
+    if args.precision is None:
+        args.precision = "fp32" if dry else "bf16"
+    if args.steps is None:
+        args.steps = 4 if dry else 30
+    if args.untimed_steps is None:
+        args.untimed_steps = 1 if dry else 3
+    if args.save_at is None:
+        args.save_at = 2 if dry else 10
+    if args.resume_steps is None:
+        args.resume_steps = 2 if dry else 5
+    args.one_launch = dry if args.one_launch is None else args.one_launch
     for name in ("steps", "untimed_steps", "compare_steps", "global_batch_size"):
         if getattr(args, name) < 1:
             ap.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
@@ -273,56 +287,79 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
+def checkpoint_parent(spec: RunSpec) -> Path:
+    """Where the temporary checkpoint goes: ``/dev/shm`` (memory, fast) when it has room for it with a quarter to
+    spare, else the temporary directory. Size: every parameter in the parameter dtype plus three fp32 optimizer
+    states (master, exp_avg, exp_avg_sq)."""
+    from mcore.models.accounting import parameter_counts
+
+    config = check_spec(spec)
+    per_param = {"bf16": 2, "fp16": 2, "fp32": 4}.get(config.train.precision, 4) + 12
+    need = 1.25 * per_param * parameter_counts(config.model).total
+    shm = Path("/dev/shm")
+    if shm.is_dir() and os.access(shm, os.W_OK) and shutil.disk_usage(shm).free >= need:
+        return shm
+    return Path(tempfile.gettempdir())
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.worker:
-        worker_main(args.plan, args.configs.split(","), args.out)
+        worker_main(args.plan, args.configs.split(","), args.work_dir)
         return 0
     names = parse_names(args.configs, CONFIG_NAMES)
+    args.out.mkdir(parents=True, exist_ok=True)
+
+    def publish(results: dict[str, dict[str, Any]], final: bool, skipped: dict[str, str]) -> int:
+        ref = results.get(REFERENCE)
+        rtol = args.rtol if args.rtol is not None else default_rtol(ref["precision"] if ref else args.precision)
+        verdict = evaluate(results, names, skipped, rtol, args.compare_steps)
+        report = render(results, verdict)
+        write_report(args.out, {"configs": results, "complete": final, **verdict}, report)
+        if final:
+            print(report, flush=True)
+        return 0 if verdict["ok"] else 1
+
     if args.report:
-        results = load_results(args.report)
-        expected = CONFIG_NAMES if args.configs is None else names
-        skipped = {n: "not run (see the run that produced these results)" for n in [OPTIONAL] if n not in results}
-    else:
-        if RESUME in names and REFERENCE not in names and args.ckpt_dir is None:
-            raise SystemExit(f"{RESUME} continues from the checkpoint {REFERENCE} saves: run both, or give --ckpt-dir")
-        own_ckpt = args.ckpt_dir is None
-        saving = RESUME in names and REFERENCE in names
-        if saving and not own_ckpt and args.ckpt_dir.exists() and any(args.ckpt_dir.iterdir()):
-            # A published checkpoint of the same step would be kept and this run's discarded (never overwritten).
-            raise SystemExit(f"--ckpt-dir {args.ckpt_dir} is not empty; give a new or empty directory")
-        ckpt_dir = Path(tempfile.mkdtemp(prefix="mcore-bench-ckpt-")) if own_ckpt else args.ckpt_dir
-        specs = build_specs(args, names, str(ckpt_dir))
-        skipped = {}
-        for spec in specs:
-            fits, text = memory_plan(spec, args.gpu_memory)
-            print(text, flush=True)
-            if not fits and spec.name == OPTIONAL:
-                skipped[spec.name] = f"does not fit: {text}"
-                print(f"skipping {spec.name}: it does not fit", flush=True)
-        specs = [s for s in specs if s.name not in skipped]
-        try:
-            run_launches(
-                Path(__file__).resolve(),
-                specs,
-                args.out,
-                one_launch=args.one_launch,
-                dry_run=args.dry_run,
-                timeout_s=args.launch_timeout,
-            )
-        finally:
-            if own_ckpt and not args.keep_checkpoint:
-                shutil.rmtree(ckpt_dir, ignore_errors=True)
-        results = {n: r for n, r in load_results([args.out]).items() if n in names}
-        expected = names
-    precision = results[REFERENCE]["precision"] if REFERENCE in results else args.precision
-    rtol = args.rtol if args.rtol is not None else default_rtol(precision)
-    verdict = evaluate(results, expected, skipped, rtol, args.compare_steps)
-    report = render(results, verdict)
-    write_json(args.out / "results.json", {"configs": results, **verdict})
-    (args.out / "results.md").write_text(report + "\n")
-    print(report, flush=True)
-    return 0 if verdict["ok"] else 1
+        results = load_reported(args.report)
+        skipped = {n: "not in these results (not run, or skipped by its run)" for n in [OPTIONAL] if n not in results}
+        return publish(results, True, skipped)
+
+    if RESUME in names and REFERENCE not in names and args.ckpt_dir is None:
+        raise SystemExit(f"{RESUME} continues from the checkpoint {REFERENCE} saves: run both, or give --ckpt-dir")
+    saving = RESUME in names and REFERENCE in names
+    if saving and args.ckpt_dir is not None and args.ckpt_dir.exists() and any(args.ckpt_dir.iterdir()):
+        # A published checkpoint of the same step would be kept and this run's discarded (never overwritten).
+        raise SystemExit(f"--ckpt-dir {args.ckpt_dir} is not empty; give a new or empty directory")
+    ckpt_dir, own_ckpt = args.ckpt_dir, args.ckpt_dir is None and saving
+    if own_ckpt:
+        probe = build_specs(args, [REFERENCE], "")[0]
+        ckpt_dir = Path(tempfile.mkdtemp(prefix="mcore-bench-ckpt-", dir=checkpoint_parent(probe)))
+        print(f"checkpoint directory: {ckpt_dir} (removed at the end)", flush=True)
+    specs = build_specs(args, names, str(ckpt_dir or ""))
+    skipped: dict[str, str] = {}
+    for spec in specs:
+        fits, text = memory_plan(spec, args.gpu_memory)
+        print(text, flush=True)
+        if not fits and spec.name == OPTIONAL:
+            skipped[spec.name] = f"does not fit: {text}"
+            print(f"skipping {spec.name}: it does not fit", flush=True)
+    log = args.out / "launches.log"
+    log.unlink(missing_ok=True)
+    try:
+        return orchestrate(
+            Path(__file__).resolve(),
+            [s for s in specs if s.name not in skipped],
+            work_dir=args.work_dir,
+            log_path=log,
+            one_launch=args.one_launch,
+            dry_run=args.dry_run,
+            timeout_s=args.launch_timeout,
+            publish=lambda results, final: publish(results, final, skipped),
+        )
+    finally:
+        if own_ckpt:
+            shutil.rmtree(ckpt_dir, ignore_errors=True)
 
 
 if __name__ == "__main__":

@@ -4,6 +4,7 @@ One run on a machine with 2 GPUs trains the same GPT (default: the Llama-3-8B la
 seq 4096, micro-batch 2, 8 micro-batches of the global batch) for ``--steps`` steps in each configuration:
 
 - ``single``: one GPU, the reference (8 micro-batches per step);
+- ``single-half-batch``: one GPU at half the global batch (the per-GPU batch of a dp=2 rank), for scaling only;
 - ``tp2``, ``tp2-sp``: tensor parallelism, without and with sequence parallelism;
 - ``pp2-1f1b``, ``pp2-vpp2-interleaved``, ``pp2-zero-bubble``: pipeline parallelism (8 micro-batches);
 - ``dp2``, ``dp2-overlap``, ``dp2-distopt``, ``dp2-distopt-overlap``: data parallelism with the plain or the
@@ -11,13 +12,13 @@ seq 4096, micro-batch 2, 8 micro-batches of the global batch) for ``--steps`` st
   per rank: the same global batch).
 
 Every configuration runs in its own process group (``torch.distributed.run``; NVLS/multicast off), through the
-real ``Trainer``, on the same seed, data and global batch. It reports tokens/s, TFLOP/s/GPU, MFU, peak memory
-and the loss after the last step, and checks that each 2-GPU loss curve matches the single-GPU one over the
-first ``--compare-steps`` steps (relative 1e-2 at every step and the same trend in bf16, 1e-4 in fp32); it
-exits non-zero when a check fails or a configuration did not run. Scaling is reported as each
-configuration's throughput over twice the single GPU's at the same global batch (for dp that is the per-GPU
-throughput ratio, with each dp rank running half the micro-batches of the single GPU: the optimizer step is
-amortised over fewer tokens, so it is a lower bound of the weak-scaling efficiency).
+real ``Trainer``, on the same seed and data. It reports tokens/s, TFLOP/s/GPU, MFU, peak memory and the loss
+after the last step, and checks that each 2-GPU loss curve matches the single-GPU one (same global batch) over
+the first ``--compare-steps`` steps (relative 1e-2 at every step and the same trend in bf16, 1e-4 in fp32); it
+exits non-zero when a check fails or a configuration did not run. Scaling efficiency: for dp=2, weak scaling
+(the step time of ``single-half-batch`` over the dp=2 step time: same per-GPU batch); for tp=2 and pp=2, strong
+scaling (the 1-GPU step time at the same global batch over twice the step time), with the schedule's theoretical
+bubble beside it.
 
 ::
 
@@ -42,18 +43,22 @@ from _common import (
     curve,
     default_rtol,
     llama_model,
-    load_results,
+    load_reported,
     markdown_table,
+    orchestrate,
     parse_names,
-    run_launches,
     worker_main,
-    write_json,
+    write_report,
 )
 
 REFERENCE = "single"
+# One GPU at the per-GPU batch of a dp=2 rank (half the global batch): the weak-scaling reference of dp=2. Its
+# loss curve differs (another batch) and is not checked.
+HALF = "single-half-batch"
 # name -> (world size, parallel overrides)
 CONFIGS: dict[str, tuple[int, list[str]]] = {
     REFERENCE: (1, []),
+    HALF: (1, []),
     "tp2": (2, ["parallel.tp=2", "parallel.dp=1"]),
     "tp2-sp": (2, ["parallel.tp=2", "parallel.dp=1", "parallel.sequence_parallel=true"]),
     "pp2-1f1b": (2, ["parallel.pp=2", "parallel.dp=1", "parallel.schedule=1f1b"]),
@@ -85,8 +90,15 @@ def build_specs(args: argparse.Namespace, names: list[str]) -> list[RunSpec]:
         "lr.min_lr=3e-5",
         *lr,
     ]
+    half = [f"train.global_batch_size={shape['mbs'] * args.micro_batches // 2}"]
     return [
-        RunSpec(name, CONFIGS[name][0], [*common, *CONFIGS[name][1]], model, untimed_steps=args.untimed_steps)
+        RunSpec(
+            name,
+            CONFIGS[name][0],
+            [*common, *CONFIGS[name][1], *(half if name == HALF else [])],
+            model,
+            untimed_steps=args.untimed_steps,
+        )
         for name in names
     ]
 
@@ -97,21 +109,29 @@ def evaluate(results: dict[str, dict[str, Any]], expected: list[str], rtol: floa
     missing = [n for n in expected if n not in results]
     ref = results.get(REFERENCE)
     for name in expected:
-        if name == REFERENCE or name not in results:
+        if name in (REFERENCE, HALF) or name not in results:
             continue
         if ref is None:
             checks[name] = {"ok": False, "problems": [f"the reference '{REFERENCE}' did not run"]}
             continue
         check = compare_loss_curves(curve(ref), curve(results[name]), rtol=rtol, max_steps=compare_steps)
         checks[name] = check.to_dict()
-    scaling = {}
-    if ref is not None:
-        for name, res in results.items():
-            if name != REFERENCE:
-                speedup = ref["step_s"] / res["step_s"]
-                scaling[name] = {"speedup": speedup, "efficiency": speedup / res["world_size"]}
+    scaling = {name: _scaling(name, res, results) for name, res in results.items() if res["world_size"] > 1}
     ok = not missing and all(c["ok"] for c in checks.values())
     return {"ok": ok, "rtol": rtol, "reference": REFERENCE, "missing": missing, "checks": checks, "scaling": scaling}
+
+
+def _scaling(name: str, res: dict[str, Any], results: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """Data parallelism: weak scaling, the 1-GPU step time at the same per-GPU batch over this step time. Tensor and
+    pipeline parallelism: strong scaling, the 1-GPU speed-up at the same global batch over the GPU count."""
+    weak = res["layout"]["dp"] > 1
+    base = results.get(HALF if weak else REFERENCE)
+    if base is None:
+        return {"kind": "weak" if weak else "strong", "efficiency": None, "note": "its 1-GPU reference did not run"}
+    ratio = base["step_s"] / res["step_s"]
+    if weak:
+        return {"kind": "weak", "efficiency": ratio, "reference": HALF}
+    return {"kind": "strong", "speedup": ratio, "efficiency": ratio / res["world_size"], "reference": REFERENCE}
 
 
 def render(results: dict[str, dict[str, Any]], verdict: dict[str, Any], compare_steps: int) -> str:
@@ -137,8 +157,10 @@ def render(results: dict[str, dict[str, Any]], verdict: dict[str, Any], compare_
                 1000 * res["step_s"],
                 res["final_loss"],
                 None if check is None else check.get("max_rel_diff"),
-                "reference" if name == REFERENCE else ("ok" if check and check["ok"] else "FAIL"),
+                res["bubble_fraction"],
+                {REFERENCE: "reference", HALF: "-"}.get(name, "ok" if check and check["ok"] else "FAIL"),
                 None if scale is None else scale["efficiency"],
+                None if scale is None else scale["kind"],
             ]
         )
     headers = [
@@ -153,8 +175,10 @@ def render(results: dict[str, dict[str, Any]], verdict: dict[str, Any], compare_
         "step ms",
         "final loss",
         f"max rel diff vs 1 GPU (first {compare_steps} steps)",
+        "bubble (theory)",
         f"loss check (rtol {verdict['rtol']:g})",
-        "efficiency vs 1 GPU",
+        "scaling efficiency",
+        "scaling",
     ]
     lines = [markdown_table(headers, rows), ""]
     for name, check in verdict["checks"].items():
@@ -168,7 +192,9 @@ def render(results: dict[str, dict[str, Any]], verdict: dict[str, Any], compare_
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", type=Path, default=Path("runs/bench/multi_gpu"), help="results directory")
+    ap.add_argument(
+        "--out", type=Path, default=Path("runs/bench/multi_gpu"), help="where results.json, results.md, launches.log go"
+    )
     ap.add_argument("--shape", choices=[s for s in SHAPES if s != "1b"], default=None, help="model shape (8b4l)")
     ap.add_argument("--precision", choices=["bf16", "fp32"], default=None, help="bf16 (fp32 in dry runs)")
     ap.add_argument("--steps", type=int, default=None, help="steps per configuration (20; dry run 4)")
@@ -176,19 +202,29 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--untimed-steps", type=int, default=None, help="leading steps left out of the timing (3)")
     ap.add_argument("--compare-steps", type=int, default=20, help="steps whose losses must match (20)")
     ap.add_argument("--rtol", type=float, default=None, help="loss tolerance (bf16 1e-2, fp32 1e-4)")
-    ap.add_argument("--one-launch", action="store_true", help="run all 2-rank configurations in one process group")
+    ap.add_argument(
+        "--one-launch",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="run configurations of the same world size in one process group (default: only in dry runs)",
+    )
     ap.add_argument("--launch-timeout", type=float, default=600.0, help="seconds per process group (600)")
     ap.add_argument("--dry-run", action="store_true", help="CPU, gloo, world size 2, tiny fp32 model, 4 steps")
     ap.add_argument("--report", type=Path, nargs="+", metavar="DIR", help="only check and report saved results")
     add_worker_arguments(ap)
     args = ap.parse_args(argv)
     dry = args.dry_run
-    args.shape = args.shape or ("tiny" if dry else "8b4l")
-    args.precision = args.precision or ("fp32" if dry else "bf16")
-    args.steps = args.steps or (4 if dry else 20)
-    args.micro_batches = args.micro_batches or (4 if dry else 8)
-    args.untimed_steps = args.untimed_steps or (1 if dry else 3)
-    args.one_launch = args.one_launch or dry
+    if args.shape is None:
+        args.shape = "tiny" if dry else "8b4l"
+    if args.precision is None:
+        args.precision = "fp32" if dry else "bf16"
+    if args.steps is None:
+        args.steps = 4 if dry else 20
+    if args.micro_batches is None:
+        args.micro_batches = 4 if dry else 8
+    if args.untimed_steps is None:
+        args.untimed_steps = 1 if dry else 3
+    args.one_launch = dry if args.one_launch is None else args.one_launch
     for name in ("steps", "micro_batches", "untimed_steps", "compare_steps"):
         if getattr(args, name) < 1:
             ap.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
@@ -202,37 +238,37 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.worker:
-        worker_main(args.plan, args.configs.split(","), args.out)
+        worker_main(args.plan, args.configs.split(","), args.work_dir)
         return 0
     names = parse_names(args.configs, list(CONFIGS))
-    if args.report:
-        results = load_results(args.report)
-        expected = list(CONFIGS) if args.configs is None else names
-    else:
-        if REFERENCE not in names:
-            names = [REFERENCE, *names]  # every check needs the single-GPU curve
-        run_launches(
-            Path(__file__).resolve(),
-            build_specs(args, names),
-            args.out,
-            one_launch=args.one_launch,
-            dry_run=args.dry_run,
-            timeout_s=args.launch_timeout,
-        )
-        results = {n: r for n, r in load_results([args.out]).items() if n in names}
-        expected = names
-    if REFERENCE in results:
-        precision = results[REFERENCE]["precision"]
-    else:
-        precision = args.precision
-    rtol = args.rtol if args.rtol is not None else default_rtol(precision)
-    verdict = evaluate(results, expected, rtol, args.compare_steps)
-    report = render(results, verdict, args.compare_steps)
-    write_json(args.out / "results.json", {"configs": results, **verdict})
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "results.md").write_text(report + "\n")
-    print(report, flush=True)
-    return 0 if verdict["ok"] else 1
+
+    def publish(results: dict[str, dict[str, Any]], final: bool, expected: list[str]) -> int:
+        ref = results.get(REFERENCE)
+        rtol = args.rtol if args.rtol is not None else default_rtol(ref["precision"] if ref else args.precision)
+        verdict = evaluate(results, expected, rtol, args.compare_steps)
+        report = render(results, verdict, args.compare_steps)
+        write_report(args.out, {"configs": results, "complete": final, **verdict}, report)
+        if final:
+            print(report, flush=True)
+        return 0 if verdict["ok"] else 1
+
+    if args.report:
+        return publish(load_reported(args.report), True, names)
+    if REFERENCE not in names:
+        names = [REFERENCE, *names]  # every check needs the single-GPU curve
+    log = args.out / "launches.log"
+    log.unlink(missing_ok=True)
+    return orchestrate(
+        Path(__file__).resolve(),
+        build_specs(args, names),
+        work_dir=args.work_dir,
+        log_path=log,
+        one_launch=args.one_launch,
+        dry_run=args.dry_run,
+        timeout_s=args.launch_timeout,
+        publish=lambda results, final: publish(results, final, names),
+    )
 
 
 if __name__ == "__main__":

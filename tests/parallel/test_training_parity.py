@@ -59,11 +59,15 @@ def _fp16_overflow(groups):
     scaler = DynamicLossScaler(initial_scale=2.0**10, hysteresis=1, growth_interval=100)
     model, ddp, opt = T.build(groups, distributed_optimizer=True, dtype=torch.float16, loss_scaler=scaler)
     T.train(groups, ddp, opt, range(1))
+    # overlap_param_gather leaves the all-gather of step 0's update in flight: wait for it before reading.
+    ddp.finish_param_sync()
     before = [p.detach().clone() for p in model.parameters()]
     skipped = T.train(groups, ddp, opt, range(1, 2), inject_inf_at=1, inject_rank=3)
+    ddp.finish_param_sync()
     unchanged = all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
     scale_after_skip = scaler.scale
     rest = T.train(groups, ddp, opt, range(2, 4))
+    ddp.finish_param_sync()
     return {
         "skipped": skipped.skipped + rest.skipped,
         "unchanged_during_skip": unchanged,

@@ -54,7 +54,9 @@ def build_run_data(config: Config, *, for_training: bool = True) -> RunData:
         counts = (0, config.train.eval_steps * config.train.global_batch_size, 0)
     common = dict(seq_length=data.seq_length, num_samples=counts, seed=config.train.seed)
     if data.mock:
-        splits: DatasetSplits = build_mock_datasets(vocab_size=tokenizer.vocab_size, packing=data.packing, **common)
+        # Mock tokens span the model's whole vocabulary, as real data for that vocabulary would.
+        mock_vocab = config.model.vocab_size
+        splits: DatasetSplits = build_mock_datasets(vocab_size=mock_vocab, packing=data.packing, **common)
     elif data.path is None:
         if not isinstance(tokenizer, ByteTokenizer):
             raise UserError(
