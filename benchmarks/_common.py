@@ -235,22 +235,15 @@ def run_spec(spec: RunSpec) -> tuple[dict[str, Any], Any]:
 
 def _build_run(spec: RunSpec) -> tuple[Any, Any, Any, list[str]]:
     """(config, runtime, trainer, notes) as ``mcore-train`` builds them, resumed from a checkpoint if asked."""
-    from mcore.train.checkpoint.reader import CheckpointReader
-    from mcore.train.checkpoint.state import load_training_state
+    from mcore.train.loop import build_trainer
     from mcore.train.runtime import init_runtime
-    from mcore.train.trainer import Trainer
 
     config = spec_config(spec)
     runtime = init_runtime(config)
     if runtime.world_size != spec.world_size:
         raise RuntimeError(f"{spec.name} needs {spec.world_size} rank(s) but was launched on {runtime.world_size}")
-    if spec.resume_from is None:
-        return config, runtime, Trainer(config, runtime), []
-    # What `mcore-train` does when checkpoint.load names a full checkpoint (loop._choose_start).
-    with CheckpointReader(spec.resume_from) as reader:
-        trainer = Trainer(config, runtime, weights=reader)
-        notes = load_training_state(trainer, reader)
-    return config, runtime, trainer, notes
+    built = build_trainer(config, runtime, load=spec.resume_from)
+    return config, runtime, built.trainer, built.notes
 
 
 @dataclass

@@ -38,6 +38,7 @@ from mcore.bridge.sources import check_destination, resolve_source, staged_direc
 from mcore.bridge.transforms import to_hf, to_mcore
 from mcore.models.config import TransformerConfig
 from mcore.train.checkpoint import (
+    HF_ASSETS_DIR,
     CheckpointError,
     CheckpointReader,
     ModelCheckpointWriter,
@@ -47,7 +48,7 @@ from mcore.train.checkpoint import (
 
 log = logging.getLogger("mcore.bridge")
 
-HF_SIDECAR = "hf"  # inside an mcore checkpoint: the original config.json and side files, verbatim
+HF_SIDECAR = HF_ASSETS_DIR  # inside an mcore checkpoint: the original config.json and side files, verbatim
 
 
 @dataclass(frozen=True)

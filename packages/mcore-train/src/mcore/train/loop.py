@@ -3,6 +3,8 @@
 ``run_training(config, runtime)`` is what ``mcore-train`` (and each rank under ``--nproc-per-node`` or
 ``torchrun``) executes. A run resumes from ``<checkpoint dir>/latest`` when it exists; otherwise from
 ``checkpoint.load`` when set (a full checkpoint resumes its step, a model-only one fine-tunes from step 0).
+``build_trainer(config, runtime)`` builds the trainer in that same start state, for scripts that run their own
+steps (the benchmarks).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import torch.distributed as dist
 from mcore.models.accounting import model_flops_per_token, parameter_counts
 from mcore.models.generate import generate
 from mcore.train.checkpoint.directory import CheckpointDirectory
+from mcore.train.checkpoint.hf_assets import read_hf_assets
 from mcore.train.checkpoint.reader import CheckpointReader
 from mcore.train.checkpoint.state import CheckpointSaver, check_model_matches, load_training_state
 from mcore.train.config import Config, config_to_dict, dump_config
@@ -114,25 +117,18 @@ def run_training(config: Config, runtime: Runtime, *, stream: TextIO | None = No
     directory = CheckpointDirectory(config.checkpoint.dir or run_dir / "checkpoints")
     # Inputs first (data files, the checkpoint to start from), so that bad ones fail before any work.
     data = build_run_data(config)
-    reader, full_resume, source = _choose_start(config, directory)
-    notes: list[str] = []
+    start = choose_start(config, directory=directory)
     try:
-        if reader is not None:
-            check_model_matches(reader, config.model)
         if is_main:
             run_dir.mkdir(parents=True, exist_ok=True)
             directory.root.mkdir(parents=True, exist_ok=True)
             directory.remove_stale_temp_dirs()
             say("mcore-train: resolved config\n" + _indent(dump_config(config)))
         runtime.barrier()
-        trainer = Trainer(config, runtime, weights=reader)
-        if reader is not None and full_resume:
-            notes += load_training_state(
-                trainer, reader, load_optimizer=config.checkpoint.load_optimizer, load_rng=config.checkpoint.load_rng
-            )
+        built = restore_trainer(config, runtime, start)
     finally:
-        if reader is not None:
-            reader.close()
+        start.close()
+    trainer, source, notes = built.trainer, built.description, built.notes
     _print_header(config, runtime, trainer, run_dir, source, say)
     if is_main:  # only once the start state loaded: a failed start leaves the run directory untouched
         (run_dir / "config.yaml").write_text(dump_config(config), encoding="utf-8")
@@ -144,34 +140,126 @@ def run_training(config: Config, runtime: Runtime, *, stream: TextIO | None = No
     if trainer.iteration >= stop_at:
         say(f"checkpoint is at step {trainer.iteration} and the run ends at step {stop_at}: nothing to train")
         return RunResult("nothing-to-do", trainer.iteration, run_dir, directory.latest(), notes=notes)
-    return _train(config, runtime, trainer, data, run_dir, directory, stop_at, say, stream, notes)
+    return _train(config, runtime, built, data, run_dir, directory, stop_at, say, stream)
 
 
-def _choose_start(config: Config, directory: CheckpointDirectory) -> tuple[CheckpointReader | None, bool, str]:
-    latest = directory.latest()
+@dataclass
+class StartPoint:
+    """The checkpoint a run starts from (None: random weights), opened and checked against the model config.
+
+    ``full_resume`` says whether it restores the whole training state (step, optimizer, data position, RNG) or
+    only the weights (fine-tuning from step 0). Close it (or use it as a context manager) once the trainer is built.
+    """
+
+    reader: CheckpointReader | None
+    full_resume: bool
+    description: str
+
+    def close(self) -> None:
+        if self.reader is not None:
+            self.reader.close()
+
+    def __enter__(self) -> StartPoint:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+@dataclass
+class BuiltTrainer:
+    """A :class:`Trainer` in its start state, with what the run needs to know about where it came from.
+
+    ``hf_assets`` holds the start checkpoint's ``hf/`` files (on global rank 0 only; None elsewhere and when the
+    checkpoint has none): pass it to :class:`CheckpointSaver` so that every later checkpoint carries them.
+    """
+
+    trainer: Trainer
+    description: str
+    notes: list[str]
+    hf_assets: dict[str, bytes] | None
+
+
+def choose_start(
+    config: Config, *, directory: CheckpointDirectory | None = None, load: str | os.PathLike | None = None
+) -> StartPoint:
+    """Open the checkpoint a run starts from, as ``mcore-train`` chooses it.
+
+    ``directory``'s ``latest`` when there is one (the run restarts where it stopped); else ``load`` (default
+    ``config.checkpoint.load``): a full checkpoint resumes its step unless ``checkpoint.finetune``, a model-only
+    one gives the weights of a fine-tuning run from step 0; else random weights. Raises
+    :class:`~mcore.train.errors.CheckpointError` when the checkpoint is unreadable or holds a different model.
+    """
+    load = load if load is not None else config.checkpoint.load
+    latest = directory.latest() if directory is not None else None
     if latest is not None:
-        return CheckpointReader(latest), True, f"resuming from {latest}"
-    if config.checkpoint.load:
-        reader = CheckpointReader(config.checkpoint.load)
+        reader, full, description = CheckpointReader(latest), True, f"resuming from {latest}"
+    elif load:
+        reader = CheckpointReader(load)
         if reader.has_optimizer_state and not config.checkpoint.finetune:
-            return reader, True, f"resuming from {reader.path} (step {reader.iteration})"
-        return reader, False, f"starting from the weights of {reader.path} (fine-tuning from step 0)"
-    return None, False, "starting from random weights"
+            full, description = True, f"resuming from {reader.path} (step {reader.iteration})"
+        else:
+            full, description = False, f"starting from the weights of {reader.path} (fine-tuning from step 0)"
+    else:
+        return StartPoint(None, False, "starting from random weights")
+    try:
+        check_model_matches(reader, config.model)
+    except BaseException:
+        reader.close()
+        raise
+    return StartPoint(reader, full, description)
+
+
+def restore_trainer(config: Config, runtime: Runtime, start: StartPoint) -> BuiltTrainer:
+    """Build the :class:`Trainer` from ``start``'s weights and, for a full resume, its training state.
+
+    Collective over every rank. ``start`` stays open; the caller closes it.
+    """
+    trainer = Trainer(config, runtime, weights=start.reader)
+    notes: list[str] = []
+    hf_assets = None
+    if start.reader is not None:
+        if start.full_resume:
+            notes = load_training_state(
+                trainer,
+                start.reader,
+                load_optimizer=config.checkpoint.load_optimizer,
+                load_rng=config.checkpoint.load_rng,
+            )
+        if runtime.rank == 0:
+            hf_assets = read_hf_assets(start.reader.path)
+    return BuiltTrainer(trainer, start.description, notes, hf_assets)
+
+
+def build_trainer(
+    config: Config,
+    runtime: Runtime,
+    *,
+    load: str | os.PathLike | None = None,
+    directory: CheckpointDirectory | None = None,
+) -> BuiltTrainer:
+    """The :class:`Trainer` of ``config`` in the state ``mcore-train`` would start it in.
+
+    Starts from ``directory``'s ``latest`` checkpoint if given and present, else from ``load`` (default
+    ``config.checkpoint.load``), else from random weights; see :func:`choose_start`. Collective over every rank.
+    """
+    with choose_start(config, directory=directory, load=load) as start:
+        return restore_trainer(config, runtime, start)
 
 
 def _train(
     config: Config,
     runtime: Runtime,
-    trainer: Trainer,
+    built: BuiltTrainer,
     data: RunData,
     run_dir: Path,
     directory: CheckpointDirectory,
     stop_at: int,
     say: Any,
     stream: TextIO,
-    notes: list[str],
 ) -> RunResult:
     cfg = config
+    trainer, notes = built.trainer, built.notes
     g = trainer.groups
     is_main = runtime.is_logging_rank
     seq = cfg.data.seq_length
@@ -187,7 +275,11 @@ def _train(
         stream=stream,
     )
     saver = CheckpointSaver(
-        trainer, directory, keep_last=cfg.checkpoint.keep_last, async_save=cfg.checkpoint.async_save
+        trainer,
+        directory,
+        keep_last=cfg.checkpoint.keep_last,
+        async_save=cfg.checkpoint.async_save,
+        hf_assets=built.hf_assets,
     )
     guard = NonFiniteGuard(cfg.train.max_nonfinite_steps)
     batches = microbatch_stream(

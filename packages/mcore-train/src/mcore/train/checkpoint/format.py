@@ -33,6 +33,9 @@ FORMAT_VERSION = 1
 METADATA_FILE = "metadata.json"
 TRAIN_STATE_FILE = "train_state.json"
 LATEST_FILE = "latest"
+# Inside a checkpoint: the original Hugging Face config.json and tokenizer files, verbatim (written by mcore-bridge,
+# carried by every training checkpoint saved from it, so that converting back needs no --hf-assets).
+HF_ASSETS_DIR = "hf"
 ITER_DIR_RE = re.compile(r"^iter_(\d{7,})$")
 
 _DTYPES = {

@@ -36,6 +36,7 @@ from mcore.train.checkpoint.format import (
     tensor_meta_of,
     write_json_atomic,
 )
+from mcore.train.checkpoint.hf_assets import write_hf_assets
 from mcore.train.checkpoint.reader import CheckpointReader
 from mcore.train.checkpoint.resharding import Target
 from mcore.train.errors import CheckpointError
@@ -215,13 +216,25 @@ class CheckpointSaver:
 
     ``save`` is collective. With ``async_save`` it returns once the state is copied to CPU; call
     :meth:`poll` once per step on every rank (it commits a finished save) and :meth:`wait` before exiting.
+
+    ``hf_assets`` (from :func:`~mcore.train.checkpoint.hf_assets.read_hf_assets` of the checkpoint the run
+    started from) is written into every checkpoint's ``hf/`` by global rank 0; other ranks may pass None.
     """
 
-    def __init__(self, trainer: Trainer, directory: CheckpointDirectory, *, keep_last: int, async_save: bool) -> None:
+    def __init__(
+        self,
+        trainer: Trainer,
+        directory: CheckpointDirectory,
+        *,
+        keep_last: int,
+        async_save: bool,
+        hf_assets: dict[str, bytes] | None = None,
+    ) -> None:
         self.trainer = trainer
         self.directory = directory
         self.keep_last = keep_last
         self.async_save = async_save
+        self.hf_assets = hf_assets
         self._pending: _Snapshot | None = None
         self._thread: threading.Thread | None = None
         self.last_committed: Path | None = directory.latest()
@@ -325,6 +338,8 @@ class CheckpointSaver:
                 _save_shard(snap.model, snap.temp_dir / shard_file("model", g.tp_rank, g.pp_rank))
                 _save_shard(snap.optim, snap.temp_dir / shard_file("optim", g.tp_rank, g.pp_rank))
             _save_shard(snap.rng, snap.temp_dir / rng_file(rank))
+            if rank == 0 and self.hf_assets:
+                write_hf_assets(self.hf_assets, snap.temp_dir)
         except BaseException as exc:  # noqa: BLE001 - reported to every rank at commit time
             snap.error = exc
         finally:
