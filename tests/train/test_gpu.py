@@ -63,3 +63,19 @@ def test_tensor_parallel_on_two_gpus_with_nccl(tmp_path):
     assert second.returncode == 0, second.stderr[-3000:]
     assert "resuming from" in second.stdout
     assert re.search(r"^step 8/8 \| loss [0-9.]+", second.stdout, flags=re.M)
+
+
+@pytest.mark.gpu
+def test_gpu_readings_come_from_nvml():
+    from mcore.train.gpu_stats import read_gpu_stats
+
+    stats = read_gpu_stats(torch.device("cuda", 0))
+    assert 0 < stats["memory_used_gb"] <= stats["memory_total_gb"]
+    # nvidia-ml-py is a dependency of mcore-train, so the NVML readings must be there on a CUDA machine.
+    assert {"power_w", "sm_clock_mhz", "temperature_c", "utilization_pct"} <= stats.keys(), stats
+
+
+def test_gpu_readings_are_empty_off_cuda():
+    from mcore.train.gpu_stats import read_gpu_stats
+
+    assert read_gpu_stats(torch.device("cpu")) == {}
