@@ -584,6 +584,43 @@ def orchestrate(
             shutil.rmtree(work, ignore_errors=True)
 
 
+def add_orchestrator_arguments(parser: Any, *, dry_run_help: str) -> None:
+    """Options shared by the multi-GPU orchestrators (``multi_gpu.py``, ``eight_gpu.py``), worker mode included."""
+    import argparse
+
+    parser.add_argument("--precision", choices=["bf16", "fp32"], default=None, help="bf16 (fp32 in dry runs)")
+    parser.add_argument("--untimed-steps", type=int, default=None, help="leading steps left out of the timing (3)")
+    parser.add_argument("--compare-steps", type=int, default=20, help="steps whose losses must agree (20)")
+    parser.add_argument("--rtol", type=float, default=None, help="loss tolerance (bf16 1e-2, fp32 1e-4)")
+    parser.add_argument(
+        "--one-launch",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="run configurations of the same world size in one process group (default: only in dry runs)",
+    )
+    parser.add_argument("--launch-timeout", type=float, default=600.0, help="seconds per process group (600)")
+    parser.add_argument("--dry-run", action="store_true", help=dry_run_help)
+    parser.add_argument("--report", type=Path, nargs="+", metavar="DIR", help="only check and report saved results")
+    add_worker_arguments(parser)
+
+
+def resolve_orchestrator_arguments(parser: Any, args: Any, *, steps: int, positive: tuple[str, ...] = ()) -> None:
+    """Fill the dry-run-dependent defaults of :func:`add_orchestrator_arguments` and check the step counts."""
+    dry = args.dry_run
+    if args.precision is None:
+        args.precision = "fp32" if dry else "bf16"
+    if args.steps is None:
+        args.steps = 4 if dry else steps
+    if args.untimed_steps is None:
+        args.untimed_steps = 1 if dry else 3
+    args.one_launch = dry if args.one_launch is None else args.one_launch
+    for name in ("steps", "untimed_steps", "compare_steps", *positive):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.untimed_steps >= args.steps:
+        parser.error(f"--untimed-steps ({args.untimed_steps}) must be < --steps ({args.steps}) to leave steps to time")
+
+
 def add_worker_arguments(parser: Any) -> None:
     """The hidden arguments of a script's worker mode (set by :func:`orchestrate`)."""
     import argparse

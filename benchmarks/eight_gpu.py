@@ -32,7 +32,7 @@ from typing import Any
 
 from _common import (
     RunSpec,
-    add_worker_arguments,
+    add_orchestrator_arguments,
     check_spec,
     compare_loss_curves,
     curve,
@@ -41,6 +41,7 @@ from _common import (
     markdown_table,
     orchestrate,
     parse_names,
+    resolve_orchestrator_arguments,
     worker_main,
     write_report,
 )
@@ -239,46 +240,22 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument(
         "--out", type=Path, default=Path("runs/bench/eight_gpu"), help="where results.json, results.md, launches.log go"
     )
-    ap.add_argument("--precision", choices=["bf16", "fp32"], default=None, help="bf16 (fp32 in dry runs)")
     ap.add_argument("--steps", type=int, default=None, help="steps per layout (30; dry run 4)")
     ap.add_argument("--global-batch-size", type=int, default=16, help="sequences per step (16)")
-    ap.add_argument("--untimed-steps", type=int, default=None, help="leading steps left out of the timing (3)")
-    ap.add_argument("--compare-steps", type=int, default=20, help="steps whose losses must agree (20)")
     ap.add_argument("--save-at", type=int, default=None, help="step after which (2,2,2) saves (10; dry run 2)")
     ap.add_argument("--resume-steps", type=int, default=None, help="steps run after resuming (5; dry run 2)")
     ap.add_argument(
         "--ckpt-dir", type=Path, default=None, help="checkpoint directory, kept (default: a temporary one, removed)"
     )
     ap.add_argument("--gpu-memory", type=float, default=141.0, help="GB per GPU for the memory plan (141)")
-    ap.add_argument("--rtol", type=float, default=None, help="loss tolerance (bf16 1e-2, fp32 1e-4)")
-    ap.add_argument(
-        "--one-launch",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="run configurations of the same world size in one process group (default: only in dry runs)",
-    )
-    ap.add_argument("--launch-timeout", type=float, default=600.0, help="seconds per process group (600)")
-    ap.add_argument("--dry-run", action="store_true", help="CPU, gloo, world size 8, tiny Llama, 4 steps")
-    ap.add_argument("--report", type=Path, nargs="+", metavar="DIR", help="only check and report saved results")
-    add_worker_arguments(ap)
+    add_orchestrator_arguments(ap, dry_run_help="CPU, gloo, world size 8, tiny Llama, 4 steps")
     args = ap.parse_args(argv)
     dry = args.dry_run
-    if args.precision is None:
-        args.precision = "fp32" if dry else "bf16"
-    if args.steps is None:
-        args.steps = 4 if dry else 30
-    if args.untimed_steps is None:
-        args.untimed_steps = 1 if dry else 3
     if args.save_at is None:
         args.save_at = 2 if dry else 10
     if args.resume_steps is None:
         args.resume_steps = 2 if dry else 5
-    args.one_launch = dry if args.one_launch is None else args.one_launch
-    for name in ("steps", "untimed_steps", "compare_steps", "global_batch_size"):
-        if getattr(args, name) < 1:
-            ap.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-    if args.untimed_steps >= args.steps:
-        ap.error(f"--untimed-steps ({args.untimed_steps}) must be < --steps ({args.steps}) to leave steps to time")
+    resolve_orchestrator_arguments(ap, args, steps=30, positive=("global_batch_size",))
     if not 1 <= args.save_at < args.steps or args.save_at + args.resume_steps > args.steps:
         ap.error(
             f"need 1 <= --save-at < --steps and --save-at + --resume-steps <= --steps, got save-at {args.save_at}, "

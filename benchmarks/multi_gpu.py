@@ -38,7 +38,7 @@ from typing import Any
 from _common import (
     SHAPES,
     RunSpec,
-    add_worker_arguments,
+    add_orchestrator_arguments,
     compare_loss_curves,
     curve,
     default_rtol,
@@ -47,6 +47,7 @@ from _common import (
     markdown_table,
     orchestrate,
     parse_names,
+    resolve_orchestrator_arguments,
     worker_main,
     write_report,
 )
@@ -196,40 +197,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--out", type=Path, default=Path("runs/bench/multi_gpu"), help="where results.json, results.md, launches.log go"
     )
     ap.add_argument("--shape", choices=[s for s in SHAPES if s != "1b"], default=None, help="model shape (8b4l)")
-    ap.add_argument("--precision", choices=["bf16", "fp32"], default=None, help="bf16 (fp32 in dry runs)")
     ap.add_argument("--steps", type=int, default=None, help="steps per configuration (20; dry run 4)")
     ap.add_argument("--micro-batches", type=int, default=None, help="micro-batches per global batch (8; dry run 4)")
-    ap.add_argument("--untimed-steps", type=int, default=None, help="leading steps left out of the timing (3)")
-    ap.add_argument("--compare-steps", type=int, default=20, help="steps whose losses must match (20)")
-    ap.add_argument("--rtol", type=float, default=None, help="loss tolerance (bf16 1e-2, fp32 1e-4)")
-    ap.add_argument(
-        "--one-launch",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="run configurations of the same world size in one process group (default: only in dry runs)",
-    )
-    ap.add_argument("--launch-timeout", type=float, default=600.0, help="seconds per process group (600)")
-    ap.add_argument("--dry-run", action="store_true", help="CPU, gloo, world size 2, tiny fp32 model, 4 steps")
-    ap.add_argument("--report", type=Path, nargs="+", metavar="DIR", help="only check and report saved results")
-    add_worker_arguments(ap)
+    add_orchestrator_arguments(ap, dry_run_help="CPU, gloo, world size 2, tiny fp32 model, 4 steps")
     args = ap.parse_args(argv)
     dry = args.dry_run
     if args.shape is None:
         args.shape = "tiny" if dry else "8b4l"
-    if args.precision is None:
-        args.precision = "fp32" if dry else "bf16"
-    if args.steps is None:
-        args.steps = 4 if dry else 20
     if args.micro_batches is None:
         args.micro_batches = 4 if dry else 8
-    if args.untimed_steps is None:
-        args.untimed_steps = 1 if dry else 3
-    args.one_launch = dry if args.one_launch is None else args.one_launch
-    for name in ("steps", "micro_batches", "untimed_steps", "compare_steps"):
-        if getattr(args, name) < 1:
-            ap.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-    if args.untimed_steps >= args.steps:
-        ap.error(f"--untimed-steps ({args.untimed_steps}) must be < --steps ({args.steps}) to leave steps to time")
+    resolve_orchestrator_arguments(ap, args, steps=20, positive=("micro_batches",))
     if args.micro_batches % 2:
         ap.error(f"--micro-batches must be even (dp=2 and pp=2 split them), got {args.micro_batches}")
     return args
