@@ -98,6 +98,8 @@ class RunSpec:
     saves a full checkpoint into ``ckpt_dir`` after that step; ``resume_from`` starts from a full checkpoint
     (any layout), continuing its step, data position and optimizer. ``stop_after`` ends the run after that
     global step (``train.steps`` still fixes the LR schedule and the data, so a shorter run sees the same).
+    ``profile_steps`` more steps after the measured ones run under the CUDA profiler (``step_profile.py``); they
+    are not timed, and their breakdown goes into the result as ``profile``.
     """
 
     name: str
@@ -109,6 +111,7 @@ class RunSpec:
     ckpt_dir: str | None = None
     resume_from: str | None = None
     stop_after: int | None = None
+    profile_steps: int = 0
 
     def __post_init__(self) -> None:
         if not self.name or not all(c.isalnum() or c in "-_." for c in self.name):
@@ -128,6 +131,8 @@ class RunSpec:
             )
         if self.save_at is not None and self.save_at < 1:
             raise ValueError(f"RunSpec {self.name}: save_at must be a step >= 1, got {self.save_at}")
+        if not isinstance(self.profile_steps, int) or self.profile_steps < 0:
+            raise ValueError(f"RunSpec {self.name}: profile_steps must be an int >= 0, got {self.profile_steps!r}")
         if self.stop_after is not None and self.stop_after < 1:
             raise ValueError(f"RunSpec {self.name}: stop_after must be a step >= 1, got {self.stop_after}")
 
@@ -255,6 +260,7 @@ class _Measured:
     first_step_s: float  # wall time of the first step, synchronized (the slowest rank's)
     peak_bytes: list[int]  # per rank, training steps only
     checkpoint: dict[str, Any] | None
+    profile: list[dict[str, Any]] | None = None  # per rank, step_profile.breakdown_from_trace
 
 
 def _train_and_measure(spec: RunSpec, config: Any, runtime: Any, trainer: Any) -> _Measured:
@@ -289,7 +295,12 @@ def _train_and_measure(spec: RunSpec, config: Any, runtime: Any, trainer: Any) -
     first_step_s, peak_before_save, checkpoint = math.nan, 0, None
     sync()
     runtime.barrier()
-    for step in range(first, last + 1):
+    measured_last = last - spec.profile_steps
+    if measured_last < first:
+        raise ValueError(
+            f"{spec.name}: profile_steps={spec.profile_steps} leaves no measured step in [{first}, {last}]"
+        )
+    for step in range(first, measured_last + 1):
         micro = [microbatch_to_device(next(stream), device) for _ in range(trainer.num_microbatches)]
         sync()
         t0 = time.perf_counter()
@@ -316,6 +327,16 @@ def _train_and_measure(spec: RunSpec, config: Any, runtime: Any, trainer: Any) -
                 torch.cuda.reset_peak_memory_stats(device)
     sync()
     peak = max(peak_memory_bytes(device), peak_before_save)
+    profile = None
+    if spec.profile_steps:
+        from step_profile import profile_steps
+
+        def profiled_step(step: int) -> None:
+            micro = [microbatch_to_device(next(stream), device) for _ in range(trainer.num_microbatches)]
+            trainer.train_step(micro)
+
+        profile = profile_steps(profiled_step, range(measured_last + 1, last + 1), sync)
+        profile = _gather(runtime, profile)
     # Losses live on the last pipeline stage of every replica: sum over pp, mean over dp (one collective).
     loss_tensor = trainer.reduce_across_stages_and_replicas(torch.stack(losses)) / g.dp_size
     per_rank_times = _gather(runtime, [t.seconds() for t in timers])
@@ -327,6 +348,7 @@ def _train_and_measure(spec: RunSpec, config: Any, runtime: Any, trainer: Any) -
         first_step_s=max(_gather(runtime, first_step_s)),
         peak_bytes=_gather(runtime, peak),
         checkpoint=checkpoint,
+        profile=profile,
     )
 
 
@@ -388,6 +410,7 @@ def _result(spec: RunSpec, config: Any, runtime: Any, trainer: Any, m: _Measured
         "peak_mem_gb_per_rank": [p / 1e9 for p in m.peak_bytes],
         "peak_mem_kind": "cuda max_memory_allocated" if cuda else "process peak RSS",
         "checkpoint": m.checkpoint,
+        "profile": m.profile,
         "resumed_from": spec.resume_from,
         "notes": notes,
     }

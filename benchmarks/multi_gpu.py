@@ -87,7 +87,7 @@ def build_specs(args: argparse.Namespace, names: list[str]) -> list[RunSpec]:
         f"data.seq_length={shape['seq']}",
         f"train.micro_batch_size={shape['mbs']}",
         f"train.global_batch_size={shape['mbs'] * args.micro_batches}",
-        f"train.steps={args.steps}",
+        f"train.steps={args.steps + args.profile_steps}",
         "lr.min_lr=3e-5",
         *lr,
     ]
@@ -99,6 +99,7 @@ def build_specs(args: argparse.Namespace, names: list[str]) -> list[RunSpec]:
             [*common, *CONFIGS[name][1], *(half if name == HALF else [])],
             model,
             untimed_steps=args.untimed_steps,
+            profile_steps=args.profile_steps,
         )
         for name in names
     ]
@@ -188,7 +189,38 @@ def render(results: dict[str, dict[str, Any]], verdict: dict[str, Any], compare_
     if verdict["missing"]:
         lines.append(f"- did not run: {', '.join(verdict['missing'])}")
     lines.append("PASS" if verdict["ok"] else "FAIL")
+    profiled = render_profiles(results)
+    if profiled:
+        lines += ["", profiled]
     return "\n".join(lines)
+
+
+def render_profiles(results: dict[str, dict[str, Any]]) -> str:
+    """One row per configuration and rank from the CUDA-profiler breakdown (ms per step): where the time went."""
+    cats = ("gemm", "attention", "communication")
+    rows = []
+    for name in CONFIGS:
+        res = results.get(name)
+        for rank, b in enumerate((res or {}).get("profile") or []):
+            c = b["categories_ms"]
+            other = sum(v for k, v in c.items() if k not in cats)
+            rows.append(
+                [
+                    name,
+                    rank,
+                    b["step_window_ms"],
+                    *(c.get(k, 0.0) for k in cats),
+                    b["exposed_communication_ms"],
+                    other,
+                    b["idle_ms"],
+                ]
+            )
+    if not rows:
+        return ""
+    headers = ["config", "rank", "step ms", "GEMM", "attention", "comm total", "comm exposed", "other kernels", "idle"]
+    return "Time breakdown (CUDA profiler, ms per step, profiled steps after the timed ones)\n\n" + markdown_table(
+        headers, rows
+    )
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -199,6 +231,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--shape", choices=[s for s in SHAPES if s != "1b"], default=None, help="model shape (8b4l)")
     ap.add_argument("--steps", type=int, default=None, help="steps per configuration (20; dry run 4)")
     ap.add_argument("--micro-batches", type=int, default=None, help="micro-batches per global batch (8; dry run 4)")
+    ap.add_argument(
+        "--profile-steps", type=int, default=None, help="steps after the timed ones under the CUDA profiler (1; dry 0)"
+    )
     add_orchestrator_arguments(ap, dry_run_help="CPU, gloo, world size 2, tiny fp32 model, 4 steps")
     args = ap.parse_args(argv)
     dry = args.dry_run
@@ -207,6 +242,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if args.micro_batches is None:
         args.micro_batches = 4 if dry else 8
     resolve_orchestrator_arguments(ap, args, steps=20, positive=("micro_batches",))
+    if args.profile_steps is None:
+        args.profile_steps = 0 if dry else 1
+    if args.profile_steps < 0 or (dry and args.profile_steps):
+        ap.error(f"--profile-steps must be >= 0 and needs a GPU (0 in dry runs), got {args.profile_steps}")
     if args.micro_batches % 2:
         ap.error(f"--micro-batches must be even (dp=2 and pp=2 split them), got {args.micro_batches}")
     return args

@@ -44,16 +44,18 @@ from _common import (
     run_spec,
     write_json,
 )
+from step_profile import render_breakdown
 
 GPU_SHAPES = ("1b", "8b4l")
 # result file stem -> extra arguments of hf_baseline.py
 BASELINES = {"hf": [], "hf-compile": ["--compile"]}
 
 
-def build_spec(shape_name: str, *, iters: int, warmup: int, dry_run: bool) -> RunSpec:
-    """The mcore run of one shape: one micro-batch per step (the baseline's tokens per step), dp=1."""
+def build_spec(shape_name: str, *, iters: int, warmup: int, dry_run: bool, profile_steps: int = 0) -> RunSpec:
+    """The mcore run of one shape: one micro-batch per step (the baseline's tokens per step), dp=1; ``profile_steps``
+    more steps after the timed ones under the CUDA profiler."""
     shape = SHAPES[shape_name]
-    steps = 1 + warmup + iters
+    steps = 1 + warmup + iters + profile_steps
     overrides = [
         f"train.device={'cpu' if dry_run else 'cuda'}",
         f"train.precision={'fp32' if dry_run else 'bf16'}",
@@ -67,12 +69,16 @@ def build_spec(shape_name: str, *, iters: int, warmup: int, dry_run: bool) -> Ru
         "lr.min_lr=1e-4",
         "lr.warmup_steps=0",
     ]
-    return RunSpec(f"mcore_{shape_name}", 1, overrides, llama_model(shape), untimed_steps=1 + warmup)
+    return RunSpec(
+        f"mcore_{shape_name}", 1, overrides, llama_model(shape), untimed_steps=1 + warmup, profile_steps=profile_steps
+    )
 
 
 def run_ours(args: argparse.Namespace) -> int:
     """``--only mcore``: measure one shape in this process and write its JSON (the baseline's keys first)."""
-    spec = build_spec(args.shape, iters=args.iters, warmup=args.warmup, dry_run=args.dry_run)
+    spec = build_spec(
+        args.shape, iters=args.iters, warmup=args.warmup, dry_run=args.dry_run, profile_steps=args.profile_steps
+    )
     result, runtime = run_spec(spec)
     runtime.shutdown()
     shape = SHAPES[args.shape]
@@ -96,8 +102,11 @@ def run_ours(args: argparse.Namespace) -> int:
         "warmup": args.warmup,
         "step_times_s": result["step_times_s"],
         "losses": result["losses"],
+        "profile": result["profile"][0] if result["profile"] else None,
     }
     write_json(args.json, record)
+    if record["profile"]:
+        print(render_breakdown(record["profile"]), flush=True)
     print(json.dumps({k: record[k] for k in ("impl", "shape", "tokens_per_s", "tflops_per_gpu", "mfu", "peak_mem_gb")}))
     return 0
 
@@ -157,7 +166,8 @@ def render(summary: dict[str, Any]) -> str:
 def _runs(args: argparse.Namespace, shape: str, out: Path) -> list[tuple[str, list[str]]]:
     """(label, script and arguments) of each run of ``shape``: ours first, then the baselines."""
     ours = [str(Path(__file__).resolve()), "--only", "mcore", "--shape", shape, "--iters", str(args.iters)]
-    ours += ["--warmup", str(args.warmup), "--json", str(out / f"mcore_{shape}.json")]
+    ours += ["--warmup", str(args.warmup), "--profile-steps", str(args.profile_steps)]
+    ours += ["--json", str(out / f"mcore_{shape}.json")]
     runs = [("mcore", ours + (["--dry-run"] if args.dry_run else []))]
     if args.skip_baseline or args.dry_run:
         return runs
@@ -181,7 +191,10 @@ def orchestrate(args: argparse.Namespace) -> int:
     if not skip_baseline and args.warmup != 2:
         print(f"note: hf_baseline.py always warms up 2 steps; mcore warms up {args.warmup}", flush=True)
     for shape in shapes:
-        check_spec(build_spec(shape, iters=args.iters, warmup=args.warmup, dry_run=args.dry_run))
+        spec = build_spec(
+            shape, iters=args.iters, warmup=args.warmup, dry_run=args.dry_run, profile_steps=args.profile_steps
+        )
+        check_spec(spec)
     env = child_env(dry_run=args.dry_run)
     summary: dict[str, Any] = {"shapes": {}, "failures": []}
     # One log for every run: a device call returns at most 8 files (6 JSON, the summary and this).
@@ -218,6 +231,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--shape", choices=[*GPU_SHAPES, "all", "tiny"], default="all", help="shape(s) to run (all)")
     ap.add_argument("--iters", type=int, default=None, help="timed steps (8, as hf_baseline.py; dry run 3)")
     ap.add_argument("--warmup", type=int, default=None, help="untimed steps after the first (2; dry run 1)")
+    ap.add_argument(
+        "--profile-steps",
+        type=int,
+        default=None,
+        help="steps after the timed ones run under the CUDA profiler for the time breakdown (2; dry run 0)",
+    )
     ap.add_argument("--skip-baseline", action="store_true", help="run mcore only")
     ap.add_argument("--skip-hf-compile", action="store_true", help="run the baseline eager only")
     ap.add_argument("--hf-baseline", type=Path, default=DEFAULT_HF_BASELINE, help="path of hf_baseline.py")
@@ -229,6 +248,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = ap.parse_args(argv)
     args.iters = args.iters if args.iters is not None else (3 if args.dry_run else 8)
     args.warmup = args.warmup if args.warmup is not None else (1 if args.dry_run else 2)
+    args.profile_steps = args.profile_steps if args.profile_steps is not None else (0 if args.dry_run else 2)
+    if args.dry_run and args.profile_steps:
+        ap.error("--profile-steps needs a GPU (the breakdown reads CUDA kernels); leave it out of dry runs")
+    if args.profile_steps < 0:
+        ap.error(f"--profile-steps must be >= 0, got {args.profile_steps}")
     if args.iters < 1 or args.warmup < 0:
         ap.error(f"--iters must be >= 1 and --warmup >= 0, got {args.iters} and {args.warmup}")
     if args.only and (args.json is None or args.shape == "all"):

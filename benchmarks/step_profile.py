@@ -1,0 +1,174 @@
+"""Where a training step's GPU time goes: a CUDA-profiler breakdown of ``Trainer.train_step``.
+
+``profile_steps`` runs a few steps under ``torch.profiler`` (CUDA activity), writes the Chrome trace to a
+temporary file and reads the kernels back from it. Every kernel, copy and memset is put into one category by
+its name (first match of ``CATEGORIES``, in order: attention kernels also contain "sm90", so they come before
+the GEMMs). Per step: the GPU window runs from the step's host-side start to its last kernel's end (steps are
+synchronised, so kernels never spill into the next step); ``busy`` is the union of kernel intervals on all
+streams; ``idle`` = window - busy (the GPU waiting for the host: launch latency, host syncs, Python).
+Communication that runs beside compute is reported twice: its total, and the part not hidden under compute
+kernels (``exposed``), which is what costs time. Implicit host syncs inside the step (``.item()``, ``.cpu()``, ...)
+are counted with CUDA's sync debug mode, by the Python line that caused them.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import tempfile
+import warnings
+from collections import Counter, defaultdict
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+# (category, kernel-name pattern), first match wins.
+CATEGORIES: tuple[tuple[str, str], ...] = (
+    ("communication", r"nccl|all_?reduce|all_?gather|reduce_?scatter|sendrecv|cross_device"),
+    ("attention", r"flash|fmha|sdpa|attention|attn|flex"),
+    ("gemm", r"gemm|cutlass|xmma|nvjet|cublas|wgmma|sm90_|sm80_|splitk|matmul|_mm_"),
+    ("optimizer", r"adam|multi_tensor|foreach|_amp_|lerp|l2norm|norm_kernel_cuda|clip"),
+    ("loss", r"cross_entropy|_ce_|logsumexp|nll|_row_stats_kernel|^_grad_kernel"),
+    ("norm", r"rms_?norm|layer_?norm|_norm_"),
+    ("rope", r"rotary|rope"),
+    ("activation", r"swiglu|geglu|_glu_|silu|gelu"),
+    ("copy/cast", r"memcpy|memset|copy|cast|convert|to_copy|cat_|fill"),
+    ("embedding", r"embedding|index_select|indexselect|index_put|scatter|gather"),
+)
+OTHER = "other elementwise/reduction"
+_COMPILED = [(name, re.compile(pat, re.IGNORECASE)) for name, pat in CATEGORIES]
+_DEVICE_CATS = {"kernel", "gpu_memcpy", "gpu_memset"}
+STEP_MARK = "mcore_profiled_step"
+
+
+def categorize(kernel_name: str) -> str:
+    for name, pattern in _COMPILED:
+        if pattern.search(kernel_name):
+            return name
+    return OTHER
+
+
+def _union_length(intervals: Sequence[tuple[float, float]]) -> float:
+    total, end = 0.0, float("-inf")
+    for a, b in sorted(intervals):
+        if b <= end:
+            continue
+        total += b - max(a, end)
+        end = b
+    return total
+
+
+def _exposed(comm: Sequence[tuple[float, float]], compute: Sequence[tuple[float, float]]) -> float:
+    """Length of the union of ``comm`` not covered by the union of ``compute``."""
+    return _union_length([*comm, *compute]) - _union_length(compute)
+
+
+def breakdown_from_trace(trace: dict[str, Any], top: int = 25) -> dict[str, Any]:
+    """The per-category breakdown of a Chrome trace holding steps marked with ``STEP_MARK`` (times in ms, averaged
+    over the marked steps)."""
+    events = trace.get("traceEvents", [])
+    marks = sorted(
+        (e["ts"], e["ts"] + e.get("dur", 0))
+        for e in events
+        if e.get("name") == STEP_MARK and e.get("cat") == "user_annotation"
+    )
+    if not marks:
+        raise ValueError(f"the trace has no '{STEP_MARK}' annotations; were the steps run under profile_steps?")
+    kernels = [e for e in events if e.get("cat") in _DEVICE_CATS and "dur" in e]
+    if not kernels:
+        raise ValueError("the trace has no GPU kernels (was the profiler given ProfilerActivity.CUDA?)")
+    starts = [m[0] for m in marks] + [float("inf")]
+    per_step: list[list[dict[str, Any]]] = [[] for _ in marks]
+    for k in kernels:
+        for i in range(len(marks)):
+            if starts[i] <= k["ts"] < starts[i + 1]:
+                per_step[i].append(k)
+                break
+    n = len(marks)
+    cat_us: dict[str, float] = defaultdict(float)
+    by_name: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
+    window_us = busy_us = exposed_comm_us = 0.0
+    for (mark_start, _), ks in zip(marks, per_step):
+        if not ks:
+            continue
+        window_us += max(k["ts"] + k["dur"] for k in ks) - mark_start
+        intervals = [(k["ts"], k["ts"] + k["dur"]) for k in ks]
+        busy_us += _union_length(intervals)
+        comm, compute = [], []
+        for k, iv in zip(ks, intervals):
+            cat = categorize(k["name"])
+            cat_us[cat] += k["dur"]
+            by_name[k["name"]][0] += k["dur"]
+            by_name[k["name"]][1] += 1
+            (comm if cat == "communication" else compute).append(iv)
+        exposed_comm_us += _exposed(comm, compute)
+    window_ms = window_us / n / 1e3
+    categories = {c: cat_us[c] / n / 1e3 for c in sorted(cat_us, key=cat_us.get, reverse=True)}
+    top_kernels = sorted(by_name.items(), key=lambda kv: kv[1][0], reverse=True)[:top]
+    return {
+        "steps": n,
+        "step_window_ms": window_ms,
+        "busy_ms": busy_us / n / 1e3,
+        "idle_ms": (window_us - busy_us) / n / 1e3,
+        "categories_ms": categories,
+        "categories_percent_of_window": {c: 100 * v / window_ms for c, v in categories.items()},
+        "exposed_communication_ms": exposed_comm_us / n / 1e3,
+        "top_kernels": [
+            {"name": name[:160], "category": categorize(name), "ms_per_step": t / n / 1e3, "calls_per_step": c / n}
+            for name, (t, c) in top_kernels
+        ],
+    }
+
+
+def profile_steps(run_step: Callable[[int], None], steps: Sequence[int], sync: Callable[[], None]) -> dict[str, Any]:
+    """Run ``run_step(step)`` for each of ``steps`` under the CUDA profiler (synchronised before and after each)
+    and return ``breakdown_from_trace`` of them."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    syncs: list[str] = []
+    with tempfile.TemporaryDirectory(prefix="mcore-profile-") as tmp:
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for step in steps:
+                sync()
+                with record_function(STEP_MARK):
+                    # CUDA's sync debug mode warns at every implicit host sync (.item(), .cpu(), nonzero, ...)
+                    # inside the step, pointing at the Python line that caused it.
+                    with warnings.catch_warnings(record=True) as caught:
+                        warnings.simplefilter("always")
+                        torch.cuda.set_sync_debug_mode("warn")
+                        try:
+                            run_step(step)
+                        finally:
+                            torch.cuda.set_sync_debug_mode("default")
+                    syncs += [f"{w.filename}:{w.lineno}" for w in caught if "synchroniz" in str(w.message)]
+                    sync()
+        path = Path(tmp) / "trace.json"
+        prof.export_chrome_trace(str(path))
+        trace = json.loads(path.read_text())
+    result = breakdown_from_trace(trace)
+    result["host_syncs_per_step"] = len(syncs) / max(1, len(steps))
+    result["host_sync_sites"] = dict(Counter(syncs).most_common(10))
+    return result
+
+
+def render_breakdown(b: dict[str, Any], top: int = 12) -> str:
+    """Markdown: the categories (ms per step and % of the step window), then the costliest kernels."""
+    lines = [
+        f"step window {b['step_window_ms']:.1f} ms (mean of {b['steps']} profiled steps), GPU busy "
+        f"{b['busy_ms']:.1f} ms, idle {b['idle_ms']:.1f} ms, "
+        f"exposed communication {b['exposed_communication_ms']:.1f} ms, "
+        f"implicit host syncs per step {b.get('host_syncs_per_step', 'n/a')}",
+        "",
+        "| category | ms/step | % of step |",
+        "|---|---:|---:|",
+    ]
+    for cat, ms in b["categories_ms"].items():
+        lines.append(f"| {cat} | {ms:.2f} | {b['categories_percent_of_window'][cat]:.1f} |")
+    idle_percent = 100 * b["idle_ms"] / b["step_window_ms"]
+    lines.append(f"| idle (GPU waits for the host) | {b['idle_ms']:.2f} | {idle_percent:.1f} |")
+    lines += ["", "| kernel | category | ms/step | calls/step |", "|---|---|---:|---:|"]
+    for k in b["top_kernels"][:top]:
+        name = k["name"].replace("|", "\\|")[:90]
+        lines.append(f"| `{name}` | {k['category']} | {k['ms_per_step']:.2f} | {k['calls_per_step']:.0f} |")
+    return "\n".join(lines)
