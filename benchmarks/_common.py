@@ -377,6 +377,7 @@ def _result(spec: RunSpec, config: Any, runtime: Any, trainer: Any, m: _Measured
         "impl": "mcore",
         "world_size": runtime.world_size,
         "layout": {"tp": g.tp_size, "pp": g.pp_size, "dp": g.dp_size, "vpp": config.parallel.vpp},
+        "layers_per_stage": trainer.pipeline_layout,  # None: the even split
         "schedule": schedule.name,
         "num_microbatches": trainer.num_microbatches,
         "bubble_fraction": schedule.bubble_fraction(g.pp_size, config.parallel.vpp, trainer.num_microbatches),

@@ -56,15 +56,21 @@ REFERENCE = "single"
 # One GPU at the per-GPU batch of a dp=2 rank (half the global batch): the weak-scaling reference of dp=2. Its
 # loss curve differs (another batch) and is not checked.
 HALF = "single-half-batch"
+BALANCED = "parallel.pipeline_layout=balanced"
 # name -> (world size, parallel overrides)
 CONFIGS: dict[str, tuple[int, list[str]]] = {
     REFERENCE: (1, []),
     HALF: (1, []),
     "tp2": (2, ["parallel.tp=2", "parallel.dp=1"]),
     "tp2-sp": (2, ["parallel.tp=2", "parallel.dp=1", "parallel.sequence_parallel=true"]),
-    "pp2-1f1b": (2, ["parallel.pp=2", "parallel.dp=1", "parallel.schedule=1f1b"]),
-    "pp2-vpp2-interleaved": (2, ["parallel.pp=2", "parallel.vpp=2", "parallel.dp=1", "parallel.schedule=interleaved"]),
-    "pp2-zero-bubble": (2, ["parallel.pp=2", "parallel.dp=1", "parallel.schedule=zero-bubble"]),
+    # The pipeline runs use the balanced layout: the last stage also carries the output layer (for 8b4l, with its
+    # 128k vocabulary, ~2 layers' worth of FLOPs), so an even split of 4 layers leaves rank 0 idle half the time.
+    "pp2-1f1b": (2, ["parallel.pp=2", "parallel.dp=1", "parallel.schedule=1f1b", BALANCED]),
+    "pp2-vpp2-interleaved": (
+        2,
+        ["parallel.pp=2", "parallel.vpp=2", "parallel.dp=1", "parallel.schedule=interleaved", BALANCED],
+    ),
+    "pp2-zero-bubble": (2, ["parallel.pp=2", "parallel.dp=1", "parallel.schedule=zero-bubble", BALANCED]),
     "dp2": (2, ["parallel.dp=2", "parallel.overlap_grad_reduce=false"]),
     "dp2-overlap": (2, ["parallel.dp=2", "parallel.overlap_grad_reduce=true"]),
     "dp2-distopt": (2, ["parallel.dp=2", "parallel.distributed_optimizer=true", "parallel.overlap_grad_reduce=false"]),
@@ -149,7 +155,9 @@ def render(results: dict[str, dict[str, Any]], verdict: dict[str, Any], compare_
         rows.append(
             [
                 name,
-                f"{lay['tp']}/{lay['pp']}/{lay['dp']}" + (f" vpp{lay['vpp']}" if lay["vpp"] > 1 else ""),
+                f"{lay['tp']}/{lay['pp']}/{lay['dp']}"
+                + (f" vpp{lay['vpp']}" if lay["vpp"] > 1 else "")
+                + (f" layers {res['layers_per_stage']}" if res.get("layers_per_stage") else ""),
                 res["schedule"],
                 res["num_microbatches"],
                 res["tokens_per_s"],

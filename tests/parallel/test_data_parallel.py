@@ -169,6 +169,62 @@ def check_deferred_weight_grads(group) -> dict:
     }
 
 
+def _tp_model_and_reference(seed: int, tied: bool = False) -> tuple[nn.Module, nn.Module]:
+    """Column -> tanh -> Row (tensor-parallel linears, tp group of one) and the same in plain torch; ``tied``
+    adds an embedding whose weight the Column layer also multiplies by (a tied LM head)."""
+
+    class Net(nn.Module):
+        def __init__(self, col: nn.Module, row: nn.Module) -> None:
+            super().__init__()
+            self.embed = nn.Embedding(2 * WIDTH, WIDTH) if tied else None
+            self.col, self.row = col, row
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            if self.embed is not None:
+                x = x + self.embed(torch.arange(x.shape[0]) % (2 * WIDTH)).sum(0)
+            return self.row(torch.tanh(self.col(x)))
+
+    torch.manual_seed(seed)
+    model = Net(ColumnParallelLinear(WIDTH, 2 * WIDTH, bias=True), RowParallelLinear(2 * WIDTH, WIDTH))
+    ref = Net(nn.Linear(WIDTH, 2 * WIDTH), nn.Linear(2 * WIDTH, WIDTH, bias=False))
+    if tied:
+        model.col.weight = model.embed.weight
+        ref.col.weight = ref.embed.weight
+    ref.load_state_dict(model.state_dict())
+    return model, ref
+
+
+def check_gradient_accumulation_fusion(group, fusion: bool, tied: bool) -> dict:
+    """Weight gradients of the TP linears accumulate straight into main_grad (no .grad, one hook each), over
+    micro-batches under no_sync and with overlap; a tied weight also receives the embedding's .grad."""
+    import mcore.parallel.tensor_parallel as tp_module
+
+    model, ref = _tp_model_and_reference(5, tied)
+    dp, rank, micro = dist.get_world_size(group), dist.get_rank(), 3
+    (sum((ref(_data(r, m)) ** 2).mean() for r in range(dp) for m in range(micro)) / dp).backward()
+
+    ddp = DistributedDataParallel(model, group, bucket_size=1, gradient_accumulation_fusion=fusion)
+    fused_calls = []
+    real = tp_module.accumulate_weight_grad_
+    tp_module.accumulate_weight_grad_ = lambda *a: (fused_calls.append(a[0].shape), real(*a))
+    try:
+        for m in range(micro):
+            with ddp.no_sync() if m < micro - 1 else contextlib.nullcontext():
+                (ddp(_data(rank, m)) ** 2).mean().backward()
+        launched_before_finish = ddp.launched_buckets()
+        ddp.finish_grad_sync()
+    finally:
+        tp_module.accumulate_weight_grad_ = real
+    errs = {n: rel_err(p.main_grad, q.grad) for (n, p), q in zip(model.named_parameters(), ref.parameters())}
+    return {
+        "fused_calls": len(fused_calls),
+        "launched_before_finish": launched_before_finish,
+        "buckets": ddp.num_buckets(),
+        "grads_left": [n for n, p in model.named_parameters() if p.grad is not None],
+        "max_err": max(errs.values()),
+    }
+
+
 def check_unused_parameter(group) -> dict:
     class WithUnused(nn.Module):
         def __init__(self):
@@ -198,6 +254,13 @@ def _spawned(rank: int, world_size: int) -> dict:
             "param gather overlap": lambda: check_param_gather_overlap(group),
             "deferred weight grads": lambda: check_deferred_weight_grads(group),
             "unused parameter": lambda: check_unused_parameter(group),
+            **{
+                f"fusion {fusion} tied {tied}": lambda fusion=fusion, tied=tied: check_gradient_accumulation_fusion(
+                    group, fusion, tied
+                )
+                for fusion in (True, False)
+                for tied in (False, True)
+            },
         }
     )
 
@@ -240,6 +303,18 @@ def test_deferred_weight_gradients_fire_buckets_on_flush(spawned):
     for res in case_result(spawned, "deferred weight grads"):
         assert res["before_flush"] < res["buckets"] and res["after_flush"] == res["buckets"], res
         assert res["err"] <= TOL, res
+
+
+@pytest.mark.parametrize("tied", [False, True])
+@pytest.mark.parametrize("fusion", [True, False])
+def test_gradient_accumulation_fusion(spawned, fusion, tied):
+    for res in case_result(spawned, f"fusion {fusion} tied {tied}"):
+        # two linears x three micro-batches; the tied weight is fused too (the embedding part comes via .grad)
+        assert res["fused_calls"] == (6 if fusion else 0), res
+        assert res["grads_left"] == [], res
+        # overlap: every bucket (one per parameter) was issued during the last backward, each exactly once
+        assert res["launched_before_finish"] == res["buckets"], res
+        assert res["max_err"] <= TOL, res
 
 
 def test_unused_parameter_does_not_hang(spawned):

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 
-from mcore.parallel.pipeline import stage_layer_ranges, virtual_stage_index
+from mcore.parallel.pipeline import balanced_layout, stage_layer_ranges, virtual_stage_index
 
 
 def test_even_split_without_interleaving():
@@ -50,3 +52,46 @@ def test_layout_puts_fewer_layers_on_the_first_and_last_stage():
 def test_invalid_layouts_name_the_numbers(args, error, message):
     with pytest.raises(error, match=message):
         stage_layer_ranges(*args)
+
+
+def _rank_costs(layout, pp, first, last):
+    costs = [0.0] * pp
+    for v, n in enumerate(layout):
+        costs[v % pp] += n
+    costs[0] += first
+    costs[pp - 1] += last
+    return costs
+
+
+def test_balanced_layout_moves_layers_off_the_output_stage():
+    # Llama-3-8B layer shape with 4 layers: the 128k-vocabulary output layer costs ~2.4 layers
+    assert balanced_layout(4, 2, last_stage_extra=2.4) == [3, 1]
+    # interleaved: the rank with the output layer gets fewer layers, and its last chunk (with the output) none
+    assert balanced_layout(4, 2, 2, last_stage_extra=2.4) == [2, 1, 1, 0]
+    assert balanced_layout(8, 4) == [2, 2, 2, 2]  # nothing extra: the even split
+    layout = balanced_layout(30, 4, 2, first_stage_extra=0.5, last_stage_extra=3.0)
+    assert sum(layout) == 30 and len(layout) == 8
+    ranges = stage_layer_ranges(30, 4, 2, layout)
+    assert sorted(i for rank in ranges for a, b in rank for i in range(a, b)) == list(range(30))
+
+
+@pytest.mark.parametrize(("layers", "pp"), [(4, 2), (7, 3), (9, 4), (12, 3)])
+@pytest.mark.parametrize(("first", "last"), [(0.0, 2.4), (0.3, 1.0), (1.5, 0.0), (0.0, 7.0)])
+def test_balanced_layout_minimizes_the_heaviest_rank(layers, pp, first, last):
+    """Against every split of the layers over the ranks (vpp=1)."""
+    got = max(_rank_costs(balanced_layout(layers, pp, first_stage_extra=first, last_stage_extra=last), pp, first, last))
+    best = min(
+        max(_rank_costs(split, pp, first, last))
+        for split in itertools.product(range(layers + 1), repeat=pp)
+        if sum(split) == layers
+    )
+    assert got == pytest.approx(best)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [({"last_stage_extra": -1.0}, "last_stage_extra must be a number >= 0"), ({"first_stage_extra": "x"}, "first")],
+)
+def test_balanced_layout_rejects_bad_extras(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        balanced_layout(4, 2, **kwargs)

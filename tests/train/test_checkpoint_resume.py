@@ -3,6 +3,7 @@
 - tp=1 (one process) and tp=2 x pp=2 with tied embeddings (four gloo ranks): 12 steps straight vs 6 + stop +
   resume to 12, bitwise equal losses and gradient norms step by step (fp32 on CPU);
 - saved at tp=2 x pp=2, resumed at tp=1 x pp=1 x dp=2: losses equal within 1e-5 of the straight run;
+- pp=2 with the uneven ``parallel.pipeline_layout=[2,0]``: the losses of the even tp=2 x pp=2 run within 1e-5;
 - a model-only checkpoint streamed through ModelCheckpointWriter loads at tp=2 and gives the logits of the
   single-process model it came from.
 """
@@ -53,6 +54,11 @@ def _two_rank_cases(rank: int, world_size: int, base, checkpoint_6, model_only):
         out["relayout"] = train_records(base / "relayout")
         out["relayout_log"] = log
         out["relayout_iteration"] = result.iteration
+    # pp=2 with an uneven layout (every layer on the first stage, the output layer alone on the last): the losses
+    # of the tp=2 x pp=2 run with its even split
+    train(base / "uneven", TIED, "parallel.pp=2", "parallel.pipeline_layout=[2,0]")
+    if rank == 0:
+        out["uneven"] = train_records(base / "uneven")
     # a model-only checkpoint loaded at tp=2: logits equal to the model it was written from
     from mcore.train.config import load_config
     from mcore.train.runtime import init_runtime
@@ -124,6 +130,14 @@ def test_resume_into_another_layout(results):
     assert sorted(relayout) == list(range(7, 13))
     for step in range(7, 13):
         assert relayout[step]["loss"] == pytest.approx(four["straight"][step]["loss"], abs=1e-5, rel=0), step
+
+
+def test_uneven_pipeline_layout_trains_like_the_even_one(results):
+    four, two, _ = results
+    uneven = two["uneven"]
+    assert sorted(uneven) == list(range(1, 13))
+    for step in range(1, 13):
+        assert uneven[step]["loss"] == pytest.approx(four["straight"][step]["loss"], abs=1e-5, rel=0), step
 
 
 def test_model_only_checkpoint_loads_at_tp2(results):

@@ -100,3 +100,31 @@ def test_model_section_without_preset_must_be_complete(tmp_path):
 def test_config_is_a_plain_dataclass_with_defaults():
     assert isinstance(Config(), Config)
     assert Config().train.precision == "auto"
+
+
+def test_pipeline_layout_even_balanced_or_explicit():
+    from mcore.train.plan import make_plan
+    from mcore.train.trainer import pipeline_layout
+
+    shape = [
+        "model=llama3-8b",
+        "model.num_hidden_layers=4",
+        "data.seq_length=4096",
+        "train.micro_batch_size=1",
+        "train.global_batch_size=8",
+    ]
+    even = load_config(None, [*shape, "parallel.pp=2"])
+    assert pipeline_layout(even, 2) is None
+    # the 128k-vocabulary output layer costs ~2.3 layers of this shape: three layers go to the first stage
+    balanced = load_config(None, [*shape, "parallel.pp=2", "parallel.pipeline_layout=balanced"])
+    assert pipeline_layout(balanced, 2) == [3, 1]
+    vpp = load_config(None, [*shape, "parallel.pp=2", "parallel.vpp=2", "parallel.pipeline_layout=balanced"])
+    assert pipeline_layout(vpp, 2) == [2, 1, 1, 0]
+    explicit = load_config(None, [*shape, "parallel.pp=2", "parallel.pipeline_layout=[1, 3]"])
+    assert pipeline_layout(explicit, 2) == [1, 3]
+    # the memory plan counts each rank's layers from the same layout
+    plans = {name: make_plan(cfg, 2, 141.0) for name, cfg in (("even", even), ("balanced", balanced))}
+    assert plans["balanced"].stages[0].parameters > plans["even"].stages[0].parameters
+    assert plans["balanced"].stages[1].parameters < plans["even"].stages[1].parameters
+    with pytest.raises(UserError, match="pipeline_layout .* has 3 entries"):
+        load_config(None, [*shape, "parallel.pp=2", "parallel.pipeline_layout=[1,1,2]"])

@@ -14,11 +14,13 @@ from mcore.kernels.activations import geglu, swiglu
 from mcore.kernels.attention import attention
 from mcore.kernels.cross_entropy import cross_entropy
 from mcore.kernels.norms import layer_norm, rms_norm
+from mcore.kernels.optimizer import adamw_step_
 from mcore.kernels.rotary import apply_rotary, rope_cos_sin, rope_inv_freq
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "adamw_step_",
     "apply_rotary",
     "attention",
     "cross_entropy",

@@ -96,6 +96,18 @@ def matmul_weight_count(config: TransformerConfig) -> int:
     return layers * per_layer + config.vocab_size * h
 
 
+def layer_flops_per_token(config: TransformerConfig, seq_len: int) -> float:
+    """Training model FLOPs per token of one transformer layer (its matmuls and its attention scores)."""
+    h, f = config.hidden_size, config.intermediate_size
+    matmul = h * (config.q_size + 2 * config.kv_size) + config.q_size * h + 3 * h * f
+    return float(6 * matmul + 12 * config.q_size * seq_len)
+
+
+def output_layer_flops_per_token(config: TransformerConfig) -> float:
+    """Training model FLOPs per token of the output layer (tied or not: it always multiplies)."""
+    return float(6 * config.vocab_size * config.hidden_size)
+
+
 def model_flops_per_token(config: TransformerConfig, seq_len: int) -> float:
     """Training (forward + backward) model FLOPs per token at sequence length ``seq_len``."""
     if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 1:

@@ -90,8 +90,47 @@ def _is_meta(device) -> bool:
     return device is not None and torch.device(device).type == "meta"
 
 
+# Whether this torch's CUDA addmm can write fp32 results from bf16/fp16 operands (``out_dtype``, torch >= 2.8);
+# found out on first use, then remembered.
+_MIXED_DTYPE_ADDMM: bool | None = None
+
+
+def accumulate_weight_grad_(main_grad: torch.Tensor, grad_out: torch.Tensor, x: torch.Tensor) -> None:
+    """``main_grad += grad_out^T @ x`` with ``grad_out [n, out]`` and ``x [n, in]``, accumulated in ``main_grad``'s
+    precision by the GEMM itself (gradient-accumulation fusion: no low-precision weight gradient is materialized
+    and no separate add pass reads it back)."""
+    global _MIXED_DTYPE_ADDMM
+    a, b = grad_out.t(), x
+    if main_grad.dtype == a.dtype:
+        main_grad.addmm_(a, b)
+        return
+    if main_grad.is_cuda and _MIXED_DTYPE_ADDMM is not False:
+        try:
+            torch.addmm(main_grad, a, b, out_dtype=main_grad.dtype, out=main_grad)
+            _MIXED_DTYPE_ADDMM = True
+            return
+        except (RuntimeError, TypeError, NotImplementedError):
+            _MIXED_DTYPE_ADDMM = False  # older torch: fall through to the unfused form
+    main_grad.add_(a.matmul(b))
+
+
+def _weight_grad(param: nn.Parameter, grad_out: torch.Tensor, x: torch.Tensor) -> torch.Tensor | None:
+    """The weight gradient, or ``None`` when it went straight into ``param.main_grad``.
+
+    ``DistributedDataParallel`` marks its parameters with ``mcore_fuse_wgrad``; for those the GEMM accumulates
+    into the fp32 ``main_grad`` and ``mcore_wgrad_in_main_grad`` tells DDP's gradient hook (which autograd still
+    calls, with ``param.grad`` left empty) that the gradient is there.
+    """
+    if getattr(param, "mcore_fuse_wgrad", False) and getattr(param, "main_grad", None) is not None:
+        accumulate_weight_grad_(param.main_grad, grad_out, x)
+        param.mcore_wgrad_in_main_grad = True
+        return None
+    return grad_out.t().matmul(x)
+
+
 class _LinearWithDeferrableWeightGrad(torch.autograd.Function):
-    """``F.linear`` whose weight gradient is queued in ``WeightGradStore`` while it is deferring."""
+    """``F.linear`` whose weight gradient is queued in ``WeightGradStore`` while it is deferring, and accumulated
+    straight into ``main_grad`` for parameters of a ``DistributedDataParallel`` (see ``_weight_grad``)."""
 
     @staticmethod
     def forward(ctx, x, weight, bias):
@@ -109,10 +148,11 @@ class _LinearWithDeferrableWeightGrad(torch.autograd.Function):
         if ctx.needs_input_grad[1]:
             g2 = grad_out.reshape(-1, grad_out.shape[-1])
             x2 = x.reshape(-1, x.shape[-1])
+            param = ctx.param
             if WeightGradStore.is_deferring():
-                WeightGradStore.put(ctx.param, lambda: g2.t().matmul(x2))
+                WeightGradStore.put(param, lambda: _weight_grad(param, g2, x2))
             else:
-                grad_w = g2.t().matmul(x2)
+                grad_w = _weight_grad(param, g2, x2)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_b = grad_out.reshape(-1, grad_out.shape[-1]).sum(0)
         return grad_x, grad_w, grad_b

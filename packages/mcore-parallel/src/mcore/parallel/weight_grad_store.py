@@ -1,10 +1,10 @@
 """Deferred weight gradients for zero-bubble pipeline schedules.
 
-Inside ``with WeightGradStore.deferring():`` the tensor-parallel linears compute only the input gradient in
-backward (what the previous pipeline stage waits for) and queue the weight-gradient GEMM. A later
-``WeightGradStore.flush()`` runs the queued work: each weight gradient is accumulated into ``param.grad``
-and then ``param.mcore_grad_ready_hook(param)`` is called when the parameter has one (the DDP wrapper sets
-it to the same hook autograd would have triggered).
+Inside ``with WeightGradStore.deferring():`` the tensor-parallel linears compute only the input gradient in backward
+(what the previous pipeline stage waits for) and queue the weight-gradient GEMM. A later ``WeightGradStore.flush()``
+runs the queued work: each weight gradient is accumulated into ``param.grad`` (or, for parameters of a
+``DistributedDataParallel``, straight into ``param.main_grad``) and then ``param.mcore_grad_ready_hook(param)`` is
+called when the parameter has one (the DDP wrapper sets it to the same hook autograd would have triggered).
 
 The queue is class-level state (the schedule and the layers meet only through it); it is documented in
 docs/architecture.md. It is deliberately not thread-local: CUDA backward runs on autograd worker threads.
@@ -25,7 +25,7 @@ class WeightGradStore:
     """Queue of deferred weight-gradient computations, grouped by ``deferring()`` block (oldest first)."""
 
     _active: int = 0
-    _batches: deque[list[tuple[torch.nn.Parameter, Callable[[], torch.Tensor]]]] = deque()
+    _batches: deque[list[tuple[torch.nn.Parameter, Callable[[], torch.Tensor | None]]]] = deque()
 
     @classmethod
     @contextlib.contextmanager
@@ -43,8 +43,9 @@ class WeightGradStore:
         return cls._active > 0
 
     @classmethod
-    def put(cls, param: torch.nn.Parameter, compute: Callable[[], torch.Tensor]) -> None:
-        """Queue ``compute`` (returns the gradient of ``param``) in the innermost open batch."""
+    def put(cls, param: torch.nn.Parameter, compute: Callable[[], torch.Tensor | None]) -> None:
+        """Queue ``compute`` (returns the gradient of ``param``, or ``None`` when it accumulated it into
+        ``param.main_grad`` itself) in the innermost open batch."""
         if not cls._active:
             raise RuntimeError("WeightGradStore.put called outside WeightGradStore.deferring()")
         cls._batches[-1].append((param, compute))
@@ -64,8 +65,10 @@ class WeightGradStore:
             batch = cls._batches.popleft()
             with torch.no_grad():
                 for param, compute in batch:
-                    grad = compute()
-                    if param.grad is None:
+                    grad = compute()  # None: already accumulated into param.main_grad (DDP's fusion)
+                    if grad is None:
+                        pass
+                    elif param.grad is None:
                         param.grad = grad
                     else:
                         param.grad.add_(grad)

@@ -57,12 +57,19 @@ def _non_negative(section: str, name: str, value: int | float) -> None:
         raise ValueError(f"{section}.{name} must be >= 0, got {value}")
 
 
+PIPELINE_LAYOUTS = ("even", "balanced")
+
+
 @dataclass
 class ParallelSection:
     """How the model and the batch are split over ranks (sizes multiply to the world size).
 
     ``dp`` is derived from the world size when ``None``. ``schedule`` picks the pipeline schedule
-    (``auto``: 1F1B, interleaved when ``vpp > 1``, none when ``pp == 1``).
+    (``auto``: 1F1B, interleaved when ``vpp > 1``, none when ``pp == 1``). ``gradient_accumulation_fusion``:
+    the linear layers' weight-gradient GEMMs accumulate into the fp32 gradient buffer directly (no bf16 weight
+    gradient, no extra add pass); turn it off only to compare. ``pipeline_layout``: ``even`` (the same number of
+    layers per virtual stage), ``balanced`` (fewer layers on the stage that also runs the output layer and the
+    loss, by their FLOPs: see ``mcore.parallel.pipeline.balanced_layout``) or a list of layers per virtual stage.
     """
 
     tp: int = 1
@@ -74,6 +81,8 @@ class ParallelSection:
     distributed_optimizer: bool = False
     overlap_grad_reduce: bool = True
     bucket_size: int = 40_000_000
+    gradient_accumulation_fusion: bool = True
+    pipeline_layout: str | list[int] = "even"
 
     def __post_init__(self) -> None:
         for name in ("tp", "pp", "vpp", "bucket_size"):
@@ -86,6 +95,25 @@ class ParallelSection:
             raise ValueError("parallel.schedule=interleaved needs parallel.vpp > 1 (virtual stages per rank)")
         if self.vpp > 1 and self.pp == 1:
             raise ValueError(f"parallel.vpp={self.vpp} needs pp > 1")
+        layout = self.pipeline_layout
+        if isinstance(layout, str) and layout.strip().startswith("["):  # a list given as an a.b=c override
+            layout = yaml.safe_load(layout)
+            if not isinstance(layout, list) or not all(isinstance(n, int) and not isinstance(n, bool) for n in layout):
+                raise ValueError(f"parallel.pipeline_layout must be a list of integers, got {self.pipeline_layout!r}")
+            self.pipeline_layout = layout
+        if isinstance(layout, str):
+            if layout not in PIPELINE_LAYOUTS:
+                raise ValueError(
+                    f"parallel.pipeline_layout must be one of {list(PIPELINE_LAYOUTS)} or a list of layers per "
+                    f"virtual stage, got {layout!r}"
+                )
+        elif any(n < 0 for n in layout):
+            raise ValueError(f"parallel.pipeline_layout {layout}: layer counts must be >= 0")
+        elif len(layout) != self.pp * self.vpp:
+            raise ValueError(
+                f"parallel.pipeline_layout {layout} has {len(layout)} entries; pp*vpp = {self.pp}*{self.vpp} = "
+                f"{self.pp * self.vpp} virtual stages need one each (entry c*pp+r: layers of chunk c of rank r)"
+            )
 
     def world_size(self) -> int | None:
         """tp * pp * dp, or ``None`` while dp is still to be derived."""

@@ -20,9 +20,10 @@ from dataclasses import dataclass
 
 from mcore.models.accounting import model_flops_per_token, parameter_counts
 from mcore.parallel.grid import ParallelConfig
+from mcore.parallel.pipeline import stage_layer_ranges
 from mcore.train.config import Config
 from mcore.train.errors import UserError
-from mcore.train.trainer import schedule_class
+from mcore.train.trainer import pipeline_layout, schedule_class
 
 GB = 1e9
 RUNTIME_OVERHEAD_BYTES = 2.0 * GB
@@ -128,7 +129,8 @@ def make_plan(config: Config, world_size: int, gpu_memory_gb: float) -> Plan:
 
     padded_vocab = m.padded_vocab_size(tp)
     embedding = padded_vocab * m.hidden_size // tp
-    layers_per_rank = m.num_hidden_layers // pp
+    ranges = stage_layer_ranges(m.num_hidden_layers, pp, vpp, pipeline_layout(config, pp))
+    layers_of_rank = [sum(end - start for start, end in chunks) for chunks in ranges]
     per_layer = layer_params_per_rank(config, tp)
     act_layer = activation_bytes_per_layer(config, tp, dtype_bytes)
     if sched.name == "gpipe":
@@ -142,6 +144,7 @@ def make_plan(config: Config, world_size: int, gpu_memory_gb: float) -> Plan:
 
     stages = []
     for rank in range(pp):
+        layers_per_rank = layers_of_rank[rank]
         n = layers_per_rank * per_layer
         if rank == 0:
             n += embedding

@@ -31,6 +31,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from mcore.models.accounting import layer_flops_per_token, output_layer_flops_per_token
 from mcore.models.gpt import GPTModel
 from mcore.parallel.data_parallel import DistributedDataParallel
 from mcore.parallel.finalize import finalize_model_grads
@@ -43,6 +44,7 @@ from mcore.parallel.pipeline import (
     OneFOneB,
     PipelineSchedule,
     ZeroBubbleH1,
+    balanced_layout,
     p2p_activation_shape,
     stage_layer_ranges,
 )
@@ -110,6 +112,20 @@ def microbatch_to_device(batch: Mapping[str, Any], device: torch.device) -> dict
     return {k: (v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v) for k, v in batch.items()}
 
 
+def pipeline_layout(config: Config, pp: int) -> list[int] | None:
+    """Layers per virtual stage from ``parallel.pipeline_layout`` (``None``: the even split). ``balanced`` weighs
+    the output layer (and the loss) by its FLOPs relative to a transformer layer's; the embedding lookup costs
+    next to nothing."""
+    layout, vpp = config.parallel.pipeline_layout, config.parallel.vpp
+    if layout == "even" or pp == 1:
+        return None
+    if layout == "balanced":
+        m, seq = config.model, config.data.seq_length
+        extra = output_layer_flops_per_token(m) / layer_flops_per_token(m, seq)
+        return balanced_layout(m.num_hidden_layers, pp, vpp, last_stage_extra=extra)
+    return list(layout)
+
+
 class Trainer:
     """This rank's part of the model, its optimizer and the step function.
 
@@ -132,7 +148,8 @@ class Trainer:
         self.skip_nonfinite = resolve_skip_nonfinite(config, self.device, self.precision)
         pp, vpp = groups.pp_size, config.parallel.vpp
         self.num_stages = pp * vpp
-        ranges = stage_layer_ranges(config.model.num_hidden_layers, pp, vpp)[groups.pp_rank]
+        self.pipeline_layout = pipeline_layout(config, pp)
+        ranges = stage_layer_ranges(config.model.num_hidden_layers, pp, vpp, self.pipeline_layout)[groups.pp_rank]
         recompute = None if config.train.recompute == "none" else config.train.recompute
         self.chunks: list[GPTModel] = []
         for c, layer_range in enumerate(ranges):
@@ -176,6 +193,7 @@ class Trainer:
                 overlap_grad_reduce=cfg.parallel.overlap_grad_reduce,
                 use_distributed_optimizer=cfg.parallel.distributed_optimizer,
                 grad_dtype=torch.float32,
+                gradient_accumulation_fusion=cfg.parallel.gradient_accumulation_fusion,
             )
             for chunk in self.chunks
         ]

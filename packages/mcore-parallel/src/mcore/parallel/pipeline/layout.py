@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-__all__ = ["stage_layer_ranges", "virtual_stage_index"]
+__all__ = ["balanced_layout", "stage_layer_ranges", "virtual_stage_index"]
 
 
 def _check_positive_int(name: str, value: object) -> int:
@@ -73,3 +73,47 @@ def stage_layer_ranges(
         [(starts[virtual_stage_index(r, c, pp)], starts[virtual_stage_index(r, c, pp) + 1]) for c in range(vpp)]
         for r in range(pp)
     ]
+
+
+def _fill(count: int, extras: Sequence[float]) -> list[int]:
+    """Hand out ``count`` equal items one by one to the bin of lowest load (its items + its extra; ties: the
+    lowest index): the integer split minimizing the heaviest bin."""
+    n = [0] * len(extras)
+    for _ in range(count):
+        i = min(range(len(extras)), key=lambda j: (n[j] + extras[j], j))
+        n[i] += 1
+    return n
+
+
+def balanced_layout(
+    num_layers: int, pp: int, vpp: int = 1, *, first_stage_extra: float = 0.0, last_stage_extra: float = 0.0
+) -> list[int]:
+    """A ``layout`` for :func:`stage_layer_ranges` that evens out the work of the pipeline ranks.
+
+    The first virtual stage also runs the embedding and the last one the output layer and the loss; their cost
+    is given in units of one transformer layer (``last_stage_extra=2.4``: the output layer costs 2.4 layers, as
+    for a Llama-3-8B layer shape with its 128k vocabulary). Layers go to the ranks so that the heaviest rank is as
+    light as possible, then each rank's layers to its ``vpp`` chunks the same way (the chunk carrying the
+    output layer gets fewer). The pipeline runs at the pace of its heaviest rank, so this matters most when the
+    output layer is large relative to a layer (big vocabularies, few layers per stage).
+    """
+    _check_positive_int("num_layers", num_layers)
+    _check_positive_int("pp", pp)
+    _check_positive_int("vpp", vpp)
+    for name, extra in (("first_stage_extra", first_stage_extra), ("last_stage_extra", last_stage_extra)):
+        if isinstance(extra, bool) or not isinstance(extra, (int, float)) or not extra >= 0:
+            raise ValueError(f"{name} must be a number >= 0 (cost in transformer layers), got {extra!r}")
+    rank_extra = [0.0] * pp
+    rank_extra[0] += first_stage_extra
+    rank_extra[pp - 1] += last_stage_extra
+    per_rank = _fill(num_layers, rank_extra)
+    layout = [0] * (pp * vpp)
+    for r in range(pp):
+        chunk_extra = [0.0] * vpp
+        if r == 0:
+            chunk_extra[0] += first_stage_extra
+        if r == pp - 1:
+            chunk_extra[vpp - 1] += last_stage_extra
+        for c, n in enumerate(_fill(per_rank[r], chunk_extra)):
+            layout[virtual_stage_index(r, c, pp)] = n
+    return layout
