@@ -193,9 +193,8 @@ def _check_inputs(
 
     device = params[0].device if params and isinstance(params[0], torch.Tensor) else None
     for i in range(len(params)):
-        entries = {name: seq[i] for name, seq in lists.items()}
-        if entries.get("model_params", 0) is None:
-            del entries["model_params"]
+        # a None model-param entry means "no model copy of this master": nothing to check
+        entries = {name: seq[i] for name, seq in lists.items() if not (name == "model_params" and seq[i] is None)}
         for name, t in entries.items():
             if not isinstance(t, torch.Tensor):
                 raise TypeError(f"adamw_step_: {name}[{i}] must be a torch.Tensor, got {type(t).__name__}")

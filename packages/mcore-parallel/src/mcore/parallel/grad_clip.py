@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from mcore.parallel.comm import group_rank, group_size
 
-__all__ = ["clip_grad_norm", "clip_grads_", "total_grad_norm"]
+__all__ = ["clip_coefficient", "clip_grad_norm", "clip_grads_", "total_grad_norm"]
 
 
 def _counted_here(param: torch.Tensor, tp_rank: int, pp_rank: int) -> bool:
@@ -59,13 +59,21 @@ def total_grad_norm(
     return total.sqrt()
 
 
+def clip_coefficient(max_norm: float, total_norm: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """``min(1, max_norm / (total_norm + eps))`` (as ``torch.nn.utils.clip_grad_norm_``): a 0-d tensor on
+    ``total_norm``'s device, computed there (no host sync). Multiplying the gradients by it clips them."""
+    if not max_norm > 0:
+        raise ValueError(f"clip_coefficient: max_norm must be > 0, got {max_norm}")
+    return (max_norm / (total_norm + eps)).clamp(max=1.0)
+
+
 def clip_grads_(grads: list[torch.Tensor], max_norm: float, total_norm: torch.Tensor, eps: float = 1e-6) -> None:
-    """Scale ``grads`` in place by ``min(1, max_norm / (total_norm + eps))`` (as ``torch.nn.utils``), no sync."""
+    """Scale ``grads`` in place by ``clip_coefficient(max_norm, total_norm, eps)``, no sync."""
     if not max_norm > 0:
         raise ValueError(f"clip_grads_: max_norm must be > 0, got {max_norm}")
     if not grads:
         return
-    coef = (max_norm / (total_norm + eps)).clamp(max=1.0)
+    coef = clip_coefficient(max_norm, total_norm, eps)
     for dtype in {g.dtype for g in grads}:
         same = [g for g in grads if g.dtype == dtype]
         torch._foreach_mul_(same, coef.to(dtype))

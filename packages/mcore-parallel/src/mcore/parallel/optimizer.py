@@ -2,8 +2,7 @@
 (``DistributedOptimizer``, ZeRO-1).
 
 Both optimizers keep, for each parameter (or, sharded, each piece of a parameter that falls in this
-rank's shard of a gradient bucket), an fp32 master copy and run ``torch.optim.AdamW`` on those (fused on
-CUDA, foreach elsewhere). A step:
+rank's shard of a gradient bucket), an fp32 master copy and apply AdamW to those. A step:
 
 1. unscales the gradients (fp16 with ``DynamicLossScaler``);
 2. computes the global gradient norm (no double counting across tp/pp/dp; see ``grad_clip``);
@@ -12,6 +11,20 @@ CUDA, foreach elsewhere). A step:
 4. clips, updates the masters, copies them into the model's (bf16/fp16/fp32) parameters and, sharded,
    all-gathers the updated parameters over dp (overlapped with the next forward when the DDP wrapper has
    ``overlap_param_gather``).
+
+The update runs in one of two ways, with the same results (to fp32 rounding) and the same state:
+
+* fused step (``fused_step=True``; the default on CUDA): ``mcore.kernels.adamw_step_``, one pass per
+  tensor that reads the gradient in its own dtype, multiplies it by the clip coefficient and the inverse
+  loss scale (a device tensor: steps 1 and 4's multiplies are folded into the update, the norm is taken
+  of the still-scaled gradients and divided by the scale), updates master and moments and writes the
+  model parameter. The gradient buffers are left as the backward wrote them (still loss-scaled).
+* torch step (``fused_step=False``; the default elsewhere): unscale and clip in place with ``_foreach_mul_``,
+  ``torch.optim.AdamW`` (fused on CUDA, foreach elsewhere), then copy the masters into the model.
+
+Either way a ``torch.optim.AdamW`` object holds the param groups (``lr``, ``betas``, ``eps``,
+``weight_decay``, ``lr_mult``) and the per-master state ``{"step", "exp_avg", "exp_avg_sq"}`` with the
+dtypes and devices torch creates, so both kinds of step read and write the same state.
 
 ``state_dict()`` is independent of the dp size: per parameter name (as in the module's
 ``named_parameters()``), TP-local full fp32 tensors ``"<name>/master"``, ``"<name>/exp_avg"``,
@@ -27,9 +40,10 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from mcore.kernels import adamw_step_
 from mcore.parallel.comm import all_gather_into, group_size
 from mcore.parallel.data_parallel import DistributedDataParallel
-from mcore.parallel.grad_clip import clip_grads_, total_grad_norm
+from mcore.parallel.grad_clip import clip_coefficient, clip_grads_, total_grad_norm
 from mcore.parallel.grid import ProcessGroups
 from mcore.parallel.loss_scaler import DynamicLossScaler
 
@@ -103,7 +117,9 @@ class MixedPrecisionOptimizer:
     pipeline chunks; parameter names come from their ``named_parameters()``. ``param_groups``: dicts with
     ``params`` and optionally ``weight_decay`` and ``lr_mult`` (default: one group of every trainable
     parameter). ``clip_grad``: max global grad norm (0: no clipping). ``check_nonfinite``: skip steps whose
-    gradient norm is inf/nan (one host sync per step; always on with a ``loss_scaler``).
+    gradient norm is inf/nan (one host sync per step; always on with a ``loss_scaler``). ``fused_step``:
+    update with the fused ``mcore.kernels.adamw_step_`` (``True``) or with ``torch.optim.AdamW.step``
+    (``False``); ``None`` picks the fused step on CUDA (see the module docstring).
     """
 
     def __init__(
@@ -119,6 +135,7 @@ class MixedPrecisionOptimizer:
         loss_scaler: DynamicLossScaler | None = None,
         groups: ProcessGroups | None = None,
         check_nonfinite: bool = True,
+        fused_step: bool | None = None,
     ) -> None:
         self.chunks = [model_chunks] if isinstance(model_chunks, nn.Module) else list(model_chunks)
         if not self.chunks or not all(isinstance(c, nn.Module) for c in self.chunks):
@@ -128,6 +145,8 @@ class MixedPrecisionOptimizer:
                 raise ValueError(f"optimizer: {name} must be a finite number >= 0, got {value!r}")
         if len(betas) != 2 or not all(0 <= b < 1 for b in betas):
             raise ValueError(f"optimizer: betas must be two numbers in [0, 1), got {betas!r}")
+        if fused_step is not None and not isinstance(fused_step, bool):
+            raise TypeError(f"optimizer: fused_step must be True, False or None (auto: CUDA), got {fused_step!r}")
         if loss_scaler is not None and not isinstance(loss_scaler, DynamicLossScaler):
             raise TypeError(f"optimizer: loss_scaler must be a DynamicLossScaler or None, got {type(loss_scaler)}")
         if type(self) is MixedPrecisionOptimizer:
@@ -152,11 +171,17 @@ class MixedPrecisionOptimizer:
         self.device = params[0].device
         self._pieces = self._build_pieces()
 
+        # torch's AdamW is fused on CUDA: that fixes the dtype and device of the 'step' state for both kinds of step
         self._fused = self.device.type == "cuda"
+        self._fused_step = self._fused if fused_step is None else fused_step
+        # the step count of each piece's state, mirrored on the host so that the fused step never reads it back
+        self._piece_steps = [0] * len(self._pieces)
         adam_groups = []
+        self._adam_group_of: dict[int, int] = {}  # index in self._param_groups -> index in self._adam.param_groups
         for gi, g in enumerate(self._param_groups):
             masters = [pc.master for pc in self._pieces if pc.group_index == gi]
             if masters:
+                self._adam_group_of[gi] = len(adam_groups)
                 lr_mult = g.get("lr_mult", 1.0)
                 adam_groups.append(
                     {"params": masters, "weight_decay": g["weight_decay"], "lr": lr * lr_mult, "lr_mult": lr_mult}
@@ -245,6 +270,11 @@ class MixedPrecisionOptimizer:
     def lr(self) -> float:
         return self._lr
 
+    @property
+    def fused_step(self) -> bool:
+        """Whether ``step()`` runs the fused ``mcore.kernels.adamw_step_`` (fixed at construction)."""
+        return self._fused_step
+
     def set_lr(self, lr: float) -> None:
         """Set the learning rate of every group to ``lr * lr_mult``."""
         if isinstance(lr, bool) or not isinstance(lr, int | float) or not math.isfinite(lr) or lr < 0:
@@ -269,7 +299,8 @@ class MixedPrecisionOptimizer:
         for p in self.names:
             p.grad = None
 
-    def _gradients(self) -> list[torch.Tensor | None]:
+    def _gradients(self, upcast: bool) -> list[torch.Tensor | None]:
+        """Each piece's gradient (a flat view, or an fp32 copy when ``upcast`` and it is not fp32)."""
         grads = []
         for pc in self._pieces:
             if pc.grad_view is not None:
@@ -279,16 +310,17 @@ class MixedPrecisionOptimizer:
             else:
                 grads.append(None)  # unused parameter: AdamW skips it, as torch.optim would
                 continue
-            grads.append(g if g.dtype == torch.float32 else g.float())
+            grads.append(g.float() if upcast else g)
         return grads
 
     @torch.no_grad()
     def step(self) -> StepResult:
         """Unscale, measure, (maybe) skip, clip, update; see the module docstring."""
-        grads = self._gradients()
+        grads = self._gradients(upcast=not self._fused_step)
         present = [g for g in grads if g is not None]
-        if self.loss_scaler is not None and present:
-            torch._foreach_mul_(present, 1.0 / self.loss_scaler.scale)
+        inv_scale = None if self.loss_scaler is None else 1.0 / self.loss_scaler.scale
+        if inv_scale is not None and present and not self._fused_step:
+            torch._foreach_mul_(present, inv_scale)
         norm = total_grad_norm(
             [(pc.param, g) for pc, g in zip(self._pieces, grads)],
             tp_group=self.groups.tp,
@@ -296,10 +328,23 @@ class MixedPrecisionOptimizer:
             dp_group=self._norm_dp_group(),
             device=self.device,
         )
+        if inv_scale is not None and self._fused_step:
+            norm = norm * inv_scale  # the gradients are still scaled: ||g / s|| = ||g|| / s
         if self.check_nonfinite and not bool(torch.isfinite(norm).item()):
             if self.loss_scaler is not None:
                 self.loss_scaler.update(found_inf=True)
             return StepResult(ok=False, grad_norm=norm, skipped=True, loss_scale=self._reported_scale())
+        if self._fused_step:
+            self._fused_update(grads, norm, inv_scale)
+        else:
+            self._torch_update(grads, present, norm)
+        self._after_update()
+        if self.loss_scaler is not None:
+            self.loss_scaler.update(found_inf=False)
+        self.step_count += 1
+        return StepResult(ok=True, grad_norm=norm, skipped=False, loss_scale=self._reported_scale())
+
+    def _torch_update(self, grads: list[torch.Tensor | None], present: list[torch.Tensor], norm: torch.Tensor) -> None:
         if self.clip_grad > 0:
             clip_grads_(present, self.clip_grad, norm)
         for pc, g in zip(self._pieces, grads):
@@ -310,11 +355,66 @@ class MixedPrecisionOptimizer:
             pc.master.grad = None
             if not pc.aliased:
                 pc.param.data.view(-1)[pc.lo : pc.hi].copy_(pc.master)
-        self._after_update()
-        if self.loss_scaler is not None:
-            self.loss_scaler.update(found_inf=False)
-        self.step_count += 1
-        return StepResult(ok=True, grad_norm=norm, skipped=False, loss_scale=self._reported_scale())
+
+    def _fused_update(self, grads: list[torch.Tensor | None], norm: torch.Tensor, inv_scale: float | None) -> None:
+        """One ``adamw_step_`` call per (param group, step count): clip and unscale folded into the update."""
+        if self._adam is None:
+            return
+        multiplier = clip_coefficient(self.clip_grad, norm) if self.clip_grad > 0 else None
+        if inv_scale is not None:
+            if multiplier is None:
+                multiplier = torch.full((), inv_scale, dtype=torch.float32, device=self.device)
+            else:
+                multiplier = multiplier * inv_scale
+        # an unused parameter (no gradient) is skipped and keeps its step count, as torch.optim does
+        calls: dict[tuple[int, int], list[int]] = {}
+        for i, (pc, g) in enumerate(zip(self._pieces, grads)):
+            if g is not None:
+                calls.setdefault((self._adam_group_of[pc.group_index], self._piece_steps[i] + 1), []).append(i)
+        for (ai, steps), indices in calls.items():
+            group = self._adam.param_groups[ai]
+            if group.get("amsgrad") or group.get("maximize"):
+                raise ValueError(
+                    f"optimizer: param group {ai} sets amsgrad={group.get('amsgrad')} "
+                    f"maximize={group.get('maximize')}; the fused step implements plain AdamW "
+                    "(construct with fused_step=False for these)"
+                )
+            pieces = [self._pieces[i] for i in indices]
+            states = [self._state_of(pc.master) for pc in pieces]
+            beta1, beta2 = group["betas"]
+            adamw_step_(
+                [pc.master for pc in pieces],
+                [grads[i] for i in indices],
+                [st["exp_avg"] for st in states],
+                [st["exp_avg_sq"] for st in states],
+                steps=steps,
+                lr=group["lr"],
+                beta1=beta1,
+                beta2=beta2,
+                eps=group["eps"],
+                weight_decay=group["weight_decay"],
+                grad_multiplier=multiplier,
+                model_params=[None if pc.aliased else pc.param.data.view(-1)[pc.lo : pc.hi] for pc in pieces],
+            )
+            torch._foreach_add_([st["step"] for st in states], 1.0)
+            for i in indices:
+                self._piece_steps[i] = steps
+
+    def _step_tensor(self, value: int) -> torch.Tensor:
+        """A 'step' state entry as torch.optim.AdamW creates it (fp32 on the device when fused, else on the CPU).
+
+        ``torch.full`` rather than ``torch.tensor``: a fill on the device, not a copy from pageable host memory."""
+        device = self.device if self._fused else torch.device("cpu")
+        return torch.full((), float(value), dtype=_scalar_dtype(self._fused), device=device)
+
+    def _state_of(self, master: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The AdamW state of ``master``, created (zero moments, step 0) on first use as torch.optim does."""
+        state = self._adam.state[master]
+        if not state:
+            state["step"] = self._step_tensor(0)
+            state["exp_avg"] = torch.zeros_like(master, memory_format=torch.preserve_format)
+            state["exp_avg_sq"] = torch.zeros_like(master, memory_format=torch.preserve_format)
+        return state
 
     def _reported_scale(self) -> float | None:
         return None if self.loss_scaler is None else self.loss_scaler.scale
@@ -382,15 +482,14 @@ class MixedPrecisionOptimizer:
             pc.master.copy_(full["master"])
             if self._adam is not None:
                 self._adam.state[pc.master] = {
-                    "step": torch.tensor(
-                        float(step), dtype=_scalar_dtype(self._fused), device=self.device if self._fused else "cpu"
-                    ),
+                    "step": self._step_tensor(step),
                     "exp_avg": full["exp_avg"].to(device=self.device, dtype=torch.float32).clone(),
                     "exp_avg_sq": full["exp_avg_sq"].to(device=self.device, dtype=torch.float32).clone(),
                 }
         # every rank received the full tensors, so each sets its whole parameter without a gather
         for p in self._optimized_params():
             p.data.copy_(tensors[f"{self.names[p]}/master"].to(device=p.device, dtype=p.dtype))
+        self._piece_steps = [step] * len(self._pieces)
         self.step_count = step
         if self.loss_scaler is not None and state.get("loss_scaler") is not None:
             self.loss_scaler.load_state_dict(state["loss_scaler"])

@@ -57,7 +57,7 @@ def _adamw_kernel(
         p = p * decay
     m = beta1 * m + one_minus_beta1 * g
     v = beta2 * v + one_minus_beta2 * g * g
-    denom = tl.div_rn(tl.sqrt_rn(v + eps), bias_correction2_sqrt)
+    denom = tl.div_rn(tl.sqrt_rn(v), bias_correction2_sqrt) + eps
     p = p - tl.div_rn(step_size * m, denom)
     tl.store(Param + offsets, p, mask=mask)
     tl.store(ExpAvg + offsets, m, mask=mask)
