@@ -36,10 +36,19 @@ class ToyConfig:
     seq: int = 8
 
 
+def _normal_(tensor: torch.Tensor, mean: float, std: float, generator: torch.Generator | None) -> None:
+    """Fill ``tensor`` from ``generator``, drawing where the generator lives (the CPU) so that a CUDA model gets
+    the values of the CPU one."""
+    device = generator.device if generator is not None else tensor.device
+    with torch.no_grad():
+        tensor.copy_(
+            torch.empty(tensor.shape, dtype=tensor.dtype, device=device).normal_(mean, std, generator=generator)
+        )
+
+
 def _norm_init(tensor: torch.Tensor, generator: torch.Generator | None) -> None:
     # random norm weights, so that a wrong gradient for them cannot hide behind an initial value of 1
-    with torch.no_grad():
-        tensor.normal_(1.0, 0.1, generator=generator)
+    _normal_(tensor, 1.0, 0.1, generator)
 
 
 class _Norm(nn.LayerNorm):
@@ -52,8 +61,7 @@ class _Norm(nn.LayerNorm):
 
     def reset_parameters(self, generator: torch.Generator | None = None) -> None:  # noqa: D102
         _norm_init(self.weight, generator)
-        with torch.no_grad():
-            self.bias.normal_(0.0, 0.1, generator=generator)
+        _normal_(self.bias, 0.0, 0.1, generator)
 
 
 class _Block(nn.Module):
