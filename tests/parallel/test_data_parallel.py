@@ -371,3 +371,20 @@ def test_backward_twice_without_no_sync_raises():
 def test_bad_arguments(kwargs, exc, pattern):
     with pytest.raises(exc, match=pattern):
         DistributedDataParallel(_stack(), None, **kwargs)
+
+
+def test_wrapped_model_and_buffers_are_freed_when_dropped():
+    """The gradient hooks live in C++ (invisible to Python's gc): they must not keep the model, the wrapper or
+    the buffers alive once the caller drops them (one process running several models, e.g. benchmarks)."""
+    import gc
+    import weakref
+
+    model = _stack()
+    ddp = DistributedDataParallel(model, None, bucket_size=100, use_distributed_optimizer=True)
+    (ddp(_data(0)) ** 2).mean().backward()
+    ddp.finish_grad_sync()
+    refs = [weakref.ref(model), weakref.ref(ddp), *(weakref.ref(b.grad_data) for b in ddp.grad_buffers)]
+    refs += [weakref.ref(p) for p in model.parameters()]
+    del model, ddp
+    gc.collect()
+    assert [r() is None for r in refs] == [True] * len(refs)

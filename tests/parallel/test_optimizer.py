@@ -260,8 +260,10 @@ def _fixed_grads(model: nn.Module, step: int, scale: float = 1.0) -> dict[str, t
     }
 
 
-def _assert_same_state(fused, torch_step, steps_by_name=None):
-    """Equal model parameters, masters, moments and torch-AdamW state entries (keys, dtypes, devices, steps)."""
+def _assert_same_state(fused, torch_step, steps_by_name=None, rtol_of=None):
+    """Equal model parameters, masters, moments and torch-AdamW state entries (keys, dtypes, devices, steps).
+
+    ``rtol_of``: relative tolerance per kind of tensor (``master``, ``exp_avg``, ``exp_avg_sq``; default 1e-6)."""
     for opt in (fused, torch_step):
         for chunk in opt.chunks:
             if isinstance(chunk, DistributedDataParallel):
@@ -273,7 +275,8 @@ def _assert_same_state(fused, torch_step, steps_by_name=None):
         # fp32 on both sides; torch's foreach AdamW and the fused step round differently (lerp vs
         # multiply-add for exp_avg, one rounding more or less of the clipped/unscaled gradient): at most
         # ~2 ulps (1.2e-7) per step, so 1e-6 over 4 steps (observed: 1.1e-7)
-        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6 * want.abs().max().item(), msg=key)
+        rtol = (rtol_of or {}).get(key.rsplit("/", 1)[1], 1e-6)
+        torch.testing.assert_close(got, want, rtol=rtol, atol=rtol * want.abs().max().item(), msg=key)
     for (name, p), (_, q) in zip(fused.chunks[0].named_parameters(), torch_step.chunks[0].named_parameters()):
         master = ours["tensors"][f"{name}/master"]
         assert torch.equal(p, master.to(p.dtype)), name  # the model holds its master, rounded once
@@ -383,7 +386,10 @@ def test_cuda_fused_step_runs_triton_and_matches_torch_fused_adamw(monkeypatch):
                 dict(model.named_parameters())[name].main_grad.copy_(g.to(device))
             assert opt.step().ok
     assert len(calls) == 4 * 2  # one launch wrapper call per (param group, step)
-    _assert_same_state(built[None][2], built[False][2])
+    # torch's fused CUDA AdamW forms 1 - beta2 in fp32 from fp32(0.999): 0.00099998713, 1.3e-5 below the 0.001
+    # that torch's foreach path and ours use (measured on an H200: exp_avg_sq 1.3e-5 apart everywhere, exp_avg
+    # 3e-7, masters <= 4e-6 through 1/sqrt(exp_avg_sq)); the CPU tests above hold the 1e-6 bar against foreach
+    _assert_same_state(built[None][2], built[False][2], rtol_of={"exp_avg_sq": 3e-5, "master": 1e-5, "exp_avg": 1e-6})
 
 
 def _dp2_fused_cases(rank: int, world_size: int) -> dict:

@@ -24,6 +24,7 @@ bucket in a forward pre-hook.
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Iterator
 
 import torch
@@ -99,7 +100,7 @@ class DistributedDataParallel(nn.Module):
 
         self._hook_handles = []
         for p in params:
-            hook = self._make_grad_hook(p)
+            hook = self._make_grad_hook()
             p.mcore_grad_ready_hook = hook  # WeightGradStore calls it after a deferred weight gradient
             # read by the tensor-parallel linears: accumulate the weight gradient into main_grad in the GEMM
             p.mcore_fuse_wgrad = gradient_accumulation_fusion
@@ -118,10 +119,16 @@ class DistributedDataParallel(nn.Module):
     def forward(self, *args, **kwargs):
         return self.module(*args, **kwargs)
 
-    def _make_grad_hook(self, param: nn.Parameter):
-        buffer = self._buffer_of[param]
+    def _make_grad_hook(self):
+        # The hook lives in the parameter's C++ hook list, which Python's garbage collector cannot see: a closure
+        # holding the wrapper (or the parameter) strongly would make an uncollectable cycle and keep the model
+        # and its gradient buffers alive after the last reference to them is gone.
+        wrapper = weakref.ref(self)
 
         def hook(p: torch.Tensor) -> None:
+            ddp = wrapper()
+            if ddp is None:
+                return
             # autograd calls this once per backward even when p.grad stayed empty: a deferred weight gradient
             # (WeightGradStore; the parameter is ready only once it has been computed) or one the linear layer
             # accumulated straight into main_grad (then it flagged mcore_wgrad_in_main_grad). A parameter used
@@ -133,8 +140,8 @@ class DistributedDataParallel(nn.Module):
                 p.main_grad.add_(p.grad)
                 p.grad = None
             p.mcore_wgrad_in_main_grad = False
-            if self._sync_enabled and self.overlap_grad_reduce:
-                buffer.mark_ready(param)
+            if ddp._sync_enabled and ddp.overlap_grad_reduce:
+                ddp._buffer_of[p].mark_ready(p)
 
         return hook
 
