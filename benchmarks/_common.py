@@ -384,6 +384,7 @@ def _result(spec: RunSpec, config: Any, runtime: Any, trainer: Any, m: _Measured
         "sequence_parallel": config.parallel.sequence_parallel,
         "distributed_optimizer": config.parallel.distributed_optimizer,
         "overlap_grad_reduce": config.parallel.overlap_grad_reduce,
+        "overlap_param_gather": config.parallel.overlap_param_gather,
         "precision": trainer.precision,
         "device": str(device),
         "gpu": torch.cuda.get_device_name(device) if cuda else "cpu",

@@ -9,7 +9,8 @@ seq 4096, micro-batch 2, 8 micro-batches of the global batch) for ``--steps`` st
 - ``pp2-1f1b``, ``pp2-vpp2-interleaved``, ``pp2-zero-bubble``: pipeline parallelism (8 micro-batches);
 - ``dp2``, ``dp2-overlap``, ``dp2-distopt``, ``dp2-distopt-overlap``: data parallelism with the plain or the
   distributed optimizer, without and with overlapping the gradient reduction with backward (4 micro-batches
-  per rank: the same global batch).
+  per rank: the same global batch); ``dp2-distopt-overlap-all`` also overlaps the parameter all-gather with
+  the next forward.
 
 Every configuration runs in its own process group (``torch.distributed.run``; NVLS/multicast off), through the
 real ``Trainer``, on the same seed and data. It reports tokens/s, TFLOP/s/GPU, MFU, peak memory and the loss
@@ -77,6 +78,16 @@ CONFIGS: dict[str, tuple[int, list[str]]] = {
     "dp2-distopt-overlap": (
         2,
         ["parallel.dp=2", "parallel.distributed_optimizer=true", "parallel.overlap_grad_reduce=true"],
+    ),
+    # both overlaps: the gradient reduce-scatter behind backward, the parameter all-gather behind the next forward
+    "dp2-distopt-overlap-all": (
+        2,
+        [
+            "parallel.dp=2",
+            "parallel.distributed_optimizer=true",
+            "parallel.overlap_grad_reduce=true",
+            "parallel.overlap_param_gather=true",
+        ],
     ),
 }
 

@@ -189,6 +189,7 @@ def test_multi_gpu_dry_run_matches_the_single_process_run_in_every_layout(multi_
         "dp2-overlap": (1, 1, 2, 1),
         "dp2-distopt": (1, 1, 2, 1),
         "dp2-distopt-overlap": (1, 1, 2, 1),
+        "dp2-distopt-overlap-all": (1, 1, 2, 1),
     }
     for name, (tp, pp, dp, vpp) in expected_layouts.items():
         res = configs[name]
@@ -204,6 +205,8 @@ def test_multi_gpu_dry_run_matches_the_single_process_run_in_every_layout(multi_
     assert configs["tp2-sp"]["sequence_parallel"]
     assert configs["dp2-distopt-overlap"]["distributed_optimizer"] and configs["dp2-overlap"]["overlap_grad_reduce"]
     assert not configs["dp2"]["overlap_grad_reduce"] and not configs["dp2"]["distributed_optimizer"]
+    assert configs["dp2-distopt-overlap-all"]["overlap_param_gather"]
+    assert not configs["dp2-distopt-overlap"]["overlap_param_gather"]
     assert {configs[n]["schedule"] for n in ("pp2-1f1b", "pp2-vpp2-interleaved", "pp2-zero-bubble")} == {
         "1f1b",
         "interleaved-1f1b",

@@ -67,7 +67,9 @@ class ParallelSection:
     ``dp`` is derived from the world size when ``None``. ``schedule`` picks the pipeline schedule
     (``auto``: 1F1B, interleaved when ``vpp > 1``, none when ``pp == 1``). ``gradient_accumulation_fusion``:
     the linear layers' weight-gradient GEMMs accumulate into the fp32 gradient buffer directly (no bf16 weight
-    gradient, no extra add pass); turn it off only to compare. ``pipeline_layout``: ``even`` (the same number of
+    gradient, no extra add pass); turn it off only to compare. ``overlap_param_gather`` (with the distributed
+    optimizer): the all-gather of the updated parameters runs behind the next forward, each layer waiting for
+    its own bucket. ``pipeline_layout``: ``even`` (the same number of
     layers per virtual stage), ``balanced`` (fewer layers on the stage that also runs the output layer and the
     loss, by their FLOPs: see ``mcore.parallel.pipeline.balanced_layout``) or a list of layers per virtual stage.
     """
@@ -80,6 +82,7 @@ class ParallelSection:
     schedule: Literal["auto", "gpipe", "1f1b", "interleaved", "zero-bubble"] = "auto"
     distributed_optimizer: bool = False
     overlap_grad_reduce: bool = True
+    overlap_param_gather: bool = False
     bucket_size: int = 40_000_000
     gradient_accumulation_fusion: bool = True
     pipeline_layout: str | list[int] = "even"
@@ -95,6 +98,11 @@ class ParallelSection:
             raise ValueError("parallel.schedule=interleaved needs parallel.vpp > 1 (virtual stages per rank)")
         if self.vpp > 1 and self.pp == 1:
             raise ValueError(f"parallel.vpp={self.vpp} needs pp > 1")
+        if self.overlap_param_gather and not self.distributed_optimizer:
+            raise ValueError(
+                "parallel.overlap_param_gather=true needs parallel.distributed_optimizer=true (only the distributed "
+                "optimizer all-gathers the updated parameters)"
+            )
         layout = self.pipeline_layout
         if isinstance(layout, str) and layout.strip().startswith("["):  # a list given as an a.b=c override
             layout = yaml.safe_load(layout)

@@ -191,6 +191,7 @@ class Trainer:
                 groups.dp,
                 bucket_size=cfg.parallel.bucket_size,
                 overlap_grad_reduce=cfg.parallel.overlap_grad_reduce,
+                overlap_param_gather=cfg.parallel.overlap_param_gather,
                 use_distributed_optimizer=cfg.parallel.distributed_optimizer,
                 grad_dtype=torch.float32,
                 gradient_accumulation_fusion=cfg.parallel.gradient_accumulation_fusion,
