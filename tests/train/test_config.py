@@ -69,6 +69,8 @@ def test_num_microbatches_follows_dp():
         (["train=3"], "config section 'train' expects a mapping"),
         (["train.steps"], "expected an override of the form section.key=value"),
         (["parallel.sequence_parallel=true"], "sequence_parallel needs tp > 1"),
+        (["parallel.overlap_param_gather=true"], "needs parallel.distributed_optimizer=true"),
+        (["parallel.pp=2", "parallel.pipeline_layout=[3,2]"], "holds 5 layers but model.num_hidden_layers is 4"),
     ],
 )
 def test_bad_input_raises_one_clear_user_error(overrides, message):
@@ -122,6 +124,9 @@ def test_pipeline_layout_even_balanced_or_explicit():
     assert pipeline_layout(vpp, 2) == [2, 1, 1, 0]
     explicit = load_config(None, [*shape, "parallel.pp=2", "parallel.pipeline_layout=[1, 3]"])
     assert pipeline_layout(explicit, 2) == [1, 3]
+    # a layout also lifts the even split's divisibility rule: 4 layers over 3 stages
+    three = load_config(None, [*shape, "parallel.pp=3", "parallel.pipeline_layout=balanced"])
+    assert pipeline_layout(three, 3) == [2, 2, 0]
     # the memory plan counts each rank's layers from the same layout
     plans = {name: make_plan(cfg, 2, 141.0) for name, cfg in (("even", even), ("balanced", balanced))}
     assert plans["balanced"].stages[0].parameters > plans["even"].stages[0].parameters

@@ -307,10 +307,16 @@ class Config:
             raise ValueError(f"parallel.tp: {exc}") from None
         layers = self.model.num_hidden_layers
         stages = self.parallel.pp * self.parallel.vpp
-        if layers % stages:
+        layout = self.parallel.pipeline_layout
+        if layout == "even" and layers % stages:
             raise ValueError(
                 f"model.num_hidden_layers ({layers}) must be divisible by parallel.pp x parallel.vpp "
-                f"({self.parallel.pp} x {self.parallel.vpp} = {stages})"
+                f"({self.parallel.pp} x {self.parallel.vpp} = {stages}), or set parallel.pipeline_layout to "
+                f"'balanced' or a list of layers per virtual stage"
+            )
+        if isinstance(layout, list) and sum(layout) != layers:
+            raise ValueError(
+                f"parallel.pipeline_layout {layout} holds {sum(layout)} layers but model.num_hidden_layers is {layers}"
             )
         if self.parallel.sequence_parallel and self.data.seq_length % self.parallel.tp:
             raise ValueError(
