@@ -108,17 +108,11 @@ def adamw_step_(
     if not params:
         return
     outs = list(model_params) if model_params is not None else [None] * len(params)
-    chosen = dispatch.choose("adamw", params[0], backend=backend)
-    if chosen == dispatch.TRITON:
-        from mcore.kernels.triton import adamw as triton_adamw
-
-        triton_adamw.adamw_step(
-            list(params), list(grads), list(exp_avgs), list(exp_avg_sqs), outs, scalars, grad_multiplier
-        )
+    if dispatch.choose("adamw", params[0], backend=backend) == dispatch.TRITON:
+        from mcore.kernels.triton.adamw import adamw_step as step
     else:
-        reference_adamw_step(
-            list(params), list(grads), list(exp_avgs), list(exp_avg_sqs), outs, scalars, grad_multiplier
-        )
+        step = reference_adamw_step
+    step(list(params), list(grads), list(exp_avgs), list(exp_avg_sqs), outs, scalars, grad_multiplier)
 
 
 def reference_adamw_step(
