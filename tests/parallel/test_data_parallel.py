@@ -353,6 +353,23 @@ def test_single_rank_ddp_gives_plain_gradients():
     assert list(ddp.state_dict()) == list(ref.state_dict())
 
 
+def test_module_trained_after_its_wrapper_is_gone_gets_grads_again():
+    """Fusion follows the wrapper's lifetime: with the DDP object dropped (hooks not removed), the TP linears'
+    weight gradients land in .grad again, not in the orphaned main_grad."""
+    import gc
+
+    model, ref = _tp_model_and_reference(6)
+    ddp = DistributedDataParallel(model, None, bucket_size=100)
+    (ddp(_data(0)) ** 2).mean().backward()
+    assert all(p.grad is None for p in model.parameters())
+    del ddp
+    gc.collect()
+    (model(_data(0)) ** 2).mean().backward()
+    (ref(_data(0)) ** 2).mean().backward()
+    for p, q in zip(model.parameters(), ref.parameters()):
+        assert p.grad is not None and rel_err(p.grad, q.grad) <= TOL
+
+
 def test_backward_twice_without_no_sync_raises():
     ddp = DistributedDataParallel(_stack(), None, bucket_size=100)
     (ddp(_data(0)) ** 2).mean().backward()

@@ -102,8 +102,10 @@ class DistributedDataParallel(nn.Module):
         for p in params:
             hook = self._make_grad_hook()
             p.mcore_grad_ready_hook = hook  # WeightGradStore calls it after a deferred weight gradient
-            # read by the tensor-parallel linears: accumulate the weight gradient into main_grad in the GEMM
-            p.mcore_fuse_wgrad = gradient_accumulation_fusion
+            # read by the tensor-parallel linears: accumulate the weight gradient into main_grad in the GEMM, for
+            # as long as this wrapper lives (a weak reference: a module trained on after its wrapper is gone gets
+            # its gradients in .grad again, not in an orphaned buffer)
+            p.mcore_fuse_wgrad = weakref.ref(self) if gradient_accumulation_fusion else None
             p.mcore_wgrad_in_main_grad = False
             self._hook_handles.append(p.register_post_accumulate_grad_hook(hook))
         if overlap_param_gather:

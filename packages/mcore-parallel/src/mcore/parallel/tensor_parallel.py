@@ -117,11 +117,12 @@ def accumulate_weight_grad_(main_grad: torch.Tensor, grad_out: torch.Tensor, x: 
 def _weight_grad(param: nn.Parameter, grad_out: torch.Tensor, x: torch.Tensor) -> torch.Tensor | None:
     """The weight gradient, or ``None`` when it went straight into ``param.main_grad``.
 
-    ``DistributedDataParallel`` marks its parameters with ``mcore_fuse_wgrad``; for those the GEMM accumulates
-    into the fp32 ``main_grad`` and ``mcore_wgrad_in_main_grad`` tells DDP's gradient hook (which autograd still
-    calls, with ``param.grad`` left empty) that the gradient is there.
+    ``DistributedDataParallel`` sets ``mcore_fuse_wgrad`` on its parameters (a weak reference to itself); while
+    that wrapper lives the GEMM accumulates into the fp32 ``main_grad`` and ``mcore_wgrad_in_main_grad`` tells
+    DDP's gradient hook (which autograd still calls, with ``param.grad`` left empty) that the gradient is there.
     """
-    if getattr(param, "mcore_fuse_wgrad", False) and getattr(param, "main_grad", None) is not None:
+    owner = getattr(param, "mcore_fuse_wgrad", None)
+    if owner is not None and owner() is not None and getattr(param, "main_grad", None) is not None:
         accumulate_weight_grad_(param.main_grad, grad_out, x)
         param.mcore_wgrad_in_main_grad = True
         return None
