@@ -56,9 +56,10 @@ def _two_rank_cases(rank: int, world_size: int, base, checkpoint_6, model_only):
         out["relayout_iteration"] = result.iteration
     # pp=2 with an uneven layout (every layer on the first stage, the output layer alone on the last): the losses
     # of the tp=2 x pp=2 run with its even split
-    train(base / "uneven", TIED, "parallel.pp=2", "parallel.pipeline_layout=[2,0]")
+    _, uneven_log = train(base / "uneven", TIED, "parallel.pp=2", "parallel.pipeline_layout=[2,0]")
     if rank == 0:
         out["uneven"] = train_records(base / "uneven")
+        out["uneven_log"] = uneven_log
     # a model-only checkpoint loaded at tp=2: logits equal to the model it was written from
     from mcore.train.config import load_config
     from mcore.train.runtime import init_runtime
@@ -135,6 +136,7 @@ def test_resume_into_another_layout(results):
 def test_uneven_pipeline_layout_trains_like_the_even_one(results):
     four, two, _ = results
     uneven = two["uneven"]
+    assert "pipeline layout (given): layers per virtual stage [2, 0]" in two["uneven_log"]
     assert sorted(uneven) == list(range(1, 13))
     for step in range(1, 13):
         assert uneven[step]["loss"] == pytest.approx(four["straight"][step]["loss"], abs=1e-5, rel=0), step

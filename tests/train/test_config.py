@@ -131,5 +131,6 @@ def test_pipeline_layout_even_balanced_or_explicit():
     plans = {name: make_plan(cfg, 2, 141.0) for name, cfg in (("even", even), ("balanced", balanced))}
     assert plans["balanced"].stages[0].parameters > plans["even"].stages[0].parameters
     assert plans["balanced"].stages[1].parameters < plans["even"].stages[1].parameters
+    assert [s.layers for s in plans["balanced"].stages] == [3, 1] and [s.layers for s in plans["even"].stages] == [2, 2]
     with pytest.raises(UserError, match="pipeline_layout .* has 3 entries"):
         load_config(None, [*shape, "parallel.pp=2", "parallel.pipeline_layout=[1,1,2]"])

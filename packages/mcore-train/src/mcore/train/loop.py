@@ -401,6 +401,9 @@ def _print_header(config: Config, runtime: Runtime, trainer: Trainer, run_dir: P
         f"{config.train.micro_batch_size} x {config.data.seq_length} tokens per rank and step; "
         f"global batch {config.train.global_batch_size}"
     )
+    if trainer.pipeline_layout is not None:
+        how = config.parallel.pipeline_layout if isinstance(config.parallel.pipeline_layout, str) else "given"
+        say(f"pipeline layout ({how}): layers per virtual stage {trainer.pipeline_layout}")
     say(f"run directory: {run_dir}; {source}")
 
 

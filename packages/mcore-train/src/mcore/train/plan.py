@@ -35,6 +35,7 @@ class StageMemory:
     """Estimated bytes of one pipeline rank."""
 
     pp_rank: int
+    layers: int
     parameters: int
     weights: float
     gradients: float
@@ -160,7 +161,9 @@ def make_plan(config: Config, world_size: int, gpu_memory_gb: float) -> Plan:
         acts = layers_per_rank * act_layer * (in_flight if rank == 0 else max(1.0, in_flight - rank))
         if rank == pp - 1:
             acts += logits
-        stages.append(StageMemory(rank, n, weights, gradients, optimizer, acts, RUNTIME_OVERHEAD_BYTES))
+        stages.append(
+            StageMemory(rank, layers_per_rank, n, weights, gradients, optimizer, acts, RUNTIME_OVERHEAD_BYTES)
+        )
     return Plan(
         world_size=world_size,
         tp=tp,
@@ -192,11 +195,12 @@ def format_plan(plan: Plan, peak_flops_per_gpu: float | None = None) -> str:
         at = plan.flops_per_step / plan.world_size / (0.4 * peak_flops_per_gpu)
         lines.append(f"step time at 40% MFU: {at:.2f} s")
     lines.append(f"memory per rank ({plan.precision} parameters, fp32 gradients and optimizer states), GB:")
-    lines.append("  pp rank   params(M)   weights   grads   optimizer   activations   overhead   total")
+    lines.append("  pp rank   layers   params(M)   weights   grads   optimizer   activations   overhead   total")
     for s in plan.stages:
         lines.append(
-            f"  {s.pp_rank:>7}   {s.parameters / 1e6:>9.1f}   {s.weights / GB:>7.2f}   {s.gradients / GB:>5.2f}   "
-            f"{s.optimizer / GB:>9.2f}   {s.activations / GB:>11.2f}   {s.overhead / GB:>8.2f}   {s.total / GB:>5.2f}"
+            f"  {s.pp_rank:>7}   {s.layers:>6}   {s.parameters / 1e6:>9.1f}   {s.weights / GB:>7.2f}   "
+            f"{s.gradients / GB:>5.2f}   {s.optimizer / GB:>9.2f}   {s.activations / GB:>11.2f}   "
+            f"{s.overhead / GB:>8.2f}   {s.total / GB:>5.2f}"
         )
     worst = plan.worst
     verdict = "fits" if plan.fits else "does NOT fit"
@@ -225,6 +229,7 @@ def plan_to_dict(plan: Plan) -> dict:
         "memory_gb": [
             {
                 "pp_rank": s.pp_rank,
+                "layers": s.layers,
                 "parameters": s.parameters,
                 "weights": s.weights / GB,
                 "gradients": s.gradients / GB,
