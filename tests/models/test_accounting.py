@@ -7,9 +7,11 @@ from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2
 
 from mcore.models.accounting import (
     H100_BF16_PEAK_FLOPS,
+    layer_flops_per_token,
     matmul_weight_count,
     mfu,
     model_flops_per_token,
+    output_layer_flops_per_token,
     parameter_counts,
 )
 from mcore.models.families import family_of, get_config, preset_names
@@ -68,8 +70,13 @@ def test_flops_per_token_formula():
     seq = 4096
     expected = 6 * linear + 12 * 36 * (32 * 128) * seq
     assert model_flops_per_token(config, seq) == expected
-    with pytest.raises(ValueError, match="seq_len must be a positive int"):
-        model_flops_per_token(config, 0)
+    # the per-layer and output-layer parts (used to balance pipeline stages) from HF's own modules
+    layer0 = sum(m.weight.numel() for m in model.model.layers[0].modules() if isinstance(m, torch.nn.Linear))
+    assert layer_flops_per_token(config, seq) == 6 * layer0 + 12 * (32 * 128) * seq
+    assert output_layer_flops_per_token(config) == 6 * model.lm_head.weight.numel()
+    for fn in (model_flops_per_token, layer_flops_per_token):
+        with pytest.raises(ValueError, match="seq_len must be a positive int"):
+            fn(config, 0)
 
 
 def test_mfu():

@@ -139,36 +139,6 @@ def check_param_gather_overlap(group) -> dict:
     }
 
 
-def check_deferred_weight_grads(group) -> dict:
-    """Deferred weight gradients reach main_grad through mcore_grad_ready_hook and fire their buckets."""
-    torch.manual_seed(3)
-    model = nn.Sequential(
-        ColumnParallelLinear(WIDTH, 2 * WIDTH, bias=True), nn.Tanh(), RowParallelLinear(2 * WIDTH, WIDTH)
-    )
-    ref = nn.Sequential(nn.Linear(WIDTH, 2 * WIDTH), nn.Tanh(), nn.Linear(2 * WIDTH, WIDTH, bias=False))
-    with torch.no_grad():
-        ref[0].weight.copy_(model[0].weight)
-        ref[0].bias.copy_(model[0].bias)
-        ref[2].weight.copy_(model[2].weight)
-    dp = dist.get_world_size(group)
-    (sum((ref(_data(r)) ** 2).mean() for r in range(dp)) / dp).backward()
-
-    ddp = DistributedDataParallel(model, group, bucket_size=1)
-    with WeightGradStore.deferring():
-        (ddp(_data(dist.get_rank())) ** 2).mean().backward()
-    launched_before_flush = ddp.launched_buckets()
-    WeightGradStore.flush()
-    launched_after_flush = ddp.launched_buckets()
-    ddp.finish_grad_sync()
-    errs = [rel_err(p.main_grad, q.grad) for p, q in zip(model.parameters(), ref.parameters())]
-    return {
-        "buckets": ddp.num_buckets(),
-        "before_flush": launched_before_flush,
-        "after_flush": launched_after_flush,
-        "err": max(errs),
-    }
-
-
 def _tp_model_and_reference(seed: int, tied: bool = False) -> tuple[nn.Module, nn.Module]:
     """Column -> tanh -> Row (tensor-parallel linears, tp group of one) and the same in plain torch; ``tied``
     adds an embedding whose weight the Column layer also multiplies by (a tied LM head)."""
@@ -192,6 +162,28 @@ def _tp_model_and_reference(seed: int, tied: bool = False) -> tuple[nn.Module, n
         ref.col.weight = ref.embed.weight
     ref.load_state_dict(model.state_dict())
     return model, ref
+
+
+def check_deferred_weight_grads(group) -> dict:
+    """Deferred weight gradients reach main_grad through mcore_grad_ready_hook and fire their buckets."""
+    model, ref = _tp_model_and_reference(3)
+    dp = dist.get_world_size(group)
+    (sum((ref(_data(r)) ** 2).mean() for r in range(dp)) / dp).backward()
+
+    ddp = DistributedDataParallel(model, group, bucket_size=1)
+    with WeightGradStore.deferring():
+        (ddp(_data(dist.get_rank())) ** 2).mean().backward()
+    launched_before_flush = ddp.launched_buckets()
+    WeightGradStore.flush()
+    launched_after_flush = ddp.launched_buckets()
+    ddp.finish_grad_sync()
+    errs = [rel_err(p.main_grad, q.grad) for p, q in zip(model.parameters(), ref.parameters())]
+    return {
+        "buckets": ddp.num_buckets(),
+        "before_flush": launched_before_flush,
+        "after_flush": launched_after_flush,
+        "err": max(errs),
+    }
 
 
 def check_gradient_accumulation_fusion(group, fusion: bool, tied: bool) -> dict:

@@ -85,22 +85,30 @@ def parameter_counts(config: TransformerConfig) -> ParameterCounts:
     )
 
 
+def _matmul_weights_per_layer(config: TransformerConfig) -> int:
+    """Elements of one transformer layer's matmul weights: fused QKV, output projection, gated MLP."""
+    h, f = config.hidden_size, config.intermediate_size
+    return h * (config.q_size + 2 * config.kv_size) + config.q_size * h + 3 * h * f
+
+
 def matmul_weight_count(config: TransformerConfig) -> int:
     """Elements of every weight used in a matmul per token: all projections plus the output layer.
 
     A tied output layer still multiplies every token by the embedding table, so it counts here even though
     it adds no parameters; the embedding lookup (a gather) does not.
     """
-    h, f, layers = config.hidden_size, config.intermediate_size, config.num_hidden_layers
-    per_layer = h * (config.q_size + 2 * config.kv_size) + config.q_size * h + 3 * h * f
-    return layers * per_layer + config.vocab_size * h
+    return config.num_hidden_layers * _matmul_weights_per_layer(config) + config.vocab_size * config.hidden_size
+
+
+def _check_seq_len(seq_len: int) -> None:
+    if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 1:
+        raise ValueError(f"seq_len must be a positive int, got {seq_len!r}")
 
 
 def layer_flops_per_token(config: TransformerConfig, seq_len: int) -> float:
     """Training model FLOPs per token of one transformer layer (its matmuls and its attention scores)."""
-    h, f = config.hidden_size, config.intermediate_size
-    matmul = h * (config.q_size + 2 * config.kv_size) + config.q_size * h + 3 * h * f
-    return float(6 * matmul + 12 * config.q_size * seq_len)
+    _check_seq_len(seq_len)
+    return float(6 * _matmul_weights_per_layer(config) + 12 * config.q_size * seq_len)
 
 
 def output_layer_flops_per_token(config: TransformerConfig) -> float:
@@ -109,11 +117,10 @@ def output_layer_flops_per_token(config: TransformerConfig) -> float:
 
 
 def model_flops_per_token(config: TransformerConfig, seq_len: int) -> float:
-    """Training (forward + backward) model FLOPs per token at sequence length ``seq_len``."""
-    if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 1:
-        raise ValueError(f"seq_len must be a positive int, got {seq_len!r}")
-    attention = 12 * config.num_hidden_layers * config.q_size * seq_len
-    return float(6 * matmul_weight_count(config) + attention)
+    """Training (forward + backward) model FLOPs per token at sequence length ``seq_len``: every layer plus the
+    output layer (= 6 x ``matmul_weight_count`` + 12 x layers x q_size x seq_len)."""
+    _check_seq_len(seq_len)
+    return config.num_hidden_layers * layer_flops_per_token(config, seq_len) + output_layer_flops_per_token(config)
 
 
 def mfu(
