@@ -71,6 +71,7 @@ def test_num_microbatches_follows_dp():
         (["parallel.sequence_parallel=true"], "sequence_parallel needs tp > 1"),
         (["parallel.overlap_param_gather=true"], "needs parallel.distributed_optimizer=true"),
         (["parallel.pp=2", "parallel.pipeline_layout=[3,2]"], "holds 5 layers but model.num_hidden_layers is 4"),
+        (["parallel.pp=2", "parallel.pipeline_layout=[a, b]"], "expects str or list[int], got ['a', 'b']"),
     ],
 )
 def test_bad_input_raises_one_clear_user_error(overrides, message):
@@ -134,3 +135,10 @@ def test_pipeline_layout_even_balanced_or_explicit():
     assert [s.layers for s in plans["balanced"].stages] == [3, 1] and [s.layers for s in plans["even"].stages] == [2, 2]
     with pytest.raises(UserError, match="pipeline_layout .* has 3 entries"):
         load_config(None, [*shape, "parallel.pp=2", "parallel.pipeline_layout=[1,1,2]"])
+
+
+def test_a_key_taking_a_string_or_a_list_reads_brackets_on_the_command_line_as_a_list():
+    blend = load_config(None, ["data.path=[0.3, corpus_a, 0.7, corpus_b]"]).data.path
+    assert blend == [0.3, "corpus_a", 0.7, "corpus_b"]
+    assert load_config(None, ["data.path=corpus_a"]).data.path == "corpus_a"
+    assert load_config(None, ["parallel.pp=2", "parallel.pipeline_layout=[3, 1]"]).parallel.pipeline_layout == [3, 1]

@@ -104,11 +104,6 @@ class ParallelSection:
                 "optimizer all-gathers the updated parameters)"
             )
         layout = self.pipeline_layout
-        if isinstance(layout, str) and layout.strip().startswith("["):  # a list given as an a.b=c override
-            layout = yaml.safe_load(layout)
-            if not isinstance(layout, list) or not all(isinstance(n, int) and not isinstance(n, bool) for n in layout):
-                raise ValueError(f"parallel.pipeline_layout must be a list of integers, got {self.pipeline_layout!r}")
-            self.pipeline_layout = layout
         if isinstance(layout, str):
             if layout not in PIPELINE_LAYOUTS:
                 raise ValueError(

@@ -55,6 +55,11 @@ def _join(path: str, key: str) -> str:
     return f"{path}.{key}" if path else key
 
 
+def _is_container(tp: Any) -> bool:
+    origin = typing.get_origin(tp) or tp
+    return origin in (list, tuple, dict)
+
+
 def coerce(value: Any, tp: Any, path: str) -> Any:
     """Return ``value`` converted to the annotation ``tp``, or raise :class:`UserError` naming ``path``."""
     if isinstance(value, RawText) and tp is not str:
@@ -68,6 +73,14 @@ def coerce(value: Any, tp: Any, path: str) -> Any:
                 value = yaml.safe_load(value)
             except yaml.YAMLError as exc:
                 raise UserError(f"config key '{path}': cannot parse {str(value)!r}: {exc}") from None
+        elif value.lstrip()[:1] in ("[", "{") and any(_is_container(a) for a in args):
+            # a key that takes a string or a list/mapping: `[...]`/`{...}` on the command line is the container
+            try:
+                parsed = yaml.safe_load(value)
+            except yaml.YAMLError:
+                parsed = value
+            if isinstance(parsed, list | dict):
+                value = parsed
     if tp is Any:
         return value
     origin = typing.get_origin(tp)
