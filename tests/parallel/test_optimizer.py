@@ -433,3 +433,15 @@ def test_fused_step_at_dp2_matches_the_plain_run_and_torch_step(dp2_fused):
             assert errs["skipped"] == 0.0 and max(errs["loss"], errs["norm"], errs["params"]) <= TOL, (rank, errs)
         assert out["state err"] <= 1e-6, rank
         assert out["fp16 skipped"] and out["fp16 unchanged"] and out["fp16 resumed"], (rank, out)
+
+
+def test_clipping_rejects_a_non_positive_max_norm():
+    from mcore.parallel.grad_clip import clip_coefficient, clip_grads_
+
+    norm = torch.tensor(2.0)
+    assert float(clip_coefficient(1.0, norm)) == pytest.approx(0.5, rel=1e-5)
+    for bad in (0.0, -1.0, float("nan")):
+        with pytest.raises(ValueError, match="max_norm must be > 0"):
+            clip_coefficient(bad, norm)
+        with pytest.raises(ValueError, match="max_norm must be > 0"):
+            clip_grads_([torch.ones(3)], bad, norm)

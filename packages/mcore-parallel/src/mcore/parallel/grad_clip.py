@@ -63,17 +63,15 @@ def clip_coefficient(max_norm: float, total_norm: torch.Tensor, eps: float = 1e-
     """``min(1, max_norm / (total_norm + eps))`` (as ``torch.nn.utils.clip_grad_norm_``): a 0-d tensor on
     ``total_norm``'s device, computed there (no host sync). Multiplying the gradients by it clips them."""
     if not max_norm > 0:
-        raise ValueError(f"clip_coefficient: max_norm must be > 0, got {max_norm}")
+        raise ValueError(f"gradient clipping: max_norm must be > 0, got {max_norm}")
     return (max_norm / (total_norm + eps)).clamp(max=1.0)
 
 
 def clip_grads_(grads: list[torch.Tensor], max_norm: float, total_norm: torch.Tensor, eps: float = 1e-6) -> None:
     """Scale ``grads`` in place by ``clip_coefficient(max_norm, total_norm, eps)``, no sync."""
-    if not max_norm > 0:
-        raise ValueError(f"clip_grads_: max_norm must be > 0, got {max_norm}")
+    coef = clip_coefficient(max_norm, total_norm, eps)
     if not grads:
         return
-    coef = clip_coefficient(max_norm, total_norm, eps)
     for dtype in {g.dtype for g in grads}:
         same = [g for g in grads if g.dtype == dtype]
         torch._foreach_mul_(same, coef.to(dtype))
