@@ -208,16 +208,16 @@ def worker_main(plan: Path, names: Sequence[str], work_dir: Path) -> None:
     """Run the configurations ``names`` of ``plan`` one after another in this process group (every rank)."""
     specs = read_plan(plan, names)
     runtimes = []
-    try:
-        for spec in specs:
-            result, runtime = run_spec(spec)
-            runtimes.append(runtime)
-            if runtime.is_logging_rank:
-                write_json(result_path(work_dir, spec.name), result)
-                print(f"[{spec.name}] {summary_line(result)}", flush=True)
-    finally:
-        for runtime in reversed(runtimes):  # only the first runtime created (owns) the process group
-            runtime.shutdown()
+    # On a failure the process group is not destroyed (see Runtime.shutdown): the exception ends this rank, and
+    # the launcher stops the ranks that wait for it.
+    for spec in specs:
+        result, runtime = run_spec(spec)
+        runtimes.append(runtime)
+        if runtime.is_logging_rank:
+            write_json(result_path(work_dir, spec.name), result)
+            print(f"[{spec.name}] {summary_line(result)}", flush=True)
+    for runtime in reversed(runtimes):  # only the first runtime created (owns) the process group
+        runtime.shutdown()
 
 
 def run_spec(spec: RunSpec) -> tuple[dict[str, Any], Any]:

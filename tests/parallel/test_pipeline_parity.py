@@ -178,6 +178,11 @@ def _world4(rank: int, world_size: int) -> dict:
         out[f"pp2dp2-interleaved-m{m}"] = _run_case(pp2, Interleaved1F1B, m, vpp=2, ddp=True)
     out["dp4-none-m3"] = _run_case(dp4, NoPipelining, 3, ddp=True)
     out["pp4-1f1b-layout"] = _run_case(pp4, OneFOneB, 5, layout=[1, 3, 3, 1])
+    # virtual stages without layers, the first wrapped in DDP with no parameter at all (balanced layouts give
+    # them when the output layer outweighs the layers): they only pass activations on
+    out["pp2dp2-interleaved-empty-stages"] = _run_case(
+        pp2, Interleaved1F1B, 4, vpp=2, ddp=True, layout=[SIZES.layers // 2, 0, SIZES.layers - SIZES.layers // 2, 0]
+    )
     out["pp4-1f1b-variable-shapes"] = _run_case(pp4, OneFOneB, 4, variable_shapes=True)
     out["pp4-zb-measured"] = _run_case(pp4, ZeroBubbleH1, 8, measure=True)
     out["pp4-interleaved-measured"] = _run_case(pp4, Interleaved1F1B, 4, vpp=2, measure=True)
@@ -235,7 +240,13 @@ W4_CASES = (
     [f"pp4-{n}-m{m}" for n in ("gpipe", "1f1b", "zb-h1") for m in (1, 4, 13)]
     + [f"pp2dp2-{n}-m{m}" for n in ("gpipe", "1f1b", "zb-h1") for m in (1, 2, 7)]
     + ["pp4-interleaved-m4", "pp4-interleaved-m8", "pp2dp2-interleaved-m2", "pp2dp2-interleaved-m6"]
-    + ["pp4-1f1b-layout", "pp4-1f1b-variable-shapes", "pp4-zb-measured", "pp4-interleaved-measured"]
+    + [
+        "pp4-1f1b-layout",
+        "pp2dp2-interleaved-empty-stages",
+        "pp4-1f1b-variable-shapes",
+        "pp4-zb-measured",
+        "pp4-interleaved-measured",
+    ]
 )
 
 

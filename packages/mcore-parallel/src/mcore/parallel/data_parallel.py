@@ -80,9 +80,9 @@ class DistributedDataParallel(nn.Module):
         self.overlap_param_gather = overlap_param_gather
         self._sync_enabled = True
 
+        # No parameter is allowed: an empty virtual pipeline stage (a chunk without layers, which a balanced
+        # layout gives when the output layer outweighs the layers) only forwards activations; it gets no buffer.
         params = [p for p in module.parameters() if p.requires_grad]
-        if not params:
-            raise ValueError("DistributedDataParallel: the module has no parameter that requires grad")
         by_key: dict[tuple[torch.dtype, torch.device], list[nn.Parameter]] = {}
         for p in reversed(params):  # backward order
             by_key.setdefault((p.dtype, p.device), []).append(p)

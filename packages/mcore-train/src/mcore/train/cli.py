@@ -139,8 +139,10 @@ def _train(args: argparse.Namespace) -> int:
     runtime = init_runtime(config)
     try:
         run_training(config, runtime)
-    finally:
-        runtime.shutdown()
+    except BaseException:
+        runtime.shutdown(failed=True)
+        raise
+    runtime.shutdown()
     return 0
 
 
@@ -152,8 +154,10 @@ def _evaluate(args: argparse.Namespace) -> int:
     runtime = init_runtime(config)
     try:
         result = run_evaluation(config, runtime, args.load)
-    finally:
-        runtime.shutdown()
+    except BaseException:
+        runtime.shutdown(failed=True)
+        raise
+    runtime.shutdown()
     if runtime.is_logging_rank:
         print(json.dumps(result), flush=True)
     return 0

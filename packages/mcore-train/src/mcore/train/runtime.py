@@ -49,8 +49,16 @@ class Runtime:
         if self.distributed:
             dist.barrier(group=self.control_group)
 
-    def shutdown(self) -> None:
-        """Destroy the process group if this runtime created it."""
+    def shutdown(self, *, failed: bool = False) -> None:
+        """Destroy the process group if this runtime created it.
+
+        After a failure on this rank (``failed``) the group is left alone when there are other ranks: they may
+        be blocked in a collective or a point-to-point with this one, and destroying NCCL communicators waits
+        on them, so the job would hang instead of ending. Exiting lets the launcher stop the other ranks (and
+        the process group's destructor aborts the communicators).
+        """
+        if failed and self.distributed:
+            return
         if self.owns_process_group and dist.is_initialized():
             dist.destroy_process_group()
 
