@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import argparse
 import os
+import queue as queue_module
 import statistics
 import tempfile
+import traceback
 from dataclasses import dataclass
 
 import torch
@@ -92,11 +94,40 @@ def _worker(rank: int, world: int, init_file: str, jobs: list, cfg: MeasureConfi
         group = dist.new_group(list(range(world)))
         results = {}
         for name, vpp, m in jobs:
-            cls = next(c for c in SCHEDULES if c.__name__ == name)
+            cls = next((c for c in SCHEDULES if c.__name__ == name), None)
+            if cls is None:
+                raise ValueError(f"unknown schedule {name!r}; known: {', '.join(c.__name__ for c in SCHEDULES)}")
             results[(name, vpp, m)] = _measure_rank(cls, group, vpp, m, cfg, device)
-        queue.put((rank, results))
-    finally:
-        dist.destroy_process_group()
+    except BaseException:
+        # Report and leave the process group alone: destroying NCCL communicators waits on the peers, which may
+        # be blocked on this rank; the parent stops them.
+        queue.put((rank, None, traceback.format_exc()))
+        raise
+    queue.put((rank, results, None))
+    dist.destroy_process_group()
+
+
+def _collect(procs: list, queue, poll_s: float = 0.5) -> dict[int, dict]:
+    """Every rank's results; on a rank's failure (an exception, or an exit without results) stop the others
+    and raise with what it reported, instead of waiting for results that will never come."""
+    per_rank: dict[int, dict] = {}
+    while len(per_rank) < len(procs):
+        try:
+            rank, results, error = queue.get(timeout=poll_s)
+        except queue_module.Empty:
+            dead = [(r, p.exitcode) for r, p in enumerate(procs) if p.exitcode not in (None, 0) and r not in per_rank]
+            if not dead:
+                continue
+            rank, results, error = dead[0][0], None, f"exited with code {dead[0][1]} without reporting"
+        if error is not None:
+            for p in procs:
+                if p.is_alive():
+                    p.terminate()
+            for p in procs:
+                p.join()
+            raise RuntimeError(f"pipeline measurement: rank {rank} failed:\n{error}")
+        per_rank[rank] = results
+    return per_rank
 
 
 def measure(
@@ -115,11 +146,13 @@ def measure(
     procs = [ctx.Process(target=_worker, args=(r, pp, init_file, jobs, cfg, cuda, queue)) for r in range(pp)]
     for p in procs:
         p.start()
-    per_rank = dict(queue.get() for _ in range(pp))
-    for p in procs:
-        p.join()
-    if os.path.exists(init_file):
-        os.unlink(init_file)
+    try:
+        per_rank = _collect(procs, queue)
+        for p in procs:
+            p.join()
+    finally:
+        if os.path.exists(init_file):
+            os.unlink(init_file)
     return {job: [[per_rank[r][job][run] for r in range(pp)] for run in range(cfg.runs)] for job in jobs}
 
 
