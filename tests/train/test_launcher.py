@@ -9,7 +9,7 @@ import sys
 import time
 from pathlib import Path
 
-from tests.train.tiny import TINY, train_records
+from tests.train.tiny import TINY, train, train_records
 
 
 def _children(pid: int) -> list[int]:
@@ -84,3 +84,23 @@ def test_max_restarts_resumes_after_a_worker_dies(tmp_path):
     assert "resuming from" in output
     assert latest.read_text().strip() == "iter_0000040"
     assert set(train_records(run_dir)) == set(range(1, 41))
+
+
+def test_empty_virtual_stages_with_the_distributed_optimizer_train_like_one_process(tmp_path):
+    # pp=2 x vpp=2 over 2 layers, [1, 0, 1, 0]: each rank holds one virtual stage without layers (rank 1's first
+    # has no parameter at all); dp=2 with the distributed optimizer and the overlapped parameter all-gather.
+    steps = ["train.steps=3", "train.global_batch_size=8"]
+    single = tmp_path / "single"
+    train(single, *steps)
+    run_dir = tmp_path / "pp2vpp2dp2"
+    argv = [sys.executable, "-m", "mcore.train", "--nproc-per-node", "4", *TINY, *steps, f"log.run_dir={run_dir}"]
+    argv += ["parallel.pp=2", "parallel.vpp=2", "parallel.dp=2", "parallel.schedule=interleaved"]
+    argv += ["parallel.pipeline_layout=[1, 0, 1, 0]", "parallel.distributed_optimizer=true"]
+    argv += ["parallel.overlap_param_gather=true"]
+    proc = subprocess.run(argv, env=_env(), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "layers per virtual stage [1, 0, 1, 0]" in proc.stdout
+    ref, got = train_records(single), train_records(run_dir)
+    assert sorted(got) == [1, 2, 3]
+    for step in got:
+        assert abs(got[step]["loss"] - ref[step]["loss"]) <= 1e-5 * abs(ref[step]["loss"]), step
