@@ -69,6 +69,8 @@ class PipelineSchedule:
 
     name: ClassVar[str] = "base"
     splits_backward: ClassVar[bool] = False
+    # the schedules that run one model chunk per rank (all but Interleaved1F1B) refuse vpp > 1
+    one_chunk_per_rank: ClassVar[bool] = False
 
     def __init__(
         self,
@@ -170,6 +172,10 @@ class PipelineSchedule:
         _check_int("pp", pp, 1)
         _check_int("vpp", vpp, 1)
         _check_int("num_microbatches", num_microbatches, 1)
+        if cls.one_chunk_per_rank and vpp != 1:
+            raise ValueError(
+                f"{cls.__name__} runs one model chunk per rank, got vpp={vpp}; use Interleaved1F1B for vpp > 1"
+            )
 
     @staticmethod
     def bubble_fraction(pp: int, vpp: int, num_microbatches: int) -> float:

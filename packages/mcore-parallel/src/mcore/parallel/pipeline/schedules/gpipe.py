@@ -12,12 +12,7 @@ class GPipe(PipelineSchedule):
     """All-forward-all-backward. Simple, but every stage keeps the activations of all ``m`` micro-batches."""
 
     name = "gpipe"
-
-    @classmethod
-    def check_sizes(cls, pp: int, vpp: int, num_microbatches: int) -> None:
-        super().check_sizes(pp, vpp, num_microbatches)
-        if vpp != 1:
-            raise ValueError(f"GPipe runs one model chunk per rank, got vpp={vpp}; use Interleaved1F1B for vpp > 1")
+    one_chunk_per_rank = True
 
     @staticmethod
     def bubble_fraction(pp: int, vpp: int, num_microbatches: int) -> float:

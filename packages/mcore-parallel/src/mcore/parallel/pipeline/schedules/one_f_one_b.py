@@ -12,12 +12,7 @@ class OneFOneB(PipelineSchedule):
     """Same bubble as GPipe, but rank ``r`` holds at most ``p - r`` micro-batches of activations instead of ``m``."""
 
     name = "1f1b"
-
-    @classmethod
-    def check_sizes(cls, pp: int, vpp: int, num_microbatches: int) -> None:
-        super().check_sizes(pp, vpp, num_microbatches)
-        if vpp != 1:
-            raise ValueError(f"OneFOneB runs one model chunk per rank, got vpp={vpp}; use Interleaved1F1B for vpp > 1")
+    one_chunk_per_rank = True
 
     @staticmethod
     def bubble_fraction(pp: int, vpp: int, num_microbatches: int) -> float:

@@ -28,13 +28,8 @@ class ZeroBubbleH1(PipelineSchedule):
     """
 
     name = "zb-h1"
+    one_chunk_per_rank = True
     splits_backward = True
-
-    @classmethod
-    def check_sizes(cls, pp: int, vpp: int, num_microbatches: int) -> None:
-        super().check_sizes(pp, vpp, num_microbatches)
-        if vpp != 1:
-            raise ValueError(f"ZeroBubbleH1 runs one model chunk per rank, got vpp={vpp}")
 
     @staticmethod
     def bubble_fraction(pp: int, vpp: int, num_microbatches: int) -> float:
