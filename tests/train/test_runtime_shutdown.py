@@ -50,6 +50,7 @@ def test_shutdown_destroys_the_group_unless_this_rank_failed(destroyed):
 
 class _RecordingRuntime:
     is_logging_rank = True
+    __enter__, __exit__ = Runtime.__enter__, Runtime.__exit__
 
     def __init__(self) -> None:
         self.shutdowns: list[bool] = []

@@ -136,13 +136,8 @@ def _train(args: argparse.Namespace) -> int:
     from mcore.train.loop import run_training
     from mcore.train.runtime import init_runtime
 
-    runtime = init_runtime(config)
-    try:
+    with init_runtime(config) as runtime:
         run_training(config, runtime)
-    except BaseException:
-        runtime.shutdown(failed=True)
-        raise
-    runtime.shutdown()
     return 0
 
 
@@ -151,13 +146,8 @@ def _evaluate(args: argparse.Namespace) -> int:
     from mcore.train.runtime import init_runtime
 
     config, _ = _config(args, reuse_run_config=True)
-    runtime = init_runtime(config)
-    try:
+    with init_runtime(config) as runtime:
         result = run_evaluation(config, runtime, args.load)
-    except BaseException:
-        runtime.shutdown(failed=True)
-        raise
-    runtime.shutdown()
     if runtime.is_logging_rank:
         print(json.dumps(result), flush=True)
     return 0

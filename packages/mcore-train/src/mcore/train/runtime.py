@@ -26,6 +26,8 @@ class Runtime:
     ``control_group`` carries small CPU tensors for coordination (stop flags, checkpoint commits, the
     straggler report) without touching the GPU stream: a gloo group when the main backend is NCCL, the
     world group otherwise (``None`` in a single process).
+
+    Used as a context manager it shuts down on leaving the block, as a failure when the block raised.
     """
 
     rank: int
@@ -48,6 +50,12 @@ class Runtime:
         """Wait for every rank (no-op in a single process)."""
         if self.distributed:
             dist.barrier(group=self.control_group)
+
+    def __enter__(self) -> Runtime:
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        self.shutdown(failed=exc_type is not None)
 
     def shutdown(self, *, failed: bool = False) -> None:
         """Destroy the process group if this runtime created it.
