@@ -196,25 +196,6 @@ class DistributedDataParallel(nn.Module):
         for buf in self._grad_buffers:
             buf.finish_param_gather()
 
-    def broadcast_params(self) -> None:
-        """Copy dp rank 0's parameters to the other dp ranks (when they were not initialized identically)."""
-        if self.dp_size == 1:
-            return
-        src = dist.get_global_rank(self.dp_group, 0)
-        for p in self.module.parameters():
-            dist.broadcast(p.data, src=src, group=self.dp_group)
-
-    def remove_hooks(self) -> None:
-        """Detach this wrapper's hooks from the module's parameters and submodules."""
-        for handle in self._hook_handles:
-            handle.remove()
-        self._hook_handles.clear()
-        for buf in self._grad_buffers:
-            for p in buf.ranges:
-                for attr in ("mcore_grad_ready_hook", "mcore_fuse_wgrad", "mcore_wgrad_in_main_grad"):
-                    if hasattr(p, attr):
-                        delattr(p, attr)
-
     # Parameter names and state dicts are the wrapped module's: no "module." prefix.
     def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):
         return self.module.named_parameters(prefix=prefix, recurse=recurse, remove_duplicate=remove_duplicate)

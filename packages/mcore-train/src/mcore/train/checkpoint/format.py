@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from mcore.train.checkpoint.dtypes import dtype_name
 from mcore.train.errors import CheckpointError
 
 FORMAT_NAME = "mcore"
@@ -37,18 +38,6 @@ LATEST_FILE = "latest"
 # carried by every training checkpoint saved from it, so that converting back needs no --hf-assets).
 HF_ASSETS_DIR = "hf"
 ITER_DIR_RE = re.compile(r"^iter_(\d{7,})$")
-
-_DTYPES = {
-    "float32": torch.float32,
-    "float16": torch.float16,
-    "bfloat16": torch.bfloat16,
-    "float64": torch.float64,
-    "int64": torch.int64,
-    "int32": torch.int32,
-    "uint8": torch.uint8,
-    "int8": torch.int8,
-    "bool": torch.bool,
-}
 
 
 def iter_dir_name(iteration: int) -> str:
@@ -66,18 +55,6 @@ def shard_file(kind: str, tp_rank: int, pp_rank: int) -> str:
 def rng_file(rank: int) -> str:
     """Relative path of the RNG states of one global rank."""
     return f"rng/rank{rank:05d}.safetensors"
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    """``torch.bfloat16`` -> ``"bfloat16"``."""
-    return str(dtype).removeprefix("torch.")
-
-
-def dtype_from_name(name: str) -> torch.dtype:
-    """``"bfloat16"`` -> ``torch.bfloat16``; unknown names raise ``CheckpointError``."""
-    if name not in _DTYPES:
-        raise CheckpointError(f"unknown tensor dtype {name!r} in checkpoint metadata; known: {sorted(_DTYPES)}")
-    return _DTYPES[name]
 
 
 @dataclass(frozen=True)

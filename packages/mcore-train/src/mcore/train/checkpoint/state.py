@@ -96,7 +96,7 @@ def load_training_state(
     if load_optimizer and trainer.has_optimizer:
         tensors = {}
         for name, param, _ in trainer.named_local_parameters():
-            target = target_of(param, trainer.groups)
+            target = target_of(param, trainer.groups.tp_size, trainer.groups.tp_rank)
             for kind in OPTIM_KINDS:
                 key = f"{name}/{kind}"
                 tensors[key] = reader.read_local(name, target, kind="optim", key=key, dtype=torch.float32)
