@@ -263,7 +263,7 @@ def test_a_value_error_while_the_trainer_is_built_is_one_line(capsys, tmp_path, 
     def refuse(*args, **kwargs):
         raise ValueError("layer range (3, 1) of virtual stage 1 is empty")
 
-    monkeypatch.setattr(trainer_module, "stage_layer_ranges", refuse)
+    monkeypatch.setattr(trainer_module, "build_stage_chunks", refuse)
     code, _, err = _run(capsys, *TINY, f"log.run_dir={tmp_path / 'run'}")
     assert code == 2 and "Traceback" not in err
     assert err.strip().splitlines()[-1] == (
