@@ -14,12 +14,12 @@ from pathlib import Path
 import torch
 
 from mcore.bridge.config_translation import hf_to_mcore
+from mcore.bridge.conversion_plan import plan_import
 from mcore.bridge.convert import ConversionResult, McoreToHF, assets_dir, convert
 from mcore.bridge.dtypes import parse_dtype_choice, parse_size
 from mcore.bridge.errors import BridgeError
 from mcore.bridge.hf import CONFIG_FILE, read_hf_dir
 from mcore.bridge.mappings import family_for_hf_config
-from mcore.bridge.plan import plan_import
 from mcore.bridge.safetensors_io import read_tensor
 from mcore.bridge.sources import check_destination, resolve_source, staged_directory
 from mcore.bridge.transforms import to_mcore
