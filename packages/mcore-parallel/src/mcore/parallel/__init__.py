@@ -37,6 +37,7 @@ from mcore.parallel.tensor_parallel import (
     ColumnParallelLinear,
     RowParallelLinear,
     VocabParallelEmbedding,
+    attach_weight_grad_store,
     set_tensor_parallel_attributes,
 )
 from mcore.parallel.weight_grad_store import WeightGradStore
@@ -76,6 +77,7 @@ __all__ = [
     "scatter_to_sequence_parallel_region",
     "scatter_to_tp_region",
     "seeded_generator",
+    "attach_weight_grad_store",
     "set_tensor_parallel_attributes",
     "total_grad_norm",
     "vocab_parallel_cross_entropy",

@@ -45,6 +45,7 @@ from mcore.parallel.data_parallel import DistributedDataParallel
 from mcore.parallel.grad_clip import clip_coefficient, clip_grads_, total_grad_norm
 from mcore.parallel.grid import ProcessGroups
 from mcore.parallel.loss_scaler import DynamicLossScaler
+from mcore.parallel.param_attrs import main_grad
 
 __all__ = [
     "MixedPrecisionOptimizer",
@@ -244,7 +245,8 @@ class MixedPrecisionOptimizer:
             flat = p.detach().view(-1)
             aliased = p.dtype == torch.float32
             master = flat if aliased else flat.float().clone()
-            grad_view = p.main_grad.view(-1) if hasattr(p, "main_grad") else None
+            buffer = main_grad(p)
+            grad_view = buffer.view(-1) if buffer is not None else None
             pieces.append(MasterPiece(p, self.names[p], 0, p.numel(), master, gi, aliased, grad_view))
         return pieces
 

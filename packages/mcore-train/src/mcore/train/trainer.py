@@ -39,6 +39,7 @@ from mcore.parallel.distributed_optimizer import DistributedOptimizer
 from mcore.parallel.finalize import finalize_model_grads
 from mcore.parallel.loss_scaler import DynamicLossScaler
 from mcore.parallel.optimizer import MixedPrecisionOptimizer, StepResult, default_param_groups
+from mcore.parallel.param_attrs import is_shared_embedding
 from mcore.parallel.pipeline import (
     GPipe,
     Interleaved1F1B,
@@ -320,7 +321,7 @@ class Trainer:
         is left out (it equals the first stage's ``embedding.weight``, from which it is loaded)."""
         out: dict[str, torch.nn.Parameter] = {}
         for name, param, chunk in self.named_local_parameters():
-            if getattr(param, "shared_embedding", False) and not chunk.pre_process:
+            if is_shared_embedding(param) and not chunk.pre_process:
                 continue
             out[name] = param
         return out

@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from mcore.parallel.param_attrs import tp_split, vocab_padding
 from mcore.train.checkpoint.dtypes import dtype_name
 from mcore.train.errors import CheckpointError
 
@@ -150,19 +151,18 @@ def tensor_meta_of(param: torch.Tensor, tp_size: int) -> TensorMeta:
     shape = list(param.shape)
     partition_dim = None
     blocks = None
-    if getattr(param, "tensor_parallel", False):
-        partition_dim = int(param.partition_dim)
+    split = tp_split(param)
+    if split is not None:
+        partition_dim = split.dim
         shape[partition_dim] *= tp_size
-        local_blocks = getattr(param, "partition_blocks", None)
-        if local_blocks is not None:
-            blocks = tuple(int(b) for b in local_blocks)
+        if split.blocks is not None:
+            blocks = split.blocks
             if sum(blocks) != shape[partition_dim]:
                 raise ValueError(
                     f"partition_blocks {blocks} must sum to the full size {shape[partition_dim]} of dim "
                     f"{partition_dim} (local size {param.shape[partition_dim]} x tp {tp_size})"
                 )
-    vocab_dim = getattr(param, "vocab_padded_dim", None)
-    vocab_size = getattr(param, "vocab_size", None) if vocab_dim is not None else None
+    vocab_dim, vocab_size = vocab_padding(param) or (None, None)
     return TensorMeta(
         shape=tuple(shape),
         dtype=dtype_name(param.dtype),
