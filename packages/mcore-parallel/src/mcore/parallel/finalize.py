@@ -7,6 +7,7 @@ from collections.abc import Iterable, Sequence
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from mcore.parallel.comm import group_size
 from mcore.parallel.data_parallel import DistributedDataParallel
@@ -16,7 +17,9 @@ __all__ = ["finalize_model_grads"]
 
 
 def _grad_of(p: torch.Tensor) -> torch.Tensor | None:
-    return p.main_grad if hasattr(p, "main_grad") else p.grad
+    g = p.main_grad if hasattr(p, "main_grad") else p.grad
+    # fully sharded (FSDP2): the local shard; the same shard on every rank it is summed over (same dp rank)
+    return g.to_local() if isinstance(g, DTensor) else g
 
 
 def _all_reduce_coalesced(grads: list[torch.Tensor], group: dist.ProcessGroup | None) -> None:

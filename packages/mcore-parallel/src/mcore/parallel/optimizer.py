@@ -259,6 +259,12 @@ class MixedPrecisionOptimizer:
     def _after_update(self) -> None:
         """Nothing to do: every rank updated its full parameters (the sharded subclass all-gathers here)."""
 
+    def _load_params(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Set the model parameters from the loaded masters: every rank received the full tensors, so each sets
+        its whole parameter without a gather."""
+        for p in self._optimized_params():
+            p.data.copy_(tensors[f"{self.names[p]}/master"].to(device=p.device, dtype=p.dtype))
+
     # ---- public API ---------------------------------------------------------------------------------------------
 
     @property
@@ -486,9 +492,7 @@ class MixedPrecisionOptimizer:
                     "exp_avg": full["exp_avg"].to(device=self.device, dtype=torch.float32).clone(),
                     "exp_avg_sq": full["exp_avg_sq"].to(device=self.device, dtype=torch.float32).clone(),
                 }
-        # every rank received the full tensors, so each sets its whole parameter without a gather
-        for p in self._optimized_params():
-            p.data.copy_(tensors[f"{self.names[p]}/master"].to(device=p.device, dtype=p.dtype))
+        self._load_params(tensors)
         self._piece_steps = [step] * len(self._pieces)
         self.step_count = step
         if self.loss_scaler is not None and state.get("loss_scaler") is not None:

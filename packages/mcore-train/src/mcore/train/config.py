@@ -69,9 +69,13 @@ class ParallelSection:
     the linear layers' weight-gradient GEMMs accumulate into the fp32 gradient buffer directly (no bf16 weight
     gradient, no extra add pass); turn it off only to compare. ``overlap_param_gather`` (with the distributed
     optimizer): the all-gather of the updated parameters runs behind the next forward, each layer waiting for
-    its own bucket. ``pipeline_layout``: ``even`` (the same number of
-    layers per virtual stage), ``balanced`` (fewer layers on the stage that also runs the output layer and the
-    loss, by their FLOPs: see ``mcore.parallel.pipeline.balanced_layout``) or a list of layers per virtual stage.
+    its own bucket. ``dp_shard`` (ZeRO-3, on torch's FSDP2): parameters, gradients and optimizer states sharded
+    over the data-parallel ranks, each layer all-gathered for its forward and backward (in the compute precision;
+    the fp32 shards are the master weights), and resharded after its forward when ``dp_shard_reshard_after_forward``
+    (off: keep the gathered layers from forward to backward, more memory, one all-gather fewer).
+    ``pipeline_layout``: ``even`` (the same number of layers per virtual stage), ``balanced`` (fewer layers on the
+    stage that also runs the output layer and the loss, by their FLOPs: see
+    ``mcore.parallel.pipeline.balanced_layout``) or a list of layers per virtual stage.
     """
 
     tp: int = 1
@@ -86,6 +90,8 @@ class ParallelSection:
     bucket_size: int = 40_000_000
     gradient_accumulation_fusion: bool = True
     pipeline_layout: str | list[int] = "even"
+    dp_shard: bool = False
+    dp_shard_reshard_after_forward: bool = True
 
     def __post_init__(self) -> None:
         for name in ("tp", "pp", "vpp", "bucket_size"):
@@ -103,6 +109,8 @@ class ParallelSection:
                 "parallel.overlap_param_gather=true needs parallel.distributed_optimizer=true (only the distributed "
                 "optimizer all-gathers the updated parameters)"
             )
+        if self.dp_shard:
+            self._check_dp_shard()
         layout = self.pipeline_layout
         if isinstance(layout, str):
             if layout not in PIPELINE_LAYOUTS:
@@ -116,6 +124,18 @@ class ParallelSection:
             raise ValueError(
                 f"parallel.pipeline_layout {layout} has {len(layout)} entries; pp*vpp = {self.pp}*{self.vpp} = "
                 f"{self.pp * self.vpp} virtual stages need one each (entry c*pp+r: layers of chunk c of rank r)"
+            )
+
+    def _check_dp_shard(self) -> None:
+        if self.distributed_optimizer:
+            raise ValueError(
+                "parallel.dp_shard=true shards the optimizer states itself (ZeRO-3); drop "
+                "parallel.distributed_optimizer=true (ZeRO-1), they are alternatives"
+            )
+        if self.schedule == "zero-bubble":
+            raise ValueError(
+                "parallel.dp_shard=true cannot run parallel.schedule=zero-bubble: its deferred weight gradients arrive "
+                "after FSDP has reduce-scattered the layer's gradients; use 1f1b or interleaved"
             )
 
     def world_size(self) -> int | None:

@@ -48,6 +48,7 @@ from mcore.parallel.pipeline import (
     p2p_activation_shape,
     stage_layer_ranges,
 )
+from mcore.parallel.sharded_optimizer import FullyShardedOptimizer
 from mcore.train.config import Config
 from mcore.train.errors import UserError
 from mcore.train.runtime import Runtime
@@ -162,7 +163,8 @@ class Trainer:
                 post_process=stage == self.num_stages - 1,
                 sequence_parallel=config.parallel.sequence_parallel,
                 recompute=recompute,
-                params_dtype=self.params_dtype,
+                # fully sharded: the fp32 shards are the master weights, FSDP computes in params_dtype
+                params_dtype=torch.float32 if config.parallel.dp_shard else self.params_dtype,
                 device=self.device,
             )
             chunk.init_weights(config.train.seed)
@@ -185,21 +187,16 @@ class Trainer:
     # ------------------------------------------------------------------------------------------ building
     def _build_optimizer(self) -> None:
         cfg, groups = self.config, self.groups
-        self.model = [
-            DistributedDataParallel(
-                chunk,
-                groups.dp,
-                bucket_size=cfg.parallel.bucket_size,
-                overlap_grad_reduce=cfg.parallel.overlap_grad_reduce,
-                overlap_param_gather=cfg.parallel.overlap_param_gather,
-                use_distributed_optimizer=cfg.parallel.distributed_optimizer,
-                grad_dtype=torch.float32,
-                gradient_accumulation_fusion=cfg.parallel.gradient_accumulation_fusion,
-            )
-            for chunk in self.chunks
-        ]
+        if cfg.parallel.dp_shard:
+            from mcore.train.dp_shard import fully_shard_chunks
+
+            self.model = fully_shard_chunks(self.chunks, groups, cfg, self.params_dtype, self.device)
+        else:
+            self.model = self._data_parallel_chunks()
         scaler = DynamicLossScaler(initial_scale=cfg.train.initial_loss_scale) if self.precision == "fp16" else None
         optimizer_cls = DistributedOptimizer if cfg.parallel.distributed_optimizer else MixedPrecisionOptimizer
+        if cfg.parallel.dp_shard:
+            optimizer_cls = FullyShardedOptimizer
         self.optimizer = optimizer_cls(
             self.model,
             default_param_groups(self.model, cfg.optim.weight_decay),
@@ -212,6 +209,22 @@ class Trainer:
             groups=groups,
             check_nonfinite=self.skip_nonfinite,
         )
+
+    def _data_parallel_chunks(self) -> list[DistributedDataParallel]:
+        cfg, groups = self.config, self.groups
+        return [
+            DistributedDataParallel(
+                chunk,
+                groups.dp,
+                bucket_size=cfg.parallel.bucket_size,
+                overlap_grad_reduce=cfg.parallel.overlap_grad_reduce,
+                overlap_param_gather=cfg.parallel.overlap_param_gather,
+                use_distributed_optimizer=cfg.parallel.distributed_optimizer,
+                grad_dtype=torch.float32,
+                gradient_accumulation_fusion=cfg.parallel.gradient_accumulation_fusion,
+            )
+            for chunk in self.chunks
+        ]
 
     def _build_schedule(self) -> PipelineSchedule:
         cfg, groups = self.config, self.groups
