@@ -17,6 +17,7 @@ import torch
 
 from mcore.parallel import (
     DistributedDataParallel,
+    DistributedOptimizer,
     DynamicLossScaler,
     ParallelConfig,
     ProcessGroups,
@@ -130,6 +131,30 @@ def _state_roundtrip_case():
     }
 
 
+def _zero1_offload_case(tp: int, sequence_parallel: bool):
+    """ZeRO-1 with 60% of its shards offloaded (gradient copies started at each bucket's reduce-scatter; the
+    sequence-parallel ones after finalize_model_grads) equals ZeRO-1 on the device bit for bit."""
+    groups = build_process_groups(ParallelConfig(tp=tp).resolve(4))
+    runs = []
+    for fraction in (0.0, 0.6):
+        model = ParallelToyLM(T.CFG, groups, sequence_parallel=sequence_parallel)
+        model.init_weights(T.SEED)
+        ddp = DistributedDataParallel(model, groups.dp_cp, bucket_size=1500, use_distributed_optimizer=True)
+        opt = DistributedOptimizer(
+            ddp, default_param_groups(ddp, T.WEIGHT_DECAY), lr=T.LR, clip_grad=T.CLIP, groups=groups,
+            fused_step=False, offload_fraction=fraction, offload_impl="foreach",
+        )  # fmt: skip
+        run = T.train(groups, ddp, opt, range(STEPS))
+        runs.append((run, [p.detach().clone() for p in model.parameters()], opt))
+    (base, base_params, _), (off, off_params, opt) = runs
+    return {
+        "offloaded": opt._offload.numel > 0,
+        "equal": base.losses == off.losses
+        and base.norms == off.norms
+        and all(torch.equal(a, b) for a, b in zip(base_params, off_params)),
+    }
+
+
 def _cases(rank: int, world_size: int):
     warnings.filterwarnings("ignore", message="FSDP2-wrapped module")  # the toy LM returns a transposed view
     return run_cases(
@@ -140,6 +165,8 @@ def _cases(rank: int, world_size: int):
             "tp2_dp2_sp": lambda: _train_case(2, sequence_parallel=True),
             "loss_scaler": _loss_scaler_case,
             "state_roundtrip": _state_roundtrip_case,
+            "zero1_offload_dp4": lambda: _zero1_offload_case(1, False),
+            "zero1_offload_tp2_sp": lambda: _zero1_offload_case(2, True),
         }
     )
 
@@ -167,6 +194,12 @@ def test_loss_scaler_skips_an_inf_step_on_every_shard(results):
 def test_optimizer_state_moves_between_zero3_and_zero1_bitwise(results):
     for out in case_result(results, "state_roundtrip"):
         assert out == {"zero1": True, "zero3": True, "params": True, "continued": True}
+
+
+@pytest.mark.parametrize("case", ["zero1_offload_dp4", "zero1_offload_tp2_sp"])
+def test_zero1_with_optimizer_offload_equals_on_device_bitwise(results, case):
+    for out in case_result(results, case):
+        assert out == {"offloaded": True, "equal": True}
 
 
 def test_bad_arguments_name_the_problem():

@@ -119,7 +119,9 @@ class MixedPrecisionOptimizer:
     parameter). ``clip_grad``: max global grad norm (0: no clipping). ``check_nonfinite``: skip steps whose
     gradient norm is inf/nan (one host sync per step; always on with a ``loss_scaler``). ``fused_step``:
     update with the fused ``mcore.kernels.adamw_step_`` (``True``) or with ``torch.optim.AdamW.step``
-    (``False``); ``None`` picks the fused step on CUDA (see the module docstring).
+    (``False``); ``None`` picks the fused step on CUDA (see the module docstring). ``offload_fraction``: the share
+    of the masters and moments kept in host memory and updated by the CPU (``offload_impl``: its AdamW, one of
+    ``mcore.parallel.offload.HOST_ADAMW_IMPLS``; see ``mcore.parallel.offload``).
     """
 
     def __init__(
@@ -136,6 +138,8 @@ class MixedPrecisionOptimizer:
         groups: ProcessGroups | None = None,
         check_nonfinite: bool = True,
         fused_step: bool | None = None,
+        offload_fraction: float = 0.0,
+        offload_impl: str | None = None,
     ) -> None:
         self.chunks = [model_chunks] if isinstance(model_chunks, nn.Module) else list(model_chunks)
         if not self.chunks or not all(isinstance(c, nn.Module) for c in self.chunks):
@@ -147,6 +151,10 @@ class MixedPrecisionOptimizer:
             raise ValueError(f"optimizer: betas must be two numbers in [0, 1), got {betas!r}")
         if fused_step is not None and not isinstance(fused_step, bool):
             raise TypeError(f"optimizer: fused_step must be True, False or None (auto: CUDA), got {fused_step!r}")
+        if isinstance(offload_fraction, bool) or not isinstance(offload_fraction, int | float):
+            raise TypeError(f"optimizer: offload_fraction must be a number in [0, 1], got {offload_fraction!r}")
+        if not 0.0 <= offload_fraction <= 1.0:
+            raise ValueError(f"optimizer: offload_fraction must lie in [0, 1], got {offload_fraction}")
         if loss_scaler is not None and not isinstance(loss_scaler, DynamicLossScaler):
             raise TypeError(f"optimizer: loss_scaler must be a DynamicLossScaler or None, got {type(loss_scaler)}")
         if type(self) is MixedPrecisionOptimizer:
@@ -174,6 +182,18 @@ class MixedPrecisionOptimizer:
         # torch's AdamW is fused on CUDA: that fixes the dtype and device of the 'step' state for both kinds of step
         self._fused = self.device.type == "cuda"
         self._fused_step = self._fused if fused_step is None else fused_step
+        self._offload = None
+        if offload_fraction > 0:
+            if loss_scaler is not None and not self._fused_step:
+                raise ValueError(
+                    "optimizer: offload_fraction > 0 with a loss scaler (fp16) needs the fused step (fused_step=True, "
+                    "the default on CUDA), which keeps the gradients scaled until the update"
+                )
+            from mcore.parallel.offload import DEFAULT_HOST_ADAMW, HostOffload
+
+            self._offload = HostOffload(self._pieces, offload_fraction, self.device, offload_impl or DEFAULT_HOST_ADAMW)
+            self._offload.attach(self.chunks)
+        self._offloaded = frozenset(self._offload.indices) if self._offload is not None else frozenset()
         # the step count of each piece's state, mirrored on the host so that the fused step never reads it back
         self._piece_steps = [0] * len(self._pieces)
         adam_groups = []
@@ -323,7 +343,8 @@ class MixedPrecisionOptimizer:
     def step(self) -> StepResult:
         """Unscale, measure, (maybe) skip, clip, update; see the module docstring."""
         grads = self._gradients(upcast=not self._fused_step)
-        present = [g for g in grads if g is not None]
+        # offloaded gradients are unscaled and clipped on the host (their device copy may still be read)
+        present = [g for i, g in enumerate(grads) if g is not None and i not in self._offloaded]
         inv_scale = None if self.loss_scaler is None else 1.0 / self.loss_scaler.scale
         if inv_scale is not None and present and not self._fused_step:
             torch._foreach_mul_(present, inv_scale)
@@ -339,11 +360,16 @@ class MixedPrecisionOptimizer:
         if self.check_nonfinite and not bool(torch.isfinite(norm).item()):
             if self.loss_scaler is not None:
                 self.loss_scaler.update(found_inf=True)
+            if self._offload is not None:
+                self._offload.drop_pending()
             return StepResult(ok=False, grad_norm=norm, skipped=True, loss_scale=self._reported_scale())
+        on_device = [None if i in self._offloaded else g for i, g in enumerate(grads)]
         if self._fused_step:
-            self._fused_update(grads, norm, inv_scale)
+            self._fused_update(on_device, norm, inv_scale)
         else:
-            self._torch_update(grads, present, norm)
+            self._torch_update(on_device, present, norm)
+        if self._offload is not None:  # after the device update is queued: the GPU works while the CPU does
+            self._offload.update(self, grads, norm, inv_scale)
         self._after_update()
         if self.loss_scaler is not None:
             self.loss_scaler.update(found_inf=False)
@@ -357,21 +383,16 @@ class MixedPrecisionOptimizer:
             pc.master.grad = g
         if self._adam is not None:
             self._adam.step()
-        for pc in self._pieces:
+        for i, pc in enumerate(self._pieces):
             pc.master.grad = None
-            if not pc.aliased:
+            if not pc.aliased and i not in self._offloaded:
                 pc.param.data.view(-1)[pc.lo : pc.hi].copy_(pc.master)
 
     def _fused_update(self, grads: list[torch.Tensor | None], norm: torch.Tensor, inv_scale: float | None) -> None:
         """One ``adamw_step_`` call per (param group, step count): clip and unscale folded into the update."""
         if self._adam is None:
             return
-        multiplier = clip_coefficient(self.clip_grad, norm) if self.clip_grad > 0 else None
-        if inv_scale is not None:
-            if multiplier is None:
-                multiplier = torch.full((), inv_scale, dtype=torch.float32, device=self.device)
-            else:
-                multiplier = multiplier * inv_scale
+        multiplier = self._grad_multiplier(norm, inv_scale)
         # an unused parameter (no gradient) is skipped and keeps its step count, as torch.optim does
         calls: dict[tuple[int, int], list[int]] = {}
         for i, (pc, g) in enumerate(zip(self._pieces, grads)):
@@ -406,18 +427,28 @@ class MixedPrecisionOptimizer:
             for i in indices:
                 self._piece_steps[i] = steps
 
-    def _step_tensor(self, value: int) -> torch.Tensor:
+    def _grad_multiplier(self, norm: torch.Tensor, inv_scale: float | None) -> torch.Tensor | None:
+        """The fused step's gradient multiplier: clip coefficient times inverse loss scale (a device tensor)."""
+        multiplier = clip_coefficient(self.clip_grad, norm) if self.clip_grad > 0 else None
+        if inv_scale is not None:
+            if multiplier is None:
+                multiplier = torch.full((), inv_scale, dtype=torch.float32, device=self.device)
+            else:
+                multiplier = multiplier * inv_scale
+        return multiplier
+
+    def _step_tensor(self, value: int, device: torch.device) -> torch.Tensor:
         """A 'step' state entry as torch.optim.AdamW creates it (fp32 on the device when fused, else on the CPU).
 
         ``torch.full`` rather than ``torch.tensor``: a fill on the device, not a copy from pageable host memory."""
-        device = self.device if self._fused else torch.device("cpu")
+        device = device if self._fused else torch.device("cpu")
         return torch.full((), float(value), dtype=_scalar_dtype(self._fused), device=device)
 
     def _state_of(self, master: torch.Tensor) -> dict[str, torch.Tensor]:
         """The AdamW state of ``master``, created (zero moments, step 0) on first use as torch.optim does."""
         state = self._adam.state[master]
         if not state:
-            state["step"] = self._step_tensor(0)
+            state["step"] = self._step_tensor(0, master.device)
             state["exp_avg"] = torch.zeros_like(master, memory_format=torch.preserve_format)
             state["exp_avg_sq"] = torch.zeros_like(master, memory_format=torch.preserve_format)
         return state
@@ -487,10 +518,11 @@ class MixedPrecisionOptimizer:
             full = {k: tensors[f"{pc.name}/{k}"].reshape(-1)[pc.lo : pc.hi] for k in _STATE_KINDS}
             pc.master.copy_(full["master"])
             if self._adam is not None:
+                device = pc.master.device  # the host for offloaded pieces
                 self._adam.state[pc.master] = {
-                    "step": self._step_tensor(step),
-                    "exp_avg": full["exp_avg"].to(device=self.device, dtype=torch.float32).clone(),
-                    "exp_avg_sq": full["exp_avg_sq"].to(device=self.device, dtype=torch.float32).clone(),
+                    "step": self._step_tensor(step, device),
+                    "exp_avg": full["exp_avg"].to(device=device, dtype=torch.float32).clone(),
+                    "exp_avg_sq": full["exp_avg_sq"].to(device=device, dtype=torch.float32).clone(),
                 }
         self._load_params(tensors)
         self._piece_steps = [step] * len(self._pieces)
