@@ -172,15 +172,24 @@ class DataSection:
 
 @dataclass
 class OptimSection:
-    """AdamW with decoupled weight decay (not applied to norms and biases) and gradient clipping."""
+    """AdamW with decoupled weight decay (not applied to norms and biases) and gradient clipping.
+
+    ``offload_fraction``: the share (0 to 1) of the fp32 master weights and AdamW moments kept in host memory and
+    updated by the CPU (see ``mcore.parallel.offload``); the rest stays on the device.
+    """
 
     weight_decay: float = 0.1
     beta1: float = 0.9
     beta2: float = 0.95
     eps: float = 1e-8
     clip_grad: float = 1.0
+    offload_fraction: float = 0.0
 
     def __post_init__(self) -> None:
+        if not 0.0 <= self.offload_fraction <= 1.0:
+            raise ValueError(
+                f"optim.offload_fraction must lie in [0, 1] (a share of the states), got {self.offload_fraction}"
+            )
         _non_negative("optim", "weight_decay", self.weight_decay)
         _non_negative("optim", "clip_grad", self.clip_grad)
         _positive("optim", "eps", self.eps)
@@ -332,6 +341,11 @@ class Config:
         if isinstance(layout, list) and sum(layout) != layers:
             raise ValueError(
                 f"parallel.pipeline_layout {layout} holds {sum(layout)} layers but model.num_hidden_layers is {layers}"
+            )
+        if self.parallel.dp_shard and self.optim.offload_fraction > 0:
+            raise ValueError(
+                "optim.offload_fraction > 0 cannot be combined with parallel.dp_shard=true (the sharded optimizer runs "
+                "on the device); offload with parallel.distributed_optimizer=true (ZeRO-1) or plain data parallelism"
             )
         if self.parallel.sequence_parallel and self.data.seq_length % self.parallel.tp:
             raise ValueError(

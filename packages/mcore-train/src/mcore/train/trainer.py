@@ -195,6 +195,7 @@ class Trainer:
             self.model = self._data_parallel_chunks()
         scaler = DynamicLossScaler(initial_scale=cfg.train.initial_loss_scale) if self.precision == "fp16" else None
         optimizer_cls = DistributedOptimizer if cfg.parallel.distributed_optimizer else MixedPrecisionOptimizer
+        offload = {"offload_fraction": cfg.optim.offload_fraction} if cfg.optim.offload_fraction > 0 else {}
         if cfg.parallel.dp_shard:
             optimizer_cls = FullyShardedOptimizer
         self.optimizer = optimizer_cls(
@@ -208,6 +209,7 @@ class Trainer:
             loss_scaler=scaler,
             groups=groups,
             check_nonfinite=self.skip_nonfinite,
+            **offload,
         )
 
     def _data_parallel_chunks(self) -> list[DistributedDataParallel]:
