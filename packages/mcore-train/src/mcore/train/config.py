@@ -233,7 +233,9 @@ class TrainSection:
     ``skip_nonfinite`` makes the optimizer skip steps whose gradient norm is NaN/Inf, at the cost of one host
     synchronization per step; ``None`` (auto) turns it on on CPU and with fp16, off on CUDA with bf16/fp32,
     where a non-finite loss or gradient norm is then caught at the next log interval and stops the run.
-    ``max_nonfinite_steps`` consecutive skipped steps stop the run.
+    ``max_nonfinite_steps`` consecutive skipped steps stop the run. ``activation_offload``: the parts of each
+    decoder layer (``attention``, ``mlp``, ``input_norm``, ``mlp_norm``, or ``layer`` for all) whose saved
+    activations go to host memory in forward and come back before backward needs them.
     """
 
     steps: int = 300
@@ -250,6 +252,7 @@ class TrainSection:
     initial_loss_scale: float = 65536.0
     hang_timeout: float = 600.0
     recompute: Literal["none", "full", "selective"] = "none"
+    activation_offload: list[str] = field(default_factory=list)
     sample_prompt: str = "The "
     sample_tokens: int = 64
 
@@ -263,6 +266,11 @@ class TrainSection:
             raise ValueError(
                 f"train.global_batch_size ({self.global_batch_size}) must be a multiple of train.micro_batch_size "
                 f"({self.micro_batch_size})"
+            )
+        if self.activation_offload and self.recompute == "full":
+            raise ValueError(
+                "train.activation_offload with train.recompute=full: full recompute keeps only each layer's input, "
+                "there is nothing left to offload; use recompute=selective or none with it"
             )
         if self.stop_at_step is not None and not 0 < self.stop_at_step <= self.steps:
             raise ValueError(f"train.stop_at_step must lie in [1, train.steps={self.steps}], got {self.stop_at_step}")

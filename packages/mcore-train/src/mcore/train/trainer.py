@@ -169,6 +169,12 @@ class Trainer:
             )
             chunk.init_weights(config.train.seed)
             self.chunks.append(chunk)
+        self.activation_offload = None
+        if config.train.activation_offload:
+            from mcore.train.activation_offload import attach_activation_offload
+
+            names = config.train.activation_offload
+            self.activation_offload = attach_activation_offload(self.chunks, names, self.device)
         if weights is not None:
             from mcore.train.checkpoint.state import load_model_weights
 
