@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 
 IMPLS = ("foreach", "fused", "mcore")
+HYPER = dict(lr=1e-4, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1)
 
 
 def measure(numel: int, tensors: int, steps: int) -> dict:
@@ -38,10 +39,9 @@ def measure(numel: int, tensors: int, steps: int) -> dict:
         m = [torch.zeros(s) for s in sizes]
         v = [torch.zeros(s) for s in sizes]
         step_tensors = [torch.zeros((), dtype=torch.float32) for _ in sizes]
-        hyper = dict(lr=1e-4, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1)
 
         def one(k: int, impl=impl, masters=masters, grads=grads, m=m, v=v, step_tensors=step_tensors) -> None:
-            host_adamw_step_(impl, masters, grads, m, v, step_tensors, steps=k, multiplier=1.0, **hyper)
+            host_adamw_step_(impl, masters, grads, m, v, step_tensors, steps=k, multiplier=1.0, **HYPER)
 
         one(1)
         start = time.perf_counter()

@@ -3,7 +3,8 @@
 Each transformer layer is one FSDP unit, as are the embedding and the output layer when they are not tied; a tied
 embedding stays in the chunk's root unit with the final norm, because the output layer that multiplies by it runs
 outside the embedding's forward. The chunks are built in fp32 (the shards are the master weights) and compute in
-``train.precision`` through FSDP's mixed-precision policy, reducing gradients in fp32.
+``train.precision`` through FSDP's mixed-precision policy, reducing gradients in fp32. A run of one process
+without a launcher gets a one-rank process group (FSDP2 needs one), created here.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from mcore.models.gpt import GPTModel
@@ -48,6 +50,10 @@ def fully_shard_chunks(
         wrong = sorted({str(p.dtype) for p in chunk.parameters() if p.dtype != torch.float32})
         if wrong:
             raise UserError(f"parallel.dp_shard: chunk {i} holds {wrong} parameters; the shards must be fp32 masters")
+    if not dist.is_initialized():
+        # one process (no launcher): FSDP2 still runs on a process group, so make the one-rank group here
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
     try:
         mesh = data_parallel_mesh(groups.dp_cp, device)
     except ValueError as exc:
