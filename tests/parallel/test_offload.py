@@ -157,3 +157,27 @@ def test_bad_offload_arguments():
     model = ParallelToyLM(T.CFG, ProcessGroups.single())
     with pytest.raises(ValueError, match="needs the fused step"):
         MixedPrecisionOptimizer(model, offload_fraction=0.5, fused_step=False, loss_scaler=DynamicLossScaler())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("fused_step,impl,dtype", [(False, "foreach", torch.float32), (True, "fused", torch.bfloat16)])
+def test_cuda_offload_streams_match_on_device(fused_step, impl, dtype):
+    """The CUDA path (pinned buffers, side-stream copies behind the buckets, host-to-device into the gradient
+    buffer): the on-device optimizer's losses and parameters to fp32 rounding (the CPU and GPU AdamW differ)."""
+    runs = []
+    for fraction in (0.0, 0.6):
+        model = ParallelToyLM(T.CFG, ProcessGroups.single(), dtype=dtype, device="cuda")
+        model.init_weights(T.SEED)
+        ddp = DistributedDataParallel(model, None, bucket_size=1500)
+        opt = MixedPrecisionOptimizer(
+            ddp, default_param_groups(ddp, T.WEIGHT_DECAY), lr=T.LR, clip_grad=T.CLIP, fused_step=fused_step,
+            offload_fraction=fraction, offload_impl=impl,
+        )  # fmt: skip
+        runs.append((T.train(ProcessGroups.single(), ddp, opt, range(STEPS)), model, opt))
+    (base, base_model, _), (off, off_model, opt) = runs
+    assert opt._offload.numel > 0 and opt._offload.host_grads[opt._offload.indices[0]].is_pinned()
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    assert off.losses == pytest.approx(base.losses, rel=tol)
+    for p, q in zip(off_model.parameters(), base_model.parameters()):
+        assert torch.allclose(p.float(), q.float(), rtol=tol, atol=tol * 1e-2)

@@ -111,7 +111,8 @@ class FullyShardedDataParallel(nn.Module):
         self.dp_size = mesh.size()
         self.reduce_every_microbatch = reduce_every_microbatch
         attributes = _param_attributes(module)
-        policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+        # inputs are not cast: hidden states arrive in the compute dtype already, and the rotary tables stay fp32
+        policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype, cast_forward_inputs=False)
         kwargs = dict(mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
         sharded: list[FSDPModule] = []
         for unit in units:

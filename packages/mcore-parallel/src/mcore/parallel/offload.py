@@ -202,6 +202,10 @@ class HostOffload:
                 from mcore.parallel.grad_clip import clip_coefficient
 
                 multipliers.append(clip_coefficient(optimizer.clip_grad, norm).cpu())
+        if self.cuda:
+            # the host-to-device copies write the gradient buffer and the parameters: only after the compute stream
+            # is done with them (the norm, and the device part's update, may still be queued)
+            self.stream.wait_stream(torch.cuda.current_stream(self.device))
         chunk: list[int] = []
         size = 0
         for i in [i for i in self.indices if i in host]:
