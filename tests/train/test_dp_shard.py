@@ -1,10 +1,11 @@
 """``parallel.dp_shard`` (ZeRO-3 on FSDP2) through mcore-train: training, checkpoints, resume across layouts.
 
 - four gloo ranks, llama-tiny in fp32: dp=4, tp=2 x dp=2 and pp=2 x dp=2 (tied embeddings) give the single-process
-  losses within 1e-5 over 6 steps; stopping at step 3 and resuming at dp=4 gives the straight run bit for bit;
+  losses within 1e-5 over 4 steps; stopping at step 2 and resuming at dp=4 gives the straight run bit for bit;
 - resharding: the dp=4 ZeRO-3 checkpoint loaded at ZeRO-1 dp=2 and saved again, then loaded at ZeRO-3
   tp=2 x dp=1 and saved again, holds bit for bit the same weights and optimizer states;
-- bf16 (FSDP's mixed-precision policy, fp32 shards and reductions) at dp=2 trains like the single-process bf16 run;
+- bf16 (FSDP's mixed-precision policy, fp32 shards and reductions) at dp=2 trains like the single-process bf16 run,
+  evaluates, and samples at the end of the run through the sharded model;
 - bad combinations are refused by the config with the fix named.
 """
 
@@ -18,9 +19,10 @@ from mcore.train.config import load_config
 from tests.helpers.distributed import run_workers
 from tests.train.tiny import train, train_records
 
-STEPS = ["train.steps=6", "train.global_batch_size=8", "train.micro_batch_size=1"]
+STEPS = ["train.steps=4", "train.global_batch_size=8", "train.micro_batch_size=1"]
 SHARD = "parallel.dp_shard=true"
 TIED = "model.tie_word_embeddings=true"
+BF16 = ["train.steps=4", "train.precision=bf16"]
 
 
 def _four_rank_cases(rank: int, world_size: int, base):
@@ -32,11 +34,11 @@ def _four_rank_cases(rank: int, world_size: int, base):
     }.items():
         train(base / name, *STEPS, SHARD, *extra)
         out[name] = train_records(base / name) if rank == 0 else None
-    train(base / "resumed", *STEPS, SHARD, "train.stop_at_step=3")
+    train(base / "resumed", *STEPS, SHARD, "train.stop_at_step=2")
     _, log = train(base / "resumed", *STEPS, SHARD)
     out["resumed"] = train_records(base / "resumed") if rank == 0 else None
     out["resumed_log"] = log
-    out["checkpoint"] = str(base / "resumed" / "checkpoints" / "iter_0000003")
+    out["checkpoint"] = str(base / "resumed" / "checkpoints" / "iter_0000002")
     return out
 
 
@@ -52,14 +54,21 @@ def _save_after_loading(base, name, load, *extra):
     runtime = init_runtime(config)
     trainer = build_trainer(config, runtime, load=load).trainer
     CheckpointSaver(trainer, CheckpointDirectory(base / name), keep_last=1, async_save=False).save(None)
-    return str(base / name / "iter_0000003")
+    return str(base / name / "iter_0000002")
 
 
 def _two_rank_cases(rank: int, world_size: int, base, checkpoint):
     zero1 = _save_after_loading(base, "zero1_dp2", checkpoint, "parallel.distributed_optimizer=true")
     zero3 = _save_after_loading(base, "zero3_tp2", zero1, SHARD, "parallel.tp=2")
-    train(base / "bf16", "train.steps=4", "train.precision=bf16", SHARD)
-    return {"zero1": zero1, "zero3": zero3, "bf16": train_records(base / "bf16") if rank == 0 else None}
+    # with an evaluation and the end-of-run sample (generation through the sharded model, a bf16 KV cache)
+    bf16, _ = train(base / "bf16", *BF16, SHARD, "train.eval_interval=2", "train.sample_tokens=4")
+    return {
+        "zero1": zero1,
+        "zero3": zero3,
+        "bf16": train_records(base / "bf16") if rank == 0 else None,
+        "bf16_sample": bf16.sample,
+        "bf16_val_loss": bf16.val_loss,
+    }
 
 
 @pytest.fixture(scope="module")
@@ -68,7 +77,7 @@ def results(tmp_path_factory):
     single = base / "single"
     train(single, *STEPS)
     train(base / "single_tied", *STEPS, TIED)
-    train(base / "single_bf16", "train.steps=4", "train.precision=bf16")
+    train(base / "single_bf16", *BF16)
     four = run_workers(4, _four_rank_cases, base)
     two = run_workers(2, _two_rank_cases, base, four[0]["checkpoint"])[0]
     singles = {"": train_records(single), "tied": train_records(base / "single_tied")}
@@ -80,18 +89,18 @@ def test_dp_shard_trains_like_one_process(results, layout):
     singles, _, four, _ = results
     single = singles["tied" if layout.endswith("tied") else ""]
     got = four[layout]
-    assert sorted(got) == sorted(single) == list(range(1, 7))
-    for step in range(1, 7):
+    assert sorted(got) == sorted(single) == list(range(1, 5))
+    for step in range(1, 5):
         assert got[step]["loss"] == pytest.approx(single[step]["loss"], rel=1e-5, abs=0), (layout, step)
         assert got[step]["grad_norm"] == pytest.approx(single[step]["grad_norm"], rel=1e-5, abs=0), (layout, step)
-    assert got[6]["loss"] < got[1]["loss"]
+    assert got[4]["loss"] < got[1]["loss"]
 
 
 def test_dp_shard_resume_is_bitwise(results):
     _, _, four, _ = results
     assert "resuming from" in four["resumed_log"]
     straight, resumed = four["dp4"], four["resumed"]
-    for step in range(1, 7):
+    for step in range(1, 5):
         assert resumed[step]["loss"] == straight[step]["loss"], step
         assert resumed[step]["grad_norm"] == straight[step]["grad_norm"], step
 
@@ -118,7 +127,7 @@ def test_checkpoints_move_between_zero3_and_zero1_at_any_dp_bitwise(results):
                 assert first.abs().sum() > 0, key
                 for other in readers[1:]:
                     assert torch.equal(other.read_full(name, kind="optim", key=key), first), key
-        assert all(r.train_state["optimizer"]["step"] == 3 for r in readers)
+        assert all(r.train_state["optimizer"]["step"] == 2 for r in readers)
     finally:
         for r in readers:
             r.close()
@@ -129,6 +138,7 @@ def test_dp_shard_bf16_trains_like_one_process_bf16(results):
     got = two["bf16"]
     for step in range(1, 5):
         assert got[step]["loss"] == pytest.approx(single_bf16[step]["loss"], rel=2e-2), step
+    assert two["bf16_sample"] and two["bf16_val_loss"] > 0
 
 
 @pytest.mark.parametrize(

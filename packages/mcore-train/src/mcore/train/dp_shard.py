@@ -9,6 +9,7 @@ without a launcher gets a one-rank process group (FSDP2 needs one), created here
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import torch
@@ -38,6 +39,14 @@ def _units(chunk: GPTModel) -> tuple[list[nn.Module], list[tuple[nn.Module, str,
     return units, tied
 
 
+def _kv_cache_in(chunk: GPTModel, dtype: torch.dtype, batch_size: int, max_length: int):
+    cache = type(chunk).make_kv_cache(chunk, batch_size, max_length)
+    for store in (cache.keys, cache.values):
+        for index, tensor in store.items():
+            store[index] = tensor.to(dtype)
+    return cache
+
+
 def fully_shard_chunks(
     chunks: Sequence[GPTModel],
     groups: ProcessGroups,
@@ -60,6 +69,10 @@ def fully_shard_chunks(
         raise UserError(str(exc)) from None
     wrapped = []
     for chunk in chunks:
+        if compute_dtype != torch.float32:
+            # GPTModel.make_kv_cache takes the parameters' dtype, fp32 here; the cache must hold what attention
+            # computes with (generation after training)
+            chunk.make_kv_cache = functools.partial(_kv_cache_in, chunk, compute_dtype)
         units, tied = _units(chunk)
         wrapped.append(
             FullyShardedDataParallel(
