@@ -30,7 +30,7 @@ from torch.optim.adamw import adamw as torch_adamw
 from mcore.kernels import adamw_step_
 
 if TYPE_CHECKING:
-    from mcore.parallel.optimizer import _Piece
+    from mcore.parallel.optimizer import MasterPiece
 
 __all__ = ["HOST_ADAMW_IMPLS", "HostOffload", "host_adamw_step_"]
 
@@ -84,7 +84,7 @@ def host_adamw_step_(
     )  # fmt: skip
 
 
-def _choose(pieces: Sequence[_Piece], fraction: float) -> list[int]:
+def _choose(pieces: Sequence[MasterPiece], fraction: float) -> list[int]:
     """The first pieces holding ``fraction`` of the elements (a piece is taken when that brings the share closer)."""
     total = sum(pc.hi - pc.lo for pc in pieces)
     budget, taken, chosen = fraction * total, 0, []
@@ -100,7 +100,7 @@ def _choose(pieces: Sequence[_Piece], fraction: float) -> list[int]:
 class HostOffload:
     """The host-resident part of a ``MixedPrecisionOptimizer``'s state (see the module docstring)."""
 
-    def __init__(self, pieces: list[_Piece], fraction: float, device: torch.device, impl: str) -> None:
+    def __init__(self, pieces: list[MasterPiece], fraction: float, device: torch.device, impl: str) -> None:
         if impl not in HOST_ADAMW_IMPLS:
             raise ValueError(f"optimizer: offload_impl must be one of {HOST_ADAMW_IMPLS}, got {impl!r}")
         self.impl = impl

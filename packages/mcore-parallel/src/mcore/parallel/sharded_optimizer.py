@@ -18,7 +18,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from mcore.parallel.fsdp import FullyShardedDataParallel, local_flat_range
-from mcore.parallel.optimizer import _STATE_KINDS, MixedPrecisionOptimizer, _Piece
+from mcore.parallel.optimizer import STATE_KINDS, MasterPiece, MixedPrecisionOptimizer
 
 __all__ = ["FullyShardedOptimizer"]
 
@@ -45,7 +45,7 @@ class FullyShardedOptimizer(MixedPrecisionOptimizer):
         self.dp_group = chunks[0].mesh.get_group() if chunks[0].dp_size > 1 else None
         super().__init__(chunks, param_groups, **kwargs)
 
-    def _build_pieces(self) -> list[_Piece]:
+    def _build_pieces(self) -> list[MasterPiece]:
         pieces = []
         for p, gi in self._group_index().items():
             local = _local(p.detach())
@@ -56,7 +56,7 @@ class FullyShardedOptimizer(MixedPrecisionOptimizer):
                 )
             lo, hi = local_flat_range(p)
             # aliased: the update writes the shard itself, which FSDP all-gathers before the next forward
-            pieces.append(_Piece(p, self.names[p], lo, hi, local.view(-1), gi, aliased=True, grad_view=None))
+            pieces.append(MasterPiece(p, self.names[p], lo, hi, local.view(-1), gi, aliased=True, grad_view=None))
         return pieces
 
     def _gradients(self, upcast: bool) -> list[torch.Tensor | None]:
@@ -82,7 +82,7 @@ class FullyShardedOptimizer(MixedPrecisionOptimizer):
         for pc in self._pieces:
             p = pc.param
             states = {}
-            for kind in _STATE_KINDS:
+            for kind in STATE_KINDS:
                 flat = self._piece_state(pc, kind).detach().float()
                 if isinstance(p, DTensor):
                     local = flat.view(p.to_local().shape)
