@@ -21,16 +21,18 @@ foreach AdamW, or mcore's reference ``adamw_step_`` (see ``benchmarks/cpu_adamw.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import Any
 
 import torch
 from torch import nn
 from torch.optim.adamw import adamw as torch_adamw
 
 from mcore.kernels import adamw_step_
+from mcore.parallel.grad_clip import clip_coefficient
 
-if TYPE_CHECKING:
-    from mcore.parallel.optimizer import MasterPiece
+# The optimizer's MasterPiece objects (param, lo, hi, master, group_index, aliased, grad_view); not imported, as
+# the optimizer imports this module.
+Piece = Any
 
 __all__ = ["HOST_ADAMW_IMPLS", "HostOffload", "host_adamw_step_"]
 
@@ -84,7 +86,7 @@ def host_adamw_step_(
     )  # fmt: skip
 
 
-def _choose(pieces: Sequence[MasterPiece], fraction: float) -> list[int]:
+def _choose(pieces: Sequence[Piece], fraction: float) -> list[int]:
     """The first pieces holding ``fraction`` of the elements (a piece is taken when that brings the share closer)."""
     total = sum(pc.hi - pc.lo for pc in pieces)
     budget, taken, chosen = fraction * total, 0, []
@@ -100,7 +102,7 @@ def _choose(pieces: Sequence[MasterPiece], fraction: float) -> list[int]:
 class HostOffload:
     """The host-resident part of a ``MixedPrecisionOptimizer``'s state (see the module docstring)."""
 
-    def __init__(self, pieces: list[MasterPiece], fraction: float, device: torch.device, impl: str) -> None:
+    def __init__(self, pieces: list[Piece], fraction: float, device: torch.device, impl: str) -> None:
         if impl not in HOST_ADAMW_IMPLS:
             raise ValueError(f"optimizer: offload_impl must be one of {HOST_ADAMW_IMPLS}, got {impl!r}")
         self.impl = impl
@@ -199,8 +201,6 @@ class HostOffload:
         else:  # as the device path: unscale first, then clip by the (unscaled) norm, two roundings
             multipliers = [] if inv_scale is None else [inv_scale]
             if optimizer.clip_grad > 0:
-                from mcore.parallel.grad_clip import clip_coefficient
-
                 multipliers.append(clip_coefficient(optimizer.clip_grad, norm).cpu())
         if self.cuda:
             # the host-to-device copies write the gradient buffer and the parameters: only after the compute stream
