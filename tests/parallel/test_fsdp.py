@@ -3,9 +3,10 @@
 Four gloo ranks, the toy LM, fp32, several AdamW steps with clipping: dp=4 and tp=2 x dp=2 (with and without
 sequence parallelism) give the losses, gradient norms and parameters of the plain model trained in one process
 within 1e-5, and the losses of ZeRO-1 at the same layout; micro-batch gradients accumulated unreduced
-(``reduce_every_microbatch=False``) too; a loss-scaled step with an inf gradient is skipped on every shard; the
-optimizer state moves between ZeRO-3 and ZeRO-1 bit for bit. Pipeline parallelism with dp_shard is tested through
-the trainer (tests/train/test_dp_shard.py).
+(``reduce_every_microbatch=False``) and layers kept gathered from forward to backward without prefetch too; a
+loss-scaled step with an inf gradient is skipped on every shard; the optimizer state moves between ZeRO-3 and
+ZeRO-1 bit for bit; ZeRO-1 with its optimizer offloaded equals ZeRO-1 on the device bit for bit. Pipeline
+parallelism with dp_shard is tested through the trainer (tests/train/test_dp_shard.py).
 """
 
 from __future__ import annotations
@@ -35,12 +36,14 @@ STEPS = 4
 TOL = 1e-5
 
 
-def _sharded(groups, *, sequence_parallel=False, loss_scaler=None, reduce_every_microbatch=True):
+def _sharded(groups, *, sequence_parallel=False, loss_scaler=None, reduce_every_microbatch=True, **fsdp):
     model = ParallelToyLM(T.CFG, groups, sequence_parallel=sequence_parallel)
     model.init_weights(T.SEED)
     mesh = data_parallel_mesh(groups.dp_cp, "cpu")
     units = [model.embedding, *model.layers, model.output]
-    wrapper = FullyShardedDataParallel(model, mesh, units=units, reduce_every_microbatch=reduce_every_microbatch)
+    wrapper = FullyShardedDataParallel(
+        model, mesh, units=units, reduce_every_microbatch=reduce_every_microbatch, **fsdp
+    )
     opt = FullyShardedOptimizer(
         wrapper,
         default_param_groups(wrapper, T.WEIGHT_DECAY),
@@ -65,9 +68,9 @@ def _against_reference(run, wrapper, groups, reference) -> dict[str, float]:
     }
 
 
-def _train_case(tp: int, *, sequence_parallel=False, accumulate=True):
+def _train_case(tp: int, *, sequence_parallel=False, accumulate=True, **fsdp):
     groups = build_process_groups(ParallelConfig(tp=tp).resolve(4))
-    wrapper, opt = _sharded(groups, sequence_parallel=sequence_parallel, reduce_every_microbatch=accumulate)
+    wrapper, opt = _sharded(groups, sequence_parallel=sequence_parallel, reduce_every_microbatch=accumulate, **fsdp)
     run = T.train(groups, wrapper, opt, range(STEPS))
     out = _against_reference(run, wrapper, groups, T.reference_run(STEPS))
     _, ddp, zero1 = T.build(groups, distributed_optimizer=True, sequence_parallel=sequence_parallel)
@@ -161,6 +164,7 @@ def _cases(rank: int, world_size: int):
         {
             "dp4": lambda: _train_case(1),
             "dp4_accumulate": lambda: _train_case(1, accumulate=False),
+            "dp4_keep_gathered": lambda: _train_case(1, reshard_after_forward=False, prefetch=False),
             "tp2_dp2": lambda: _train_case(2),
             "tp2_dp2_sp": lambda: _train_case(2, sequence_parallel=True),
             "loss_scaler": _loss_scaler_case,
@@ -176,7 +180,7 @@ def results():
     return run_workers(4, _cases)
 
 
-@pytest.mark.parametrize("case", ["dp4", "dp4_accumulate", "tp2_dp2", "tp2_dp2_sp"])
+@pytest.mark.parametrize("case", ["dp4", "dp4_accumulate", "dp4_keep_gathered", "tp2_dp2", "tp2_dp2_sp"])
 def test_fully_sharded_training_equals_single_process(results, case):
     for rank, err in enumerate(case_result(results, case)):
         assert err["sharded"], rank
