@@ -1,7 +1,8 @@
 """``parallel.dp_shard`` (ZeRO-3 on FSDP2) through mcore-train: training, checkpoints, resume across layouts.
 
-- four gloo ranks, llama-tiny in fp32: dp=4, tp=2 x dp=2 and pp=2 x dp=2 (tied embeddings) give the single-process
-  losses within 1e-5 over 4 steps; stopping at step 2 and resuming at dp=4 gives the straight run bit for bit;
+- four gloo ranks, llama-tiny in fp32: dp=4, tp=2 x dp=2, pp=2 x dp=2 (tied embeddings) and pp=2 x vpp=2 x dp=2
+  (interleaved 1F1B, two sharded chunks per rank; 4 layers) give the single-process losses within 1e-5 over 4
+  steps; stopping at step 2 and resuming at dp=4 gives the straight run bit for bit;
 - resharding: the dp=4 ZeRO-3 checkpoint loaded at ZeRO-1 dp=2 and saved again, then loaded at ZeRO-3
   tp=2 x dp=1 and saved again, holds bit for bit the same weights and optimizer states;
 - bf16 (FSDP's mixed-precision policy, fp32 shards and reductions) at dp=2 trains like the single-process bf16 run,
@@ -23,6 +24,7 @@ STEPS = ["train.steps=4", "train.global_batch_size=8", "train.micro_batch_size=1
 SHARD = "parallel.dp_shard=true"
 TIED = "model.tie_word_embeddings=true"
 BF16 = ["train.steps=4", "train.precision=bf16"]
+LAYERS_4 = "model.num_hidden_layers=4"
 
 
 def _four_rank_cases(rank: int, world_size: int, base):
@@ -31,6 +33,7 @@ def _four_rank_cases(rank: int, world_size: int, base):
         "dp4": [],
         "tp2_dp2": ["parallel.tp=2"],
         "pp2_dp2_tied": ["parallel.pp=2", TIED],
+        "pp2_vpp2_dp2_4layers": ["parallel.pp=2", "parallel.vpp=2", LAYERS_4],
     }.items():
         train(base / name, *STEPS, SHARD, *extra)
         out[name] = train_records(base / name) if rank == 0 else None
@@ -77,17 +80,18 @@ def results(tmp_path_factory):
     single = base / "single"
     train(single, *STEPS)
     train(base / "single_tied", *STEPS, TIED)
+    train(base / "single_4layers", *STEPS, LAYERS_4)
     train(base / "single_bf16", *BF16)
     four = run_workers(4, _four_rank_cases, base)
     two = run_workers(2, _two_rank_cases, base, four[0]["checkpoint"])[0]
-    singles = {"": train_records(single), "tied": train_records(base / "single_tied")}
+    singles = {name: train_records(base / f"single{name}") for name in ("", "_tied", "_4layers")}
     return singles, train_records(base / "single_bf16"), four[0], two
 
 
-@pytest.mark.parametrize("layout", ["dp4", "tp2_dp2", "pp2_dp2_tied"])
+@pytest.mark.parametrize("layout", ["dp4", "tp2_dp2", "pp2_dp2_tied", "pp2_vpp2_dp2_4layers"])
 def test_dp_shard_trains_like_one_process(results, layout):
     singles, _, four, _ = results
-    single = singles["tied" if layout.endswith("tied") else ""]
+    single = singles["_tied" if layout.endswith("tied") else "_4layers" if layout.endswith("4layers") else ""]
     got = four[layout]
     assert sorted(got) == sorted(single) == list(range(1, 5))
     for step in range(1, 5):
