@@ -34,7 +34,7 @@ from mcore.parallel.grad_clip import clip_coefficient
 # the optimizer imports this module.
 Piece = Any
 
-__all__ = ["HOST_ADAMW_IMPLS", "HostOffload", "host_adamw_step_"]
+__all__ = ["HOST_ADAMW_IMPLS", "HostOffload", "host_adamw_step_", "host_offload"]
 
 HOST_ADAMW_IMPLS = ("fused", "foreach", "mcore")
 # The fastest on the CPUs measured (benchmarks/cpu_adamw.py, docs/performance.md).
@@ -84,6 +84,25 @@ def host_adamw_step_(
         masters, grads, exp_avgs, exp_avg_sqs, [], step_tensors, foreach=impl == "foreach", fused=impl == "fused",
         amsgrad=False, beta1=beta1, beta2=beta2, lr=lr, weight_decay=weight_decay, eps=eps, maximize=False,
     )  # fmt: skip
+
+
+def host_offload(optimizer, fraction: float, impl: str | None) -> HostOffload | None:
+    """The ``HostOffload`` of ``optimizer`` (a ``MixedPrecisionOptimizer`` whose pieces are built, its AdamW not
+    yet), or ``None`` for ``fraction == 0``; checks the arguments."""
+    if isinstance(fraction, bool) or not isinstance(fraction, int | float):
+        raise TypeError(f"optimizer: offload_fraction must be a number in [0, 1], got {fraction!r}")
+    if not 0.0 <= fraction <= 1.0:
+        raise ValueError(f"optimizer: offload_fraction must lie in [0, 1], got {fraction}")
+    if fraction == 0:
+        return None
+    if optimizer.loss_scaler is not None and not optimizer.fused_step:
+        raise ValueError(
+            "optimizer: offload_fraction > 0 with a loss scaler (fp16) needs the fused step (fused_step=True, the "
+            "default on CUDA), which keeps the gradients scaled until the update"
+        )
+    offload = HostOffload(optimizer._pieces, fraction, optimizer.device, impl or DEFAULT_HOST_ADAMW)
+    offload.attach(optimizer.chunks)
+    return offload
 
 
 def _choose(pieces: Sequence[Piece], fraction: float) -> list[int]:

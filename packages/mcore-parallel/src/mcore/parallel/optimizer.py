@@ -45,6 +45,7 @@ from mcore.parallel.data_parallel import DistributedDataParallel
 from mcore.parallel.grad_clip import clip_coefficient, clip_grads_, total_grad_norm
 from mcore.parallel.grid import ProcessGroups
 from mcore.parallel.loss_scaler import DynamicLossScaler
+from mcore.parallel.offload import host_offload
 from mcore.parallel.param_attrs import main_grad
 
 __all__ = [
@@ -149,10 +150,6 @@ class MixedPrecisionOptimizer:
             raise ValueError(f"optimizer: betas must be two numbers in [0, 1), got {betas!r}")
         if fused_step is not None and not isinstance(fused_step, bool):
             raise TypeError(f"optimizer: fused_step must be True, False or None (auto: CUDA), got {fused_step!r}")
-        if isinstance(offload_fraction, bool) or not isinstance(offload_fraction, int | float):
-            raise TypeError(f"optimizer: offload_fraction must be a number in [0, 1], got {offload_fraction!r}")
-        if not 0.0 <= offload_fraction <= 1.0:
-            raise ValueError(f"optimizer: offload_fraction must lie in [0, 1], got {offload_fraction}")
         if loss_scaler is not None and not isinstance(loss_scaler, DynamicLossScaler):
             raise TypeError(f"optimizer: loss_scaler must be a DynamicLossScaler or None, got {type(loss_scaler)}")
         if type(self) is MixedPrecisionOptimizer:
@@ -180,20 +177,18 @@ class MixedPrecisionOptimizer:
         # torch's AdamW is fused on CUDA: that fixes the dtype and device of the 'step' state for both kinds of step
         self._fused = self.device.type == "cuda"
         self._fused_step = self._fused if fused_step is None else fused_step
-        self._offload = None
-        if offload_fraction > 0:
-            if loss_scaler is not None and not self._fused_step:
-                raise ValueError(
-                    "optimizer: offload_fraction > 0 with a loss scaler (fp16) needs the fused step (fused_step=True, "
-                    "the default on CUDA), which keeps the gradients scaled until the update"
-                )
-            from mcore.parallel.offload import DEFAULT_HOST_ADAMW, HostOffload
-
-            self._offload = HostOffload(self._pieces, offload_fraction, self.device, offload_impl or DEFAULT_HOST_ADAMW)
-            self._offload.attach(self.chunks)
+        # before the AdamW below takes the masters: the offloaded ones move to host memory
+        self._offload = host_offload(self, offload_fraction, offload_impl)
         self._offloaded = frozenset(self._offload.indices) if self._offload is not None else frozenset()
         # the step count of each piece's state, mirrored on the host so that the fused step never reads it back
         self._piece_steps = [0] * len(self._pieces)
+        self._adam = self._build_adam(lr, betas, eps)
+        self._lr = lr
+
+    # ---- construction ---------------------------------------------------------------------------------------
+
+    def _build_adam(self, lr: float, betas: tuple[float, float], eps: float) -> torch.optim.AdamW | None:
+        """The AdamW holding the param groups and the state of every master (``None``: nothing on this rank)."""
         adam_groups = []
         self._adam_group_of: dict[int, int] = {}  # index in self._param_groups -> index in self._adam.param_groups
         for gi, g in enumerate(self._param_groups):
@@ -204,22 +199,10 @@ class MixedPrecisionOptimizer:
                 adam_groups.append(
                     {"params": masters, "weight_decay": g["weight_decay"], "lr": lr * lr_mult, "lr_mult": lr_mult}
                 )
-        # a rank whose shards hold no parameter (tiny model, large dp) has nothing to update locally
-        self._adam = (
-            torch.optim.AdamW(
-                adam_groups,
-                lr=lr,
-                betas=betas,
-                eps=eps,
-                fused=True if self._fused else None,
-                foreach=None if self._fused else True,
-            )
-            if adam_groups
-            else None
-        )
-        self._lr = lr
-
-    # ---- construction ---------------------------------------------------------------------------------------
+        if not adam_groups:  # a rank whose shards hold no parameter (tiny model, large dp) has nothing to update
+            return None
+        fused = True if self._fused else None
+        return torch.optim.AdamW(adam_groups, lr=lr, betas=betas, eps=eps, fused=fused, foreach=None if fused else True)
 
     def _normalize_groups(self, param_groups: Sequence[dict] | None, weight_decay: float) -> list[dict]:
         if param_groups is None:
