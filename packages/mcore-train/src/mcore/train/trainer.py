@@ -157,8 +157,8 @@ class Trainer:
             seed=config.train.seed,
             sequence_parallel=config.parallel.sequence_parallel,
             recompute=None if config.train.recompute == "none" else config.train.recompute,
-            # fully sharded: the fp32 shards are the master weights, FSDP computes in params_dtype
-            params_dtype=torch.float32 if config.parallel.dp_shard else self.params_dtype,
+            # fully sharded training: the fp32 shards are the master weights, FSDP computes in params_dtype
+            params_dtype=torch.float32 if config.parallel.dp_shard and with_optimizer else self.params_dtype,
             device=self.device,
         )
         self.activation_offload = None
