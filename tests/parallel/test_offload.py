@@ -91,6 +91,24 @@ def test_offloaded_equals_on_device_bitwise(fraction, fused_step, impl):
     _assert_identical(offloaded, on_device)
 
 
+def test_loss_scaled_offload_skips_an_inf_step_like_on_device():
+    """fp16-style loss scaling (the fused step keeps gradients scaled; the host unscales): an inf gradient at step
+    1 is skipped by both, the pending host copies are dropped, and the runs stay bit for bit equal."""
+    runs = []
+    for fraction in (0.0, 0.6):
+        model, ddp, _ = _build(0.0, fused_step=True, impl=None)
+        opt = MixedPrecisionOptimizer(
+            ddp, default_param_groups(ddp, T.WEIGHT_DECAY), lr=T.LR, clip_grad=T.CLIP, fused_step=True,
+            loss_scaler=DynamicLossScaler(initial_scale=2.0**8, hysteresis=1), offload_fraction=fraction,
+            offload_impl="mcore",
+        )  # fmt: skip
+        runs.append((T.train(ProcessGroups.single(), ddp, opt, range(STEPS), inject_inf_at=1), model, opt))
+    (base, base_model, base_opt), (off, off_model, off_opt) = runs
+    assert off.skipped == base.skipped == [False, True, False, False]
+    assert off.losses == base.losses and off_opt.loss_scale == base_opt.loss_scale == 2.0**7
+    assert all(torch.equal(p, q) for p, q in zip(off_model.parameters(), base_model.parameters()))
+
+
 def test_offload_share_follows_the_fraction():
     _, _, opt = _build(0.5, fused_step=False, impl="foreach")
     total = sum(pc.hi - pc.lo for pc in opt._pieces)
