@@ -215,7 +215,7 @@ def orchestrate(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--part", choices=["8b", "8b4l", "all"], default="all")
-    ap.add_argument("--steps", type=int, default=None, help="steps per configuration (8b: 4, 8b4l: 8; dry run 3)")
+    ap.add_argument("--steps", type=int, default=None, help="steps per configuration (8b: 3, 8b4l: 8; dry run 3)")
     ap.add_argument("--out", type=Path, default=None, help="summary.json and the log go here")
     ap.add_argument("--hf-baseline", type=Path, default=DEFAULT_HF_BASELINE)
     ap.add_argument("--skip-baseline", action="store_true")
@@ -235,7 +235,7 @@ def main(argv: list[str] | None = None) -> int:
         run_hf_oom(args.hf_oom, args.json, iters=2)
         return 0
     if args.steps is None:
-        args.steps = 3 if args.dry_run else (4 if args.part == "8b" else 8)
+        args.steps = 3 if args.dry_run or args.part == "8b" else 8
     if args.steps < 2:
         ap.error(f"--steps must be >= 2 (the first step is not timed), got {args.steps}")
     if args.out is None:
