@@ -41,6 +41,15 @@ def test_activation_offload_is_bitwise(plain, extra, reference):
         assert got[step]["grad_norm"] == records[step]["grad_norm"], step
 
 
+def test_optimizer_offload_with_fp16_loss_scaling(plain):
+    base = plain[0]
+    train(base / "fp16", *STEPS, "train.precision=fp16")
+    train(base / "fp16_offload", *STEPS, "train.precision=fp16", "optim.offload_fraction=0.5")
+    ref, got = train_records(base / "fp16"), train_records(base / "fp16_offload")
+    for step in range(1, 5):
+        assert got[step]["loss"] == pytest.approx(ref[step]["loss"], rel=1e-3), step
+
+
 @pytest.mark.parametrize("fraction", ["0.5", "1.0"])
 def test_optimizer_offload_trains_like_on_device(plain, fraction):
     base, records = plain[0], plain[1]

@@ -194,6 +194,8 @@ class Trainer:
         if cfg.parallel.dp_shard:
             optimizer_cls = FullyShardedOptimizer
         offload = {"offload_fraction": cfg.optim.offload_fraction} if cfg.optim.offload_fraction > 0 else {}
+        if offload and scaler is not None:
+            offload["fused_step"] = True  # the offloaded step unscales on the host: gradients stay scaled until then
         self.optimizer = optimizer_cls(
             self.ddp_chunks,
             default_param_groups(self.ddp_chunks, cfg.optim.weight_decay),
