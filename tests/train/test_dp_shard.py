@@ -5,6 +5,7 @@
   steps; stopping at step 2 and resuming at dp=4 gives the straight run bit for bit;
 - resharding: the dp=4 ZeRO-3 checkpoint loaded at ZeRO-1 dp=2 and saved again, then loaded at ZeRO-3
   tp=2 x dp=1 and saved again, holds bit for bit the same weights and optimizer states;
+- at dp=2 it composes with full recompute, and with selective recompute plus activation offload (the same losses);
 - bf16 (FSDP's mixed-precision policy, fp32 shards and reductions) at dp=2 trains like the single-process bf16 run,
   evaluates, and samples at the end of the run through the sharded model;
 - bad combinations are refused by the config with the fix named.
@@ -25,6 +26,10 @@ SHARD = "parallel.dp_shard=true"
 TIED = "model.tie_word_embeddings=true"
 BF16 = ["train.steps=4", "train.precision=bf16"]
 LAYERS_4 = "model.num_hidden_layers=4"
+COMPOSED = {
+    "dp2_recompute_full": ["train.recompute=full"],
+    "dp2_selective_act_offload": ["train.recompute=selective", "train.activation_offload=[attention,mlp]"],
+}
 
 
 def _four_rank_cases(rank: int, world_size: int, base):
@@ -63,6 +68,11 @@ def _save_after_loading(base, name, load, *extra):
 def _two_rank_cases(rank: int, world_size: int, base, checkpoint):
     zero1 = _save_after_loading(base, "zero1_dp2", checkpoint, "parallel.distributed_optimizer=true")
     zero3 = _save_after_loading(base, "zero3_tp2", zero1, SHARD, "parallel.tp=2")
+    # the memory modes that compose with it: full recompute; selective recompute with activation offload
+    composed = {}
+    for name, extra in COMPOSED.items():
+        train(base / name, *STEPS, SHARD, *extra)
+        composed[name] = train_records(base / name) if rank == 0 else None
     # with an evaluation and the end-of-run sample (generation through the sharded model, a bf16 KV cache)
     bf16, _ = train(base / "bf16", *BF16, SHARD, "train.eval_interval=2", "train.sample_tokens=4")
     return {
@@ -71,6 +81,7 @@ def _two_rank_cases(rank: int, world_size: int, base, checkpoint):
         "bf16": train_records(base / "bf16") if rank == 0 else None,
         "bf16_sample": bf16.sample,
         "bf16_val_loss": bf16.val_loss,
+        **composed,
     }
 
 
@@ -98,6 +109,14 @@ def test_dp_shard_trains_like_one_process(results, layout):
         assert got[step]["loss"] == pytest.approx(single[step]["loss"], rel=1e-5, abs=0), (layout, step)
         assert got[step]["grad_norm"] == pytest.approx(single[step]["grad_norm"], rel=1e-5, abs=0), (layout, step)
     assert got[4]["loss"] < got[1]["loss"]
+
+
+@pytest.mark.parametrize("name", sorted(COMPOSED))
+def test_dp_shard_composes_with_recompute_and_activation_offload(results, name):
+    singles, _, _, two = results
+    single, got = singles[""], two[name]
+    for step in range(1, 5):
+        assert got[step]["loss"] == pytest.approx(single[step]["loss"], rel=1e-5, abs=0), (name, step)
 
 
 def test_dp_shard_resume_is_bitwise(results):
