@@ -217,8 +217,8 @@ def _fwd_kernel(
 
 
 def precision_for(dtype: torch.dtype) -> str:
-    """fp32 inputs (tests) multiply exactly; bf16/fp16 use the tensor cores' native products."""
-    return "ieee" if dtype == torch.float32 else "tf32"
+    """fp32/fp64 inputs (tests) multiply exactly; bf16/fp16 use the tensor cores' native products."""
+    return "ieee" if dtype in (torch.float32, torch.float64) else "tf32"
 
 
 def flash_forward(
@@ -238,8 +238,8 @@ def flash_forward(
     alloc = torch.empty if covered else torch.zeros
     out = alloc(b, s, n_heads, d_v, device=q.device, dtype=q.dtype)
     lse = torch.empty(b, s, n_heads, device=q.device, dtype=torch.float32)
-    if not covered:
-        lse.fill_(float("-inf"))
+    if not covered:  # rows in no pair see nothing but the sink: output 0, lse = sink (or -inf)
+        lse.copy_(sinks.float().expand_as(lse)) if sinks is not None else lse.fill_(float("-inf"))
     if blocks.shape[0] == 0:
         return out, lse
     grid = (n_heads, blocks.shape[0])
