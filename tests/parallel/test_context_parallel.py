@@ -77,6 +77,50 @@ def _check_cp(case_name: str, comm_type: str, groups, cp: int, cp_rank: int) -> 
     return errors
 
 
+DYNAMIC_LENGTHS = [40, 8, 16, 24, 8, 32, 16]  # CP sizes 4, 1, 1, 2, 1, 2, 1 at 16 tokens per rank
+
+
+def _dynamic_model():
+    from mcore.parallel.dynamic_cp import CostModel
+
+    return CostModel(((128, 50.0), (16384, 400.0)), HQ, D, 1, 6e3, 400.0)
+
+
+def _check_dynamic(rank: int, world_size: int, comm_type: str) -> dict[str, float]:
+    """Each sequence attended by its dynamic group equals the single process: outputs, gradients, total loss."""
+    import torch.distributed as dist
+
+    from mcore.kernels import attention
+    from mcore.parallel.cp_attention import CPGroups, context_parallel_attention
+    from mcore.parallel.dynamic_cp import aligned_groups, local_sequences, plan_dynamic
+
+    groups = aligned_groups(world_size)
+    placement = plan_dynamic(DYNAMIC_LENGTHS, world_size, 16, _dynamic_model())
+    errors, loss = {}, torch.zeros(())
+    for i, first, size, cp_rank in local_sequences(placement, rank):
+        length = DYNAMIC_LENGTHS[i]
+        q, k, v, dout, _ = _problem({}, seed=100 + i)
+        q, k, v, dout = (t[:1, :length] for t in (q, k, v, dout))
+        ref = [t.clone().requires_grad_() for t in (q, k, v)]
+        ref_out = attention(*ref, backend="reference")
+        ref_out.backward(dout)
+        sharding = CPSharding(1, length, size)
+        leaves = [sharding.shard(t, cp_rank).requires_grad_() for t in (q, k, v)]
+        if size == 1:
+            out = attention(*leaves, backend="reference")
+        else:
+            group = CPGroups(groups[(first, size)])
+            out = context_parallel_attention(*leaves, sharding, group, comm_type=comm_type)
+        local_loss = (out * sharding.shard(dout, cp_rank)).sum()
+        local_loss.backward()
+        loss = loss + local_loss.detach()
+        errors[f"seq{i}-out"] = rel_err_norm(out, sharding.shard(ref_out.detach(), cp_rank))
+        for name, leaf, want in zip("qkv", leaves, ref):
+            errors[f"seq{i}-d{name}"] = rel_err_norm(leaf.grad, sharding.shard(want.grad, cp_rank))
+    dist.all_reduce(loss)
+    return {"errors": errors, "loss": loss.item(), "groups": placement.groups}
+
+
 def _workers(rank: int, world_size: int):
     from mcore.parallel.cp_attention import new_cp_groups
 
@@ -91,6 +135,8 @@ def _workers(rank: int, world_size: int):
         cp_rank = rank % cp
         for name in CASES:
             cases[f"{comm_type}-cp{cp}-{name}"] = functools.partial(_check_cp, name, comm_type, group, cp, cp_rank)
+    for comm_type in ("p2p", "all_gather"):
+        cases[f"dynamic-{comm_type}"] = functools.partial(_check_dynamic, rank, world_size, comm_type)
     return run_cases(cases)
 
 
@@ -144,3 +190,37 @@ def test_odd_documents_are_refused_and_padded_not_truncated():
     assert padded_labels.tolist() == [101, 102, 103, 104, 105, -100, -100, -100, 106, 107, 108, 109]
     with pytest.raises(ValueError, match=r"lengths sum to 8, but the row has 9 tokens"):
         pad_packed_row(tokens, labels, [4, 4], 4, pad_id=0, ignore_index=-100)
+
+
+@pytest.mark.parametrize("comm_type", ["p2p", "all_gather"])
+def test_dynamic_cp_equals_single_process(results, comm_type):
+    from mcore.kernels import attention
+
+    per_rank = case_result(results, f"dynamic-{comm_type}")
+    assert [size for _, size in per_rank[0]["groups"]] == [4, 1, 1, 2, 1, 2, 1]
+    seen = set()
+    for errors in (r["errors"] for r in per_rank):
+        assert max(errors.values()) < 1e-5, errors
+        seen |= {key.split("-")[0] for key in errors}
+    assert seen == {f"seq{i}" for i in range(len(DYNAMIC_LENGTHS))}  # every sequence computed somewhere
+    expected = 0.0
+    for i, n in enumerate(DYNAMIC_LENGTHS):  # the single-process loss of the whole batch
+        q, k, v, dout, _ = _problem({}, seed=100 + i)
+        expected += (attention(q[:1, :n], k[:1, :n], v[:1, :n], backend="reference") * dout[:1, :n]).sum().item()
+    assert all(abs(r["loss"] - expected) <= 1e-5 * abs(expected) for r in per_rank)
+
+
+def test_dynamic_plan_balances_a_long_tail():
+    from mcore.parallel.dynamic_cp import CostModel, plan_dynamic, plan_static
+
+    # Llama-3-8B-like: 32 layers of 32 heads x 128, 6 x 8e9 linear FLOPs per token.
+    model = CostModel(((128, 46.0), (512, 140.0), (4096, 334.0), (16384, 381.0)), 32, 128, 32, 4.8e10, 400.0)
+    lengths = [32768, 16384] + [1024] * 24 + [512] * 40 + [2048] * 12  # two long documents, many short ones
+    static = plan_static(lengths, 8, 4, 16384, model)
+    dynamic = plan_dynamic(lengths, 8, 16384, model)
+    assert sum(static.tokens) == sum(dynamic.tokens) == sum(lengths)
+    assert max(dynamic.tokens) <= 16384
+    assert dynamic.imbalance() < static.imbalance() and dynamic.step_seconds() < static.step_seconds()
+    assert dynamic.groups[0][1] >= 2 and dynamic.groups[-1][1] == 1  # the long one spread, short ones whole
+    with pytest.raises(ValueError, match=r"a 70000-token sequence needs 32 ranks of 4096 tokens"):
+        plan_dynamic([70000], 8, 4096, model)
