@@ -54,6 +54,14 @@ class AttentionLayout:
                 )
         _check_disjoint(self.pairs, 0, "query")
         _check_disjoint(self.pairs, 3, "key")
+        # Layouts key the schedule caches on every call: hash the pairs once, not per lookup.
+        object.__setattr__(
+            self, "_hash", hash((self.batch, self.q_len, self.k_len, self.causal, self.window_size, self.pairs))
+        )
+        object.__setattr__(self, "_covers", {})
+
+    def __hash__(self) -> int:
+        return self._hash
 
     @classmethod
     def from_documents(
@@ -66,7 +74,15 @@ class AttentionLayout:
         window_size: int | None = None,
         bounds: list[int] | tuple[int, ...] | None = None,
     ) -> AttentionLayout:
-        """Each row one document, or the documents of ``bounds`` (cumulative lengths over ``batch * q_len``)."""
+        """Each row one document, or the documents of ``bounds`` (cumulative lengths over ``batch * q_len``).
+
+        Cached: a training step asks for the same layout in every layer, and the kernels' schedules are
+        cached by layout, so the host work happens once per distinct batch layout.
+        """
+        return _documents_layout(batch, q_len, k_len, causal, window_size, None if bounds is None else tuple(bounds))
+
+    @classmethod
+    def _from_documents(cls, batch, q_len, k_len, causal, window_size, bounds) -> AttentionLayout:
         if bounds is None:
             pairs = tuple((row, 0, q_len, 0, 0, k_len, 0) for row in range(batch))
         else:
@@ -99,9 +115,11 @@ class AttentionLayout:
 
     def covers_all(self, side: str) -> bool:
         """Whether every query (``side="q"``) or key (``"k"``) row belongs to some pair."""
-        offset, length = (1, self.q_len) if side == "q" else (4, self.k_len)
-        segments = {(p[0], p[offset], p[offset + 1]) for p in self.pairs}
-        return sum(n for _, _, n in segments) == self.batch * length
+        if side not in self._covers:
+            offset, length = (1, self.q_len) if side == "q" else (4, self.k_len)
+            segments = {(p[0], p[offset], p[offset + 1]) for p in self.pairs}
+            self._covers[side] = sum(n for _, _, n in segments) == self.batch * length
+        return self._covers[side]
 
 
 def _check_disjoint(pairs: tuple, offset: int, what: str) -> None:
@@ -113,6 +131,11 @@ def _check_disjoint(pairs: tuple, offset: int, what: str) -> None:
                 f"AttentionLayout: two different {what} segments overlap in row {row_a} "
                 f"(at {start_a}+{len_a} and {start_b}); a token must have one position"
             )
+
+
+@functools.lru_cache(maxsize=64)
+def _documents_layout(batch, q_len, k_len, causal, window_size, bounds) -> AttentionLayout:
+    return AttentionLayout._from_documents(batch, q_len, k_len, causal, window_size, bounds)
 
 
 @functools.lru_cache(maxsize=64)
