@@ -157,29 +157,32 @@ def _ring_layouts():
     return make(pairs_a), make(pairs_b), make(pairs_a + pairs_b)
 
 
-@pytest.mark.parametrize("backend", ["reference", "triton"])
+@pytest.mark.parametrize("backend", ["reference", "triton", pytest.param("triton-cuda", marks=pytest.mark.gpu)])
 def test_layout_blocks_merge_and_backward_from_full_lse(backend, request):
+    device = "cpu"
     if backend == "triton":
         request.getfixturevalue("interpreter")
+    elif backend == "triton-cuda":  # the ring-attention blocks compiled: position offsets, rows in no pair
+        device, backend = request.getfixturevalue("cuda_triton"), "triton"
     lay_a, lay_b, lay_all = _ring_layouts()
-    q, k, v = torch.randn(2, 24, 4, 16), torch.randn(2, 16, 2, 16), torch.randn(2, 16, 2, 8)
-    sinks = torch.randn(4)
+    q, k, v = (torch.randn(shape, device=device) for shape in ((2, 24, 4, 16), (2, 16, 2, 16), (2, 16, 2, 8)))
+    sinks = torch.randn(4, device=device)
     out_a, lse_a = layout_forward(q, k, v, lay_a, 0.3, sinks, backend=backend)
     out_b, lse_b = layout_forward(q, k, v, lay_b, 0.3, None, backend=backend)
     out, lse = merge_partials(out_a, lse_a, out_b, lse_b)
-    ref_leaves = [t.double().requires_grad_() for t in (q, k, v, sinks)]
+    ref_leaves = [t.double().cpu().requires_grad_() for t in (q, k, v, sinks)]
     ref_out, ref_lse = dense_float64(*ref_leaves[:3], lay_all.dense_mask(), 0.3, ref_leaves[3])
     # Rows in no pair see only the sink: output 0, lse = sink.
-    assert _rel(out, ref_out) < 1e-5 and _rel(lse, ref_lse) < 1e-6
+    assert _rel(out.cpu(), ref_out) < 1e-5 and _rel(lse.cpu(), ref_lse) < 1e-6
     assert (out[0, 20:] == 0).all() and torch.allclose(lse[0, 20:], sinks.expand(4, 4))
     dout = torch.randn_like(ref_out)
     (ref_out * dout).sum().backward()
-    out = out.to(q.dtype)
-    grads_a = layout_backward(q, k, v, out, lse, dout.float(), lay_a, 0.3, sinks, backend=backend)
-    grads_b = layout_backward(q, k, v, out, lse, dout.float(), lay_b, 0.3, None, backend=backend)
+    out, dout_dev = out.to(q.dtype), dout.float().to(device)
+    grads_a = layout_backward(q, k, v, out, lse, dout_dev, lay_a, 0.3, sinks, backend=backend)
+    grads_b = layout_backward(q, k, v, out, lse, dout_dev, lay_b, 0.3, None, backend=backend)
     for i, name in enumerate("qkv"):
-        assert _rel(grads_a[i] + grads_b[i], ref_leaves[i].grad) < 1e-5, name
-    assert _rel(grads_a[3], ref_leaves[3].grad) < 1e-5
+        assert _rel((grads_a[i] + grads_b[i]).cpu(), ref_leaves[i].grad) < 1e-5, name
+    assert _rel(grads_a[3].cpu(), ref_leaves[3].grad) < 1e-5
 
 
 def test_layout_attention_autograd_and_rows_in_no_pair():

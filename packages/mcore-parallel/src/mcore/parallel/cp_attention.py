@@ -45,21 +45,22 @@ class CPGroups:
     a2a_size: int = 1
 
 
-def new_cp_groups(cp_ranks: list[int], a2a_size: int = 1) -> CPGroups:
-    """Create the groups of every CP group; all ranks call this with the same list (``new_group`` is collective)."""
+def new_cp_groups(cp_ranks: list[int], a2a_size: int = 1, backend: str | None = None) -> CPGroups:
+    """Create the groups of every CP group; all ranks call this with the same list (``new_group`` is collective).
+    ``backend`` (e.g. ``"nccl"`` over a gloo world) defaults to the world's."""
     cp = len(cp_ranks)
     if a2a_size < 1 or cp % a2a_size:
         raise ValueError(f"new_cp_groups: a2a_size ({a2a_size}) must divide the CP size ({cp})")
     me = dist.get_rank()
-    cp_group = dist.new_group(cp_ranks)
+    cp_group = dist.new_group(cp_ranks, backend=backend)
     a2a = p2p = None
     if a2a_size > 1:
         for first in range(0, cp, a2a_size):
-            group = dist.new_group(cp_ranks[first : first + a2a_size])
+            group = dist.new_group(cp_ranks[first : first + a2a_size], backend=backend)
             a2a = group if me in cp_ranks[first : first + a2a_size] else a2a
         for inner in range(a2a_size):
             ranks = cp_ranks[inner::a2a_size]
-            group = dist.new_group(ranks)
+            group = dist.new_group(ranks, backend=backend)
             p2p = group if me in ranks else p2p
     return CPGroups(cp_group, a2a, p2p, a2a_size)
 
