@@ -282,3 +282,32 @@ class _RingAttention(torch.autograd.Function):
                 cur_k, cur_v = next_k, next_v
         _wait(dkv_requests)
         return dq.to(q.dtype), acc_k.to(k.dtype), acc_v.to(v.dtype), dsinks, None, None, None, None
+
+
+@dataclasses.dataclass(frozen=True)
+class CPContext:
+    """What a model needs to run its attention context-parallel for one micro-batch: the batch's sharding,
+    the groups and the communication type. ``GPTModel.forward(context_parallel=...)`` takes it."""
+
+    sharding: CPSharding
+    groups: CPGroups
+    comm_type: str = "p2p"
+    backend: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.comm_type not in CP_COMM_TYPES:
+            raise ValueError(f"CPContext: cp_comm_type must be one of {CP_COMM_TYPES}, got {self.comm_type!r}")
+
+    @property
+    def rank(self) -> int:
+        return dist.get_rank(self.groups.cp)
+
+    def positions(self, device: torch.device | str = "cpu") -> torch.Tensor:
+        """``[b, s_local]`` positions of this rank's tokens inside their documents (for RoPE)."""
+        return self.sharding.positions(self.rank).to(device)
+
+    def attention(self, q, k, v, *, causal=True, window_size=None, softmax_scale=None, sinks=None) -> torch.Tensor:
+        return context_parallel_attention(
+            q, k, v, self.sharding, self.groups, comm_type=self.comm_type, causal=causal,
+            window_size=window_size, softmax_scale=softmax_scale, sinks=sinks, backend=self.backend,
+        )  # fmt: skip
