@@ -306,7 +306,7 @@ def main(argv: list[str] | None = None) -> int:
         result = bench_case(case, shape, reps)
         report["cases"].append(result)
         ok &= result.get("check", {}).get("ok", False)
-        if args.sweep and not args.dry_run:
+        if args.sweep and not args.dry_run and not case[3] and case[4] == case[5]:  # the four cases
             report["sweep"].extend(sweep_case(case, shape, reps, SWEEP_FORWARD, SWEEP_BACKWARD))
         elif args.sweep and case is cases[0]:
             report["sweep"].extend(sweep_case(case, shape, reps, DRY_SWEEP, DRY_SWEEP))

@@ -19,7 +19,7 @@ COMM_TYPES = ("p2p", "all_gather", "a2a")
 DTYPES = {"fp32": (torch.float32, 1e-5), "bf16": (torch.bfloat16, 2e-2)}
 
 
-def _check(case_name, comm_type, dtype, groups, device):
+def _check(case_name, comm_type, dtype, groups, device, deterministic=False):
     import torch.distributed as dist
 
     from mcore.kernels import attention
@@ -40,7 +40,9 @@ def _check(case_name, comm_type, dtype, groups, device):
     sharding = CPSharding(q.shape[0], q.shape[1], cp, None if cu is None else tuple(case["bounds"]))
     leaves = [sharding.shard(t, rank).requires_grad_() for t in (q, k, v)]
     cp_sinks = None if sinks is None else sinks.clone().requires_grad_()
-    out = context_parallel_attention(*leaves, sharding, groups, comm_type=comm_type, sinks=cp_sinks, **rule)
+    out = context_parallel_attention(
+        *leaves, sharding, groups, comm_type=comm_type, sinks=cp_sinks, deterministic=deterministic, **rule
+    )
     out.backward(sharding.shard(dout, rank))
     errors = {"out": rel_err_norm(out.float(), sharding.shard(ref.detach(), rank).float())}
     for name, leaf, want in zip("qkv", leaves, ref_leaves):
@@ -64,6 +66,9 @@ def _cases(rank: int, world_size: int) -> dict:
             for name in ("documents", "documents_window_sinks", "window"):
                 key = f"{comm_type}-{dtype_name}-{name}"
                 cases[key] = functools.partial(_check, name, comm_type, dtype, groups, device)
+    cases["p2p-deterministic"] = functools.partial(
+        _check, "documents_window_sinks", "p2p", torch.float32, groups, device, True
+    )
     return run_cases(cases)
 
 
@@ -79,3 +84,8 @@ def test_cp_attention_nccl_triton(spawned, comm_type, dtype_name, case_name):
     tolerance = DTYPES[dtype_name][1]
     for rank, errors in enumerate(case_result(spawned, f"{comm_type}-{dtype_name}-{case_name}")):
         assert max(errors.values()) < tolerance, (rank, errors)
+
+
+def test_cp_attention_nccl_triton_deterministic(spawned):
+    for rank, errors in enumerate(case_result(spawned, "p2p-deterministic")):
+        assert max(errors.values()) < 1e-5, (rank, errors)

@@ -78,22 +78,27 @@ def context_parallel_attention(
     softmax_scale: float | None = None,
     sinks: torch.Tensor | None = None,
     backend: str | None = None,
+    deterministic: bool = False,
 ) -> torch.Tensor:
-    """Attention of this rank's queries over the whole sequence; returns ``[b, s_local, Hq, Dv]``."""
+    """Attention of this rank's queries over the whole sequence; returns ``[b, s_local, Hq, Dv]``.
+    ``deterministic``: the blocks' backward sums dQ in a fixed order (see :func:`mcore.kernels.attention`)."""
     cp_rank, cp = dist.get_rank(groups.cp), dist.get_world_size(groups.cp)
     _check(q, k, v, sharding, cp, comm_type, groups)
     scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
     if backend is None:
         backend = "triton" if q.is_cuda and dispatch.triton_available() else "reference"
     rule = (causal, window_size)
+    blocks = (backend, deterministic)
     if comm_type == "p2p" or cp == 1:
         ring = list(range(cp))
-        return _ring(q, k, v, sharding, [[r] for r in ring], cp_rank, groups.cp, rule, scale, sinks, backend)
+        return _ring(q, k, v, sharding, [[r] for r in ring], cp_rank, groups.cp, rule, scale, sinks, blocks)
     if comm_type == "all_gather":
         k_all, v_all = (_gather_seq(t, groups.cp) for t in (k, v))
         k_pieces = sharding.gathered_pieces(range(cp))
         layout = pieces_layout(sharding.pieces(cp_rank), k_pieces, q.shape[0], q.shape[1], k_all.shape[1], *rule)
-        out, _ = layout_attention(q, k_all, v_all, layout, softmax_scale=scale, sinks=sinks, backend=backend)
+        out, _ = layout_attention(
+            q, k_all, v_all, layout, softmax_scale=scale, sinks=sinks, backend=backend, deterministic=deterministic
+        )
         return out
     a2a_group, size = (groups.cp, cp) if comm_type == "a2a" else (groups.a2a, groups.a2a_size)
     inner = dist.get_rank(a2a_group)
@@ -103,11 +108,13 @@ def context_parallel_attention(
     if comm_type == "a2a":
         pieces = sharding.gathered_pieces(range(cp))
         layout = pieces_layout(pieces, pieces, q.shape[0], qs.shape[1], ks.shape[1], *rule)
-        out, _ = layout_attention(qs, ks, vs, layout, softmax_scale=scale, sinks=head_sinks, backend=backend)
+        out, _ = layout_attention(
+            qs, ks, vs, layout, softmax_scale=scale, sinks=head_sinks, backend=backend, deterministic=deterministic
+        )
     else:
         members = [[g * size + i for i in range(size)] for g in range(cp // size)]
         ring_rank = first // size
-        out = _ring(qs, ks, vs, sharding, members, ring_rank, groups.p2p, rule, scale, head_sinks, backend)
+        out = _ring(qs, ks, vs, sharding, members, ring_rank, groups.p2p, rule, scale, head_sinks, blocks)
     return _heads_to_seq(out, a2a_group, size)
 
 
@@ -200,7 +207,7 @@ def _gather_seq(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
 # ------------------------------------------------------------------------------------------------- ring
 
 
-def _ring(q, k, v, sharding, members, ring_rank, group, rule, scale, sinks, backend):
+def _ring(q, k, v, sharding, members, ring_rank, group, rule, scale, sinks, blocks):
     """Ring attention over ``group``; ``members[i]`` are the CP ranks whose tokens ring member ``i`` holds."""
     n = len(members)
     pieces = [sharding.gathered_pieces(m) for m in members]
@@ -209,7 +216,7 @@ def _ring(q, k, v, sharding, members, ring_rank, group, rule, scale, sinks, back
     layouts = tuple(
         pieces_layout(pieces[ring_rank], pieces[(ring_rank - t) % n], b, q_len, k_len, *rule) for t in range(n)
     )
-    return _RingAttention.apply(q, k, v, sinks, layouts, group, scale, backend)
+    return _RingAttention.apply(q, k, v, sinks, layouts, group, scale, blocks)
 
 
 def _peer(group: dist.ProcessGroup, step: int) -> int:
@@ -234,7 +241,8 @@ def _wait(requests: list) -> None:
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, sinks, layouts, group, scale, backend):
+    def forward(ctx, q, k, v, sinks, layouts, group, scale, blocks):
+        backend, _ = blocks
         n = len(layouts)
         out = lse = None
         cur_k, cur_v = k, v
@@ -248,13 +256,13 @@ class _RingAttention(torch.autograd.Function):
                 cur_k, cur_v = next_k, next_v
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, sinks, out, lse)
-        ctx.config = (layouts, group, scale, backend)
+        ctx.config = (layouts, group, scale, blocks)
         return out
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, sinks, out, lse = ctx.saved_tensors
-        layouts, group, scale, backend = ctx.config
+        layouts, group, scale, (backend, deterministic) = ctx.config
         n = len(layouts)
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         dsinks = None
@@ -264,8 +272,9 @@ class _RingAttention(torch.autograd.Function):
             if step < n - 1:
                 (next_k, next_v), kv_requests = _exchange([cur_k, cur_v], group, tag=0)
             dq_t, dk_t, dv_t, ds_t = layout_backward(
-                q, cur_k, cur_v, out, lse, dout, layouts[step], scale, sinks if step == 0 else None, backend=backend
-            )
+                q, cur_k, cur_v, out, lse, dout, layouts[step], scale, sinks if step == 0 else None,
+                backend=backend, deterministic=deterministic,
+            )  # fmt: skip
             dq += dq_t
             dsinks = ds_t if step == 0 else dsinks
             dk_t, dv_t = dk_t.float(), dv_t.float()
@@ -293,6 +302,7 @@ class CPContext:
     groups: CPGroups
     comm_type: str = "p2p"
     backend: str | None = None
+    deterministic: bool = False
 
     def __post_init__(self) -> None:
         if self.comm_type not in CP_COMM_TYPES:
@@ -310,4 +320,5 @@ class CPContext:
         return context_parallel_attention(
             q, k, v, self.sharding, self.groups, comm_type=self.comm_type, causal=causal,
             window_size=window_size, softmax_scale=softmax_scale, sinks=sinks, backend=self.backend,
+            deterministic=self.deterministic,
         )  # fmt: skip
