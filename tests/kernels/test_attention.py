@@ -337,7 +337,7 @@ def test_cross_attention_without_masks():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("backend", ["default", "sdpa", "flex", "reference"])
+@pytest.mark.parametrize("backend", ["default", "sdpa", "flex", "reference", "triton"])
 @pytest.mark.parametrize("case_name", ["causal_gqa", "window", "documents", "sinks", "window_documents_sinks"])
 def test_gpu_bf16_forward_backward(case_name, backend):
     case = CASES[case_name]
@@ -362,7 +362,7 @@ def test_gpu_bf16_forward_backward(case_name, backend):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("backend", ["flex", "sdpa"])
+@pytest.mark.parametrize("backend", ["flex", "sdpa", "triton"])
 @pytest.mark.parametrize("case_name", list(LONG_CASES))
 def test_gpu_long_sequences_forward_backward(case_name, backend):
     """Multi-block masks on the device, where FlexAttention skips the blocks the BlockMask leaves out."""

@@ -234,3 +234,22 @@ def test_gpu_triton_vs_float64(case_name, dtype, cuda_triton):
         assert _rel(lse.cpu(), ref_lse) < 1e-3
         for name, got, want in zip(["q", "k", "v", "sinks"], leaves, ref_leaves):
             assert _rel(got.grad.cpu(), want.grad) < 3e-2, name
+
+
+@pytest.mark.parametrize("tiles", [(32, 16), (16, 32)], ids=["tall", "wide"])
+def test_unequal_tile_shapes(tiles, interpreter, monkeypatch):
+    """The GPU tiles differ between the two sides (128 x 64); the clipping of ranges must not assume squares."""
+    from mcore.kernels.triton import flash_attention as fa
+    from mcore.kernels.triton import flash_backward as fb
+
+    config = fa.FlashConfig(*tiles, 1, 1)
+    monkeypatch.setattr(fa, "forward_config", lambda *args: config)
+    monkeypatch.setattr(fb, "backward_configs", lambda *args: (config, config))
+    case = dict(CASES["window_documents_sinks"], s=40)
+    for deterministic in (True, False):
+        out, lse, ref_out, ref_lse, leaves, ref_leaves = _run_case(
+            case, interpreter, torch.float32, deterministic, True
+        )
+        assert _rel(out, ref_out) < 1e-5 and _rel(lse, ref_lse) < 1e-6
+        for name, got, want in zip(["q", "k", "v", "sinks"], leaves, ref_leaves):
+            assert _rel(got.grad, want.grad) < 1e-5, (name, deterministic)
