@@ -22,6 +22,7 @@ import sys
 import traceback
 from collections.abc import Callable
 from datetime import datetime
+from pathlib import Path
 
 from mcore.train import __version__
 from mcore.train.errors import UserError
@@ -111,9 +112,17 @@ def _config(args: argparse.Namespace, extra: list[str] | None = None, *, reuse_r
 
 
 def _train(args: argparse.Namespace) -> int:
+    from mcore.train.output_paths import check_train_outputs
+    from mcore.train.parent_watch import end_with_launcher
+    from mcore.train.run_lock import run_dir_lock
+
+    end_with_launcher()
+    nproc = args.nproc_per_node
+    if nproc is not None and nproc < 1:
+        raise UserError(f"--nproc-per-node must be >= 1, got {nproc}")
     extra = [f"checkpoint.load={args.load}"] if args.load else []
     config, overrides = _config(args, extra)
-    nproc = args.nproc_per_node
+    check_train_outputs(config)  # before building anything: an unwritable output fails in one line
     if nproc is not None or args.max_restarts > 0:
         if int(os.environ.get("WORLD_SIZE", "1")) > 1:
             raise UserError("--nproc-per-node is for launching; this process is already one of several workers")
@@ -130,14 +139,18 @@ def _train(args: argparse.Namespace) -> int:
         run_dir = config.log.run_dir or os.path.join("runs", datetime.now().strftime("%Y%m%d-%H%M%S"))
         worker_args = (["--config", args.config] if args.config else []) + (["--debug"] if args.debug else [])
         worker_args += [*overrides, f"log.run_dir={run_dir}"]
-        print(f"mcore-train: launching {nproc or 1} worker(s), run directory {run_dir}", flush=True)
-        return launch_local(nproc or 1, worker_args, max_restarts=args.max_restarts)
+        checkpoint_dir = Path(config.checkpoint.dir or os.path.join(run_dir, "checkpoints"))
+        with run_dir_lock(run_dir):  # held for the workers, which recognise their launcher's lock
+            print(f"mcore-train: launching {nproc or 1} worker(s), run directory {run_dir}", flush=True)
+            return launch_local(nproc or 1, worker_args, max_restarts=args.max_restarts, checkpoint_dir=checkpoint_dir)
 
-    from mcore.train.loop import run_training
+    from mcore.train.loop import resolve_run_dir, run_training
     from mcore.train.runtime import init_runtime
 
     with init_runtime(config) as runtime:
-        run_training(config, runtime)
+        config.log.run_dir = str(resolve_run_dir(config, runtime))  # fixed once: the lock and the run agree
+        with run_dir_lock(config.log.run_dir, enabled=runtime.rank == 0):
+            run_training(config, runtime)
     return 0
 
 

@@ -32,6 +32,7 @@ from mcore.train.datasets import RunData, build_run_data, microbatch_stream
 from mcore.train.fault import HangWatchdog, NonFiniteGuard, StopSignal, TrainingDiverged
 from mcore.train.gpu_stats import gather_gpu_stats, gather_step_times, straggler_report
 from mcore.train.metrics import MetricsLogger, format_train_line, peak_flops, peak_memory_bytes
+from mcore.train.output_paths import CreatedDirs
 from mcore.train.runtime import Runtime
 from mcore.train.trainer import Trainer, microbatch_to_device
 
@@ -118,14 +119,18 @@ def run_training(config: Config, runtime: Runtime, *, stream: TextIO | None = No
     # Inputs first (data files, the checkpoint to start from), so that bad ones fail before any work.
     data = build_run_data(config)
     start = choose_start(config, directory=directory)
+    made = CreatedDirs()  # removed again (when empty) if the start fails
     try:
         if is_main:
-            run_dir.mkdir(parents=True, exist_ok=True)
-            directory.root.mkdir(parents=True, exist_ok=True)
+            made.make(run_dir)
+            made.make(directory.root)
             directory.remove_stale_temp_dirs()
             say("mcore-train: resolved config\n" + _indent(dump_config(config)))
         runtime.barrier()
         built = restore_trainer(config, runtime, start)
+    except BaseException:
+        made.remove_empty()
+        raise
     finally:
         start.close()
     trainer, source, notes = built.trainer, built.description, built.notes
