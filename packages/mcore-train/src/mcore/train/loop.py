@@ -296,7 +296,11 @@ def _train(
     last_loss: float | None = None
     val_loss: float | None = None
     status = "finished"
-    watchdog = HangWatchdog(cfg.train.hang_timeout, runtime.rank) if cfg.train.hang_timeout > 0 else None
+    watchdog = None
+    if cfg.train.hang_timeout > 0:  # with peers, heartbeats say which rank stopped and what the others wait in
+        beats = run_dir / "heartbeat" if runtime.distributed else None
+        timeout, world = cfg.train.hang_timeout, runtime.world_size
+        watchdog = HangWatchdog(timeout, runtime.rank, heartbeat_dir=beats, world_size=world)
 
     def save(reason: str) -> None:
         if watchdog is not None:
