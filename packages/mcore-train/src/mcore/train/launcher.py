@@ -15,6 +15,7 @@ exit; the launcher waits for them (``TORCH_ELASTIC_SHUTDOWN_TIMEOUT`` seconds at
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
 import sys
@@ -50,6 +51,13 @@ def stop_report(signum: int, checkpoint_dir: Path | None, since: float) -> tuple
     return 128 + signum, f"mcore-train: stopped by {name} before the workers saved a checkpoint; nothing new was saved"
 
 
+def _quiet_elastic_warnings() -> None:
+    """torch elastic logs each signal it sends as a warning; our own lines say what happened (errors stay)."""
+    for name in list(logging.root.manager.loggerDict):
+        if name.startswith("torch.distributed.elastic"):
+            logging.getLogger(name).setLevel(logging.ERROR)
+
+
 def launch_local(
     nproc_per_node: int, worker_args: list[str], *, max_restarts: int = 0, checkpoint_dir: Path | None = None
 ) -> int:
@@ -66,6 +74,7 @@ def launch_local(
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
+    _quiet_elastic_warnings()
     config = LaunchConfig(
         min_nodes=1,
         max_nodes=1,
