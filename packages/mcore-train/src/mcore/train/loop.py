@@ -483,6 +483,7 @@ def _log_interval(
         "lr": out.lr,
         "tokens_per_s": tokens_per_s,
         "tflops_per_gpu": tflops,
+        "device": runtime.device.type,
         "mfu": tflops * 1e12 / peak if peak else None,
         "step_time_s": elapsed / interval.steps,
         "data_time_s": interval.data_time / interval.steps,
