@@ -122,7 +122,10 @@ class HangWatchdog:
         self._poll = poll_interval if poll_interval is not None else min(2.0, timeout / 4)
         self.board = HeartbeatBoard(heartbeat_dir, rank, world_size) if heartbeat_dir is not None else None
         # A heartbeat file older than this belongs to a stopped process (its watchdog thread writes every poll).
-        self._stale_after = 2 * self._poll + min(1.0, timeout / 4)
+        # Heartbeats go to a shared file system: at most every 30 s for long timeouts (thousands of ranks).
+        self._publish_every = max(self._poll, min(30.0, timeout / 10))
+        self._stale_after = 2 * self._publish_every + min(1.0, timeout / 4)
+        self._last_publish = 0.0
         self._last_beat = time.monotonic()
         self._started = time.time()
         self._step = 0
@@ -146,6 +149,7 @@ class HangWatchdog:
         self._started = time.time()
         if self.board is not None:  # at once: a rank that stops before its first poll is still on the board
             self.board.publish(self._step, self._phase, 0.0, None)
+            self._last_publish = time.monotonic()
         self._thread = threading.Thread(target=self._run, name="mcore-hang-watchdog", daemon=True)
         self._thread.start()
         return self
@@ -169,8 +173,9 @@ class HangWatchdog:
             call = None
             if idle >= self._poll:  # only a main thread that stalls is worth a look at its stack
                 call = describe_blocking_call(sys._current_frames().get(self._watched.ident))
-            if self.board is not None:
+            if self.board is not None and time.monotonic() - self._last_publish >= self._publish_every - 1e-3:
                 self.board.publish(self._step, self._phase, idle, call)
+                self._last_publish = time.monotonic()
             if idle < self.timeout:
                 continue
             where = f"blocked in {call}" if call else "not inside a torch.distributed call"
