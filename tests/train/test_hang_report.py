@@ -128,7 +128,7 @@ def blocked(tmp_path_factory):
 
 def test_an_asynchronous_wait_is_named_with_its_peers(blocked):
     text = blocked["async"]
-    assert text is not None and "the wait for an asynchronous torch.distributed operation" in text
+    assert text is not None and "the .wait() of an asynchronous torch.distributed operation" in text
     assert "`self.handle.wait()`" in text and "over ranks [0, 1]" in text and "(finish)" in text
 
 

@@ -68,7 +68,7 @@ def _awaited_work(frame: FrameType) -> str | None:
     owner = frame.f_locals.get("self")
     groups = [v for v in vars(owner).values() if isinstance(v, dist.ProcessGroup)] if owner is not None else []
     peers = _group_ranks(groups[0]) if len(groups) == 1 else ""
-    return f"the wait for an asynchronous torch.distributed operation (`{line}`){peers} at {_site(frame)}"
+    return f"the .wait() of an asynchronous torch.distributed operation (`{line}`){peers} at {_site(frame)}"
 
 
 def describe_blocking_call(frame: FrameType | None) -> str | None:
