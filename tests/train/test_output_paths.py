@@ -162,6 +162,14 @@ def test_latest_naming_a_missing_checkpoint_refuses_to_start_from_random_weights
     assert _tree(run) == before
 
 
+def test_the_launcher_refuses_a_broken_latest_before_starting_workers(capsys, tmp_path, trained, no_work):
+    run = _copy(trained, tmp_path)
+    shutil.rmtree(run / "checkpoints" / "iter_0000004")
+    code, out, err = _main(capsys, "--nproc-per-node", "2", *TINY, "train.steps=8", f"log.run_dir={run}")
+    assert code == 2 and "iter_0000004, which does not exist" in _one_error_line(err)
+    assert "launching" not in out
+
+
 @pytest.mark.parametrize(
     "damage,expected",
     [

@@ -127,6 +127,7 @@ def _train(args: argparse.Namespace) -> int:
         if int(os.environ.get("WORLD_SIZE", "1")) > 1:
             raise UserError("--nproc-per-node is for launching; this process is already one of several workers")
         from mcore.parallel.grid import ParallelConfig
+        from mcore.train.checkpoint.directory import CheckpointDirectory
         from mcore.train.launcher import launch_local
 
         try:  # fail here, before any worker starts, when the layout cannot fit the local workers
@@ -140,6 +141,7 @@ def _train(args: argparse.Namespace) -> int:
         worker_args = (["--config", args.config] if args.config else []) + (["--debug"] if args.debug else [])
         worker_args += [*overrides, f"log.run_dir={run_dir}"]
         checkpoint_dir = Path(config.checkpoint.dir or os.path.join(run_dir, "checkpoints"))
+        CheckpointDirectory(checkpoint_dir).latest()  # a broken `latest` fails here, not once in every worker
         with run_dir_lock(run_dir):  # held for the workers, which recognise their launcher's lock
             print(f"mcore-train: launching {nproc or 1} worker(s), run directory {run_dir}", flush=True)
             return launch_local(nproc or 1, worker_args, max_restarts=args.max_restarts, checkpoint_dir=checkpoint_dir)
