@@ -74,6 +74,16 @@ def test_process_alive():
     assert not process_alive(0)
 
 
+def test_a_reused_pid_does_not_keep_a_lock_alive(tmp_path):
+    run_dir = tmp_path / "run"
+    _write_lock(run_dir, os.getpid())  # a live pid ...
+    record = json.loads((run_dir / LOCK_FILE).read_text())
+    record["start_ticks"] = -1  # ... that a different, earlier process held when it took the lock
+    (run_dir / LOCK_FILE).write_text(json.dumps(record))
+    with RunLock(run_dir) as lock:
+        assert lock.notes and "stale lock" in lock.notes[0]
+
+
 def test_a_worker_recognises_its_launchers_lock(tmp_path):
     run_dir = tmp_path / "run"
     code = "import sys\nfrom mcore.train.run_lock import held_by_parent\nprint(held_by_parent(sys.argv[1]))\n"

@@ -7,7 +7,8 @@ worker dies. The run directory is fixed here, before the first start, so that re
 the run's ``checkpoints/latest`` and resume from it.
 
 A SIGTERM/SIGINT to the launcher (a preemption) is forwarded to the workers, which save a checkpoint and
-exit; the launcher waits for them (``TORCH_ELASTIC_SHUTDOWN_TIMEOUT`` seconds at most, default 30) and exits
+exit; the launcher waits for them (``TORCH_ELASTIC_SHUTDOWN_TIMEOUT`` seconds at most, default 30; torch
+before 2.12 fixes 30) and exits
 0 with one line naming that checkpoint. The workers end with the launcher if it is killed outright
 (:mod:`mcore.train.parent_watch`).
 """

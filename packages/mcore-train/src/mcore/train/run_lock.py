@@ -30,8 +30,23 @@ from mcore.train.output_paths import CreatedDirs
 LOCK_FILE = "mcore-run.lock"
 
 
-def process_alive(pid: int) -> bool:
-    """Whether process ``pid`` exists on this host and is not a zombie."""
+def _proc_stat(pid: int) -> list[str] | None:
+    """The fields of ``/proc/<pid>/stat`` after the command name (state first), or None without /proc."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+
+
+def start_ticks(pid: int) -> int | None:
+    """When process ``pid`` started (clock ticks since boot, Linux), so that a reused pid is told apart."""
+    fields = _proc_stat(pid)
+    return int(fields[19]) if fields is not None and len(fields) > 19 else None
+
+
+def process_alive(pid: int, started: int | None = None) -> bool:
+    """Whether process ``pid`` exists on this host and is not a zombie (nor, given ``started``, a newer
+    process that reuses the pid)."""
     if pid <= 0:
         return False
     try:
@@ -40,11 +55,12 @@ def process_alive(pid: int) -> bool:
         return False
     except PermissionError:
         return True  # exists, owned by someone else
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
+    fields = _proc_stat(pid)
+    if fields is None:
         return True  # no /proc (not Linux): kill(0) is all we know
-    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+    if started is not None and len(fields) > 19 and int(fields[19]) != started:
+        return False
+    return fields[0] != "Z"
 
 
 def read_owner(path: Path) -> dict | None:
@@ -92,7 +108,8 @@ class RunLock:
             raise
 
     def _try_create(self) -> bool:
-        record = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.time()}
+        pid = os.getpid()
+        record = {"pid": pid, "host": socket.gethostname(), "started": time.time(), "start_ticks": start_ticks(pid)}
         try:
             fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         except FileExistsError:
@@ -116,7 +133,8 @@ class RunLock:
                 "directory, delete that file and start again"
             )
         same_host = owner["host"] == socket.gethostname()
-        if same_host and process_alive(owner["pid"]):
+        ticks = owner.get("start_ticks")
+        if same_host and process_alive(owner["pid"], ticks if isinstance(ticks, int) else None):
             raise UserError(
                 f"run directory {self.run_dir} is in use by a live run ({_describe(owner)}); wait for it to end, "
                 "stop it, or choose another log.run_dir"
