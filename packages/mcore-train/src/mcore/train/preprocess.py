@@ -133,6 +133,18 @@ def _ordered_bounded_map(pool: Any, fn: Callable, items: Iterable, max_pending: 
         yield pending.popleft().get()
 
 
+def _prepare_output(prefix: str, overwrite: bool) -> CreatedDirs:
+    """Refuse existing outputs (without ``overwrite``) and an unwritable location; make the output folder,
+    which the returned :class:`CreatedDirs` removes again (when empty) if the run fails."""
+    existing = [p for p in (bin_path(prefix), idx_path(prefix)) if os.path.exists(p)]
+    if existing and not overwrite:
+        raise PreprocessError(f"output {existing[0]} already exists; pass --overwrite to replace it")
+    check_output_prefix(prefix, "--output-prefix", PreprocessError)
+    made = CreatedDirs()
+    made.make(Path(prefix).parent)
+    return made
+
+
 def preprocess_jsonl(
     input_path: str | os.PathLike,
     output_prefix: str | os.PathLike,
@@ -161,12 +173,7 @@ def preprocess_jsonl(
     if not source.is_file():
         raise PreprocessError(f"input {str(source)!r} is not a file (expected a JSONL file, one JSON object a line)")
     prefix = os.fspath(output_prefix)
-    existing = [p for p in (bin_path(prefix), idx_path(prefix)) if os.path.exists(p)]
-    if existing and not overwrite:
-        raise PreprocessError(f"output {existing[0]} already exists; pass --overwrite to replace it")
-    check_output_prefix(prefix, "--output-prefix", PreprocessError)
-    made = CreatedDirs()  # the output folder is removed again (when empty) if the run fails
-    made.make(Path(prefix).parent)
+    made = _prepare_output(prefix, overwrite)
     eod_id = tokenizer.eod_id if append_eod else None
     dtype = token_dtype_for_vocab(tokenizer.vocab_size)
 
