@@ -165,7 +165,7 @@ def _run_or_launch(args: argparse.Namespace, config, overrides: list[str], check
 
     with init_runtime(config) as runtime:
         config.log.run_dir = str(resolve_run_dir(config, runtime))  # fixed once: the lock and the run agree
-        with run_dir_lock(config.log.run_dir, enabled=runtime.rank == 0):
+        with run_dir_lock(config.log.run_dir, enabled=runtime.is_logging_rank):
             run_training(config, runtime, load=checkpoint)
     return 0
 
