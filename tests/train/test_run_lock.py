@@ -146,3 +146,19 @@ def test_child_ends_when_its_parent_is_killed(force_watcher):
             os.kill(child, 9)
         if parent.poll() is None:
             parent.kill()
+
+
+@pytest.mark.parametrize(
+    "env,expected",
+    [({}, "None"), ({"TORCHELASTIC_RUN_ID": "abc"}, "prctl"), ({"MCORE_LAUNCHER_PID": "PARENT"}, "prctl")],
+    ids=["plain", "torchrun", "mcore-launcher"],
+)
+def test_workers_of_a_launcher_ask_to_end_with_it(env, expected):
+    code = (
+        "import os\nfrom mcore.train.parent_watch import end_with_launcher\n"
+        "print(end_with_launcher(), 'MCORE_LAUNCHER_PID' in os.environ)\n"
+    )
+    base = {k: v for k, v in os.environ.items() if k not in ("TORCHELASTIC_RUN_ID", "MCORE_LAUNCHER_PID")}
+    env = {k: str(os.getpid()) if v == "PARENT" else v for k, v in env.items()}
+    out = subprocess.run([sys.executable, "-c", code], env={**base, **env}, capture_output=True, text=True, check=True)
+    assert out.stdout.split() == [expected, "False"]  # the launcher's pid is not passed on to grandchildren

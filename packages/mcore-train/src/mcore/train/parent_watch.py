@@ -4,7 +4,7 @@ A launcher killed with SIGKILL cannot stop its workers, and orphaned workers kee
 directory, racing the next run started there. On Linux the kernel can deliver a signal to a process when its
 parent exits (``prctl(PR_SET_PDEATHSIG)``, through ctypes: no compiled extension); elsewhere a daemon thread
 watches the parent pid. The launcher exports its pid as ``MCORE_LAUNCHER_PID`` so that a worker whose
-launcher died before the request was made ends at once too.
+launcher died before the request was made ends at once too; under ``torchrun`` the parent is its agent.
 """
 
 from __future__ import annotations
@@ -55,8 +55,11 @@ def end_with_parent(expected_parent: int | None = None, *, poll_s: float = 1.0) 
 
 
 def end_with_launcher() -> str | None:
-    """:func:`end_with_parent` for a worker started by ``mcore-train --nproc-per-node`` (else nothing, None)."""
+    """:func:`end_with_parent` for a worker started by ``mcore-train --nproc-per-node`` (its launcher's pid is
+    known) or by ``torchrun`` (its parent is the elastic agent); else nothing (None)."""
     launcher = os.environ.pop(LAUNCHER_PID_ENV, None)  # not inherited by processes this worker starts
-    if not launcher or not launcher.isdigit():
-        return None
-    return end_with_parent(int(launcher))
+    if launcher and launcher.isdigit():
+        return end_with_parent(int(launcher))
+    if os.environ.get("TORCHELASTIC_RUN_ID"):
+        return end_with_parent()
+    return None
