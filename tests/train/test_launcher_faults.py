@@ -12,6 +12,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from mcore.train.cli import main
 from mcore.train.run_lock import LOCK_FILE, process_alive
 from tests.train.test_launcher import _workers
@@ -103,9 +105,11 @@ def test_workers_end_with_a_killed_launcher_and_its_stale_lock_is_taken_over(tmp
     assert f"took over the stale lock of pid {proc.pid} on host" in out
 
 
-def test_hang_watchdog_names_the_stopped_rank_and_ends_it(tmp_path):
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.multigpu)])
+def test_hang_watchdog_names_the_stopped_rank_and_ends_it(tmp_path, device):
     run_dir = tmp_path / "run"
-    proc = _start(run_dir, "train.steps=100000", "checkpoint.save_interval=0", "train.hang_timeout=4")
+    extra = ["train.steps=100000", "checkpoint.save_interval=0", "train.hang_timeout=4", f"train.device={device}"]
+    proc = _start(run_dir, *extra)
     try:
         _wait_for_steps(proc, run_dir, 3)
         workers = _workers(proc.pid)
