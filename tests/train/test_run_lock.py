@@ -53,6 +53,16 @@ def test_stale_lock_is_taken_over_with_a_note(tmp_path):
     assert run_dir.is_dir() and not (run_dir / LOCK_FILE).exists()  # a directory it did not make stays
 
 
+def test_a_stale_lock_replaced_meanwhile_by_another_starter_is_left_to_it(tmp_path):
+    run_dir = tmp_path / "run"
+    _write_lock(run_dir, _dead_pid())
+    judged = json.loads((run_dir / LOCK_FILE).read_text())
+    _write_lock(run_dir, os.getppid())  # another run took over first: its fresh lock now stands there
+    fresh = (run_dir / LOCK_FILE).read_text()
+    assert not RunLock(run_dir)._remove_stale(judged)
+    assert (run_dir / LOCK_FILE).read_text() == fresh and sorted(os.listdir(run_dir)) == [LOCK_FILE]
+
+
 def test_lock_of_another_host_is_refused_with_the_way_out(tmp_path):
     run_dir = tmp_path / "run"
     _write_lock(run_dir, 12345, host="some-other-node")

@@ -19,6 +19,7 @@ import os
 import socket
 import sys
 import time
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from types import TracebackType
@@ -144,8 +145,23 @@ class RunLock:
                 f"run directory {self.run_dir} is locked by a run on another host ({_describe(owner)}); if that "
                 f"run has ended, delete {self.path} and start again, or choose another log.run_dir"
             )
-        self.path.unlink(missing_ok=True)
-        self.notes.append(f"took over the stale lock of {_describe(owner)}, which no longer runs")
+        if self._remove_stale(owner):
+            self.notes.append(f"took over the stale lock of {_describe(owner)}, which no longer runs")
+
+    def _remove_stale(self, owner: dict) -> bool:
+        """Move the judged-stale lock aside; True if it was that lock (another run starting at the same time
+        may have replaced it already: then its fresh lock is put back, and the caller judges again)."""
+        aside = self.path.with_name(f"{LOCK_FILE}.stale-{uuid.uuid4().hex[:8]}")
+        try:
+            os.rename(self.path, aside)
+        except FileNotFoundError:
+            return False  # removed by the other starter
+        moved = read_owner(aside)
+        if moved != owner:  # (None: a lock being written this instant)
+            with contextlib.suppress(OSError):
+                os.link(aside, self.path)  # fails if yet another lock appeared meanwhile: that one stands
+        aside.unlink(missing_ok=True)
+        return moved == owner
 
     def release(self) -> None:
         if self.held:
