@@ -121,9 +121,9 @@ class HangWatchdog:
         self.on_hang = on_hang or self._default_on_hang
         self._poll = poll_interval if poll_interval is not None else min(2.0, timeout / 4)
         self.board = HeartbeatBoard(heartbeat_dir, rank, world_size) if heartbeat_dir is not None else None
-        # A heartbeat file older than this belongs to a stopped process (its watchdog thread writes every poll).
         # Heartbeats go to a shared file system: at most every 30 s for long timeouts (thousands of ranks).
         self._publish_every = max(self._poll, min(30.0, timeout / 10))
+        # A heartbeat file older than this belongs to a stopped process (its watchdog thread rewrites it).
         self._stale_after = 2 * self._publish_every + min(1.0, timeout / 4)
         self._last_publish = 0.0
         self._last_beat = time.monotonic()
