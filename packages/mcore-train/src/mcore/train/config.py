@@ -26,8 +26,11 @@ import yaml
 
 from mcore.models.config import TransformerConfig
 from mcore.models.families import PRESETS, get_config
+from mcore.train.config_checks import non_negative as _non_negative
+from mcore.train.config_checks import positive as _positive
 from mcore.train.errors import UserError
 from mcore.train.lr import LRSchedule
+from mcore.train.output_config import CheckpointSection, LogSection
 from mcore.train.typed_config import RawText, from_dict, set_dotted, to_dict
 
 # The embedded demo model: the byte-level vocabulary (256 bytes + 3 special tokens), ~1M parameters.
@@ -45,16 +48,6 @@ DEMO_MODEL: dict[str, Any] = {
     "tie_word_embeddings": True,
     "make_vocab_size_divisible_by": 64,
 }
-
-
-def _positive(section: str, name: str, value: int | float) -> None:
-    if value <= 0:
-        raise ValueError(f"{section}.{name} must be > 0, got {value}")
-
-
-def _non_negative(section: str, name: str, value: int | float) -> None:
-    if value < 0:
-        raise ValueError(f"{section}.{name} must be >= 0, got {value}")
 
 
 PIPELINE_LAYOUTS = ("even", "balanced")
@@ -274,49 +267,6 @@ class TrainSection:
             )
         if self.stop_at_step is not None and not 0 < self.stop_at_step <= self.steps:
             raise ValueError(f"train.stop_at_step must lie in [1, train.steps={self.steps}], got {self.stop_at_step}")
-
-
-@dataclass
-class CheckpointSection:
-    """When and where checkpoints are written, and what to start from.
-
-    ``dir`` defaults to ``<log.run_dir>/checkpoints``; a run resumes from its ``latest`` checkpoint when it
-    exists. ``load`` names a checkpoint to start from otherwise (a full checkpoint resumes its step, data
-    position and optimizer; a model-only checkpoint, or ``finetune: true``, loads weights and starts at
-    step 0). ``save_interval: 0`` saves only at the end.
-    """
-
-    dir: str | None = None
-    save_interval: int = 0
-    save_at_end: bool = True
-    keep_last: int = 2
-    async_save: bool = False
-    load: str | None = None
-    finetune: bool = False
-    load_optimizer: bool = True
-    load_rng: bool = True
-
-    def __post_init__(self) -> None:
-        _non_negative("checkpoint", "save_interval", self.save_interval)
-        _positive("checkpoint", "keep_last", self.keep_last)
-
-
-@dataclass
-class LogSection:
-    """Console, JSONL, TensorBoard and plots; ``run_dir`` defaults to ``runs/<timestamp>``."""
-
-    run_dir: str | None = None
-    interval: int = 20
-    progress_bar: bool = True
-    tensorboard: bool = True
-    plot: bool = True
-    gpu_stats_interval: int = 100
-    straggler_interval: int = 100
-
-    def __post_init__(self) -> None:
-        _positive("log", "interval", self.interval)
-        _non_negative("log", "gpu_stats_interval", self.gpu_stats_interval)
-        _non_negative("log", "straggler_interval", self.straggler_interval)
 
 
 @dataclass
