@@ -25,6 +25,7 @@ import sys
 import traceback
 from collections.abc import Callable
 from datetime import datetime
+from pathlib import Path
 
 from mcore.train import __version__
 from mcore.train.errors import UserError
@@ -117,20 +118,30 @@ def _config(args: argparse.Namespace, extra: list[str] | None = None, *, reuse_r
 
 
 def _train(args: argparse.Namespace) -> int:
+    from mcore.train.output_paths import check_train_outputs
+    from mcore.train.parent_watch import end_with_launcher
+
+    end_with_launcher()  # a worker of `--nproc-per-node` ends when its launcher dies
+    if args.nproc_per_node is not None and args.nproc_per_node < 1:
+        raise UserError(f"--nproc-per-node must be >= 1, got {args.nproc_per_node}")
     extra = [f"checkpoint.load={args.load}"] if args.load else []
     config, overrides, checkpoint = _config(args, extra)
     with contextlib.ExitStack() as stack:
         if checkpoint is not None:
             stack.callback(checkpoint.close)
+        check_train_outputs(config)  # before building anything: an unwritable output fails in one line
         return _run_or_launch(args, config, overrides, checkpoint)
 
 
 def _run_or_launch(args: argparse.Namespace, config, overrides: list[str], checkpoint) -> int:
+    from mcore.train.run_lock import run_dir_lock
+
     nproc = args.nproc_per_node
     if nproc is not None or args.max_restarts > 0:
         if int(os.environ.get("WORLD_SIZE", "1")) > 1:
             raise UserError("--nproc-per-node is for launching; this process is already one of several workers")
         from mcore.parallel.grid import ParallelConfig
+        from mcore.train.checkpoint.directory import CheckpointDirectory
         from mcore.train.launcher import launch_local
 
         try:  # fail here, before any worker starts, when the layout cannot fit the local workers
@@ -143,14 +154,19 @@ def _run_or_launch(args: argparse.Namespace, config, overrides: list[str], check
         run_dir = config.log.run_dir or os.path.join("runs", datetime.now().strftime("%Y%m%d-%H%M%S"))
         worker_args = (["--config", args.config] if args.config else []) + (["--debug"] if args.debug else [])
         worker_args += [*overrides, f"log.run_dir={run_dir}"]
-        print(f"mcore-train: launching {nproc or 1} worker(s), run directory {run_dir}", flush=True)
-        return launch_local(nproc or 1, worker_args, max_restarts=args.max_restarts)
+        checkpoint_dir = Path(config.checkpoint.dir or os.path.join(run_dir, "checkpoints"))
+        CheckpointDirectory(checkpoint_dir).latest()  # a broken `latest` fails here, not once in every worker
+        with run_dir_lock(run_dir):  # held for the workers, which recognise their launcher's lock
+            print(f"mcore-train: launching {nproc or 1} worker(s), run directory {run_dir}", flush=True)
+            return launch_local(nproc or 1, worker_args, max_restarts=args.max_restarts, checkpoint_dir=checkpoint_dir)
 
-    from mcore.train.loop import run_training
+    from mcore.train.loop import resolve_run_dir, run_training
     from mcore.train.runtime import init_runtime
 
     with init_runtime(config) as runtime:
-        run_training(config, runtime, load=checkpoint)
+        config.log.run_dir = str(resolve_run_dir(config, runtime))  # fixed once: the lock and the run agree
+        with run_dir_lock(config.log.run_dir, enabled=runtime.is_logging_rank):
+            run_training(config, runtime, load=checkpoint)
     return 0
 
 
