@@ -5,7 +5,9 @@
     mcore-train [--config FILE.yaml] [--load CKPT] [key=value ...]      train (no arguments: the embedded demo)
     mcore-train --nproc-per-node N [--max-restarts R] ...                 N local workers (torch elastic)
     mcore-train evaluate [--config FILE.yaml] --load CKPT [key=value ...] validation loss/perplexity as JSON
-    mcore-train plan [--config FILE.yaml] [--world-size N] [--gpu-memory GB] [key=value ...]
+    mcore-train plan [--config FILE.yaml] [--world-size N] [--gpu-memory GB] [--calibration C] [key=value ...]
+    mcore-train plan --search --gpus N [--cluster NAME|FILE.json] [key=value ...]   best layouts on N GPUs
+    mcore-train plan --calibrate [--output FILE.json]                     measure this GPU for the planner
     mcore-train plot RUN_DIR
     mcore-train preprocess --input DOCS.jsonl --output-prefix PREFIX [--tokenizer NAME]
 
@@ -70,6 +72,9 @@ def build_parser(command: str) -> argparse.ArgumentParser:
         parser.add_argument("--world-size", type=int, default=None, help="ranks (default: tp x pp x dp of the config)")
         parser.add_argument("--gpu-memory", type=float, default=None, metavar="GB", help="GPU memory to fit in")
         parser.add_argument("--json", action="store_true", help="print the plan as JSON")
+        from mcore.train.plan_cli import add_planner_arguments
+
+        add_planner_arguments(parser)
     elif command == "plot":
         parser.add_argument("run_dir", metavar="RUN_DIR", help="directory of a run (holds metrics.jsonl)")
         parser.add_argument("--output", metavar="FILE.png", help="where to write (default: RUN_DIR/curves.png)")
@@ -154,29 +159,9 @@ def _evaluate(args: argparse.Namespace) -> int:
 
 
 def _plan(args: argparse.Namespace) -> int:
-    import torch
+    from mcore.train.plan_cli import run_plan
 
-    from mcore.train.metrics import peak_flops
-    from mcore.train.plan import default_world_size, format_plan, make_plan, plan_to_dict
-
-    config, _ = _config(args)
-    world = args.world_size or default_world_size(config)
-    if world < 1:
-        raise UserError(f"--world-size must be >= 1, got {world}")
-    memory = args.gpu_memory
-    peak = None
-    if torch.cuda.is_available():
-        device = torch.device("cuda", 0)
-        peak = peak_flops(device)
-        if memory is None:
-            memory = torch.cuda.get_device_properties(device).total_memory / 1e9
-    if memory is None:
-        memory = 80.0
-    if memory <= 0:
-        raise UserError(f"--gpu-memory must be > 0 GB, got {memory}")
-    plan = make_plan(config, world, memory)
-    print(json.dumps(plan_to_dict(plan), indent=1) if args.json else format_plan(plan, peak))
-    return 0
+    return run_plan(args, _config)
 
 
 def _plot(args: argparse.Namespace) -> int:

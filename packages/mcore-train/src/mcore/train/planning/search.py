@@ -1,0 +1,137 @@
+"""Enumerate the layouts of a model on N GPUs, keep those that fit, rank them by predicted tokens/s.
+
+Sizes tried: ``tp`` powers of two up to a node, ``cp`` powers of two up to a node / tp, ``pp`` any divisor of the
+rest, ``vpp`` the divisors of the layers per stage (interleaved), ``ep`` the divisors of the experts (MoE),
+``etp`` 1 or tp, ``dp`` what remains, micro-batch sizes dividing the per-rank batch. For each such layout the
+memory modes are tried from the cheapest in time to the most frugal (distributed optimizer without recompute,
+selective then full recompute, then ZeRO-3, then optimizer offload) and the first that fits is kept, so "the
+cheapest mode that fits" is what is ranked. Every layout that cannot run is kept too, with its reasons: sizes
+that do not divide (``Layout.problems``) or memory that does not fit (the needed and available GB).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+
+from mcore.train.planning.cluster import Network
+from mcore.train.planning.layout import Layout
+from mcore.train.planning.memory import GB, stage_memory
+from mcore.train.planning.shape import ModelShape
+from mcore.train.planning.step import StepPrediction, predict_step
+
+MEMORY_MODES = (
+    {"recompute": "none"},
+    {"recompute": "selective"},
+    {"recompute": "full"},
+    {"recompute": "selective", "dp_shard": True, "distributed_optimizer": False, "overlap_param_gather": False},
+    {"recompute": "full", "dp_shard": True, "distributed_optimizer": False, "overlap_param_gather": False},
+    {"recompute": "full", "optimizer_offload_fraction": 1.0},
+)
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One layout: its prediction when it runs, else why not."""
+
+    layout: Layout
+    prediction: StepPrediction | None
+    memory_gb: float
+    reasons: tuple[str, ...] = ()
+
+    @property
+    def runs(self) -> bool:
+        return self.prediction is not None
+
+
+def _powers(limit: int) -> list[int]:
+    out, v = [], 1
+    while v <= limit:
+        out.append(v)
+        v *= 2
+    return out
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def base_layouts(shape: ModelShape, gpus: int, global_batch: int, seq_length: int, gpus_per_node: int):
+    """Every (tp, cp, pp, vpp, ep, etp, dp, micro-batch) combination with tp x cp x pp x dp = ``gpus``."""
+    for tp in _powers(min(gpus_per_node, gpus)):
+        for cp in _powers(min(gpus_per_node // tp, gpus // tp)):
+            for pp in _divisors(gpus // (tp * cp)):
+                dp = gpus // (tp * cp * pp)
+                per_stage = shape.layers // pp if shape.layers % pp == 0 else 0
+                vpps = [1] + ([v for v in _divisors(per_stage) if v > 1] if pp > 1 and per_stage else [])
+                eps = [e for e in _divisors(shape.num_experts) if e <= tp * cp * dp] if shape.is_moe else [1]
+                etps = sorted({1, tp}) if shape.is_moe else [None]
+                per_rank = global_batch // dp if global_batch % dp == 0 else 0
+                mbs = [m for m in (1, 2, 4, 8) if per_rank and per_rank % m == 0] or [1]
+                for vpp in vpps:
+                    for ep in eps:
+                        for etp in etps:
+                            for mb in mbs:
+                                yield Layout(
+                                    tp=tp, pp=pp, dp=dp, vpp=vpp, cp=cp, ep=ep, etp=etp, micro_batch=mb,
+                                    global_batch=global_batch, seq_length=seq_length, sequence_parallel=tp > 1,
+                                    distributed_optimizer=dp > 1, overlap_param_gather=dp > 1,
+                                )  # fmt: skip
+
+
+def evaluate(shape: ModelShape, layout: Layout, network: Network, memory_gb: float) -> Candidate:
+    """The first memory mode of ``layout`` that fits, predicted; or why none does."""
+    problems = layout.problems(shape)
+    if problems:
+        return Candidate(layout, None, 0.0, tuple(problems))
+    smallest = None
+    for mode in MEMORY_MODES:
+        if mode.get("dp_shard") and layout.dp == 1:
+            continue
+        trial = layout.replace(**mode)
+        if trial.problems(shape):
+            continue
+        need = max(s.total for s in stage_memory(shape, trial)) / GB
+        if need <= memory_gb:
+            return Candidate(trial, predict_step(shape, trial, network), need)
+        smallest = need if smallest is None else min(smallest, need)
+    why = f"needs {smallest:.1f} GB per GPU even with full recompute, ZeRO-3 and offload; {memory_gb:g} GB available"
+    return Candidate(layout, None, smallest or 0.0, (why,))
+
+
+def search(
+    shape: ModelShape, gpus: int, global_batch: int, seq_length: int, network: Network, memory_gb: float | None = None
+) -> list[Candidate]:
+    """Every candidate, runnable ones first by predicted tokens/s, then the rest."""
+    memory = network.gpu.memory_gb if memory_gb is None else memory_gb
+    layouts = base_layouts(shape, gpus, global_batch, seq_length, network.cluster.gpus_per_node)
+    out = [evaluate(shape, layout, network, memory) for layout in layouts]
+    runs = sorted((c for c in out if c.runs), key=lambda c: -c.prediction.tokens_per_s)
+    return runs + [c for c in out if not c.runs]
+
+
+def format_search(candidates: list[Candidate], top: int = 5) -> str:
+    """The best layouts with their overrides, and a count of every reason the others cannot run."""
+    runs = [c for c in candidates if c.runs]
+    lines = [f"{len(candidates)} layouts: {len(runs)} run, {len(candidates) - len(runs)} cannot"]
+    for i, c in enumerate(runs[:top]):
+        p, lay = c.prediction, c.layout
+        lines.append(
+            f"{i + 1}. {p.tokens_per_s:,.0f} tokens/s, MFU {100 * p.mfu:.1f}%, step {p.step_s:.3f} s, "
+            f"{c.memory_gb:.1f} GB/GPU: tp {lay.tp} cp {lay.cp} pp {lay.pp} vpp {lay.vpp} ep {lay.ep} dp {lay.dp} "
+            f"mbs {lay.micro_batch} recompute {lay.recompute}"
+        )
+    if runs:
+        lines.append("overrides of the best: " + " ".join(runs[0].layout.overrides()))
+    else:
+        lines.append("no layout fits: see the reasons below")
+    reasons = Counter(_reason_kind(r) for c in candidates if not c.runs for r in c.reasons)
+    if reasons:
+        lines.append("why the others cannot run (layouts per reason):")
+        lines += [f"  {n:>6}  {text}" for text, n in reasons.most_common()]
+    return "\n".join(lines)
+
+
+def _reason_kind(reason: str) -> str:
+    """Memory reasons folded into one line (their figures differ per layout), so that the counts group."""
+    return "does not fit in GPU memory in any memory mode" if "GB per GPU" in reason else reason
