@@ -139,8 +139,13 @@ def _train(args: argparse.Namespace) -> int:
         return launch_local(nproc or 1, worker_args, max_restarts=args.max_restarts)
 
     from mcore.train.loop import run_training
+    from mcore.train.plan_cli import memory_warning
     from mcore.train.runtime import init_runtime
 
+    if os.environ.get("RANK", "0") == "0":  # before the model is built: a run that will not fit says so
+        warning = memory_warning(config, int(os.environ.get("WORLD_SIZE", "1")))
+        if warning:
+            print(f"mcore-train: warning: {warning}", file=sys.stderr, flush=True)
     with init_runtime(config) as runtime:
         run_training(config, runtime)
     return 0

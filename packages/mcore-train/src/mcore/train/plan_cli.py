@@ -106,3 +106,31 @@ def run_plan(args: argparse.Namespace, load: Callable) -> int:
     plan = make_plan(config, world, memory, network)
     print(json.dumps(plan_to_dict(plan), indent=1) if args.json else format_plan(plan))
     return 0
+
+
+def memory_warning(config, world_size: int, gpu_memory_gb: float | None = None) -> str | None:
+    """A line saying that ``config`` will not fit the GPU, with the plan's cheapest memory mode that does, or
+    ``None`` (it fits, there is no GPU to compare with, or the layout is invalid: training reports that itself)."""
+    from mcore.train.plan import make_plan
+
+    if gpu_memory_gb is None:
+        import torch
+
+        if not torch.cuda.is_available() or config.train.device == "cpu":
+            return None
+        gpu_memory_gb = torch.cuda.get_device_properties(0).total_memory / 1e9
+    try:
+        plan = make_plan(config, world_size, gpu_memory_gb)
+    except UserError:
+        return None
+    if plan.fits:
+        return None
+    worst = plan.worst
+    text = (
+        f"mcore-train plan estimates {worst.total / 1e9:.1f} GB on pipeline rank {worst.pp_rank}, more than the "
+        f"{gpu_memory_gb:.0f} GB of this GPU; "
+    )
+    best = plan.suggestion
+    if best is None:
+        return text + "no memory mode fits: raise parallel.tp / parallel.pp or lower train.micro_batch_size"
+    return text + f"the cheapest mode that fits is {best.name} ({best.worst_gb:.1f} GB): {' '.join(best.overrides)}"

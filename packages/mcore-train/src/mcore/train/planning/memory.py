@@ -80,7 +80,7 @@ def _sharded(lin_weights: int, role: str, tp: int) -> float:
 def layer_parameters_per_rank(shape: ModelShape, index: int, layout: Layout) -> tuple[float, float]:
     """(dense, expert) parameters of layer ``index`` on one rank."""
     dense = sum(_sharded(lin.weights, lin.role, layout.tp) for lin in shape.layer_linears(index))
-    dense += 2 * shape.norm_params()
+    dense += shape.layer_norm_and_bias_params(index, layout.tp)
     expert = 0.0
     if shape.is_moe_layer(index):
         per_expert = sum(lin.weights for lin in shape.expert_linears()) / layout.expert_tp
@@ -120,7 +120,8 @@ def activation_bytes_per_layer(shape: ModelShape, layout: Layout, index: int, dt
         attn -= shape.attention_width / tp  # the attention output is recomputed
     per_token = 4 * rep + attn  # + the two norms' inputs and outputs
     if shape.is_moe_layer(index):
-        routed = shape.top_k * (2 * shape.hidden + (3 if shape.gated else 2) * shape.moe_ffn / layout.expert_tp)
+        rows = shape.top_k * layout.expert_tp / tp  # routed rows per token of this rank (see time_model)
+        routed = rows * (2 * shape.hidden + (3 if shape.gated else 2) * shape.moe_ffn / layout.expert_tp)
         shared = (3 if shape.gated else 2) * shape.moe_ffn * shape.shared_experts / tp
         per_token += routed + shared + 4 * shape.num_experts / dtype_bytes  # dispatch buffers, fp32 router probs
     else:

@@ -51,6 +51,7 @@ class ModelShape:
     tied: bool = False
     layernorm: bool = False
     qk_norm: bool = False
+    attention_bias: bool = False
     num_experts: int = 0
     top_k: int = 0
     moe_ffn: int = 0
@@ -94,6 +95,7 @@ class ModelShape:
             tied=bool(config.tie_word_embeddings),
             layernorm=getattr(config, "normalization", "rmsnorm") == "layernorm",
             qk_norm=bool(g("qk_norm", False)),
+            attention_bias=bool(g("attention_bias", False)),
             num_experts=experts,
             top_k=g("num_experts_per_tok") or g("moe_router_topk"),
             moe_ffn=g("moe_intermediate_size") or (config.intermediate_size if experts else 0),
@@ -194,8 +196,18 @@ class ModelShape:
         return self.hidden * (2 if self.layernorm else 1)
 
     # ------------------------------------------------------------------------------------------- counts
+    def layer_norm_and_bias_params(self, index: int, tp: int = 1) -> float:
+        """Non-matmul parameters of layer ``index`` on one TP rank: the two norms (replicated), q/k norms
+        (replicated) and the Q/K/V bias (split like the projection)."""
+        n = 2 * self.norm_params()
+        if self.qk_norm:
+            n += 2 * self.head_dim * (2 if self.layernorm else 1)
+        if self.attention_bias:
+            n += (self.q_size + 2 * self.kv_size) / tp
+        return n
+
     def layer_parameters(self, index: int) -> int:
-        n = sum(lin.weights for lin in self.layer_linears(index)) + 2 * self.norm_params()
+        n = sum(lin.weights for lin in self.layer_linears(index)) + int(self.layer_norm_and_bias_params(index))
         if self.is_moe_layer(index):
             n += self.num_experts * sum(lin.weights for lin in self.expert_linears())
         return n

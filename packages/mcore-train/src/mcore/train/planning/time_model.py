@@ -76,17 +76,19 @@ class TimeModel:
         self.shape, self.layout, self.net = shape, layout, network
         self.gpu: Calibration = network.gpu
         self.tokens = layout.seq_length * layout.micro_batch / layout.cp
-        prec = "fp8" if layout.precision == "fp8" else "bf16"
-        self.precision = prec if prec in self.gpu.gemm else "bf16"
-        if layout.precision == "fp32":
-            self.precision = "fp32" if "fp32" in self.gpu.gemm else "bf16"
+        # GEMM curve: fp8 or fp32 when the calibration has one, else bf16's
+        self.precision = layout.precision if layout.precision in self.gpu.gemm else "bf16"
         self.dtype = 4 if layout.precision == "fp32" else 2
+        # tokens one rank sends into its MoE layers: its sequence-parallel slice, gathered over the expert-TP group
+        self.moe_tokens = self.tokens * layout.expert_tp / layout.tp
         tp, cp, dp = layout.tp, layout.cp, layout.dp
         self.tp_group, self.cp_group = Group(tp, 1), Group(cp, tp)
         self.dp_group = Group(dp, tp * cp)
         self.ep_group = Group(layout.ep, layout.expert_tp)
         self.edp_group = Group(layout.expert_dp, layout.expert_tp * layout.ep)
-        self.pp_crosses_node = tp * cp * dp >= network.cluster.gpus_per_node and layout.pp > 1
+        per_node = network.cluster.gpus_per_node
+        self.pp_crosses_node = tp * cp * dp >= per_node and layout.pp > 1
+        self.cp_crosses_node = self.cp_group.size > self.cp_group.per_node(per_node)
 
     # ----------------------------------------------------------------------------------------- pieces
     def _gemms(self, cost: OpCost, m: float, k: int, n: float, count: float = 1.0) -> None:
@@ -109,7 +111,7 @@ class TimeModel:
     def _experts(self, cost: OpCost) -> None:
         s, lay = self.shape, self.layout
         local = s.num_experts // lay.ep
-        rows = self.tokens * s.top_k * lay.ep * lay.tp / lay.expert_tp / s.num_experts  # per expert, on average
+        rows = self.moe_tokens * s.top_k * lay.ep / s.num_experts  # per expert, on average (balanced routing)
         for lin in s.expert_linears():
             k = lin.in_features // lay.expert_tp if lin.role == "row" else lin.in_features
             n = lin.out_features // lay.expert_tp if lin.role == "column" else lin.out_features
@@ -125,7 +127,7 @@ class TimeModel:
         cost.add("B", "attention", total - fwd)
         if lay.cp > 1:  # ring: cp - 1 K/V blocks in forward, K/V and their gradients in backward
             kv = self.tokens * 2 * (s.kv_size if not s.is_mla else s.kv_lora_rank * lay.tp) / lay.tp * self.dtype
-            ring = (lay.cp - 1) * self.net.p2p(kv, self.cp_group.size > self.cp_group.per_node(8))
+            ring = (lay.cp - 1) * self.net.p2p(kv, self.cp_crosses_node)
             cost.add("F", "cp_comm", max(0.0, ring - fwd))
             cost.add("B", "cp_comm", max(0.0, 2 * ring - (total - fwd)))
         if lay.recompute == "selective":
@@ -136,12 +138,13 @@ class TimeModel:
         tp = lay.tp
         rep = s.hidden / tp if lay.sequence_parallel else s.hidden
         qkv = (s.q_size + s.kv_size) / tp
-        width = (s.moe_ffn * s.top_k / lay.expert_tp + s.moe_ffn * s.shared_experts / tp) if moe else s.ffn / tp
+        routed = s.moe_ffn * s.top_k / lay.expert_tp * self.moe_tokens / self.tokens
+        width = routed + s.moe_ffn * s.shared_experts / tp if moe else s.ffn / tp
         glu_f, glu_b = (3, 5) if s.gated else (2, 3)
         fwd = 4 * rep + 6 * rep + 2 * qkv + glu_f * width + 16 * s.hidden / tp
         bwd = 6 * rep + 6 * rep + 2 * qkv + glu_b * width + 16 * s.hidden / tp
         if moe:
-            permute = 4 * s.top_k * s.hidden  # permute and unpermute, read and write
+            permute = 4 * s.top_k * s.hidden * self.moe_tokens / self.tokens  # permute, unpermute: read and write
             fwd, bwd = fwd + permute, bwd + permute
         cost.add("F", "memory", self.gpu.memory_seconds(fwd * self.tokens * self.dtype))
         cost.add("B", "memory", self.gpu.memory_seconds(bwd * self.tokens * self.dtype))
@@ -164,7 +167,7 @@ class TimeModel:
         lay, s = self.layout, self.shape
         if lay.ep == 1:
             return
-        nbytes = self.tokens * s.top_k * s.hidden * self.dtype * lay.tp / lay.expert_tp
+        nbytes = self.moe_tokens * s.top_k * s.hidden * self.dtype
         one = self.net.collective("all_to_all", self.ep_group, nbytes)
         cost.add("F", "ep_comm", 2 * one)
         cost.add("B", "ep_comm", 2 * one)
