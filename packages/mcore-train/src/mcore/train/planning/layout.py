@@ -143,6 +143,8 @@ class Layout:
             out.append("parallel.sequence_parallel=true")
         if self.pp > 1:
             out.append(f"parallel.schedule={self.schedule_name}")
+        if self.pipeline_layout is not None:
+            out.append(f"parallel.pipeline_layout=[{','.join(map(str, self.pipeline_layout))}]")
         if self.dp_shard:
             out.append("parallel.dp_shard=true")
         if self.distributed_optimizer:

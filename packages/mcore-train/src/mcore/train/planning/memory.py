@@ -23,6 +23,7 @@ Per rank (a pipeline stage, the same on every tp / cp / dp rank of it):
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
 from mcore.parallel.pipeline import GPipe, Interleaved1F1B, NoPipelining, OneFOneB, ZeroBubbleH1, stage_layer_ranges
 from mcore.train.planning.layout import Layout
@@ -90,11 +91,19 @@ def layer_parameters_per_rank(shape: ModelShape, index: int, layout: Layout) -> 
 
 def stage_parameters(shape: ModelShape, layout: Layout, rank: int, chunks) -> tuple[float, float]:
     """(dense, expert) parameters held by pipeline rank ``rank``."""
+    key = (layout.tp, layout.pp, layout.ep, layout.expert_tp)
+    return _stage_parameters(shape, key, rank, tuple(tuple(c) for c in chunks))
+
+
+@lru_cache(maxsize=65536)
+def _stage_parameters(shape: ModelShape, key: tuple[int, int, int, int], rank: int, chunks) -> tuple[float, float]:
+    tp, pp, ep, etp = key
+    layout = Layout(tp=tp, pp=pp, ep=ep, etp=etp)
     dense = expert = 0.0
     for start, end in chunks:
-        for i in range(start, end):
+        for i, count in shape.layer_kinds(start, end).items():
             d, e = layer_parameters_per_rank(shape, i, layout)
-            dense, expert = dense + d, expert + e
+            dense, expert = dense + count * d, expert + count * e
     embedding = shape.padded_vocab(layout.tp) * shape.hidden / layout.tp
     if rank == 0:
         dense += embedding
@@ -130,28 +139,40 @@ def activation_bytes_per_layer(shape: ModelShape, layout: Layout, index: int, dt
     return dtype_bytes * tokens * per_token + softmax_stats
 
 
-def live_activation_peak(layout: Layout, chunk_bytes: list[float], rank: int) -> float:
-    """Peak bytes of activations held by ``rank`` while its schedule's op order runs."""
-    schedule = SCHEDULE_CLASSES[layout.schedule_name]
-    m = layout.num_microbatches
-    step = layout.pp * layout.vpp
-    cap = min(m, step * (2 + -(-layout.pp // max(1, layout.vpp)))) if m > step else m
-    if layout.schedule_name == "interleaved":
-        cap = -(-cap // layout.pp) * layout.pp
-    if layout.schedule_name == "gpipe":
-        cap = m
-    order = schedule.op_order(layout.pp, rank, layout.vpp, cap)
-    live = peak = 0.0
-    for op in order:
-        size = chunk_bytes[op.chunk]
+@lru_cache(maxsize=4096)
+def _live_states(schedule_name: str, pp: int, vpp: int, m: int, rank: int) -> tuple[tuple[float, ...], ...]:
+    """The distinct per-chunk counts of live micro-batch activations right after each forward of ``rank`` (peaks
+    only follow a forward), replaying its op order; zero bubble's B keeps ``ZERO_BUBBLE_W_SHARE`` until the W."""
+    schedule = SCHEDULE_CLASSES[schedule_name]
+    live = [0.0] * vpp
+    states = set()
+    for op in schedule.op_order(pp, rank, vpp, m):
         if op.kind == "F":
-            live += size
+            live[op.chunk] += 1
+            states.add(tuple(live))
         elif op.kind == "B":
-            live -= size * (1 - ZERO_BUBBLE_W_SHARE) if schedule.splits_backward else size
+            live[op.chunk] -= (1 - ZERO_BUBBLE_W_SHARE) if schedule.splits_backward else 1
         else:
-            live -= size * ZERO_BUBBLE_W_SHARE
-        peak = max(peak, live)
-    return peak
+            live[op.chunk] -= ZERO_BUBBLE_W_SHARE
+    # a state no larger than another in every chunk can never be the peak
+    ordered = sorted(states, key=sum, reverse=True)
+    kept: list[tuple[float, ...]] = []
+    for state in ordered:
+        if not any(all(a <= b for a, b in zip(state, k, strict=True)) for k in kept):
+            kept.append(state)
+    return tuple(kept)
+
+
+def live_activation_peak(layout: Layout, chunk_bytes: list[float], rank: int) -> float:
+    """Peak bytes of activations held by ``rank`` while its schedule's op order runs (enough micro-batches to
+    reach the steady state; GPipe: all of them)."""
+    m, step = layout.num_microbatches, layout.pp * layout.vpp
+    name = layout.schedule_name
+    cap = m if name == "gpipe" or m <= 2 * step else 2 * step
+    if name == "interleaved":
+        cap = -(-cap // layout.pp) * layout.pp
+    states = _live_states(name, layout.pp, layout.vpp, cap, rank)
+    return max(sum(n * b for n, b in zip(state, chunk_bytes, strict=True)) for state in states)
 
 
 def stage_memory(shape: ModelShape, layout: Layout) -> list[StageMemory]:
@@ -172,7 +193,10 @@ def stage_memory(shape: ModelShape, layout: Layout) -> list[StageMemory]:
             working = 2 * n / layers  # two layers unsharded at a time
             weights = param_bytes * (dense / layout.dp + expert / layout.expert_dp + working)
             grads = 4 * (dense / layout.dp + expert / layout.expert_dp + working)
-        per_chunk = [sum(activation_bytes_per_layer(shape, layout, i) for i in range(s, e)) for s, e in chunks]
+        per_chunk = [
+            sum(n * activation_bytes_per_layer(shape, layout, i) for i, n in shape.layer_kinds(s, e).items())
+            for s, e in chunks
+        ]
         acts = live_activation_peak(layout, per_chunk, rank)
         layer_counts = [e - s for s, e in chunks]
         if any(layer_counts):

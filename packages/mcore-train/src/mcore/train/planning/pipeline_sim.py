@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import lru_cache
 
 from mcore.parallel.pipeline.plan import Step, _transfer_id
 
@@ -66,16 +67,36 @@ def replay(plans: Sequence[Sequence[Step]], pp: int, op_time: OpTime, transfer_t
     return PipelineRun(tuple(clock), tuple(busy), span)
 
 
+@lru_cache(maxsize=512)
+def _plans(schedule, pp: int, vpp: int, m: int) -> list[list[Step]]:
+    return schedule.plans(pp, vpp, m)
+
+
+def estimate(schedule, pp: int, vpp: int, m: int, op_time: OpTime, transfer_time: float) -> PipelineRun:
+    """A closed form for ranking many layouts: the fill and drain pass once through every stage (chunk-sized
+    with interleaving), the steady state runs at the pace of the slowest rank; zero bubble fills the drain
+    with the deferred W passes. Every rank is taken to end with the span."""
+    split = schedule.splits_backward
+    per_rank, fill = [], 0.0
+    for r in range(pp):
+        chunks = [(op_time(r, "F", c), op_time(r, "B", c), op_time(r, "W", c) if split else 0.0) for c in range(vpp)]
+        total = sum(f + b + w for f, b, w in chunks) + 2 * vpp * transfer_time
+        per_rank.append(total)
+        fill += (total - sum(w for _, _, w in chunks)) / vpp
+    span = (m - 1) * max(per_rank) + fill
+    return PipelineRun(tuple(span for _ in range(pp)), tuple(m * t for t in per_rank), span)
+
+
 def run_schedule(schedule, pp: int, vpp: int, m: int, op_time: OpTime, transfer_time: float) -> PipelineRun:
     """Replay ``schedule`` for ``m`` micro-batches; beyond a few rounds, extend the steady state linearly."""
     if pp == 1:
         per = op_time(0, "F", 0) + op_time(0, "B", 0) + (op_time(0, "W", 0) if schedule.splits_backward else 0)
         return PipelineRun((m * per,), (m * per,), m * per)
-    rounds = 3 * pp
+    rounds = 2 * pp
     if m <= rounds + pp:
-        return replay(schedule.plans(pp, vpp, m), pp, op_time, transfer_time)
-    a = replay(schedule.plans(pp, vpp, rounds), pp, op_time, transfer_time)
-    b = replay(schedule.plans(pp, vpp, rounds + pp), pp, op_time, transfer_time)
+        return replay(_plans(schedule, pp, vpp, m), pp, op_time, transfer_time)
+    a = replay(_plans(schedule, pp, vpp, rounds), pp, op_time, transfer_time)
+    b = replay(_plans(schedule, pp, vpp, rounds + pp), pp, op_time, transfer_time)
     k = (m - rounds) / pp
     grow = lambda x, y: x + k * (y - x)  # noqa: E731
     return PipelineRun(

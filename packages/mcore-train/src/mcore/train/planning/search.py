@@ -12,14 +12,16 @@ that do not divide (``Layout.problems``) or memory that does not fit (the needed
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
+from mcore.parallel.pipeline import balanced_layout
 from mcore.train.planning.cluster import Network
 from mcore.train.planning.layout import Layout
 from mcore.train.planning.memory import GB, stage_memory
 from mcore.train.planning.shape import ModelShape
 from mcore.train.planning.step import StepPrediction, predict_step
 
+EXACT_TOP = 16  # layouts re-ranked with the exact schedule replay
 MEMORY_MODES = (
     {"recompute": "none"},
     {"recompute": "selective"},
@@ -56,26 +58,39 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
+def pipeline_splits(shape: ModelShape, pp: int, seq_length: int) -> list[tuple[int, tuple[int, ...] | None]]:
+    """(vpp, layout) choices for ``pp`` stages: every even split, and where none exists (or only without
+    interleaving) balanced layouts (``mcore.parallel.pipeline.balanced_layout``) for vpp 1, 2 and 4."""
+    if pp == 1:
+        return [(1, None)]
+    out: list[tuple[int, tuple[int, ...] | None]] = []
+    if shape.layers % pp == 0:
+        out += [(v, None) for v in _divisors(shape.layers // pp)]
+    extra = 6.0 * shape.vocab * shape.hidden / shape.layer_flops_per_token(shape.layers - 1, seq_length)
+    for v in (1, 2, 4):
+        if pp * v <= shape.layers and shape.layers % (pp * v):
+            out.append((v, tuple(balanced_layout(shape.layers, pp, v, last_stage_extra=extra))))
+    return out
+
+
 def base_layouts(shape: ModelShape, gpus: int, global_batch: int, seq_length: int, gpus_per_node: int):
     """Every (tp, cp, pp, vpp, ep, etp, dp, micro-batch) combination with tp x cp x pp x dp = ``gpus``."""
     for tp in _powers(min(gpus_per_node, gpus)):
         for cp in _powers(min(gpus_per_node // tp, gpus // tp)):
             for pp in _divisors(gpus // (tp * cp)):
                 dp = gpus // (tp * cp * pp)
-                per_stage = shape.layers // pp if shape.layers % pp == 0 else 0
-                vpps = [1] + ([v for v in _divisors(per_stage) if v > 1] if pp > 1 and per_stage else [])
                 eps = [e for e in _divisors(shape.num_experts) if e <= tp * cp * dp] if shape.is_moe else [1]
                 etps = sorted({1, tp}) if shape.is_moe else [None]
                 per_rank = global_batch // dp if global_batch % dp == 0 else 0
                 mbs = [m for m in (1, 2, 4, 8) if per_rank and per_rank % m == 0] or [1]
-                for vpp in vpps:
+                for vpp, split in pipeline_splits(shape, pp, seq_length):
                     for ep in eps:
                         for etp in etps:
                             for mb in mbs:
                                 yield Layout(
                                     tp=tp, pp=pp, dp=dp, vpp=vpp, cp=cp, ep=ep, etp=etp, micro_batch=mb,
                                     global_batch=global_batch, seq_length=seq_length, sequence_parallel=tp > 1,
-                                    distributed_optimizer=dp > 1, overlap_param_gather=dp > 1,
+                                    distributed_optimizer=dp > 1, overlap_param_gather=dp > 1, pipeline_layout=split,
                                 )  # fmt: skip
 
 
@@ -93,7 +108,7 @@ def evaluate(shape: ModelShape, layout: Layout, network: Network, memory_gb: flo
             continue
         need = max(s.total for s in stage_memory(shape, trial)) / GB
         if need <= memory_gb:
-            return Candidate(trial, predict_step(shape, trial, network), need)
+            return Candidate(trial, predict_step(shape, trial, network, exact=False), need)
         smallest = need if smallest is None else min(smallest, need)
     why = f"needs {smallest:.1f} GB per GPU even with full recompute, ZeRO-3 and offload; {memory_gb:g} GB available"
     return Candidate(layout, None, smallest or 0.0, (why,))
@@ -107,6 +122,9 @@ def search(
     layouts = base_layouts(shape, gpus, global_batch, seq_length, network.cluster.gpus_per_node)
     out = [evaluate(shape, layout, network, memory) for layout in layouts]
     runs = sorted((c for c in out if c.runs), key=lambda c: -c.prediction.tokens_per_s)
+    # the closed-form pipeline ranks them all; the schedule replay then re-ranks the leaders
+    exact = [replace(c, prediction=predict_step(shape, c.layout, network)) for c in runs[:EXACT_TOP]]
+    runs = sorted(exact, key=lambda c: -c.prediction.tokens_per_s) + runs[EXACT_TOP:]
     return runs + [c for c in out if not c.runs]
 
 

@@ -138,6 +138,15 @@ class ModelShape:
     def is_moe_layer(self, index: int) -> bool:
         return self.is_moe and index >= self.first_dense_layers
 
+    def layer_kinds(self, start: int, end: int) -> dict[int, int]:
+        """Layers ``start..end-1`` grouped by kind: {index of the kind's first layer in the model: count}. Layers
+        of one kind have the same parameters, activations and times, so the planner computes one per kind."""
+        out: dict[int, int] = {}
+        for i in range(start, end):
+            first = self.first_dense_layers if self.is_moe_layer(i) else 0
+            out[first] = out.get(first, 0) + 1
+        return out
+
     @property
     def moe_layers(self) -> int:
         return max(0, self.layers - self.first_dense_layers) if self.is_moe else 0
@@ -224,6 +233,13 @@ class ModelShape:
             if self.is_moe_layer(i):
                 n += self.top_k * sum(lin.weights for lin in self.expert_linears())
         return n
+
+    def layer_flops_per_token(self, index: int, seq_length: int) -> float:
+        """Training model FLOPs per token of layer ``index`` (active experts only)."""
+        n = sum(lin.weights for lin in self.layer_linears(index))
+        if self.is_moe_layer(index):
+            n += self.top_k * sum(lin.weights for lin in self.expert_linears())
+        return 6.0 * n + 6 * (self.score_width() + self.attention_width) * seq_length
 
     def model_flops_per_token(self, seq_length: int) -> float:
         """Training model FLOPs per token: ``6 x active matmul weights + 12 x layers x q width x seq`` (the

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from mcore.train.planning.cluster import Network
 from mcore.train.planning.layout import Layout
 from mcore.train.planning.memory import SCHEDULE_CLASSES, rank_chunks, stage_parameters
-from mcore.train.planning.pipeline_sim import run_schedule
+from mcore.train.planning.pipeline_sim import estimate, run_schedule
 from mcore.train.planning.shape import ModelShape
 from mcore.train.planning.time_model import BUCKET_ELEMENTS, OPTIMIZER_BYTES_PER_PARAM, OpCost, TimeModel
 
@@ -42,10 +42,10 @@ def chunk_costs(model: TimeModel, chunks_of_ranks) -> list[list[OpCost]]:
         row = []
         for c, (start, end) in enumerate(chunks):
             total = OpCost()
-            for i in range(start, end):
+            for i, count in model.shape.layer_kinds(start, end).items():
                 if i not in cache:
                     cache[i] = model.layer_cost(i)
-                total += cache[i]
+                total += cache[i].scaled(count)
             first, last = rank == 0 and c == 0, rank == pp - 1 and c == vpp - 1
             if first or last:
                 total += model.head_cost(first, last)
@@ -96,8 +96,9 @@ def _optimizer(model: TimeModel, dense: float, expert: float) -> dict[str, float
     return out
 
 
-def predict_step(shape: ModelShape, layout: Layout, network: Network) -> StepPrediction:
-    """Predicted step of ``shape`` under ``layout`` (which must be valid: see ``Layout.problems``)."""
+def predict_step(shape: ModelShape, layout: Layout, network: Network, exact: bool = True) -> StepPrediction:
+    """Predicted step of ``shape`` under ``layout`` (which must be valid: see ``Layout.problems``); ``exact=False``
+    uses the pipeline's closed form instead of replaying the schedule (``pipeline_sim.estimate``)."""
     model = TimeModel(shape, layout, network)
     chunks_of_ranks = rank_chunks(shape, layout)
     costs = chunk_costs(model, chunks_of_ranks)
@@ -115,7 +116,7 @@ def predict_step(shape: ModelShape, layout: Layout, network: Network) -> StepPre
     act = model.tokens * shape.hidden * model.dtype / (layout.tp if layout.sequence_parallel else 1)
     transfer = network.p2p(act, model.pp_crosses_node) if layout.pp > 1 else 0.0
     m = layout.num_microbatches
-    run = run_schedule(schedule, layout.pp, layout.vpp, m, op_time, transfer)
+    run = (run_schedule if exact or layout.pp == 1 else estimate)(schedule, layout.pp, layout.vpp, m, op_time, transfer)
     finish, worst = 0.0, None
     for rank, chunks in enumerate(chunks_of_ranks):
         dense, expert = stage_parameters(shape, layout, rank, chunks)

@@ -60,6 +60,14 @@ class OpCost:
         self.wgrad += other.wgrad
         return self
 
+    def scaled(self, factor: float) -> OpCost:
+        """This cost ``factor`` times (``factor`` layers of one kind)."""
+        return OpCost(
+            {k: v * factor for k, v in self.forward.items()},
+            {k: v * factor for k, v in self.backward.items()},
+            self.wgrad * factor,
+        )
+
     @property
     def f(self) -> float:
         return sum(self.forward.values())
