@@ -11,6 +11,7 @@ that do not divide (``Layout.problems``) or memory that does not fit (the needed
 
 from __future__ import annotations
 
+import re
 from collections import Counter
 from dataclasses import dataclass, replace
 
@@ -143,13 +144,19 @@ def format_search(candidates: list[Candidate], top: int = 5) -> str:
         lines.append("overrides of the best: " + " ".join(runs[0].layout.overrides()))
     else:
         lines.append("no layout fits: see the reasons below")
-    reasons = Counter(_reason_kind(r) for c in candidates if not c.runs for r in c.reasons)
-    if reasons:
-        lines.append("why the others cannot run (layouts per reason):")
-        lines += [f"  {n:>6}  {text}" for text, n in reasons.most_common()]
+    kinds: Counter[str] = Counter()
+    example: dict[str, str] = {}
+    for c in candidates:
+        for reason in c.reasons:
+            kind = _reason_kind(reason)
+            kinds[kind] += 1
+            example.setdefault(kind, reason)
+    if kinds:
+        lines.append("why the others cannot run (layouts per reason, with one example):")
+        lines += [f"  {n:>6}  {example[kind]}" for kind, n in kinds.most_common()]
     return "\n".join(lines)
 
 
 def _reason_kind(reason: str) -> str:
-    """Memory reasons folded into one line (their figures differ per layout), so that the counts group."""
-    return "does not fit in GPU memory in any memory mode" if "GB per GPU" in reason else reason
+    """A reason without its numbers, so that the same rule broken at different sizes counts once."""
+    return re.sub(r"[0-9.]+", "N", reason)

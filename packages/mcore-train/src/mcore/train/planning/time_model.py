@@ -180,11 +180,19 @@ class TimeModel:
         cost.add("F", "ep_comm", 2 * one)
         cost.add("B", "ep_comm", 2 * one)
 
-    def _zero3(self, cost: OpCost, params: float) -> None:
-        if not self.layout.dp_shard or self.layout.dp == 1:
+    def _zero3(self, cost: OpCost, dense: float, expert: float) -> None:
+        """ZeRO-3: gather this layer's parameters before its forward and again before its backward, reduce-scatter
+        its fp32 gradients after; dense parameters over dp, expert ones over the expert-data-parallel group."""
+        if not self.layout.dp_shard:
             return
-        gather = self.net.collective("all_gather", self.dp_group, params * self.dtype * 1.0)
-        scatter = self.net.collective("reduce_scatter", self.dp_group, params * 4.0)
+        gather = sum(
+            self.net.collective("all_gather", group, n * self.dtype)
+            for group, n in ((self.dp_group, dense), (self.edp_group, expert))
+        )
+        scatter = sum(
+            self.net.collective("reduce_scatter", group, n * 4.0)
+            for group, n in ((self.dp_group, dense), (self.edp_group, expert))
+        )
         cost.add("F", "dp_shard_comm", max(0.0, gather - cost.f))
         cost.add("B", "dp_shard_comm", max(0.0, gather + scatter - cost.b))
 
@@ -207,7 +215,7 @@ class TimeModel:
         host = self.gpu.host_ms_per_layer * 1e-3
         cost.add("F", "host", host / 3)
         cost.add("B", "host", 2 * host / 3)
-        self._zero3(cost, sum(layer_parameters_per_rank(s, index, lay)))
+        self._zero3(cost, *layer_parameters_per_rank(s, index, lay))
         return cost
 
     def head_cost(self, first: bool, last: bool) -> OpCost:
