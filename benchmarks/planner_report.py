@@ -26,7 +26,7 @@ search_module = importlib.import_module("mcore.train.planning.search")
 RESULTS = Path(__file__).resolve().parent / "results"
 DEEPSEEK_V3 = ModelShape(
     hidden=7168, ffn=18432, layers=61, heads=128, kv_heads=128, head_dim=128, vocab=129280, num_experts=256,
-    top_k=8, moe_ffn=2048, shared_experts=1, first_dense_layers=3, q_lora_rank=1536, kv_lora_rank=512,
+    top_k=8, moe_ffn=2048, shared_ffn=2048, first_dense_layers=3, q_lora_rank=1536, kv_lora_rank=512,
     qk_rope_head_dim=64, v_head_dim=128, name="deepseek-v3",
 )  # fmt: skip
 

@@ -164,7 +164,7 @@ def test_step_prediction_moves_the_right_way():
 def test_moe_and_context_parallel_predictions_run():
     moe = ModelShape(
         hidden=2048, ffn=8192, layers=8, heads=16, kv_heads=4, head_dim=128, vocab=32000, num_experts=64, top_k=8,
-        moe_ffn=1024, shared_experts=1, first_dense_layers=1,
+        moe_ffn=1024, shared_ffn=1024, first_dense_layers=1,
     )  # fmt: skip
     layout = Layout(tp=1, dp=8, ep=8, micro_batch=1, global_batch=64, seq_length=4096, distributed_optimizer=True)
     assert layout.problems(moe) == [] and layout.expert_dp == 1
@@ -174,3 +174,20 @@ def test_moe_and_context_parallel_predictions_run():
     assert expert_params < moe.total_parameters() / 4  # experts split over ep=8
     cp = Layout(cp=2, dp=4, micro_batch=1, global_batch=8, seq_length=8192)
     assert cp.problems(LLAMA8B) == [] and predict_step(LLAMA8B, cp, H200).breakdown.get("cp_comm", 0) >= 0
+
+
+def test_moe_shape_from_hugging_face_names():
+    from types import SimpleNamespace
+
+    qwen2_moe = SimpleNamespace(
+        hidden_size=64, intermediate_size=256, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=None, vocab_size=100, tie_word_embeddings=False, num_experts=8, num_experts_per_tok=2,
+        moe_intermediate_size=32, shared_expert_intermediate_size=96, mlp_layer_types=("dense", "moe", "moe"),
+    )  # fmt: skip
+    shape = ModelShape.from_config(qwen2_moe)
+    assert (shape.num_experts, shape.top_k, shape.moe_ffn, shape.shared_ffn) == (8, 2, 32, 96)
+    assert [shape.is_moe_layer(i) for i in range(3)] == [False, True, True] and shape.layer_kinds(0, 3) == {0: 1, 1: 2}
+    deepseek_like = SimpleNamespace(**{**vars(qwen2_moe), "mlp_layer_types": None, "first_k_dense_replace": 1,
+                                       "shared_expert_intermediate_size": None, "n_shared_experts": 2})  # fmt: skip
+    assert ModelShape.from_config(deepseek_like).shared_ffn == 64
+    assert ModelShape.from_config(deepseek_like).moe_layers == 2

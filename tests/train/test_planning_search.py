@@ -92,3 +92,13 @@ def test_calibrate_dry_run_writes_a_calibration(capsys, tmp_path):
 def test_cli_plan_rejects_bad_numbers(capsys, bad):
     code, _, err = _run(capsys, "plan", "model=llama3.2-1b", *bad)
     assert code == 2 and "mcore-train: error:" in err
+
+
+@pytest.mark.gpu
+def test_calibrate_measures_this_gpu():
+    from mcore.train.planning.measure import DOC_LENGTHS, GEMM_SIZES, calibrate
+
+    cal = calibrate(reps=3)
+    assert [p[0] for p in cal.gemm["bf16"]] == sorted(2.0 * m * n * k for m, n, k in GEMM_SIZES)
+    assert [int(p[0]) for p in cal.attention] == DOC_LENGTHS and cal.memory_gb > 10
+    assert "(measured)" in cal.name and cal.wgrad_fp32_slowdown >= 1.0

@@ -131,7 +131,7 @@ def activation_bytes_per_layer(shape: ModelShape, layout: Layout, index: int, dt
     if shape.is_moe_layer(index):
         rows = shape.top_k * layout.expert_tp / tp  # routed rows per token of this rank (see time_model)
         routed = rows * (2 * shape.hidden + (3 if shape.gated else 2) * shape.moe_ffn / layout.expert_tp)
-        shared = (3 if shape.gated else 2) * shape.moe_ffn * shape.shared_experts / tp
+        shared = (3 if shape.gated else 2) * shape.shared_ffn / tp
         per_token += routed + shared + 4 * shape.num_experts / dtype_bytes  # dispatch buffers, fp32 router probs
     else:
         per_token += (3 if shape.gated else 2) * shape.ffn / tp

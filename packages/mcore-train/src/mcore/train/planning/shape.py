@@ -11,6 +11,7 @@ features over TP ranks, ``row`` the input features, ``replicated`` none (MLA's d
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Literal
 
 Role = Literal["column", "row", "replicated"]
@@ -36,8 +37,9 @@ class ModelShape:
 
     ``gated``: a gated MLP (SwiGLU: fused gate/up of width ``2 ffn``) or a plain one (GELU, width ``ffn``).
     MoE: ``num_experts > 0`` makes every layer from ``first_dense_layers`` on a routed MLP of ``num_experts``
-    experts of width ``moe_ffn``, ``top_k`` of them per token, plus ``shared_experts`` always-on experts of the
-    same width. MLA (DeepSeek): ``kv_lora_rank > 0`` replaces Q/K/V by low-rank projections.
+    experts of width ``moe_ffn``, ``top_k`` of them per token, plus always-on shared experts of total width
+    ``shared_ffn``; ``moe_layers`` (per layer, True for MoE) overrides ``first_dense_layers`` when given (from
+    ``mlp_layer_types``). MLA (DeepSeek): ``kv_lora_rank > 0`` replaces Q/K/V by low-rank projections.
     """
 
     hidden: int
@@ -55,8 +57,9 @@ class ModelShape:
     num_experts: int = 0
     top_k: int = 0
     moe_ffn: int = 0
-    shared_experts: int = 0
+    shared_ffn: int = 0
     first_dense_layers: int = 0
+    moe_layers_pattern: tuple[bool, ...] | None = None
     q_lora_rank: int = 0
     kv_lora_rank: int = 0
     qk_rope_head_dim: int = 0
@@ -99,8 +102,10 @@ class ModelShape:
             num_experts=experts,
             top_k=g("num_experts_per_tok") or g("moe_router_topk"),
             moe_ffn=g("moe_intermediate_size") or (config.intermediate_size if experts else 0),
-            shared_experts=g("n_shared_experts"),
+            shared_ffn=g("shared_expert_intermediate_size")
+            or g("n_shared_experts") * (g("moe_intermediate_size") or config.intermediate_size),
             first_dense_layers=g("first_k_dense_replace"),
+            moe_layers_pattern=_moe_pattern(config) if experts else None,
             q_lora_rank=g("q_lora_rank"),
             kv_lora_rank=g("kv_lora_rank"),
             qk_rope_head_dim=g("qk_rope_head_dim"),
@@ -136,20 +141,30 @@ class ModelShape:
         return self.heads * (self.head_dim + self.qk_rope_head_dim if self.is_mla else self.head_dim)
 
     def is_moe_layer(self, index: int) -> bool:
+        if self.moe_layers_pattern is not None:
+            return self.moe_layers_pattern[index]
         return self.is_moe and index >= self.first_dense_layers
 
     def layer_kinds(self, start: int, end: int) -> dict[int, int]:
         """Layers ``start..end-1`` grouped by kind: {index of the kind's first layer in the model: count}. Layers
         of one kind have the same parameters, activations and times, so the planner computes one per kind."""
+        first = self._first_of_kind
         out: dict[int, int] = {}
         for i in range(start, end):
-            first = self.first_dense_layers if self.is_moe_layer(i) else 0
-            out[first] = out.get(first, 0) + 1
+            key = first[self.is_moe_layer(i)]
+            out[key] = out.get(key, 0) + 1
         return out
+
+    @cached_property
+    def _first_of_kind(self) -> dict[bool, int]:
+        first: dict[bool, int] = {}
+        for i in range(self.layers):
+            first.setdefault(self.is_moe_layer(i), i)
+        return first
 
     @property
     def moe_layers(self) -> int:
-        return max(0, self.layers - self.first_dense_layers) if self.is_moe else 0
+        return sum(self.is_moe_layer(i) for i in range(self.layers))
 
     def padded_vocab(self, tp: int) -> int:
         step = self.vocab_divisible_by * tp
@@ -195,8 +210,8 @@ class ModelShape:
         out = self.attention_linears()
         if self.is_moe_layer(index):
             out.append(Linear("router", self.hidden, self.num_experts, "replicated"))
-            if self.shared_experts:
-                out += self.dense_mlp_linears(self.moe_ffn * self.shared_experts)
+            if self.shared_ffn:
+                out += self.dense_mlp_linears(self.shared_ffn)
         else:
             out += self.dense_mlp_linears()
         return out
@@ -246,3 +261,12 @@ class ModelShape:
         ``mcore.models.model_flops_per_token`` / Megatron convention: full, not causal, attention)."""
         attention = 6 * self.layers * (self.score_width() + self.attention_width) * seq_length
         return 6.0 * self.active_matmul_weights() + attention
+
+
+def _moe_pattern(config) -> tuple[bool, ...]:
+    """Which layers of an MoE config are MoE: ``mlp_layer_types`` when set, else from ``first_k_dense_replace``."""
+    types = getattr(config, "mlp_layer_types", None)
+    if types is not None:
+        return tuple(t == "moe" for t in types)
+    first = getattr(config, "first_k_dense_replace", 0) or 0
+    return tuple(i >= first for i in range(config.num_hidden_layers))

@@ -147,7 +147,7 @@ class TimeModel:
         rep = s.hidden / tp if lay.sequence_parallel else s.hidden
         qkv = (s.q_size + s.kv_size) / tp
         routed = s.moe_ffn * s.top_k / lay.expert_tp * self.moe_tokens / self.tokens
-        width = routed + s.moe_ffn * s.shared_experts / tp if moe else s.ffn / tp
+        width = routed + s.shared_ffn / tp if moe else s.ffn / tp
         glu_f, glu_b = (3, 5) if s.gated else (2, 3)
         fwd = 4 * rep + 6 * rep + 2 * qkv + glu_f * width + 16 * s.hidden / tp
         bwd = 6 * rep + 6 * rep + 2 * qkv + glu_b * width + 16 * s.hidden / tp
