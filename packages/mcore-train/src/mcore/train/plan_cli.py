@@ -93,7 +93,7 @@ def run_plan(args: argparse.Namespace, load: Callable) -> int:
 
     if args.calibrate:
         return _calibrate(args)
-    config, _ = load(args)
+    config = load(args)
     network = _network(args)
     memory = args.gpu_memory if args.gpu_memory is not None else network.gpu.memory_gb
     if memory <= 0:

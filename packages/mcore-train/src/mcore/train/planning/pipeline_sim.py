@@ -1,6 +1,6 @@
 """Replay a schedule's communication plan with per-stage op times, as ``PipelineSchedule.run`` executes it.
 
-``PipelineSchedule.plans`` groups every rank's ops into lock-step exchanges (``mcore.parallel.pipeline.plan``):
+``PipelineSchedule.plans`` groups every rank's ops into lock-step exchanges (``mcore.parallel.pipeline.p2p_exchanges``):
 before an op a rank posts one batched exchange with its neighbours and waits until the peer has posted its half.
 This replays those plans on a clock where each op of chunk ``c`` on rank ``r`` takes its own time and every
 exchange costs its transfer time, so imbalanced stages, the output layer on the last stage and the many exchanges
@@ -14,9 +14,17 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 
-from mcore.parallel.pipeline.plan import Step, _transfer_id
+from mcore.parallel.pipeline import Message, Step
 
 OpTime = Callable[[int, str, int], float]  # (rank, kind, chunk) -> seconds
+
+
+def _transfer(rank: int, pp: int, msg: Message) -> tuple[str, int, int]:
+    """(kind, virtual stage that sends it, micro-batch): the same at both ends of one transfer."""
+    stage = msg.chunk * pp + rank
+    if msg.send:
+        return (msg.kind, stage, msg.microbatch)
+    return (msg.kind, stage - 1 if msg.kind == "activation" else stage + 1, msg.microbatch)
 
 
 @dataclass(frozen=True)
@@ -47,7 +55,7 @@ def replay(plans: Sequence[Sequence[Step]], pp: int, op_time: OpTime, transfer_t
                 step = plans[r][position[r]]
                 keys = []
                 for msg in step.messages:
-                    tid = _transfer_id(r, pp, msg)
+                    tid = _transfer(r, pp, msg)
                     keys.append(((tid, msg.send), (tid, not msg.send)))
                 for mine, _ in keys:
                     posted.setdefault(mine, clock[r])
