@@ -76,7 +76,13 @@ def build_parser(command: str) -> argparse.ArgumentParser:
     elif command == "plan":
         _common(parser)
         parser.add_argument("--world-size", type=int, default=None, help="ranks (default: tp x pp x dp of the config)")
-        parser.add_argument("--gpu-memory", type=float, default=None, metavar="GB", help="GPU memory to fit in")
+        parser.add_argument(
+            "--gpu-memory",
+            type=float,
+            default=None,
+            metavar="GB",
+            help="GPU memory to fit in (default: the calibration's)",
+        )
         parser.add_argument("--json", action="store_true", help="print the plan as JSON")
         from mcore.train.plan_cli import add_planner_arguments
 

@@ -41,7 +41,12 @@ MEMORY_MODES: tuple[tuple[str, dict, list[str]], ...] = (
     (
         "ZeRO-3 + full recompute",
         {"dp_shard": True, "distributed_optimizer": False, "overlap_param_gather": False, "recompute": "full"},
-        ["parallel.dp_shard=true", "train.recompute=full"],
+        [
+            "parallel.dp_shard=true",
+            "parallel.distributed_optimizer=false",
+            "parallel.overlap_param_gather=false",
+            "train.recompute=full",
+        ],  # fmt: skip
     ),
     (
         "ZeRO-1 + full recompute + half the optimizer offloaded",
@@ -156,13 +161,14 @@ def activation_bytes_per_layer(config: Config, tp: int, dtype_bytes: int) -> flo
 
 
 def _modes(shape: ModelShape, layout: Layout, memory_gb: float, network: Network | None) -> tuple[MemoryMode, ...]:
-    out = []
+    out, seen = [], set()
     for name, changes, overrides in (("as configured", {}, []), *MEMORY_MODES):
         if changes.get("dp_shard") and layout.dp == 1:
             continue
         trial = layout.replace(**changes)
-        if trial.problems(shape):
-            continue
+        if trial in seen or trial.problems(shape):
+            continue  # a mode the config already is, or one its layout cannot take
+        seen.add(trial)
         worst = max(s.total for s in stage_memory(shape, trial)) / GB
         step = predict_step(shape, trial, network).step_s if network is not None else None
         out.append(MemoryMode(name, overrides, worst, worst <= memory_gb, step))

@@ -33,7 +33,8 @@ def _mode_lines(plan: Plan) -> list[str]:
     lines = ["memory modes (heaviest rank, GB" + (", predicted step s" if plan.prediction else "") + "):"]
     for m in plan.modes:
         step = f"  {m.step_s:.3f} s" if m.step_s else ""
-        lines.append(f"  {m.worst_gb:>7.1f}{step}  {'fits' if m.fits else 'no  '}  {m.name}: {' '.join(m.overrides)}")
+        changes = " ".join(m.overrides) or "(the config)"
+        lines.append(f"  {m.worst_gb:>7.1f}{step}  {'fits' if m.fits else 'no  '}  {m.name}: {changes}")
     best = plan.suggestion
     if not plan.fits:
         if best is None:

@@ -147,10 +147,9 @@ class Layout:
             out.append(f"parallel.pipeline_layout=[{','.join(map(str, self.pipeline_layout))}]")
         if self.dp_shard:
             out.append("parallel.dp_shard=true")
-        if self.distributed_optimizer:
-            out.append("parallel.distributed_optimizer=true")
-        if self.overlap_param_gather:
-            out.append("parallel.overlap_param_gather=true")
+        # spelled out either way: a config that sets them otherwise would contradict the layout
+        out.append(f"parallel.distributed_optimizer={str(self.distributed_optimizer).lower()}")
+        out.append(f"parallel.overlap_param_gather={str(self.overlap_param_gather).lower()}")
         if self.optimizer_offload_fraction:
             out.append(f"optim.offload_fraction={self.optimizer_offload_fraction:g}")
         out += [f"train.micro_batch_size={self.micro_batch}", f"train.global_batch_size={self.global_batch}"]

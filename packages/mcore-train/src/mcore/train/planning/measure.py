@@ -102,8 +102,9 @@ def measure_attention(device: torch.device, lengths, tokens: int, heads: int, re
         q, k, v = (torch.randn(b, heads, s, 128, device=device, dtype=dtype, requires_grad=True) for _ in range(3))
         grad = torch.randn(b, heads, s, 128, device=device, dtype=dtype)
 
-        def step(q=q, k=k, v=v, grad=grad):
-            F.scaled_dot_product_attention(q, k, v, is_causal=True).backward(grad)
+        def step(q=q, k=k, v=v, grad=grad):  # gradients returned, not accumulated into .grad
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            torch.autograd.grad(out, (q, k, v), grad)
 
         flops = 3.5 * 2.0 * b * s * s * heads * 128
         out.append([float(s), flops / timer(step, reps) / 1e12])
