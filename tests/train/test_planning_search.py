@@ -32,7 +32,8 @@ def test_search_ranks_fitting_layouts_and_explains_the_rest():
     )
     uneven = [c for c in runs if c.layout.pp == 3]
     assert uneven and all(sum(c.layout.pipeline_layout) == 16 for c in uneven)
-    config = load_config(None, ["model=llama3.2-1b", "data.seq_length=4096", *uneven[0].layout.overrides()])
+    plain = next(c.layout for c in uneven if not c.layout.dp_shard and c.layout.cp == 1)  # fields mcore-train has
+    config = load_config(None, ["model=llama3.2-1b", "data.seq_length=4096", *plain.overrides()])
     assert config.parallel.pp == 3 and sum(config.parallel.pipeline_layout) == 16
     text = format_search(found)
     assert "overrides of the best: parallel.tp=" in text and "why the others cannot run" in text
@@ -102,3 +103,19 @@ def test_calibrate_measures_this_gpu():
     assert [p[0] for p in cal.gemm["bf16"]] == sorted(2.0 * m * n * k for m, n, k in GEMM_SIZES)
     assert [int(p[0]) for p in cal.attention] == DOC_LENGTHS and cal.memory_gb > 10
     assert "(measured)" in cal.name and cal.wgrad_fp32_slowdown >= 1.0
+
+
+def test_plan_reads_the_memory_fields_other_sections_add_and_suggests_a_mode():
+    from mcore.train.plan import layout_of, make_plan
+    from mcore.train.plan_report import format_plan
+
+    config = load_config(None, ["model=llama3-8b", "data.seq_length=4096", "train.micro_batch_size=1",
+                                "train.global_batch_size=8", "parallel.dp=8"])  # fmt: skip
+    plain = layout_of(config, 8)
+    assert (plain.dp_shard, plain.optimizer_offload_fraction, plain.ep) == (False, 0.0, 1)
+    config.parallel.dp_shard, config.optim.offload_fraction = True, 0.25  # fields of the FSDP / offload work
+    sharded = layout_of(config, 8)
+    assert sharded.dp_shard and sharded.optimizer_offload_fraction == 0.25
+    config.parallel.dp_shard, config.optim.offload_fraction = False, 0.0
+    text = format_plan(make_plan(config, 8, 80.0, H200))
+    assert "does NOT fit in 80 GB" in text and "cheapest that fits: ZeRO-3: parallel.dp_shard=true" in text

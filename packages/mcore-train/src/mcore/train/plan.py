@@ -39,6 +39,21 @@ MEMORY_MODES: tuple[tuple[str, dict, list[str]], ...] = (
         ["parallel.distributed_optimizer=true", "train.recompute=full"],
     ),
     (
+        "ZeRO-3",
+        {"dp_shard": True, "distributed_optimizer": False, "overlap_param_gather": False},
+        ["parallel.dp_shard=true", "parallel.distributed_optimizer=false", "parallel.overlap_param_gather=false"],
+    ),
+    (
+        "ZeRO-3 + selective recompute",
+        {"dp_shard": True, "distributed_optimizer": False, "overlap_param_gather": False, "recompute": "selective"},
+        [
+            "parallel.dp_shard=true",
+            "parallel.distributed_optimizer=false",
+            "parallel.overlap_param_gather=false",
+            "train.recompute=selective",
+        ],  # fmt: skip
+    ),
+    (
         "ZeRO-3 + full recompute",
         {"dp_shard": True, "distributed_optimizer": False, "overlap_param_gather": False, "recompute": "full"},
         [

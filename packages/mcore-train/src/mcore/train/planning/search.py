@@ -1,12 +1,13 @@
 """Enumerate the layouts of a model on N GPUs, keep those that fit, rank them by predicted tokens/s.
 
 Sizes tried: ``tp`` powers of two up to a node, ``cp`` powers of two up to a node / tp, ``pp`` any divisor of the
-rest, ``vpp`` the divisors of the layers per stage (interleaved), ``ep`` the divisors of the experts (MoE),
-``etp`` 1 or tp, ``dp`` what remains, micro-batch sizes dividing the per-rank batch. For each such layout the
-memory modes are tried from the cheapest in time to the most frugal (distributed optimizer without recompute,
-selective then full recompute, then ZeRO-3, then optimizer offload) and the first that fits is kept, so "the
-cheapest mode that fits" is what is ranked. Every layout that cannot run is kept too, with its reasons: sizes
-that do not divide (``Layout.problems``) or memory that does not fit (the needed and available GB).
+rest (balanced uneven layouts where the layers do not divide), ``vpp`` the divisors of the layers per stage
+(interleaved), ``ep`` the divisors of the experts (MoE), ``etp`` 1 or tp, ``dp`` what remains, micro-batch sizes
+dividing the per-rank batch. For each such layout two families of memory modes are tried, each from the fastest
+to the most frugal (no recompute, selective, full): ZeRO-1 (the distributed optimizer) and ZeRO-3 (``dp_shard``);
+the faster of the two first fits is kept, and optimizer offload only when neither fits. Every layout that cannot
+run is kept too, with its reasons: sizes that do not divide (``Layout.problems``) or memory that does not fit
+(the smallest need and the GB available).
 """
 
 from __future__ import annotations
@@ -23,12 +24,14 @@ from mcore.train.planning.shape import ModelShape
 from mcore.train.planning.step import StepPrediction, predict_step
 
 EXACT_TOP = 16  # layouts re-ranked with the exact schedule replay
+ZERO3 = {"dp_shard": True, "distributed_optimizer": False, "overlap_param_gather": False}
+# Families of memory modes, each from the fastest to the most frugal: the first that fits in each family competes
 MEMORY_MODES = (
-    {"recompute": "none"},
-    {"recompute": "selective"},
-    {"recompute": "full"},
-    {"recompute": "selective", "dp_shard": True, "distributed_optimizer": False, "overlap_param_gather": False},
-    {"recompute": "full", "dp_shard": True, "distributed_optimizer": False, "overlap_param_gather": False},
+    ({"recompute": "none"}, {"recompute": "selective"}, {"recompute": "full"}),
+    ({**ZERO3, "recompute": "none"}, {**ZERO3, "recompute": "selective"}, {**ZERO3, "recompute": "full"}),
+)
+LAST_RESORT = (
+    {"recompute": "full", "optimizer_offload_fraction": 0.5},
     {"recompute": "full", "optimizer_offload_fraction": 1.0},
 )
 
@@ -95,13 +98,10 @@ def base_layouts(shape: ModelShape, gpus: int, global_batch: int, seq_length: in
                                 )  # fmt: skip
 
 
-def evaluate(shape: ModelShape, layout: Layout, network: Network, memory_gb: float) -> Candidate:
-    """The first memory mode of ``layout`` that fits, predicted; or why none does."""
-    problems = layout.problems(shape)
-    if problems:
-        return Candidate(layout, None, 0.0, tuple(problems))
+def _first_fit(shape: ModelShape, layout: Layout, modes, memory_gb: float) -> tuple[Layout | None, float | None]:
+    """The first of ``modes`` that fits (and the smallest need seen), skipping ZeRO-3 at dp=1."""
     smallest = None
-    for mode in MEMORY_MODES:
+    for mode in modes:
         if mode.get("dp_shard") and layout.dp == 1:
             continue
         trial = layout.replace(**mode)
@@ -109,10 +109,33 @@ def evaluate(shape: ModelShape, layout: Layout, network: Network, memory_gb: flo
             continue
         need = max(s.total for s in stage_memory(shape, trial)) / GB
         if need <= memory_gb:
-            return Candidate(trial, predict_step(shape, trial, network, exact=False), need)
+            return trial, need
         smallest = need if smallest is None else min(smallest, need)
+    return None, smallest
+
+
+def evaluate(shape: ModelShape, layout: Layout, network: Network, memory_gb: float) -> Candidate:
+    """The fastest of each family's first fitting memory mode (optimizer offload only when none fits), predicted
+    with the closed-form pipeline; or why nothing fits."""
+    problems = layout.problems(shape)
+    if problems:
+        return Candidate(layout, None, 0.0, tuple(problems))
+    fits, needs = [], []
+    for family in MEMORY_MODES:
+        trial, need = _first_fit(shape, layout, family, memory_gb)
+        (fits if trial is not None else needs).append((trial, need) if trial is not None else need)
+    if not fits:
+        trial, need = _first_fit(shape, layout, LAST_RESORT, memory_gb)
+        if trial is not None:
+            fits.append((trial, need))
+        needs.append(need)
+    if fits:
+        scored = [(predict_step(shape, t, network, exact=False), t, n) for t, n in fits]
+        prediction, trial, need = min(scored, key=lambda x: x[0].step_s)
+        return Candidate(trial, prediction, need)
+    smallest = min(n for n in needs if n is not None)
     why = f"needs {smallest:.1f} GB per GPU even with full recompute, ZeRO-3 and offload; {memory_gb:g} GB available"
-    return Candidate(layout, None, smallest or 0.0, (why,))
+    return Candidate(layout, None, smallest, (why,))
 
 
 def search(
