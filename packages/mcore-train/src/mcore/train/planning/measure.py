@@ -64,11 +64,16 @@ def measure_gemms(device: torch.device, sizes, reps: int) -> dict[str, list[list
     fp8 = device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
     if fp8:
         curves["fp8"] = []
+    if device.type == "cuda":
+        curves["fp32"] = []
     for m, n, k in sizes:
         a = torch.randn(m, k, device=device, dtype=dtype)
         b = torch.randn(k, n, device=device, dtype=dtype)
         flops = 2.0 * m * n * k
         curves["bf16"].append([flops, flops / timer(partial(torch.matmul, a, b), reps) / 1e12])
+        if device.type == "cuda":  # fp32 training's GEMMs (TF32 as torch's setting has it)
+            a32, b32 = a.float(), b.float()
+            curves["fp32"].append([flops, flops / timer(partial(torch.matmul, a32, b32), reps) / 1e12])
         if fp8:
             a8, b8 = a.to(torch.float8_e4m3fn), b.t().contiguous().to(torch.float8_e4m3fn).t()
             one = torch.ones((), device=device)
