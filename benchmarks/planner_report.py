@@ -78,7 +78,7 @@ def _plot_measured(points, path: Path) -> None:
     for i, (_, mt, pt, mm, pm) in enumerate(points):
         a.scatter(1e3 * mt, 1e3 * pt, s=22, color=f"C{i % 10}", zorder=3)
         b.scatter(mm, pm, s=22, color=f"C{i % 10}", zorder=3)
-    a.set_title("step time, 14 runs on H200 (band: 10%)")
+    a.set_title(f"step time, {len(points)} runs on H200 (band: 10%)")
     b.set_title("peak memory per pipeline rank")
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -19,7 +19,9 @@ CASES = {case.name: case for case in measured_cases(RESULTS)}
 def test_every_timed_configuration_of_the_performance_doc_is_a_case():
     two_gpu = ["tp2", "tp2-sp", "pp2-1f1b", "pp2-vpp2-interleaved", "pp2-zero-bubble", "dp2", "dp2-overlap",
                "dp2-distopt", "dp2-distopt-overlap", "dp2-distopt-overlap-all"]  # fmt: skip
-    expected = {"1b (1 GPU)", "8b4l (1 GPU)", "single (1 GPU)", "single-half-batch (1 GPU)"}
+    runs = ("2026-11-30", "2026-12-01-parts")
+    expected = {f"{shape} (1 GPU, {run})" for shape in ("1b", "8b4l") for run in runs}
+    expected |= {"single (1 GPU)", "single-half-batch (1 GPU)"}
     assert set(CASES) == expected | {f"{name} (2 GPU)" for name in two_gpu}
 
 

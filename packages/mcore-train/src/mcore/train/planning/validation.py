@@ -1,6 +1,7 @@
 """The planner against our measurements: every timed configuration of ``docs/performance.md``, from the raw JSON.
 
-Read: the single-GPU throughput runs (``throughput-*/mcore_<shape>.json``: 1b, 8b4l) and the two-GPU runs
+Read: the single-GPU throughput runs (``throughput-h200-*/mcore_<shape>.json``: 1b, 8b4l, before and after the
+per-layer-parts refactor) and the two-GPU runs
 (``multi-gpu-*/results.json``: every layout of the table, 8b4l). Not read: the fp32 smoke runs (a host-bound
 model, no speed measurement) and runs of superseded code (``before-fusion-*``). Each case gives the model shape,
 the layout exactly as run, the measured median step time and the measured peak memory per rank
@@ -19,7 +20,7 @@ from mcore.train.planning.memory import GB, stage_memory
 from mcore.train.planning.shape import ModelShape
 from mcore.train.planning.step import predict_step
 
-THROUGHPUT_RUNS = "throughput-h200-2026-11-30"
+THROUGHPUT_RUNS = "throughput-h200-"
 MULTI_GPU_RUNS = "multi-gpu-h200-2026-11-30-rerun"
 SCHEDULES = {"none": "none", "1f1b": "1f1b", "interleaved-1f1b": "interleaved", "zb-h1": "zero-bubble"}
 # benchmarks/_common.py's 8b4l: the Llama-3-8B layer shape with 4 layers (the two-GPU runs record only its size)
@@ -51,15 +52,17 @@ def _shape(fields: dict, name: str) -> ModelShape:
 
 
 def throughput_cases(results: Path) -> list[Case]:
-    """The single-GPU runs: one micro-batch per step, distributed optimizer at dp=1."""
+    """The single-GPU runs (every ``throughput-h200-*`` directory): one micro-batch per step, distributed optimizer
+    at dp=1."""
     out = []
-    for path in sorted((results / THROUGHPUT_RUNS).glob("mcore_*.json")):
+    for path in sorted(results.glob(f"{THROUGHPUT_RUNS}*/mcore_*.json")):
+        run = path.parent.name.removeprefix(THROUGHPUT_RUNS)
         r = json.loads(path.read_text())
         shape = _shape(r, r["shape"])
         if shape.total_parameters() != r["params"]:
             raise ValueError(f"{path}: shape {r['shape']} has {shape.total_parameters()} parameters, run {r['params']}")
         layout = Layout(micro_batch=r["mbs"], global_batch=r["mbs"], seq_length=r["seq"], distributed_optimizer=True)
-        out.append(Case(f"{r['shape']} (1 GPU)", shape, layout, r["step_s"], (r["peak_mem_gb"],)))
+        out.append(Case(f"{r['shape']} (1 GPU, {run})", shape, layout, r["step_s"], (r["peak_mem_gb"],)))
     return out
 
 
