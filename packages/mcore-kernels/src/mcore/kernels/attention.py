@@ -20,7 +20,9 @@ case                          SDPA    FlexAttention compiled  torch varlen_attn
 so: one plain causal (or full) document, no sinks, no LSE, v head dim equal to q's -> ``sdpa`` (fastest
 there); documents, windows, sinks, a returned LSE or a different v head dim in bf16/fp16 -> ``triton``,
 whose tiles follow the documents where FlexAttention falls to 46 TFLOP/s on 128-token documents
-(``benchmarks/attention.py`` measures ours beside the three on the same cases and writes the table of
+(``benchmarks/attention.py`` measures ours beside the three on the same cases, each called as mcore calls it, the
+block mask included; H200, 2026-12-01, commit ``caebd24``, fwd+bwd TFLOP/s, ours with its deterministic backward
+/ our ``flex`` backend: 1 x 16384 219 / 201, 4 x 4096 199 / 77, 32 x 512 116 / 42, 128 x 128 51 / 10.5;
 ``docs/performance.md``); fp32/fp64 with those features -> ``flex``. Elsewhere (CPU): ``sdpa`` for plain
 attention and ``reference`` otherwise (the interpreter is for tests, eager flex has no CPU backward). The
 choice is logged once per case class.
@@ -67,7 +69,7 @@ def attention(
     max_seqlen: int | None = None,
     sinks: torch.Tensor | None = None,
     return_lse: bool = False,
-    deterministic: bool = False,
+    deterministic: bool = True,
     backend: str | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Attention over ``q [b, s, Hq, D]``, ``k [b, s_k, Hkv, D]``, ``v [b, s_k, Hkv, Dv]`` (any strides);
@@ -88,8 +90,10 @@ def attention(
         sinks: ``[Hq]`` per-head logits that join the softmax denominator only (GPT-OSS sinks).
         return_lse: also return ``log(sum_j exp(score_ij) [+ exp(sink)])`` per query row and head, natural log,
             differentiable (the building block of merging partial results, e.g. ring attention).
-        deterministic: the Triton backward sums dQ in a fixed order (a separate dQ kernel) instead of with
-            atomics; the other backends are deterministic anyway.
+        deterministic: the Triton backward sums dQ in a fixed order (a separate dQ kernel); ``False`` uses fp32
+            atomics instead. The default, since on an H200 (2026-12-01, ``benchmarks/attention.py``) the fixed
+            order is also 2.2-2.4x faster (bwd 181 vs 75 TFLOP/s on one 16k document); the other backends are
+            deterministic anyway.
         backend: ``"triton"``, ``"sdpa"``, ``"flex"`` or ``"reference"``; ``None`` picks per the module doc.
     """
     check_tensors(q, k, v, causal)

@@ -67,7 +67,7 @@ def layout_backward(
     sinks: torch.Tensor | None = None,
     *,
     dlse: torch.Tensor | None = None,
-    deterministic: bool = False,
+    deterministic: bool = True,
     backend: str = "reference",
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """``(dq, dk, dv, dsinks)`` from the row's full ``out``/``lse`` (``dsinks`` None without sinks)."""
@@ -172,7 +172,7 @@ def layout_attention(
     softmax_scale: float,
     sinks: torch.Tensor | None = None,
     backend: str = "reference",
-    deterministic: bool = False,
+    deterministic: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Differentiable ``(out, lse)``: gradients flow to q, k, v and sinks from both outputs."""
     if backend not in BACKENDS:
