@@ -15,6 +15,7 @@ from mcore.parallel.comm import (
 )
 from mcore.parallel.cross_entropy import vocab_parallel_cross_entropy
 from mcore.parallel.data_parallel import DistributedDataParallel
+from mcore.parallel.expert_parallel import GroupedExperts, MoEConfig, MoELayer, update_expert_biases
 from mcore.parallel.finalize import finalize_model_grads
 from mcore.parallel.grad_clip import clip_grad_norm, total_grad_norm
 from mcore.parallel.grid import GROUP_KINDS, ParallelConfig, ProcessGroups, build_process_groups, rank_groups
@@ -49,6 +50,9 @@ __all__ = [
     "DistributedDataParallel",
     "DistributedOptimizer",
     "DynamicLossScaler",
+    "GroupedExperts",
+    "MoEConfig",
+    "MoELayer",
     "MixedPrecisionOptimizer",
     "ParallelConfig",
     "ProcessGroups",
@@ -78,5 +82,6 @@ __all__ = [
     "seeded_generator",
     "set_tensor_parallel_attributes",
     "total_grad_norm",
+    "update_expert_biases",
     "vocab_parallel_cross_entropy",
 ]

@@ -256,6 +256,15 @@ class MixedPrecisionOptimizer:
     def _norm_dp_group(self):
         return None  # replicated gradients: every dp rank already holds the full, identical gradient
 
+    def _norm_expert_groups(self):
+        """Groups the expert parameters' squared norm is summed over (None: the model has none)."""
+        if not any(getattr(p, "expert_parallel", False) for p in self.names):
+            return None
+        # replicated over expert dp after DDP's all-reduce; the sharded subclass adds expert dp
+        return (self.groups.etp, self.groups.ep, self.groups.expert_dp if self._shards_over_dp else None)
+
+    _shards_over_dp = False
+
     def _after_update(self) -> None:
         """Nothing to do: every rank updated its full parameters (the sharded subclass all-gathers here)."""
 
@@ -327,6 +336,8 @@ class MixedPrecisionOptimizer:
             pp_group=self.groups.pp,
             dp_group=self._norm_dp_group(),
             device=self.device,
+            expert_groups=self._norm_expert_groups(),
+            etp_group=self.groups.etp,
         )
         if inv_scale is not None and self._fused_step:
             norm = norm * inv_scale  # the gradients are still scaled: ||g / s|| = ||g|| / s
@@ -533,6 +544,8 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
                         pieces.append(_Piece(p, self.names[p], a - lo, b - lo, master, group_of[p], False, grad_view))
         return pieces
 
+    _shards_over_dp = True
+
     def _norm_dp_group(self):
         return self.dp_group  # each dp rank holds a different shard of the gradients
 
@@ -542,7 +555,6 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
 
     def _full_states(self) -> dict[nn.Parameter, dict[str, torch.Tensor]]:
         """Gather every bucket's shards of master/exp_avg/exp_avg_sq over dp (collective over the dp group)."""
-        dp = group_size(self.dp_group)
         by_param: dict[int, list[_Piece]] = {}
         for pc in self._pieces:
             by_param.setdefault(id(pc.param), []).append(pc)
@@ -551,6 +563,7 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
         for chunk in self.chunks:
             chunk.finish_param_sync()
             for buf in chunk.grad_buffers:
+                dp = group_size(buf.dp_group)  # expert buffers are sharded over expert dp
                 for bucket in buf.buckets:
                     length = bucket.shard_end - bucket.shard_start
                     shard = torch.zeros(len(_STATE_KINDS), length, dtype=torch.float32, device=self.device)
@@ -565,7 +578,7 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
                     if dp == 1:
                         gathered.copy_(shard)
                     else:
-                        all_gather_into(gathered, shard, self.dp_group)
+                        all_gather_into(gathered, shard, buf.dp_group)
                     # [dp, kind, shard] -> [kind, dp * shard]: the bucket in order, one row per state kind
                     full = gathered.view(dp, kinds, length).permute(1, 0, 2).reshape(kinds, dp * length)
                     for p in bucket.params:

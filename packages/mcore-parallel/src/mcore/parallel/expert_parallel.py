@@ -1,0 +1,283 @@
+"""Mixture-of-experts layer with expert parallelism (``ep``) and expert tensor parallelism (``etp``).
+
+Parallel folding (Megatron-Core): attention uses the dense grid tp x cp x dp while the experts use the expert
+grid etp x ep x edp over the same ranks (``grid.py``), so ep is not capped by dp. Each rank routes its own
+tokens; the dispatcher (``expert_dispatch``) moves them to the ranks holding their experts.
+
+* The router's weight is a dense parameter (replicated, reduced over dp like any other).
+* Expert weights carry ``expert_parallel = True``: DDP reduces them over the expert-data-parallel group
+  (scaled by ``1 / dense dp size``, because each replica sums the contributions of every rank of its ep group)
+  and the gradient norm counts each once (``grad_clip``). With etp > 1 they also carry ``tensor_parallel``.
+* The aux-loss-free bias (``expert_bias``, a buffer outside the optimizer) is updated once per step by
+  :func:`update_expert_biases`, which ``finalize_model_grads`` calls.
+* Auxiliary losses (load balancing, z-loss) join the training loss through their gradient: the layer's output
+  carries them (``_AttachAuxLoss``), so they need no path through the pipeline schedule; their values are kept
+  in ``layer.stats`` for logging.
+
+With every group ``None`` the layer is an ordinary single-process MoE.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from mcore.kernels import swiglu
+from mcore.kernels.moe import (
+    RouterConfig,
+    expert_bias_update,
+    grouped_gemm,
+    load_balancing_loss,
+    route,
+    tokens_per_expert,
+    z_loss,
+)
+from mcore.parallel.comm import group_rank, group_size
+from mcore.parallel.expert_dispatch import DISPATCHERS, AllGatherDispatcher, AllToAllDispatcher
+from mcore.parallel.grid import ProcessGroups
+
+__all__ = ["GroupedExperts", "MoEConfig", "MoELayer", "update_expert_biases"]
+
+_AUX_LOSS_TYPES = ("micro_batch", "sequence")
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    """One MoE layer: the router (see ``mcore.kernels.moe.RouterConfig``), the experts and the dispatch.
+
+    ``capacity_factor=None`` is dropless; ``align`` pads each expert's rows (16 for FP8 grouped GEMMs);
+    ``aux_loss_type`` ``"micro_batch"`` or ``"sequence"`` (per sequence, hidden states ``[s, b, h]``).
+    ``expert_bias`` enables aux-loss-free balancing with step ``bias_update_rate``.
+    """
+
+    hidden_size: int
+    num_experts: int
+    topk: int
+    moe_intermediate_size: int
+    score_function: str = "softmax"
+    softmax_before_topk: bool = True
+    norm_topk_prob: bool = False
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
+    expert_bias: bool = False
+    bias_update_rate: float = 1e-3
+    aux_loss_coef: float = 0.0
+    aux_loss_type: str = "micro_batch"
+    z_loss_coef: float = 0.0
+    capacity_factor: float | None = None
+    drop_policy: str = "position"
+    pad_to_capacity: bool = False
+    align: int = 1
+    dispatcher: str = "alltoall"
+
+    def __post_init__(self) -> None:
+        for name in ("hidden_size", "moe_intermediate_size"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"MoEConfig.{name} must be a positive int, got {value!r}")
+        self.router_config()  # validates the routing fields
+        if self.dispatcher not in DISPATCHERS:
+            raise ValueError(f"MoEConfig.dispatcher must be one of {DISPATCHERS}, got {self.dispatcher!r}")
+        if self.dispatcher == "allgather" and self.capacity_factor is not None:
+            raise ValueError("MoEConfig: the allgather dispatcher is dropless; set capacity_factor=None")
+        if self.aux_loss_type not in _AUX_LOSS_TYPES:
+            raise ValueError(f"MoEConfig.aux_loss_type must be one of {_AUX_LOSS_TYPES}, got {self.aux_loss_type!r}")
+        for name in ("aux_loss_coef", "z_loss_coef", "bias_update_rate"):
+            if not getattr(self, name) >= 0:
+                raise ValueError(f"MoEConfig.{name} must be >= 0, got {getattr(self, name)}")
+
+    def router_config(self) -> RouterConfig:
+        return RouterConfig(
+            num_experts=self.num_experts,
+            topk=self.topk,
+            score_function=self.score_function,
+            softmax_before_topk=self.softmax_before_topk,
+            norm_topk_prob=self.norm_topk_prob,
+            n_group=self.n_group,
+            topk_group=self.topk_group,
+            routed_scaling_factor=self.routed_scaling_factor,
+        )
+
+    def check_layout(self, ep: int, etp: int) -> None:
+        """Raise ``ValueError`` naming the valid values when experts or their FFN cannot be split."""
+        if self.num_experts % ep:
+            valid = [d for d in range(1, self.num_experts + 1) if self.num_experts % d == 0]
+            raise ValueError(f"num_experts={self.num_experts} not divisible by ep={ep}; valid ep: {valid}")
+        if self.moe_intermediate_size % etp:
+            f = self.moe_intermediate_size
+            valid = [d for d in (1, 2, 4, 8, 16, 32, 64) if f % d == 0]
+            raise ValueError(f"moe_intermediate_size={f} not divisible by etp={etp}; valid etp: {valid}")
+
+
+class GroupedExperts(nn.Module):
+    """``E_local`` SwiGLU experts as two stacked weights, ``[E_local, 2F/etp, H]`` (this etp rank's gate rows, then
+    its up rows) and ``[E_local, H, F/etp]``, run with one grouped GEMM each."""
+
+    def __init__(
+        self,
+        num_local_experts: int,
+        hidden_size: int,
+        ffn_size: int,
+        *,
+        etp: int = 1,
+        params_dtype: torch.dtype = torch.float32,
+        device: torch.device | str | None = None,
+    ) -> None:
+        super().__init__()
+        local_ffn = ffn_size // etp
+        kw = dict(dtype=params_dtype, device=device)
+        self.gate_up = nn.Parameter(torch.empty(num_local_experts, 2 * local_ffn, hidden_size, **kw))
+        self.down = nn.Parameter(torch.empty(num_local_experts, hidden_size, local_ffn, **kw))
+        for p in (self.gate_up, self.down):
+            p.expert_parallel = True
+            p.tensor_parallel = etp > 1
+
+    def forward(self, rows: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+        h = grouped_gemm(rows.to(self.gate_up.dtype), self.gate_up, offsets)
+        return grouped_gemm(swiglu(h), self.down, offsets)
+
+
+class _AttachAuxLoss(torch.autograd.Function):
+    """Identity on ``out``; in backward, ``aux`` receives the gradient ``scale`` (d loss / d aux)."""
+
+    @staticmethod
+    def forward(ctx, out, aux, scale):
+        ctx.scale = scale
+        ctx.aux_meta = (aux.shape, aux.dtype, aux.device)
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx, grad):
+        shape, dtype, device = ctx.aux_meta
+        return grad, torch.full(shape, ctx.scale, dtype=dtype, device=device), None
+
+
+class MoELayer(nn.Module):
+    """Router + dispatcher + grouped experts: ``[..., H] -> [..., H]`` (hidden states ``[s, b, h]`` in mcore).
+
+    ``groups`` supplies ``ep`` / ``etp`` (``None``: one process). Weights: ``router.weight`` [E, H],
+    ``experts.gate_up`` / ``experts.down`` this rank's slices; :meth:`load_full_weights` fills them from the full
+    tensors (the same full weights at any layout). ``aux_loss_scale`` multiplies the aux losses' gradient (set
+    it to the main loss's scale, e.g. ``1 / micro-batches``). ``stats`` holds the last forward's detached
+    ``tokens_per_expert``, ``dropped``, ``aux_loss`` and ``z_loss``.
+    """
+
+    def __init__(
+        self,
+        config: MoEConfig,
+        *,
+        groups: ProcessGroups | None = None,
+        params_dtype: torch.dtype = torch.float32,
+        device: torch.device | str | None = None,
+    ) -> None:
+        super().__init__()
+        groups = groups or ProcessGroups.single()
+        ep_group, etp_group = groups.ep, groups.etp
+        self.ep, self.etp = group_size(ep_group), group_size(etp_group)
+        self.ep_rank, self.etp_rank = group_rank(ep_group), group_rank(etp_group)
+        config.check_layout(self.ep, self.etp)
+        self.config = config
+        self.router_config = config.router_config()
+        self.num_local_experts = config.num_experts // self.ep
+        self.router = nn.Linear(config.hidden_size, config.num_experts, bias=False, dtype=params_dtype, device=device)
+        self.experts = GroupedExperts(
+            self.num_local_experts,
+            config.hidden_size,
+            config.moe_intermediate_size,
+            etp=self.etp,
+            params_dtype=params_dtype,
+            device=device,
+        )
+        dispatcher_cls = AllToAllDispatcher if config.dispatcher == "alltoall" else AllGatherDispatcher
+        self.dispatcher = dispatcher_cls(config.num_experts, ep_group, etp_group)
+        if config.expert_bias:
+            self.register_buffer("expert_bias", torch.zeros(config.num_experts, dtype=torch.float32, device=device))
+            # tokens per expert summed over the micro-batches of the step (read by update_expert_biases)
+            self.register_buffer("step_tokens_per_expert", torch.zeros_like(self.expert_bias), persistent=False)
+        else:
+            self.expert_bias = None
+        self.aux_loss_scale = 1.0
+        self.stats: dict[str, torch.Tensor] = {}
+
+    @torch.no_grad()
+    def load_full_weights(self, router: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> None:
+        """Copy this rank's slices of the full ``router`` [E, H], ``gate_up`` [E, 2F, H] (gate rows then up rows,
+        HF's ``gate_up_proj`` layout) and ``down`` [E, H, F]."""
+        e0 = self.ep_rank * self.num_local_experts
+        experts = slice(e0, e0 + self.num_local_experts)
+        f = self.config.moe_intermediate_size
+        fl = f // self.etp
+        cols = slice(self.etp_rank * fl, (self.etp_rank + 1) * fl)
+        gate, up = gate_up[experts, :f], gate_up[experts, f:]
+        self.router.weight.copy_(router)
+        self.experts.gate_up.copy_(torch.cat((gate[:, cols], up[:, cols]), dim=1))
+        self.experts.down.copy_(down[experts][:, :, cols])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        tokens = x.reshape(-1, shape[-1])
+        logits = F.linear(tokens.float(), self.router.weight.float())
+        routing = route(logits, self.router_config, self.expert_bias)
+        cfg = self.config
+        plan_kwargs = dict(align=cfg.align)
+        if cfg.capacity_factor is not None:
+            plan_kwargs.update(
+                capacity_factor=cfg.capacity_factor, drop_policy=cfg.drop_policy, pad_to_capacity=cfg.pad_to_capacity
+            )
+        out, plan = self.dispatcher(tokens, routing, self.experts, **plan_kwargs)
+        out = out.to(x.dtype).view(shape)
+        counts = tokens_per_expert(routing.indices, cfg.num_experts)
+        if self.training and self.expert_bias is not None:
+            self.step_tokens_per_expert += counts
+        aux = self._aux_losses(logits, routing, shape)
+        self.stats = {"tokens_per_expert": counts, "dropped": plan.dropped, **{k: v.detach() for k, v in aux.items()}}
+        coefs = {"aux_loss": cfg.aux_loss_coef, "z_loss": cfg.z_loss_coef}
+        weighted = [coefs[name] * value for name, value in aux.items() if value.requires_grad]
+        if weighted and self.training:
+            out = _AttachAuxLoss.apply(out, sum(weighted), float(self.aux_loss_scale))
+        return out
+
+    def _aux_losses(self, logits, routing, shape) -> dict[str, torch.Tensor]:
+        """The differentiable ``aux_loss`` / ``z_loss`` whose coefficients are set."""
+        cfg = self.config
+        out: dict[str, torch.Tensor] = {}
+        if cfg.aux_loss_coef:
+            probs, indices, seq = routing.probs, routing.indices, None
+            if cfg.aux_loss_type == "sequence" and len(shape) == 3:
+                s, b = shape[0], shape[1]  # [s, b, h]: regroup the tokens sequence by sequence
+                probs = probs.view(s, b, -1).transpose(0, 1).reshape(s * b, -1)
+                indices = indices.view(s, b, -1).transpose(0, 1).reshape(s * b, -1)
+                seq = s
+            out["aux_loss"] = load_balancing_loss(probs, indices, sequence_length=seq)
+        if cfg.z_loss_coef:
+            out["z_loss"] = z_loss(logits)
+        return out
+
+
+@torch.no_grad()
+def update_expert_biases(model_chunks, groups: ProcessGroups | None = None) -> None:
+    """Aux-loss-free balancing, once per step: sum each MoE layer's step token counts over tp x cp and dp (every
+    rank that routed tokens of this pipeline stage), ``b += rate * sign(mean(c) - c)``, reset the counts.
+
+    Every layer's counts travel in one flat tensor (one all-reduce per group). No-op without biases.
+    """
+    chunks = [model_chunks] if isinstance(model_chunks, nn.Module) else list(model_chunks)
+    layers = [m for c in chunks for m in c.modules() if isinstance(m, MoELayer) and m.expert_bias is not None]
+    if not layers:
+        return
+    groups = groups or ProcessGroups.single()
+    flat = torch.cat([m.step_tokens_per_expert for m in layers])
+    for group in (groups.tp_cp, groups.dp):
+        if group_size(group) > 1:
+            dist.all_reduce(flat, group=group)
+    start = 0
+    for m in layers:
+        n = m.config.num_experts
+        expert_bias_update(m.expert_bias, flat[start : start + n], m.config.bias_update_rate)
+        m.step_tokens_per_expert.zero_()
+        start += n
