@@ -7,13 +7,18 @@ import torch.nn.functional as F
 
 from mcore.models.families import get_config
 from mcore.models.gpt import GPTModel
+from tests.helpers.families import families, tiny_config
 from tests.models.hf_weights import hf_model, hf_to_mcore_state, load_hf_weights, mcore_grads_as_hf
 
 LOGIT_ATOL = 1e-4
-GRAD_TOL = dict(rtol=1e-4, atol=1e-6)
+# atol is relative to the largest gradient of the tensor: fp32 rounding of a sum of O(|g|) terms is ~1e-7 |g|, and
+# transformers 5.2x's Qwen3 differs from ours by 1.2e-6 on an embedding gradient of scale 8 (both are 4e-6 from the
+# float64 HF gradient, so neither is wrong).
+GRAD_RTOL, GRAD_ATOL = 1e-4, 1e-6
 
+# Every registered family's tiny preset (mistral's has window 8 < the test sequences), plus variants.
 CASES = {
-    "llama": get_config("llama-tiny"),
+    **{family: tiny_config(family) for family in families()},
     # Llama 3.1 rope scaling with a short original context, so the scaled frequencies differ from plain RoPE.
     "llama3.1-rope": get_config(
         "llama-tiny",
@@ -27,10 +32,7 @@ CASES = {
         },
     ),
     "llama-tied-mha": get_config("llama-tiny", tie_word_embeddings=True, num_key_value_heads=4),
-    "qwen2": get_config("qwen2-tiny"),
     "qwen2-tied": get_config("qwen2-tiny", tie_word_embeddings=True),
-    "qwen3": get_config("qwen3-tiny"),
-    "mistral-window8": get_config("mistral-tiny"),
 }
 
 
@@ -60,7 +62,8 @@ def _assert_grads_equal(hf, ours, config):
     got = mcore_grads_as_hf(ours, config)
     assert set(expected) == set(got)
     for name, g in got.items():
-        torch.testing.assert_close(g, expected[name], **GRAD_TOL, msg=lambda m, n=name: f"{n}: {m}")
+        atol = GRAD_ATOL * max(1.0, expected[name].abs().max().item())
+        torch.testing.assert_close(g, expected[name], rtol=GRAD_RTOL, atol=atol, msg=lambda m, n=name: f"{n}: {m}")
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -91,7 +94,7 @@ def test_logits_loss_and_grads_equal_hf(case):
     _assert_grads_equal(hf, ours, config)
 
 
-@pytest.mark.parametrize("case", ["llama", "qwen3", "mistral-window8"])
+@pytest.mark.parametrize("case", ["llama", "qwen3", "mistral"])
 def test_packed_documents_equal_hf_run_per_document(case):
     """Documents packed into rows (boundaries inside and at the end of each row) equal HF run on each alone."""
     config = CASES[case]

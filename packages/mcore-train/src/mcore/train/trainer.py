@@ -31,8 +31,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from mcore.models.accounting import layer_flops_per_token, output_layer_flops_per_token
 from mcore.models.gpt import GPTModel
+from mcore.models.stages import build_stage_chunks
+from mcore.models.stages import pipeline_layout as stage_layout
 from mcore.parallel.data_parallel import DistributedDataParallel
 from mcore.parallel.finalize import finalize_model_grads
 from mcore.parallel.loss_scaler import DynamicLossScaler
@@ -44,9 +45,7 @@ from mcore.parallel.pipeline import (
     OneFOneB,
     PipelineSchedule,
     ZeroBubbleH1,
-    balanced_layout,
     p2p_activation_shape,
-    stage_layer_ranges,
 )
 from mcore.train.config import Config
 from mcore.train.errors import UserError
@@ -113,17 +112,9 @@ def microbatch_to_device(batch: Mapping[str, Any], device: torch.device) -> dict
 
 
 def pipeline_layout(config: Config, pp: int) -> list[int] | None:
-    """Layers per virtual stage from ``parallel.pipeline_layout`` (``None``: the even split). ``balanced`` weighs
-    the output layer (and the loss) by its FLOPs relative to a transformer layer's; the embedding lookup costs
-    next to nothing."""
-    layout, vpp = config.parallel.pipeline_layout, config.parallel.vpp
-    if layout == "even" or pp == 1:
-        return None
-    if layout == "balanced":
-        m, seq = config.model, config.data.seq_length
-        extra = output_layer_flops_per_token(m) / layer_flops_per_token(m, seq)
-        return balanced_layout(m.num_hidden_layers, pp, vpp, last_stage_extra=extra)
-    return list(layout)
+    """Layers per virtual stage from ``parallel.pipeline_layout`` (``None``: the even split); see
+    :func:`mcore.models.stages.pipeline_layout`."""
+    return stage_layout(config.model, pp, config.parallel.vpp, config.parallel.pipeline_layout, config.data.seq_length)
 
 
 class Trainer:
@@ -149,24 +140,17 @@ class Trainer:
         pp, vpp = groups.pp_size, config.parallel.vpp
         self.num_stages = pp * vpp
         self.pipeline_layout = pipeline_layout(config, pp)
-        ranges = stage_layer_ranges(config.model.num_hidden_layers, pp, vpp, self.pipeline_layout)[groups.pp_rank]
-        recompute = None if config.train.recompute == "none" else config.train.recompute
-        self.chunks: list[GPTModel] = []
-        for c, layer_range in enumerate(ranges):
-            stage = c * pp + groups.pp_rank
-            chunk = GPTModel(
-                config.model,
-                groups=groups,
-                layer_range=layer_range,
-                pre_process=stage == 0,
-                post_process=stage == self.num_stages - 1,
-                sequence_parallel=config.parallel.sequence_parallel,
-                recompute=recompute,
-                params_dtype=self.params_dtype,
-                device=self.device,
-            )
-            chunk.init_weights(config.train.seed)
-            self.chunks.append(chunk)
+        self.chunks: list[GPTModel] = build_stage_chunks(
+            config.model,
+            groups,
+            vpp=vpp,
+            layout=self.pipeline_layout,
+            seed=config.train.seed,
+            sequence_parallel=config.parallel.sequence_parallel,
+            recompute=None if config.train.recompute == "none" else config.train.recompute,
+            params_dtype=self.params_dtype,
+            device=self.device,
+        )
         if weights is not None:
             from mcore.train.checkpoint.state import load_model_weights
 
