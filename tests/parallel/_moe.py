@@ -50,13 +50,12 @@ def _layer(config, groups=None):
 
 def _local_slices(layer: MoELayer, router, gate_up, down):
     """The full tensors cut like ``layer``'s parameters (to compare gradients or weights)."""
-    probe = MoELayer(layer.config, groups=None)
-    probe.ep_rank, probe.etp_rank, probe.ep, probe.etp = layer.ep_rank, layer.etp_rank, layer.ep, layer.etp
-    probe.num_local_experts = layer.num_local_experts
-    probe.experts.gate_up = torch.nn.Parameter(torch.empty_like(layer.experts.gate_up))
-    probe.experts.down = torch.nn.Parameter(torch.empty_like(layer.experts.down))
-    probe.load_full_weights(router, gate_up, down)
-    return probe.router.weight.detach(), probe.experts.gate_up.detach(), probe.experts.down.detach()
+    experts = layer.experts
+    f, fl = experts.ffn_size, experts.ffn_size // experts.etp
+    cols = slice(experts.etp_rank * fl, (experts.etp_rank + 1) * fl)
+    mine = slice(experts.first_expert, experts.first_expert + layer.num_local_experts)
+    gate_up, down = gate_up[mine], down[mine]
+    return router, torch.cat((gate_up[:, :f][:, cols], gate_up[:, f:][:, cols]), dim=1), down[:, :, cols]
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:

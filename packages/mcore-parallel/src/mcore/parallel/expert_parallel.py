@@ -40,7 +40,7 @@ from mcore.parallel.comm import group_rank, group_size
 from mcore.parallel.expert_dispatch import DISPATCHERS, AllGatherDispatcher, AllToAllDispatcher
 from mcore.parallel.grid import ProcessGroups
 
-__all__ = ["GroupedExperts", "MoEConfig", "MoELayer", "update_expert_biases"]
+__all__ = ["GroupedExperts", "MoEConfig", "MoELayer", "Router", "update_expert_biases"]
 
 _AUX_LOSS_TYPES = ("micro_batch", "sequence")
 
@@ -114,6 +114,29 @@ class MoEConfig:
             raise ValueError(f"moe_intermediate_size={f} not divisible by etp={etp}; valid etp: {valid}")
 
 
+def _expert_generators(generator: torch.Generator | None, count: int, first: int) -> list[torch.Generator | None]:
+    """One generator per global expert ``first .. first + count - 1``, from one draw of ``generator``: each rank
+    draws only its own experts, and the same expert gets the same weights at any ep."""
+    if generator is None:
+        return [None] * count
+    base = int(torch.randint(0, 2**62, (1,), generator=generator))
+    return [torch.Generator().manual_seed(base + first + e) for e in range(count)]
+
+
+class Router(nn.Module):
+    """The router's ``[E, H]`` weight (a dense parameter, replicated over every rank)."""
+
+    def __init__(self, hidden_size: int, num_experts: int, *, init_std: float = 0.02, params_dtype=None, device=None):
+        super().__init__()
+        self.init_std = init_std
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden_size, dtype=params_dtype, device=device))
+
+    def reset_parameters(self, generator: torch.Generator | None = None) -> None:
+        full = torch.empty(self.weight.shape, dtype=torch.float32).normal_(0.0, self.init_std, generator=generator)
+        with torch.no_grad():
+            self.weight.copy_(full)
+
+
 class GroupedExperts(nn.Module):
     """``E_local`` SwiGLU experts as two stacked weights, ``[E_local, 2F/etp, H]`` (this etp rank's gate rows, then
     its up rows) and ``[E_local, H, F/etp]``, run with one grouped GEMM each."""
@@ -125,17 +148,39 @@ class GroupedExperts(nn.Module):
         ffn_size: int,
         *,
         etp: int = 1,
+        etp_rank: int = 0,
+        first_expert: int = 0,
+        init_std: float = 0.02,
         params_dtype: torch.dtype = torch.float32,
         device: torch.device | str | None = None,
     ) -> None:
         super().__init__()
         local_ffn = ffn_size // etp
+        self.ffn_size, self.etp, self.etp_rank = ffn_size, etp, etp_rank
+        self.first_expert, self.init_std = first_expert, init_std
         kw = dict(dtype=params_dtype, device=device)
         self.gate_up = nn.Parameter(torch.empty(num_local_experts, 2 * local_ffn, hidden_size, **kw))
         self.down = nn.Parameter(torch.empty(num_local_experts, hidden_size, local_ffn, **kw))
         for p in (self.gate_up, self.down):
             p.expert_parallel = True
             p.tensor_parallel = etp > 1
+
+    @torch.no_grad()
+    def load_full_experts(self, gate_up: torch.Tensor, down: torch.Tensor) -> None:
+        """Copy this rank's slice of its experts' full ``gate_up`` [E_local, 2F, H] and ``down`` [E_local, H, F]."""
+        f, fl = self.ffn_size, self.ffn_size // self.etp
+        cols = slice(self.etp_rank * fl, (self.etp_rank + 1) * fl)
+        self.gate_up.copy_(torch.cat((gate_up[:, :f][:, cols], gate_up[:, f:][:, cols]), dim=1))
+        self.down.copy_(down[:, :, cols])
+
+    def reset_parameters(self, generator: torch.Generator | None = None) -> None:
+        """Normal(0, init_std) full experts, one generator per global expert, sliced for etp."""
+        experts, h = self.gate_up.shape[0], self.gate_up.shape[2]
+        gens = _expert_generators(generator, experts, self.first_expert)
+        f, std = self.ffn_size, self.init_std
+        gate_up = torch.stack([torch.empty(2 * f, h).normal_(0.0, std, generator=g) for g in gens])
+        down = torch.stack([torch.empty(h, f).normal_(0.0, std, generator=g) for g in gens])
+        self.load_full_experts(gate_up, down)
 
     def forward(self, rows: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
         h = grouped_gemm(rows.to(self.gate_up.dtype), self.gate_up, offsets)
@@ -172,6 +217,7 @@ class MoELayer(nn.Module):
         config: MoEConfig,
         *,
         groups: ProcessGroups | None = None,
+        init_std: float = 0.02,
         params_dtype: torch.dtype = torch.float32,
         device: torch.device | str | None = None,
     ) -> None:
@@ -184,12 +230,17 @@ class MoELayer(nn.Module):
         self.config = config
         self.router_config = config.router_config()
         self.num_local_experts = config.num_experts // self.ep
-        self.router = nn.Linear(config.hidden_size, config.num_experts, bias=False, dtype=params_dtype, device=device)
+        self.router = Router(
+            config.hidden_size, config.num_experts, init_std=init_std, params_dtype=params_dtype, device=device
+        )
         self.experts = GroupedExperts(
             self.num_local_experts,
             config.hidden_size,
             config.moe_intermediate_size,
             etp=self.etp,
+            etp_rank=self.etp_rank,
+            first_expert=self.ep_rank * self.num_local_experts,
+            init_std=init_std,
             params_dtype=params_dtype,
             device=device,
         )
@@ -210,13 +261,8 @@ class MoELayer(nn.Module):
         HF's ``gate_up_proj`` layout) and ``down`` [E, H, F]."""
         e0 = self.ep_rank * self.num_local_experts
         experts = slice(e0, e0 + self.num_local_experts)
-        f = self.config.moe_intermediate_size
-        fl = f // self.etp
-        cols = slice(self.etp_rank * fl, (self.etp_rank + 1) * fl)
-        gate, up = gate_up[experts, :f], gate_up[experts, f:]
         self.router.weight.copy_(router)
-        self.experts.gate_up.copy_(torch.cat((gate[:, cols], up[:, cols]), dim=1))
-        self.experts.down.copy_(down[experts][:, :, cols])
+        self.experts.load_full_experts(gate_up[experts], down[experts])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape

@@ -1,0 +1,164 @@
+"""The ``moe`` MLP part: a routed mixture of SwiGLU experts, optionally plus a shared expert (Qwen2-MoE, with its
+sigmoid gate), registered in the MLP slot.
+
+The routing, dispatch (ep / etp) and grouped experts are ``mcore.parallel.MoELayer``; this module adds the shared
+expert and reads the layer's sizes from ``TransformerConfig`` (HF names: ``num_experts``, ``num_experts_per_tok``,
+``moe_intermediate_size``, ``norm_topk_prob``, ``shared_expert_intermediate_size``, ``router_aux_loss_coef``).
+Training knobs that HF configs do not have live in ``moe_router`` (keys: :data:`ROUTER_KNOBS`).
+Parameters: ``router.weight`` [E, H], ``experts.gate_up`` [E_local, 2F/etp, H], ``experts.down`` [E_local, H, F/etp],
+``shared_expert.{gate_up,down}.weight``, ``shared_expert_gate.weight`` [1, H].
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+from torch import nn
+
+from mcore.models.parts.registry import PartContext, PartSpec
+from mcore.parallel.expert_parallel import MoEConfig, MoELayer
+
+# moe_router keys -> the MoEConfig field each sets
+ROUTER_KNOBS = (
+    "score_function",
+    "softmax_before_topk",
+    "n_group",
+    "topk_group",
+    "routed_scaling_factor",
+    "expert_bias",
+    "bias_update_rate",
+    "aux_loss_type",
+    "z_loss_coef",
+    "capacity_factor",
+    "drop_policy",
+    "pad_to_capacity",
+    "align",
+    "dispatcher",
+)
+
+
+def moe_layer_config(config: Any) -> MoEConfig:
+    """The ``MoEConfig`` of ``config``'s MoE layers (raises ``ValueError`` naming the field when invalid)."""
+    knobs = dict(config.moe_router or {})
+    unknown = sorted(set(knobs) - set(ROUTER_KNOBS))
+    if unknown:
+        raise ValueError(f"TransformerConfig.moe_router: unknown keys {unknown}; valid keys: {list(ROUTER_KNOBS)}")
+    ffn = config.intermediate_size if config.moe_intermediate_size is None else config.moe_intermediate_size
+    return MoEConfig(
+        hidden_size=config.hidden_size,
+        num_experts=config.num_experts,
+        topk=config.num_experts_per_tok,
+        moe_intermediate_size=ffn,
+        norm_topk_prob=config.norm_topk_prob,
+        aux_loss_coef=config.router_aux_loss_coef,
+        **knobs,
+    )
+
+
+def check_moe_fields(config: Any) -> None:
+    """Validate the MoE fields of a ``TransformerConfig`` (called from its ``__post_init__``)."""
+    try:
+        moe_layer_config(config)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"TransformerConfig MoE fields: {exc}") from None
+    size = config.shared_expert_intermediate_size
+    if size is not None and (isinstance(size, bool) or not isinstance(size, int) or size < 1):
+        raise ValueError(
+            f"TransformerConfig.shared_expert_intermediate_size must be a positive int or None, got {size!r}"
+        )
+    if config.shared_expert_gate and size is None:
+        raise ValueError("TransformerConfig.shared_expert_gate=True needs shared_expert_intermediate_size")
+
+
+class _SharedExpertGate(nn.Module):
+    """``sigmoid(x @ w.T)`` [.., 1] scaling the shared expert's output (Qwen2-MoE)."""
+
+    def __init__(self, hidden_size: int, init_std: float, params_dtype, device, sequence_parallel: bool) -> None:
+        super().__init__()
+        self.init_std = init_std
+        self.weight = nn.Parameter(torch.empty(1, hidden_size, dtype=params_dtype, device=device))
+        self.weight.sequence_parallel = sequence_parallel  # tokens differ per tp rank: grads summed over tp
+
+    def reset_parameters(self, generator: torch.Generator | None = None) -> None:
+        full = torch.empty(self.weight.shape).normal_(0.0, self.init_std, generator=generator)
+        with torch.no_grad():
+            self.weight.copy_(full)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.sigmoid(torch.nn.functional.linear(x, self.weight))
+
+
+class MoEMLP(MoELayer):
+    """Routed experts (+ optional shared expert) on ``[s(/tp), b, h]``; see the module docstring."""
+
+    def __init__(self, config: Any, layer_index: int = 0, context: PartContext | None = None) -> None:
+        ctx = PartContext() if context is None else context
+        if ctx.tp_size > 1 and not ctx.sequence_parallel:
+            raise ValueError(
+                "the moe MLP under tensor parallelism needs sequence_parallel=True (each tp rank must route its own "
+                "tokens); enable sequence parallelism or use tp=1 with ep / etp"
+            )
+        super().__init__(
+            moe_layer_config(config),
+            groups=ctx.groups,
+            init_std=config.initializer_range,
+            params_dtype=ctx.params_dtype,
+            device=ctx.device,
+        )
+        self.router.weight.sequence_parallel = ctx.sequence_parallel
+        self.shared_expert = self.shared_expert_gate = None
+        if config.shared_expert_intermediate_size is not None:
+            from mcore.models.layers.mlp import GatedMLP
+
+            shared = dataclasses.replace(config, intermediate_size=config.shared_expert_intermediate_size)
+            self.shared_expert = GatedMLP(shared, layer_index, ctx)
+            if config.shared_expert_gate:
+                self.shared_expert_gate = _SharedExpertGate(
+                    config.hidden_size, config.initializer_range, ctx.params_dtype, ctx.device, ctx.sequence_parallel
+                )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = super().forward(x)
+        if self.shared_expert is not None:
+            shared = self.shared_expert(x)
+            if self.shared_expert_gate is not None:
+                shared = self.shared_expert_gate(x) * shared
+            out = out + shared
+        return out
+
+
+def moe_parameters(config: Any, layer_index: int = 0) -> int:
+    h, e = config.hidden_size, config.num_experts
+    ffn = moe_layer_config(config).moe_intermediate_size
+    shared = config.shared_expert_intermediate_size or 0
+    return h * e + e * 3 * h * ffn + 3 * h * shared + (h if config.shared_expert_gate else 0)
+
+
+def moe_matmul_weights(config: Any, layer_index: int = 0) -> int:
+    """Weights one token multiplies: the router, its top-k experts and the shared expert (+ gate)."""
+    h, e, k = config.hidden_size, config.num_experts, config.num_experts_per_tok
+    ffn = moe_layer_config(config).moe_intermediate_size
+    shared = config.shared_expert_intermediate_size or 0
+    return h * e + k * 3 * h * ffn + 3 * h * shared + (h if config.shared_expert_gate else 0)
+
+
+def check_moe_tensor_parallel(config: Any, tp: int) -> None:
+    """Experts split over etp (default: tp) by their FFN width; the shared expert over tp like a dense MLP."""
+    ffn = moe_layer_config(config).moe_intermediate_size
+    if ffn % tp:
+        raise ValueError(f"tensor parallel size {tp} must divide the experts' moe_intermediate_size ({ffn})")
+    shared = config.shared_expert_intermediate_size
+    if shared is not None and shared % tp:
+        raise ValueError(f"tensor parallel size {tp} must divide shared_expert_intermediate_size ({shared})")
+
+
+MOE_MLP = PartSpec(
+    name="moe",
+    attribute="mlp",
+    build=MoEMLP,
+    parameters=moe_parameters,
+    matmul_weights=moe_matmul_weights,
+    check_tensor_parallel=check_moe_tensor_parallel,
+)
