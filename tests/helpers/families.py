@@ -61,7 +61,7 @@ def hf_config_kwargs(config: TransformerConfig) -> dict[str, Any]:
     if config.layer_types is not None:
         kwargs["layer_types"] = list(config.layer_types)
     if config.num_experts is not None:
-        kwargs.update(_hf_moe_kwargs(config))
+        kwargs.update(hf_moe_kwargs(config))
     kwargs.update(
         rope_parameters={**rope, "rope_theta": config.rope_theta},
         pad_token_id=None,
@@ -71,7 +71,7 @@ def hf_config_kwargs(config: TransformerConfig) -> dict[str, Any]:
     return kwargs
 
 
-def _hf_moe_kwargs(config: TransformerConfig) -> dict[str, Any]:
+def hf_moe_kwargs(config: TransformerConfig) -> dict[str, Any]:
     """HF's MoE fields: Mixtral names its experts ``num_local_experts`` and their width ``intermediate_size``."""
     kwargs: dict[str, Any] = {"num_experts_per_tok": config.num_experts_per_tok, "router_aux_loss_coef": 0.0}
     if config.model_type == "mixtral":

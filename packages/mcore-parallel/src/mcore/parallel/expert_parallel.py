@@ -39,6 +39,7 @@ from mcore.kernels.moe import (
 from mcore.parallel.comm import group_rank, group_size
 from mcore.parallel.expert_dispatch import DISPATCHERS, AllGatherDispatcher, AllToAllDispatcher
 from mcore.parallel.grid import ProcessGroups
+from mcore.parallel.tensor_parallel import set_tensor_parallel_attributes
 
 __all__ = ["GroupedExperts", "MoEConfig", "MoELayer", "Router", "update_expert_biases"]
 
@@ -130,6 +131,7 @@ class Router(nn.Module):
         super().__init__()
         self.init_std = init_std
         self.weight = nn.Parameter(torch.empty(num_experts, hidden_size, dtype=params_dtype, device=device))
+        set_tensor_parallel_attributes(self.weight, tensor_parallel=False)
 
     def reset_parameters(self, generator: torch.Generator | None = None) -> None:
         full = torch.empty(self.weight.shape, dtype=torch.float32).normal_(0.0, self.init_std, generator=generator)
@@ -161,9 +163,13 @@ class GroupedExperts(nn.Module):
         kw = dict(dtype=params_dtype, device=device)
         self.gate_up = nn.Parameter(torch.empty(num_local_experts, 2 * local_ffn, hidden_size, **kw))
         self.down = nn.Parameter(torch.empty(num_local_experts, hidden_size, local_ffn, **kw))
+        # the FFN width is split over etp like a column- then row-parallel pair (the layout checkpoints read)
+        set_tensor_parallel_attributes(
+            self.gate_up, tensor_parallel=etp > 1, partition_dim=1, partition_blocks=(ffn_size, ffn_size)
+        )
+        set_tensor_parallel_attributes(self.down, tensor_parallel=etp > 1, partition_dim=2)
         for p in (self.gate_up, self.down):
             p.expert_parallel = True
-            p.tensor_parallel = etp > 1
 
     @torch.no_grad()
     def load_full_experts(self, gate_up: torch.Tensor, down: torch.Tensor) -> None:

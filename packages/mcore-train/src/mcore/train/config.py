@@ -86,10 +86,16 @@ class ParallelSection:
     bucket_size: int = 40_000_000
     gradient_accumulation_fusion: bool = True
     pipeline_layout: str | list[int] = "even"
+    # Expert parallelism (MoE models): experts split over ep ranks, each expert's FFN over etp (default: tp).
+    # Attention keeps tp x cp x dp while experts use etp x ep x edp over the same ranks (parallel folding).
+    ep: int = 1
+    etp: int | None = None
 
     def __post_init__(self) -> None:
-        for name in ("tp", "pp", "vpp", "bucket_size"):
+        for name in ("tp", "pp", "vpp", "bucket_size", "ep"):
             _positive("parallel", name, getattr(self, name))
+        if self.etp is not None:
+            _positive("parallel", "etp", self.etp)
         if self.dp is not None:
             _positive("parallel", "dp", self.dp)
         if self.sequence_parallel and self.tp == 1:
@@ -300,6 +306,7 @@ class Config:
             self.model.check_tensor_parallel(self.parallel.tp)
         except ValueError as exc:
             raise ValueError(f"parallel.tp: {exc}") from None
+        self._check_expert_layout()
         layers = self.model.num_hidden_layers
         stages = self.parallel.pp * self.parallel.vpp
         layout = self.parallel.pipeline_layout
@@ -329,6 +336,19 @@ class Config:
                 f"raise train.steps / lr.decay_steps"
             )
         self.lr_schedule()  # validates the schedule's own constraints now rather than at step 0
+
+    def _check_expert_layout(self) -> None:
+        ep, etp = self.parallel.ep, self.parallel.etp
+        if self.model.num_experts is None:
+            if ep > 1 or etp is not None:
+                raise ValueError(f"parallel.ep={ep} / parallel.etp={etp} need an MoE model; model.num_experts is unset")
+            return
+        from mcore.models.layers.moe import moe_layer_config
+
+        try:
+            moe_layer_config(self.model).check_layout(ep, self.parallel.tp if etp is None else etp)
+        except ValueError as exc:
+            raise ValueError(f"parallel.ep / parallel.etp: {exc}") from None
 
     @property
     def decay_steps(self) -> int:

@@ -179,6 +179,7 @@ class Trainer:
                 use_distributed_optimizer=cfg.parallel.distributed_optimizer,
                 grad_dtype=torch.float32,
                 gradient_accumulation_fusion=cfg.parallel.gradient_accumulation_fusion,
+                expert_dp_group=groups.expert_dp,  # MoE experts: reduced over the expert grid's dp
             )
             for chunk in self.chunks
         ]
@@ -252,6 +253,9 @@ class Trainer:
         lr = self.lr_schedule(self.iteration)
         self.optimizer.set_lr(lr)
         self.optimizer.zero_grad()
+        for module in (m for chunk in self.chunks for m in chunk.modules()):
+            if hasattr(module, "aux_loss_scale"):  # MoE layers: their aux losses' gradient, scaled as the loss is
+                module.aux_loss_scale = self.optimizer.loss_scale / self.num_microbatches
         losses = self.schedule.run(self._forward_step, list(microbatches))
         result: StepResult = self.optimizer.step()
         self.iteration += 1

@@ -18,7 +18,9 @@ import torch
 from torch import nn
 
 from mcore.models.parts.registry import PartContext, PartSpec
+from mcore.parallel.comm import gather_from_sequence_parallel_region, scatter_to_sequence_parallel_region
 from mcore.parallel.expert_parallel import MoEConfig, MoELayer
+from mcore.parallel.tensor_parallel import set_tensor_parallel_attributes
 
 # moe_router keys -> the MoEConfig field each sets
 ROUTER_KNOBS = (
@@ -79,7 +81,8 @@ class _SharedExpertGate(nn.Module):
         super().__init__()
         self.init_std = init_std
         self.weight = nn.Parameter(torch.empty(1, hidden_size, dtype=params_dtype, device=device))
-        self.weight.sequence_parallel = sequence_parallel  # tokens differ per tp rank: grads summed over tp
+        # replicated; under sequence parallelism the tokens differ per tp rank, so its grads are summed over tp
+        set_tensor_parallel_attributes(self.weight, tensor_parallel=False, sequence_parallel=sequence_parallel)
 
     def reset_parameters(self, generator: torch.Generator | None = None) -> None:
         full = torch.empty(self.weight.shape).normal_(0.0, self.init_std, generator=generator)
@@ -95,11 +98,6 @@ class MoEMLP(MoELayer):
 
     def __init__(self, config: Any, layer_index: int = 0, context: PartContext | None = None) -> None:
         ctx = PartContext() if context is None else context
-        if ctx.tp_size > 1 and not ctx.sequence_parallel:
-            raise ValueError(
-                "the moe MLP under tensor parallelism needs sequence_parallel=True (each tp rank must route its own "
-                "tokens); enable sequence parallelism or use tp=1 with ep / etp"
-            )
         super().__init__(
             moe_layer_config(config),
             groups=ctx.groups,
@@ -107,7 +105,11 @@ class MoEMLP(MoELayer):
             params_dtype=ctx.params_dtype,
             device=ctx.device,
         )
-        self.router.weight.sequence_parallel = ctx.sequence_parallel
+        # Each tp rank must route its own tokens (the experts' etp group sums over them): under sequence parallelism
+        # they already are; without it the layer takes this rank's slice of the sequence and gathers the output.
+        self.tp_group = ctx.tp_group
+        self.split_sequence = ctx.tp_size > 1 and not ctx.sequence_parallel
+        self.router.weight.sequence_parallel = ctx.tp_size > 1  # tokens differ per tp rank: grads summed over tp
         self.shared_expert = self.shared_expert_gate = None
         if config.shared_expert_intermediate_size is not None:
             from mcore.models.layers.mlp import GatedMLP
@@ -120,7 +122,12 @@ class MoEMLP(MoELayer):
                 )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = super().forward(x)
+        if self.split_sequence:
+            routed = super().forward(scatter_to_sequence_parallel_region(x, self.tp_group))
+            # the output is replicated over tp: its gradient is too, so backward keeps this rank's slice
+            out = gather_from_sequence_parallel_region(routed, self.tp_group, tensor_parallel_output_grad=False)
+        else:
+            out = super().forward(x)
         if self.shared_expert is not None:
             shared = self.shared_expert(x)
             if self.shared_expert_gate is not None:

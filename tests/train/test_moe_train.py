@@ -1,0 +1,51 @@
+"""mcore-train with MoE models: expert-layout errors name valid values; a dropless run gives the same losses at
+ep=1 and ep=2 (2 gloo ranks), aux loss and expert-bias balancing included."""
+
+from __future__ import annotations
+
+import pytest
+
+from mcore.train.config import load_config
+from mcore.train.errors import UserError
+from tests.helpers.distributed import run_workers
+from tests.train.tiny import TINY
+
+MOE = [
+    "model=mixtral-tiny",
+    "model.router_aux_loss_coef=0.01",
+    "model.moe_router={z_loss_coef: 0.001, expert_bias: true, bias_update_rate: 0.01}",
+    "train.steps=4",
+]
+
+
+def _losses(rank: int, world: int, run_root: str) -> dict:
+    from tests.train.tiny import train, train_records
+
+    out = {}
+    for ep in (1, 2):
+        run_dir = f"{run_root}/ep{ep}"
+        train(run_dir, *MOE, f"parallel.ep={ep}")
+        out[ep] = [r["loss"] for _, r in sorted(train_records(run_dir).items())]
+    return out
+
+
+def test_dropless_losses_do_not_depend_on_ep(tmp_path):
+    results = run_workers(2, _losses, str(tmp_path))
+    losses = results[0]
+    assert len(losses[1]) == 4 and losses[1][0] > losses[1][-1]
+    for a, b in zip(losses[1], losses[2]):
+        assert abs(a - b) <= 1e-5 * abs(a), (losses[1], losses[2])
+
+
+@pytest.mark.parametrize(
+    "overrides,match",
+    [
+        (["parallel.ep=3"], r"num_experts=4 not divisible by ep=3; valid ep: \[1, 2, 4\]"),
+        (["parallel.etp=5"], r"moe_intermediate_size=96 not divisible by etp=5; valid etp: \[1, 2, 4, 8, 16, 32\]"),
+        (["model=llama-tiny", "parallel.ep=2"], "need an MoE model"),
+        (["model.moe_router={capacity: 1.0}"], r"unknown keys \['capacity'\]; valid keys"),
+    ],
+)
+def test_bad_expert_layouts_name_valid_values(overrides, match):
+    with pytest.raises(UserError, match=match):
+        load_config(None, [*TINY, *MOE, *overrides])
