@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from mcore.parallel import MoELayer
 from tests.helpers.distributed import run_workers
 from tests.parallel import _moe
 
@@ -94,3 +95,33 @@ def test_layout_errors_name_valid_values():
         ValueError, match=r"moe_intermediate_size=24 not divisible by etp=16; valid etp: \[1, 2, 4, 8\]"
     ):
         _moe.BASE.check_layout(1, 16)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("align", [1, 8])
+def test_cuda_bf16_layer_matches_fp32_and_never_syncs(align):
+    # 64 x 64 experts: the bf16 grouped GEMM's fast path (16-byte rows); align 1 leaves the experts' row counts odd
+    from dataclasses import replace
+
+    config = replace(_moe.BASE, hidden_size=64, moe_intermediate_size=64, align=align)
+    g = torch.Generator().manual_seed(3)
+    full = (torch.randn(8, 64, generator=g), torch.randn(8, 128, 64, generator=g) * 0.1)
+    full = (*full, torch.randn(8, 64, 64, generator=g) * 0.1)
+    x = torch.randn(256, 2, 64, generator=g)
+    ref = MoELayer(config)
+    ref.load_full_weights(*full)
+    want = ref(x).detach()
+    layer = MoELayer(config, params_dtype=torch.bfloat16, device="cuda")
+    layer.load_full_weights(*(t.cuda() for t in full))
+    xc = x.cuda().bfloat16().requires_grad_(True)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")  # any device-to-host copy in forward or backward raises
+    try:
+        y = layer(xc)
+        y.float().square().sum().backward()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    scale = want.abs().max().item()
+    torch.testing.assert_close(y.float().cpu(), want, rtol=0, atol=3e-2 * scale)
+    assert xc.grad is not None and torch.isfinite(xc.grad).all()

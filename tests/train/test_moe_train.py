@@ -3,6 +3,8 @@ ep=1 and ep=2 (2 gloo ranks), aux loss and expert-bias balancing included."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from mcore.train.config import load_config
@@ -15,6 +17,7 @@ MOE = [
     "model.router_aux_loss_coef=0.01",
     "model.moe_router={z_loss_coef: 0.001, expert_bias: true, bias_update_rate: 0.01}",
     "train.steps=4",
+    "checkpoint.save_at_end=false",
 ]
 
 
@@ -44,8 +47,19 @@ def test_dropless_losses_do_not_depend_on_ep(tmp_path):
         (["parallel.etp=5"], r"moe_intermediate_size=96 not divisible by etp=5; valid etp: \[1, 2, 4, 8, 16, 32\]"),
         (["model=llama-tiny", "parallel.ep=2"], "need an MoE model"),
         (["model.moe_router={capacity: 1.0}"], r"unknown keys \['capacity'\]; valid keys"),
+        (["parallel.ep=2", "checkpoint.save_at_end=true"], "checkpoints of expert-parallel layouts"),
     ],
 )
 def test_bad_expert_layouts_name_valid_values(overrides, match):
     with pytest.raises(UserError, match=match):
         load_config(None, [*TINY, *MOE, *overrides])
+
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+
+
+@pytest.mark.parametrize("name,experts,tp", [("mixtral-8x7b.yaml", 8, 8), ("qwen3-30b-a3b.yaml", 128, 4)])
+def test_moe_examples_load(name, experts, tp):
+    config = load_config(EXAMPLES / name)
+    assert config.model.num_experts == experts and config.parallel.tp == tp
+    assert config.model.mlp_type(0) == "moe" and config.model.router_aux_loss_coef > 0
