@@ -37,7 +37,7 @@ def _check_wide_tp(config, tp):
 
 
 class NoMixer(nn.Module):
-    """A token mixer that mixes nothing (an MLP-only layer, as hybrid patterns have)."""
+    """A token mixer whose output is zero (unlike the built-in "none" part it keeps its norm and branch)."""
 
     def forward(self, x, rope, *, cu_seqlens=None, kv_cache=None):
         return torch.zeros_like(x)
@@ -51,8 +51,8 @@ WIDE = PartSpec(
     matmul_weights=_wide(dense_mlp_matmul_weights),
     check_tensor_parallel=_check_wide_tp,
 )
-NONE = PartSpec(
-    name="none",
+ZERO = PartSpec(
+    name="zero",
     attribute="no_mixer",
     build=lambda config, i, ctx: NoMixer(),
     parameters=lambda config, i: 0,
@@ -64,24 +64,25 @@ NONE = PartSpec(
 @pytest.fixture
 def parts():
     MLPS.register(WIDE)
-    MIXERS.register(NONE)
+    MIXERS.register(ZERO)
     yield
     MLPS.unregister("wide")
-    MIXERS.unregister("none")
+    MIXERS.unregister("zero")
 
 
 def _mixed_config(**overrides):
     return get_config(
         "llama-tiny",
         num_hidden_layers=4,
-        layer_types=["full_attention", "none", "full_attention", "none"],
+        layer_types=["full_attention", "zero", "full_attention", "zero"],
         mlp_layer_types=["dense", "wide", "wide", "dense"],
         **overrides,
     )
 
 
 def test_unknown_part_names_are_refused_naming_the_registered_ones():
-    with pytest.raises(ValueError, match=r"registered mlp parts \['dense', 'moe'\].*'sparse9'"):
+    expected = r"mlp_layer_types entries must be registered mlp parts \['dense', 'none', 'moe'\].*'sparse9'"
+    with pytest.raises(ValueError, match=expected):
         get_config("llama-tiny", mlp_layer_types=["dense", "sparse9"])
     with pytest.raises(ValueError, match=r"layer_types entries must be registered mixer parts.*'mamba9'"):
         get_config("llama-tiny", layer_types=["full_attention", "mamba9"])
@@ -151,7 +152,7 @@ def test_balanced_pipeline_layout_weighs_each_layer(parts):
     config = get_config(
         "llama-tiny",
         num_hidden_layers=6,
-        layer_types=["none"] * 3 + ["full_attention"] * 3,
+        layer_types=["zero"] * 3 + ["full_attention"] * 3,
         mlp_layer_types=["dense"] * 6,
     )
     layout = pipeline_layout(config, 2, 1, "balanced", 64)
@@ -163,6 +164,28 @@ def test_balanced_pipeline_layout_weighs_each_layer(parts):
     assert pipeline_layout(config, 2, 1, [5, 1], 64) == [5, 1]
     with pytest.raises(ValueError, match="pipeline layout must be one of"):
         pipeline_layout(config, 2, 1, "greedy", 64)
+
+
+def test_the_none_part_leaves_its_sub_block_out():
+    config = get_config(
+        "llama-tiny",
+        num_hidden_layers=3,
+        layer_types=["full_attention", "none", "full_attention"],
+        mlp_layer_types=["none", "dense", "dense"],
+    )
+    model = GPTModel(config)
+    model.init_weights(0)
+    names = {n for n, _ in model.named_parameters() if n.startswith(("layers.0.", "layers.1."))}
+    assert {n.split(".")[2] for n in names if n.startswith("layers.0.")} == {"input_norm", "attention"}
+    assert {n.split(".")[2] for n in names if n.startswith("layers.1.")} == {"mlp_norm", "mlp"}
+    padding = (config.padded_vocab_size(1) - config.vocab_size) * config.hidden_size * 2
+    assert parameter_counts(config).total == sum(p.numel() for p in model.parameters()) - padding
+    assert parameter_counts(config).norms == 5 * config.hidden_size  # 2 + 1 + ... : 4 sub-blocks and the final norm
+    x = torch.randn(8, 2, config.hidden_size)
+    rope = model.rotary(torch.arange(8).expand(2, 8))
+    layer = model.layers["1"]
+    torch.testing.assert_close(layer(x, rope), x + layer.mlp(layer.mlp_norm(x)))
+    assert layer.mixer is None
 
 
 def test_stage_chunks_of_one_rank_equal_the_whole_model():

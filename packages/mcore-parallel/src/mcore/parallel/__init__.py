@@ -15,6 +15,7 @@ from mcore.parallel.comm import (
 )
 from mcore.parallel.cross_entropy import vocab_parallel_cross_entropy
 from mcore.parallel.data_parallel import DistributedDataParallel
+from mcore.parallel.distributed_optimizer import DistributedOptimizer
 from mcore.parallel.expert_parallel import GroupedExperts, MoEConfig, MoELayer, update_expert_biases
 from mcore.parallel.finalize import finalize_model_grads
 from mcore.parallel.grad_clip import clip_grad_norm, total_grad_norm
@@ -28,7 +29,6 @@ from mcore.parallel.init import (
 )
 from mcore.parallel.loss_scaler import DynamicLossScaler
 from mcore.parallel.optimizer import (
-    DistributedOptimizer,
     MixedPrecisionOptimizer,
     StepResult,
     default_param_groups,
@@ -38,6 +38,7 @@ from mcore.parallel.tensor_parallel import (
     ColumnParallelLinear,
     RowParallelLinear,
     VocabParallelEmbedding,
+    attach_weight_grad_store,
     set_tensor_parallel_attributes,
 )
 from mcore.parallel.weight_grad_store import WeightGradStore
@@ -80,6 +81,7 @@ __all__ = [
     "scatter_to_sequence_parallel_region",
     "scatter_to_tp_region",
     "seeded_generator",
+    "attach_weight_grad_store",
     "set_tensor_parallel_attributes",
     "total_grad_norm",
     "update_expert_biases",
