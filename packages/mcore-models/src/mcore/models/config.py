@@ -97,7 +97,7 @@ class TransformerConfig:
     shared_expert_intermediate_size: int | None = None  # Qwen2-MoE's shared expert
     shared_expert_gate: bool = False  # its sigmoid gate
     router_aux_loss_coef: float = 0.0
-    moe_router: dict[str, Any] | None = None  # training knobs: mcore.models.layers.moe.ROUTER_KNOBS
+    moe_router: dict[str, Any] | None = None  # training knobs: mcore.models.moe_fields.ROUTER_KNOBS
 
     def __post_init__(self) -> None:
         for name in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size"):
@@ -122,7 +122,7 @@ class TransformerConfig:
                 f"TransformerConfig.normalization must be one of {NORMALIZATIONS}, got {self.normalization!r}"
             )
         if self.num_experts is not None:
-            from mcore.models.layers.moe import check_moe_fields  # the moe part owns its rules
+            from mcore.models.moe_fields import check_moe_fields
 
             check_moe_fields(self)
         elif self.mlp_layer_types is not None and "moe" in self.mlp_layer_types:

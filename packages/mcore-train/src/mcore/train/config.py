@@ -343,7 +343,7 @@ class Config:
             if ep > 1 or etp is not None:
                 raise ValueError(f"parallel.ep={ep} / parallel.etp={etp} need an MoE model; model.num_experts is unset")
             return
-        from mcore.models.layers.moe import moe_layer_config
+        from mcore.models.moe_fields import moe_layer_config
 
         try:
             moe_layer_config(self.model).check_layout(ep, self.parallel.tp if etp is None else etp)

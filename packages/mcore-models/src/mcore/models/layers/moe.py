@@ -4,7 +4,7 @@ sigmoid gate), registered in the MLP slot.
 The routing, dispatch (ep / etp) and grouped experts are ``mcore.parallel.MoELayer``; this module adds the shared
 expert and reads the layer's sizes from ``TransformerConfig`` (HF names: ``num_experts``, ``num_experts_per_tok``,
 ``moe_intermediate_size``, ``norm_topk_prob``, ``shared_expert_intermediate_size``, ``router_aux_loss_coef``).
-Training knobs that HF configs do not have live in ``moe_router`` (keys: :data:`ROUTER_KNOBS`).
+Training knobs that HF configs do not have live in ``moe_router`` (keys: ``mcore.models.moe_fields.ROUTER_KNOBS``).
 Parameters: ``router.weight`` [E, H], ``experts.gate_up`` [E_local, 2F/etp, H], ``experts.down`` [E_local, H, F/etp],
 ``shared_expert.{gate_up,down}.weight``, ``shared_expert_gate.weight`` [1, H].
 """
@@ -17,61 +17,12 @@ from typing import Any
 import torch
 from torch import nn
 
+from mcore.models.layers.mlp import GatedMLP
+from mcore.models.moe_fields import moe_layer_config
 from mcore.models.parts.registry import PartContext, PartSpec
 from mcore.parallel.comm import gather_from_sequence_parallel_region, scatter_to_sequence_parallel_region
-from mcore.parallel.expert_parallel import MoEConfig, MoELayer
+from mcore.parallel.expert_parallel import MoELayer
 from mcore.parallel.tensor_parallel import set_tensor_parallel_attributes
-
-# moe_router keys -> the MoEConfig field each sets
-ROUTER_KNOBS = (
-    "score_function",
-    "softmax_before_topk",
-    "n_group",
-    "topk_group",
-    "routed_scaling_factor",
-    "expert_bias",
-    "bias_update_rate",
-    "aux_loss_type",
-    "z_loss_coef",
-    "capacity_factor",
-    "drop_policy",
-    "pad_to_capacity",
-    "align",
-    "dispatcher",
-)
-
-
-def moe_layer_config(config: Any) -> MoEConfig:
-    """The ``MoEConfig`` of ``config``'s MoE layers (raises ``ValueError`` naming the field when invalid)."""
-    knobs = dict(config.moe_router or {})
-    unknown = sorted(set(knobs) - set(ROUTER_KNOBS))
-    if unknown:
-        raise ValueError(f"TransformerConfig.moe_router: unknown keys {unknown}; valid keys: {list(ROUTER_KNOBS)}")
-    ffn = config.intermediate_size if config.moe_intermediate_size is None else config.moe_intermediate_size
-    return MoEConfig(
-        hidden_size=config.hidden_size,
-        num_experts=config.num_experts,
-        topk=config.num_experts_per_tok,
-        moe_intermediate_size=ffn,
-        norm_topk_prob=config.norm_topk_prob,
-        aux_loss_coef=config.router_aux_loss_coef,
-        **knobs,
-    )
-
-
-def check_moe_fields(config: Any) -> None:
-    """Validate the MoE fields of a ``TransformerConfig`` (called from its ``__post_init__``)."""
-    try:
-        moe_layer_config(config)
-    except (TypeError, ValueError) as exc:
-        raise ValueError(f"TransformerConfig MoE fields: {exc}") from None
-    size = config.shared_expert_intermediate_size
-    if size is not None and (isinstance(size, bool) or not isinstance(size, int) or size < 1):
-        raise ValueError(
-            f"TransformerConfig.shared_expert_intermediate_size must be a positive int or None, got {size!r}"
-        )
-    if config.shared_expert_gate and size is None:
-        raise ValueError("TransformerConfig.shared_expert_gate=True needs shared_expert_intermediate_size")
 
 
 class _SharedExpertGate(nn.Module):
@@ -112,8 +63,6 @@ class MoEMLP(MoELayer):
         self.router.weight.sequence_parallel = ctx.tp_size > 1  # tokens differ per tp rank: grads summed over tp
         self.shared_expert = self.shared_expert_gate = None
         if config.shared_expert_intermediate_size is not None:
-            from mcore.models.layers.mlp import GatedMLP
-
             shared = dataclasses.replace(config, intermediate_size=config.shared_expert_intermediate_size)
             self.shared_expert = GatedMLP(shared, layer_index, ctx)
             if config.shared_expert_gate:
