@@ -32,6 +32,38 @@ def _losses(rank: int, world: int, run_root: str) -> dict:
     return out
 
 
+# name -> overrides on 4 ranks (global batch 8 of micro-batches of 2); "dp4" is the reference
+LAYOUTS4 = {
+    "dp4": [],
+    "ep4": ["parallel.ep=4"],
+    "ep2-distopt": ["parallel.ep=2", "parallel.distributed_optimizer=true"],
+    "tp2-sp-ep2": ["parallel.tp=2", "parallel.sequence_parallel=true", "parallel.ep=2"],
+    "tp2-ep2-etp1": ["parallel.tp=2", "parallel.ep=2", "parallel.etp=1"],
+    "pp2-ep2": ["parallel.pp=2", "parallel.ep=2"],
+}
+
+
+def _layout_losses(rank: int, world: int, run_root: str) -> dict:
+    from tests.train.tiny import train, train_records
+
+    out = {}
+    for name, overrides in LAYOUTS4.items():
+        run_dir = f"{run_root}/{name}"
+        # 4 layers so that pp2 has two per stage; the aux losses and bias update on, as in training
+        train(run_dir, *MOE, "model.num_hidden_layers=4", "train.global_batch_size=8", *overrides)
+        out[name] = [r["loss"] for _, r in sorted(train_records(run_dir).items())]
+    return out
+
+
+def test_tp_pp_dp_with_ep_equal_plain_data_parallel(tmp_path):
+    losses = run_workers(4, _layout_losses, str(tmp_path))[0]
+    reference = losses["dp4"]
+    assert len(reference) == 4
+    for name, got in losses.items():
+        for a, b in zip(got, reference):
+            assert abs(a - b) <= 1e-5 * abs(b), (name, got, reference)
+
+
 def test_dropless_losses_do_not_depend_on_ep(tmp_path):
     results = run_workers(2, _losses, str(tmp_path))
     losses = results[0]

@@ -25,6 +25,8 @@ __all__ = [
     "expert_bias_update",
     "grouped_gemm",
     "load_balancing_loss",
+    "load_balancing_loss_from_stats",
+    "load_balancing_stats",
     "permute",
     "plan_permutation",
     "route",
@@ -161,6 +163,17 @@ def load_balancing_loss(
     otherwise over the whole micro-batch. Hugging Face's ``load_balancing_loss_func`` returns ``k`` times
     this value (its ``f_e`` sums to k).
     """
+    counts, prob_sums = load_balancing_stats(probs, indices, sequence_length=sequence_length)
+    seq = probs.shape[0] if sequence_length is None else sequence_length
+    return load_balancing_loss_from_stats(counts, prob_sums, seq, indices.shape[1])
+
+
+def load_balancing_stats(
+    probs: torch.Tensor, indices: torch.Tensor, *, sequence_length: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The sums behind :func:`load_balancing_loss`, per group of tokens (one group, or one per sequence):
+    ``counts`` [G, E] choices per expert (no gradient) and ``prob_sums`` [G, E] (differentiable). Sums add over
+    ranks that split the same tokens (sequence parallelism), which makes the loss that of all of them."""
     tokens, num_experts = probs.shape
     if indices.dim() != 2 or indices.shape[0] != tokens:
         raise ValueError(f"load_balancing_loss: indices must be [{tokens}, k], got {tuple(indices.shape)}")
@@ -169,11 +182,17 @@ def load_balancing_loss(
     if seq < 1 or tokens % seq:
         raise ValueError(f"load_balancing_loss: sequence_length={sequence_length} must divide the {tokens} tokens")
     batches = tokens // seq
-    one_hot = torch.zeros(batches, seq * k, num_experts, dtype=torch.float32, device=probs.device)
-    one_hot.scatter_(2, indices.reshape(batches, seq * k, 1), 1.0)
-    fraction = one_hot.sum(1) / (seq * k)  # [B, E]
-    mean_prob = probs.float().reshape(batches, seq, num_experts).mean(1)  # [B, E]
-    return num_experts * (fraction * mean_prob).sum(-1).mean()
+    counts = torch.zeros(batches, num_experts, dtype=torch.float32, device=probs.device)
+    counts.scatter_add_(1, indices.reshape(batches, seq * k), torch.ones(batches, seq * k, device=probs.device))
+    return counts, probs.float().reshape(batches, seq, num_experts).sum(1)
+
+
+def load_balancing_loss_from_stats(
+    counts: torch.Tensor, prob_sums: torch.Tensor, tokens_per_group: int, topk: int
+) -> torch.Tensor:
+    """``E * mean_g sum_e f_ge * P_ge`` with ``f = counts / (tokens * k)`` and ``P = prob_sums / tokens``."""
+    fraction = counts / (tokens_per_group * topk)
+    return counts.shape[-1] * (fraction * (prob_sums / tokens_per_group)).sum(-1).mean()
 
 
 def z_loss(logits: torch.Tensor) -> torch.Tensor:

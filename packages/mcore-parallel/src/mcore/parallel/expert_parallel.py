@@ -31,12 +31,13 @@ from mcore.kernels.moe import (
     RouterConfig,
     expert_bias_update,
     grouped_gemm,
-    load_balancing_loss,
+    load_balancing_loss_from_stats,
+    load_balancing_stats,
     route,
     tokens_per_expert,
     z_loss,
 )
-from mcore.parallel.comm import group_rank, group_size
+from mcore.parallel.comm import group_rank, group_size, reduce_from_tp_region
 from mcore.parallel.expert_dispatch import DISPATCHERS, AllGatherDispatcher, AllToAllDispatcher
 from mcore.parallel.grid import ProcessGroups
 from mcore.parallel.tensor_parallel import set_tensor_parallel_attributes
@@ -211,7 +212,9 @@ class _AttachAuxLoss(torch.autograd.Function):
 class MoELayer(nn.Module):
     """Router + dispatcher + grouped experts: ``[..., H] -> [..., H]`` (hidden states ``[s, b, h]`` in mcore).
 
-    ``groups`` supplies ``ep`` / ``etp`` (``None``: one process). Weights: ``router.weight`` [E, H],
+    ``groups`` supplies ``ep`` / ``etp`` (``None``: one process); ``token_split_group``: ranks that split the same
+    tokens between them (tp under sequence parallelism), over which the aux losses are computed. Weights:
+    ``router.weight`` [E, H],
     ``experts.gate_up`` / ``experts.down`` this rank's slices; :meth:`load_full_weights` fills them from the full
     tensors (the same full weights at any layout). ``aux_loss_scale`` multiplies the aux losses' gradient (set
     it to the main loss's scale, e.g. ``1 / micro-batches``). ``stats`` holds the last forward's detached
@@ -224,11 +227,13 @@ class MoELayer(nn.Module):
         *,
         groups: ProcessGroups | None = None,
         init_std: float = 0.02,
+        token_split_group: dist.ProcessGroup | None = None,
         params_dtype: torch.dtype = torch.float32,
         device: torch.device | str | None = None,
     ) -> None:
         super().__init__()
         groups = groups or ProcessGroups.single()
+        self.token_split_group = token_split_group
         ep_group, etp_group = groups.ep, groups.etp
         self.ep, self.etp = group_size(ep_group), group_size(etp_group)
         self.ep_rank, self.etp_rank = group_rank(ep_group), group_rank(etp_group)
@@ -295,9 +300,15 @@ class MoELayer(nn.Module):
         return out
 
     def _aux_losses(self, logits, routing, shape) -> dict[str, torch.Tensor]:
-        """The differentiable ``aux_loss`` / ``z_loss`` whose coefficients are set."""
+        """The differentiable ``aux_loss`` / ``z_loss`` whose coefficients are set.
+
+        With ``token_split_group`` (the tp ranks splitting one sequence), both are those of the whole group's tokens:
+        the load-balancing sums are all-reduced over it (the probabilities' with an identity backward, so each rank's
+        gradient reaches its own tokens) and the z-loss mean is divided by its size; every rank attaches them.
+        """
         cfg = self.config
         out: dict[str, torch.Tensor] = {}
+        split = group_size(self.token_split_group)
         if cfg.aux_loss_coef:
             probs, indices, seq = routing.probs, routing.indices, None
             if cfg.aux_loss_type == "sequence" and len(shape) == 3:
@@ -305,9 +316,14 @@ class MoELayer(nn.Module):
                 probs = probs.view(s, b, -1).transpose(0, 1).reshape(s * b, -1)
                 indices = indices.view(s, b, -1).transpose(0, 1).reshape(s * b, -1)
                 seq = s
-            out["aux_loss"] = load_balancing_loss(probs, indices, sequence_length=seq)
+            counts, prob_sums = load_balancing_stats(probs, indices, sequence_length=seq)
+            if split > 1:
+                dist.all_reduce(counts, group=self.token_split_group)
+                prob_sums = reduce_from_tp_region(prob_sums, self.token_split_group)
+            tokens = (probs.shape[0] if seq is None else seq) * split
+            out["aux_loss"] = load_balancing_loss_from_stats(counts, prob_sums, tokens, cfg.topk)
         if cfg.z_loss_coef:
-            out["z_loss"] = z_loss(logits)
+            out["z_loss"] = z_loss(logits) / split
         return out
 
 

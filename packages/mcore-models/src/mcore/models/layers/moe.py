@@ -53,6 +53,7 @@ class MoEMLP(MoELayer):
             moe_layer_config(config),
             groups=ctx.groups,
             init_std=config.initializer_range,
+            token_split_group=ctx.tp_group if ctx.tp_size > 1 else None,  # each tp rank routes part of the sequence
             params_dtype=ctx.params_dtype,
             device=ctx.device,
         )
