@@ -64,6 +64,15 @@ def test_tp_pp_dp_with_ep_equal_plain_data_parallel(tmp_path):
             assert abs(a - b) <= 1e-5 * abs(b), (name, got, reference)
 
 
+def test_moe_load_statistics_are_logged(tmp_path):
+    from tests.train.tiny import train, train_records
+
+    train(tmp_path, *MOE, "model.moe_router={z_loss_coef: 0.001, capacity_factor: 0.5}")
+    record = train_records(tmp_path)[4]
+    assert record["moe_max_load"] >= 1.0 and record["moe_dropped"] > 0  # capacity 0.5 must drop
+    assert record["moe_aux_loss"] > 0 and record["moe_z_loss"] > 0
+
+
 def test_dropless_losses_do_not_depend_on_ep(tmp_path):
     results = run_workers(2, _losses, str(tmp_path))
     losses = results[0]

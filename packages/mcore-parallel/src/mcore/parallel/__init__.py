@@ -16,7 +16,7 @@ from mcore.parallel.comm import (
 from mcore.parallel.cross_entropy import vocab_parallel_cross_entropy
 from mcore.parallel.data_parallel import DistributedDataParallel
 from mcore.parallel.distributed_optimizer import DistributedOptimizer
-from mcore.parallel.expert_parallel import GroupedExperts, MoEConfig, MoELayer, update_expert_biases
+from mcore.parallel.expert_parallel import GroupedExperts, MoEConfig, MoELayer, moe_metrics, update_expert_biases
 from mcore.parallel.finalize import finalize_model_grads
 from mcore.parallel.grad_clip import clip_grad_norm, total_grad_norm
 from mcore.parallel.grid import GROUP_KINDS, ParallelConfig, ProcessGroups, build_process_groups, rank_groups
@@ -72,6 +72,7 @@ __all__ = [
     "gather_from_tp_region",
     "get_rng_tracker",
     "model_parallel_seed",
+    "moe_metrics",
     "normal_init",
     "partition_slice",
     "rank_groups",

@@ -42,7 +42,7 @@ from mcore.parallel.expert_dispatch import DISPATCHERS, AllGatherDispatcher, All
 from mcore.parallel.grid import ProcessGroups
 from mcore.parallel.tensor_parallel import set_tensor_parallel_attributes
 
-__all__ = ["GroupedExperts", "MoEConfig", "MoELayer", "Router", "update_expert_biases"]
+__all__ = ["GroupedExperts", "MoEConfig", "MoELayer", "Router", "moe_metrics", "update_expert_biases"]
 
 _AUX_LOSS_TYPES = ("micro_batch", "sequence")
 
@@ -349,3 +349,23 @@ def update_expert_biases(model_chunks, groups: ProcessGroups | None = None) -> N
         expert_bias_update(m.expert_bias, flat[start : start + n], m.config.bias_update_rate)
         m.step_tokens_per_expert.zero_()
         start += n
+
+
+@torch.no_grad()
+def moe_metrics(model_chunks) -> dict[str, torch.Tensor] | None:
+    """Load statistics of the MoE layers of ``model_chunks`` (this rank's), from each layer's last forward, as 0-d
+    device tensors: ``moe_max_load`` (the largest tokens-per-expert over its mean, over layers), ``moe_dropped``
+    (choices dropped by capacity, summed over layers), ``moe_aux_loss`` / ``moe_z_loss`` (means over layers, when
+    computed). ``None`` without MoE layers. No host sync."""
+    chunks = [model_chunks] if isinstance(model_chunks, nn.Module) else list(model_chunks)
+    layers = [m for c in chunks for m in c.modules() if isinstance(m, MoELayer) and m.stats]
+    if not layers:
+        return None
+    counts = [m.stats["tokens_per_expert"].float() for m in layers]
+    loads = torch.stack([c.max() / c.mean().clamp(min=1e-9) for c in counts])
+    out = {"moe_max_load": loads.max(), "moe_dropped": torch.stack([m.stats["dropped"] for m in layers]).sum()}
+    for key in ("aux_loss", "z_loss"):
+        values = [m.stats[key] for m in layers if key in m.stats]
+        if values:
+            out[f"moe_{key}"] = torch.stack(values).mean()
+    return out

@@ -36,6 +36,7 @@ from mcore.models.stages import build_stage_chunks
 from mcore.models.stages import pipeline_layout as stage_layout
 from mcore.parallel.data_parallel import DistributedDataParallel
 from mcore.parallel.distributed_optimizer import DistributedOptimizer
+from mcore.parallel.expert_parallel import moe_metrics
 from mcore.parallel.finalize import finalize_model_grads
 from mcore.parallel.loss_scaler import DynamicLossScaler
 from mcore.parallel.optimizer import MixedPrecisionOptimizer, StepResult, default_param_groups
@@ -107,6 +108,7 @@ class StepOutput:
     finite: bool | None
     lr: float
     loss_scale: float | None
+    moe: dict[str, torch.Tensor] | None = None  # MoE load statistics (mcore.parallel.moe_metrics); None: dense
 
 
 def microbatch_to_device(batch: Mapping[str, Any], device: torch.device) -> dict[str, Any]:
@@ -278,6 +280,7 @@ class Trainer:
             finite=result.finite if self.skip_nonfinite else None,
             lr=lr,
             loss_scale=result.loss_scale,
+            moe=moe_metrics(self.chunks),
         )
 
     @torch.no_grad()
