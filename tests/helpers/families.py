@@ -76,6 +76,8 @@ def hf_moe_kwargs(config: TransformerConfig) -> dict[str, Any]:
     kwargs: dict[str, Any] = {"num_experts_per_tok": config.num_experts_per_tok, "router_aux_loss_coef": 0.0}
     if config.model_type == "mixtral":
         return {**kwargs, "num_local_experts": config.num_experts}
+    if config.model_type == "olmoe":
+        return {**kwargs, "num_experts": config.num_experts, "norm_topk_prob": config.norm_topk_prob}
     dense = [i for i in range(config.num_hidden_layers) if config.mlp_type(i) != "moe"]
     kwargs.update(
         num_experts=config.num_experts,

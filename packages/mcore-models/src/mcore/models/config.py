@@ -80,6 +80,7 @@ class TransformerConfig:
     attention_out_bias: bool = False
     mlp_bias: bool = False
     qk_norm: bool = False
+    qk_norm_scope: str = "head"  # "head": one norm per head (Qwen3); "projection": over all of q / k (OLMoE)
     sliding_window: int | None = None
     layer_types: tuple[str, ...] | None = None
     mlp_layer_types: tuple[str, ...] | None = None
@@ -120,6 +121,14 @@ class TransformerConfig:
         if self.normalization not in NORMALIZATIONS:
             raise ValueError(
                 f"TransformerConfig.normalization must be one of {NORMALIZATIONS}, got {self.normalization!r}"
+            )
+        if self.qk_norm_scope not in ("head", "projection"):
+            raise ValueError(
+                f"TransformerConfig.qk_norm_scope must be 'head' or 'projection', got {self.qk_norm_scope!r}"
+            )
+        if self.qk_norm_scope == "projection" and self.normalization != "rmsnorm":
+            raise ValueError(
+                "TransformerConfig.qk_norm_scope='projection' is an RMSNorm (OLMoE); set normalization=rmsnorm"
             )
         if self.num_experts is not None:
             from mcore.models.moe_fields import check_moe_fields

@@ -226,6 +226,27 @@ class UseSlidingWindow(ConfigRule):
 
 
 @dataclass(frozen=True)
+class MustBe(ConfigRule):
+    """An HF key mcore does not implement beyond one value (OLMoE's ``clip_qkv``: only ``null``): any other value
+    fails the import, naming the key, instead of being carried and silently ignored."""
+
+    key: str
+    value: Any = None
+
+    @property
+    def hf_keys(self) -> tuple[str, ...]:
+        return (self.key,)
+
+    def to_mcore(self, hf: dict[str, Any]) -> dict[str, Any]:
+        if hf.get(self.key, self.value) != self.value:
+            raise BridgeError(f"config.json {self.key}={hf[self.key]!r} is not supported (only {self.value!r})")
+        return {}
+
+    def to_hf(self, values: dict[str, Any], original: dict[str, Any] | None) -> dict[str, Any]:
+        return {self.key: self.value}
+
+
+@dataclass(frozen=True)
 class Renamed(ConfigRule):
     """An HF key whose meaning is a ``TransformerConfig`` field of another name (Mixtral's ``num_local_experts``)."""
 
