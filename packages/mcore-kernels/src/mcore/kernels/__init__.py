@@ -13,6 +13,17 @@ from __future__ import annotations
 from mcore.kernels.activations import geglu, swiglu
 from mcore.kernels.attention import attention
 from mcore.kernels.cross_entropy import cross_entropy
+from mcore.kernels.moe import (
+    expert_bias_update,
+    grouped_gemm,
+    load_balancing_loss,
+    permute,
+    plan_permutation,
+    route,
+    tokens_per_expert,
+    unpermute,
+    z_loss,
+)
 from mcore.kernels.norms import layer_norm, rms_norm
 from mcore.kernels.optimizer import adamw_step_
 from mcore.kernels.rotary import apply_rotary, rope_cos_sin, rope_inv_freq
@@ -24,10 +35,19 @@ __all__ = [
     "apply_rotary",
     "attention",
     "cross_entropy",
+    "expert_bias_update",
     "geglu",
+    "grouped_gemm",
     "layer_norm",
+    "load_balancing_loss",
+    "permute",
+    "plan_permutation",
     "rms_norm",
     "rope_cos_sin",
     "rope_inv_freq",
+    "route",
     "swiglu",
+    "tokens_per_expert",
+    "unpermute",
+    "z_loss",
 ]
