@@ -12,10 +12,13 @@ from __future__ import annotations
 # function whatever a caller imports first.
 from mcore.kernels.activations import geglu, swiglu
 from mcore.kernels.attention import attention
+from mcore.kernels.conv import causal_conv1d
 from mcore.kernels.cross_entropy import cross_entropy
+from mcore.kernels.gated_norm import gated_rms_norm
 from mcore.kernels.norms import layer_norm, rms_norm
 from mcore.kernels.optimizer import adamw_step_
 from mcore.kernels.rotary import apply_rotary, rope_cos_sin, rope_inv_freq
+from mcore.kernels.ssd import ssd_scan
 
 __version__ = "0.1.0"
 
@@ -23,11 +26,14 @@ __all__ = [
     "adamw_step_",
     "apply_rotary",
     "attention",
+    "causal_conv1d",
     "cross_entropy",
+    "gated_rms_norm",
     "geglu",
     "layer_norm",
     "rms_norm",
     "rope_cos_sin",
     "rope_inv_freq",
+    "ssd_scan",
     "swiglu",
 ]
