@@ -88,6 +88,17 @@ class TransformerConfig:
     initializer_range: float = 0.02
     make_vocab_size_divisible_by: int = 128
     model_type: str = "llama"
+    # Mamba-2 mixer (``mamba2`` layers only; NemotronH's config.json names): validated when a layer uses it.
+    mamba_num_heads: int | None = None
+    mamba_head_dim: int | None = None
+    ssm_state_size: int | None = None
+    n_groups: int = 1
+    conv_kernel: int = 4
+    chunk_size: int = 256
+    use_conv_bias: bool = True
+    mamba_proj_bias: bool = False
+    mamba_norm_before_gate: bool = False
+    time_step_limit: tuple[float, float] = (0.0, float("inf"))
 
     def __post_init__(self) -> None:
         for name in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size"):
@@ -103,6 +114,7 @@ class TransformerConfig:
         self._check_heads()
         self._check_rope_scaling()
         self._check_attention_pattern()
+        self._check_mamba()
         if self.hidden_act not in GATED_ACTIVATIONS:
             raise ValueError(
                 f"TransformerConfig.hidden_act must be one of {GATED_ACTIVATIONS} (gated MLP), got {self.hidden_act!r}"
@@ -170,6 +182,34 @@ class TransformerConfig:
                 "TransformerConfig.layer_types has 'sliding_attention' layers but sliding_window is None; "
                 "set sliding_window"
             )
+
+    def _check_mamba(self) -> None:
+        if isinstance(self.time_step_limit, list):
+            object.__setattr__(self, "time_step_limit", tuple(self.time_step_limit))
+        if "mamba2" not in (self.layer_types or ()):
+            return
+        for name in ("mamba_num_heads", "mamba_head_dim", "ssm_state_size"):
+            if getattr(self, name) is None:
+                raise ValueError(f"TransformerConfig.{name} must be set: layer_types has 'mamba2' layers")
+        for name in ("mamba_num_heads", "mamba_head_dim", "ssm_state_size", "n_groups", "conv_kernel", "chunk_size"):
+            _positive_int(name, getattr(self, name))
+        for name in ("use_conv_bias", "mamba_proj_bias", "mamba_norm_before_gate"):
+            _bool(name, getattr(self, name))
+        if self.mamba_num_heads % self.n_groups != 0:
+            raise ValueError(
+                f"TransformerConfig: n_groups ({self.n_groups}) must divide mamba_num_heads ({self.mamba_num_heads}); "
+                f"valid n_groups: {_divisors(self.mamba_num_heads)}"
+            )
+        limit = self.time_step_limit
+        if not (isinstance(limit, tuple) and len(limit) == 2 and 0.0 <= float(limit[0]) < float(limit[1])):
+            raise ValueError(
+                f"TransformerConfig.time_step_limit must be (low, high) with 0 <= low < high, got {limit!r}"
+            )
+
+    @property
+    def mamba_d_inner(self) -> int:
+        """Width of a Mamba-2 mixer's inner stream (heads x head_dim; HF Mamba2's ``expand * hidden_size``)."""
+        return self.mamba_num_heads * self.mamba_head_dim
 
     def _check_per_layer(self, name: str, value: Any, registry: Any) -> tuple[str, ...] | None:
         if value is None:
@@ -274,7 +314,7 @@ class TransformerConfig:
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON-able dict of every field (what checkpoints store as ``model_config``)."""
         out = dataclasses.asdict(self)
-        for name in ("layer_types", "mlp_layer_types"):
+        for name in ("layer_types", "mlp_layer_types", "time_step_limit"):
             if out[name] is not None:
                 out[name] = list(out[name])
         return out

@@ -117,6 +117,7 @@ MIXERS = PartRegistry(
     {
         "full_attention": "mcore.models.layers.attention:FULL_ATTENTION",
         "sliding_attention": "mcore.models.layers.attention:SLIDING_ATTENTION",
+        "mamba2": "mcore.models.layers.mamba2:MAMBA2",
         NO_PART: "mcore.models.layers.block:NO_MIXER",
     },
 )
