@@ -7,6 +7,7 @@ import pytest
 from mcore.models.config import TransformerConfig
 from mcore.models.families import FAMILIES, PRESETS, family_config, family_of, get_config, preset_names
 from tests.helpers.families import hf_classes, hf_config_kwargs
+from tests.helpers.hf_adapters import adapter
 
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, vocab_size=300)
 
@@ -136,5 +137,6 @@ def test_every_preset_is_a_valid_hf_config_with_the_same_fields(name):
     hf = config_cls(**hf_config_kwargs(c))
     assert hf.model_type == c.model_type
     assert hf.hidden_act == c.hidden_act
-    assert hf.head_dim == c.head_dim
+    special = adapter(c.model_type)
+    assert hf.head_dim == getattr(c, "head_dim" if special is None else special.head_dim_field)
     c.check_tensor_parallel(1)

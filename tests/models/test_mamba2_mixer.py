@@ -97,7 +97,7 @@ def test_part_is_registered_and_counts_its_parameters():
     config = our_config(mamba_proj_bias=True)
     spec = MIXERS.get("mamba2")
     module = spec.build(config, 0, PartContext())
-    assert spec.attribute == "mixer"
+    assert spec.attribute == "mamba"
     assert spec.parameters(config, 0) == mamba2_parameters(config) == sum(p.numel() for p in module.parameters())
     assert module.A_log.dtype == module.D.dtype == module.dt_bias.dtype == torch.float32
     bf16 = Mamba2Mixer(config, 0, PartContext(params_dtype=torch.bfloat16))

@@ -214,7 +214,7 @@ def mamba2_sequence_flops(config: TransformerConfig, layer_index: int, seq_len: 
 
 MAMBA2 = PartSpec(
     name="mamba2",
-    attribute="mixer",
+    attribute="mamba",
     build=Mamba2Mixer,
     parameters=mamba2_parameters,
     matmul_weights=mamba2_matmul_weights,
