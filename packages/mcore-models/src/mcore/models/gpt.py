@@ -123,8 +123,10 @@ class GPTModel(nn.Module):
         """An empty KV cache for this model's layers (local KV heads), for ``generate``."""
         c = self.config
         ref = next(self.parameters())
+        # Only attention layers need key/value buffers; recurrent mixers keep their state in ``KVCache.states``.
+        attends = [i for i in range(*self.layer_range) if c.mixer_type(i) in ("full_attention", "sliding_attention")]
         return KVCache(
-            list(range(*self.layer_range)),
+            attends,
             batch_size,
             max_length,
             c.num_key_value_heads // self.groups.tp_size,

@@ -131,28 +131,37 @@ class Mamba2Mixer(nn.Module):
                 p.copy_(partition_slice(full, 0, self.tp_rank, self.tp_size))
 
     def forward(self, x: torch.Tensor, rope=None, *, cu_seqlens=None, kv_cache=None) -> torch.Tensor:
-        if kv_cache is not None:
-            raise ValueError("mamba2 layers do not take a KV cache (generation with SSM state caches is not built)")
+        """``x`` ``[s(/tp), b, hidden]``; ``rope`` is unused (no positions: the scan is ordered). With ``kv_cache``
+        (inference) the conv inputs and the SSM state continue from the previous call and are stored for the next."""
         proj = self.in_proj(x)  # [s, b, local widths]
         s, b = proj.shape[:2]
-        seq_idx = None if cu_seqlens is None else seq_idx_from_cu_seqlens(cu_seqlens, b, s)
-        if self.recompute_core and torch.is_grad_enabled():
-            y = checkpoint(self._core, proj, seq_idx, use_reentrant=False)
+        if kv_cache is not None:
+            if cu_seqlens is not None:
+                raise ValueError("mamba2 with a cache does not take cu_seqlens (one sequence per batch row)")
+            y = self._core(proj, None, kv_cache)
         else:
-            y = self._core(proj, seq_idx)
+            seq_idx = None if cu_seqlens is None else seq_idx_from_cu_seqlens(cu_seqlens, b, s)
+            if self.recompute_core and torch.is_grad_enabled():
+                y = checkpoint(self._core, proj, seq_idx, use_reentrant=False)
+            else:
+                y = self._core(proj, seq_idx)
         return self.out_proj(y.transpose(0, 1))
 
-    def _core(self, proj: torch.Tensor, seq_idx: torch.Tensor | None) -> torch.Tensor:
+    def _core(self, proj: torch.Tensor, seq_idx: torch.Tensor | None, cache=None) -> torch.Tensor:
         """``[s, b, in_proj local]`` -> gated-norm output ``[b, s, d_inner local]``."""
         z, xbc, dt = proj.transpose(0, 1).split(
             [self.local_inner, self.local_inner + 2 * self.local_groups * self.state, self.local_heads], dim=-1
         )
+        conv_states = ssm_states = None
+        if cache is not None and self.layer_index in cache.states:
+            conv_states, ssm_states = cache.states[self.layer_index]
         w = self.conv1d.weight.squeeze(1)
-        xbc = causal_conv1d(xbc, w, self.conv1d.bias, activation="silu", seq_idx=seq_idx)
+        conv_in = xbc
+        xbc = causal_conv1d(xbc, w, self.conv1d.bias, activation="silu", seq_idx=seq_idx, conv_states=conv_states)
         gn = self.local_groups * self.state
         xs, B, C = xbc.split([self.local_inner, gn, gn], dim=-1)
         b, s = xs.shape[:2]
-        y = ssd_scan(
+        y, final = ssd_scan(
             xs.reshape(b, s, self.local_heads, self.head_dim),
             dt,
             -torch.exp(self.A_log.float()),
@@ -163,7 +172,15 @@ class Mamba2Mixer(nn.Module):
             dt_bias=self.dt_bias,
             dt_limit=self.time_step_limit,
             seq_idx=seq_idx,
+            initial_states=ssm_states,
+            return_final_states=True,
         )
+        if cache is not None:
+            k = self.conv1d.k
+            history = conv_in.new_zeros(b, conv_in.shape[-1], k - 1) if conv_states is None else conv_states
+            window = torch.cat([history.to(conv_in.dtype), conv_in.transpose(1, 2)], dim=2)
+            window = window[:, :, window.shape[2] - (k - 1) :]
+            cache.states[self.layer_index] = (window, final)
         return self.norm(y.reshape(b, s, self.local_inner), z)
 
 
