@@ -60,7 +60,10 @@ def mamba2_config_kwargs(config: TransformerConfig) -> dict[str, Any]:
 def _one_block_per_layer_state(hf_state, config, prefix, mixer_names):
     """HF models whose layer ``i`` is ``norm`` + ``mixer`` (Mamba2, NemotronH): ``mixer_names(i)`` says which of our
     modules (``input_norm``/``mixer`` or ``mlp_norm``/``mlp``...) the HF layer's norm and mixer are."""
-    out = {"embedding.weight": hf_state[f"{prefix}.embeddings.weight"], "final_norm.weight": hf_state[f"{prefix}.norm_f.weight"]}
+    out = {
+        "embedding.weight": hf_state[f"{prefix}.embeddings.weight"],
+        "final_norm.weight": hf_state[f"{prefix}.norm_f.weight"],
+    }
     if not config.tie_word_embeddings:
         out["output.weight"] = hf_state["lm_head.weight"]
     for i in range(config.num_hidden_layers):
