@@ -98,7 +98,7 @@ class TransformerConfig:
     use_conv_bias: bool = True
     mamba_proj_bias: bool = False
     mamba_norm_before_gate: bool = False
-    time_step_limit: tuple[float, float] = (0.0, float("inf"))
+    time_step_limit: tuple[float, ...] = (0.0, float("inf"))
 
     def __post_init__(self) -> None:
         for name in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size"):
