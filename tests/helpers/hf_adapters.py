@@ -20,8 +20,9 @@ class HfAdapter:
     to_mcore_state: Callable[[dict[str, torch.Tensor], TransformerConfig], dict[str, torch.Tensor]]
     # (mixer parameters, MLP parameters) of an HF model of the config
     part_parameters: Callable[[torch.nn.Module, TransformerConfig], tuple[int, int]]
-    # the config field HF's ``head_dim`` means
+    # the config field HF's ``head_dim`` means, and the HF key of our ``hidden_act``
     head_dim_field: str = "head_dim"
+    hf_hidden_act_key: str = "hidden_act"
 
 
 def _mamba_kwargs(config: TransformerConfig) -> dict[str, Any]:
@@ -85,7 +86,79 @@ def _mixer_only(model: torch.nn.Module, config: TransformerConfig) -> tuple[int,
     return sum(p.numel() for n, p in model.named_parameters() if ".mixer." in n), 0
 
 
+def nemotron_h_config_kwargs(config: TransformerConfig) -> dict[str, Any]:
+    from mcore.models.families.nemotron_h import SYMBOL_HF_BLOCK, parts_pattern
+
+    pattern = parts_pattern(config.layer_types, config.mlp_layer_types)
+    return dict(
+        _mamba_kwargs(config),
+        layers_block_type=[SYMBOL_HF_BLOCK[c] for c in pattern],
+        intermediate_size=config.intermediate_size,
+        num_attention_heads=config.num_attention_heads,
+        num_key_value_heads=config.num_key_value_heads,
+        head_dim=config.head_dim,
+        max_position_embeddings=config.max_position_embeddings,
+        mamba_num_heads=config.mamba_num_heads,
+        mamba_head_dim=config.mamba_head_dim,
+        ssm_state_size=config.ssm_state_size,
+        mamba_proj_bias=config.mamba_proj_bias,
+        mlp_bias=config.mlp_bias,
+        attention_bias=config.attention_bias,
+        mlp_hidden_act="relu2",
+        residual_in_fp32=False,
+    )
+
+
+def _fuse_qkv(q, k, v, config):
+    """Our fused QKV rows: for each KV head, its query heads then its key and value (as the attention part)."""
+    groups, d = config.num_key_value_heads, config.head_dim
+    q = q.reshape(groups, config.query_heads_per_kv_head * d, -1)
+    return torch.cat([q, k.reshape(groups, d, -1), v.reshape(groups, d, -1)], dim=1).reshape(-1, q.shape[-1])
+
+
+def _nemotron_h_names(config, i):
+    mixer = config.mixer_type(i)
+    if mixer == "mamba2":
+        return "input_norm", "mamba"
+    if mixer == "nope_attention":
+        return "input_norm", "attention"
+    return "mlp_norm", "mlp"
+
+
+_NEMOTRON_RENAMES = {"attention.o_proj.": "attention.out_proj.", "mlp.up_proj.": "mlp.up.", "mlp.down_proj.": "mlp.down."}
+
+
+def nemotron_h_to_mcore_state(hf_state, config):
+    out = _one_block_per_layer_state(hf_state, config, "model", lambda i: _nemotron_h_names(config, i))
+    for i in range(config.num_hidden_layers):
+        a = f"layers.{i}.attention."
+        if a + "q_proj.weight" in out:
+            qkv = [out.pop(a + f"{n}_proj.weight") for n in "qkv"]
+            out[a + "qkv.weight"] = _fuse_qkv(*qkv, config)
+    for name in list(out):
+        for old, new in _NEMOTRON_RENAMES.items():
+            if f".{old}" in name:
+                out[name.replace(f".{old}", f".{new}")] = out.pop(name)
+    return out
+
+
+def _nemotron_h_parts(model: torch.nn.Module, config: TransformerConfig) -> tuple[int, int]:
+    mixers = mlps = 0
+    for name, p in model.named_parameters():
+        if ".mixer." not in name:
+            continue
+        layer = int(name.split(".layers.")[1].split(".")[0])
+        if config.mlp_type(layer) == "none":
+            mixers += p.numel()
+        else:
+            mlps += p.numel()
+    return mixers, mlps
+
+
 ADAPTERS: dict[str, HfAdapter] = {
+    "nemotron_h": HfAdapter(
+        nemotron_h_config_kwargs, nemotron_h_to_mcore_state, _nemotron_h_parts, hf_hidden_act_key="mamba_hidden_act"
+    ),
     "mamba2": HfAdapter(mamba2_config_kwargs, mamba2_to_mcore_state, _mixer_only, head_dim_field="mamba_head_dim"),
 }
 

@@ -314,7 +314,7 @@ class TransformerConfig:
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON-able dict of every field (what checkpoints store as ``model_config``)."""
         out = dataclasses.asdict(self)
-        for name in ("layer_types", "mlp_layer_types", "time_step_limit"):
+        for name in ("layer_types", "mlp_layer_types"):
             if out[name] is not None:
                 out[name] = list(out[name])
         return out

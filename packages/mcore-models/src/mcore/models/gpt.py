@@ -15,7 +15,7 @@ from mcore.models.layers.block import DecoderLayer
 from mcore.models.layers.embedding import build_embedding, build_output_layer, mask_padded_logits
 from mcore.models.layers.kv_cache import KVCache
 from mcore.models.layers.norm import build_norm
-from mcore.models.parts.registry import PartContext
+from mcore.models.parts.registry import MIXERS, PartContext
 from mcore.models.rope import RopeTables, RotaryTables
 from mcore.parallel.grid import ProcessGroups
 from mcore.parallel.init import seeded_generator
@@ -124,7 +124,7 @@ class GPTModel(nn.Module):
         c = self.config
         ref = next(self.parameters())
         # Only attention layers need key/value buffers; recurrent mixers keep their state in ``KVCache.states``.
-        attends = [i for i in range(*self.layer_range) if c.mixer_type(i) in ("full_attention", "sliding_attention")]
+        attends = [i for i in range(*self.layer_range) if MIXERS.get(c.mixer_type(i)).attribute == "attention"]
         return KVCache(
             attends,
             batch_size,

@@ -117,9 +117,17 @@ MIXERS = PartRegistry(
     {
         "full_attention": "mcore.models.layers.attention:FULL_ATTENTION",
         "sliding_attention": "mcore.models.layers.attention:SLIDING_ATTENTION",
+        "nope_attention": "mcore.models.layers.attention:NOPE_ATTENTION",
         "mamba2": "mcore.models.layers.mamba2:MAMBA2",
         NO_PART: "mcore.models.layers.block:NO_MIXER",
     },
 )
 # ``mlp_layer_types`` names; "dense" is the gated MLP of every Llama-family layer.
-MLPS = PartRegistry("mlp", {"dense": "mcore.models.layers.mlp:DENSE_MLP", NO_PART: "mcore.models.layers.block:NO_MLP"})
+MLPS = PartRegistry(
+    "mlp",
+    {
+        "dense": "mcore.models.layers.mlp:DENSE_MLP",
+        "relu2": "mcore.models.layers.relu2_mlp:RELU2_MLP",
+        NO_PART: "mcore.models.layers.block:NO_MLP",
+    },
+)
