@@ -125,7 +125,11 @@ def _nemotron_h_names(config, i):
     return "mlp_norm", "mlp"
 
 
-_NEMOTRON_RENAMES = {"attention.o_proj.": "attention.out_proj.", "mlp.up_proj.": "mlp.up.", "mlp.down_proj.": "mlp.down."}
+_NEMOTRON_RENAMES = {
+    "attention.o_proj.": "attention.out_proj.",
+    "mlp.up_proj.": "mlp.up.",
+    "mlp.down_proj.": "mlp.down.",
+}
 
 
 def nemotron_h_to_mcore_state(hf_state, config):

@@ -18,7 +18,14 @@ HF_ARCHITECTURE = "NemotronHForCausalLM"
 
 # Megatron's pattern symbol -> (mixer, MLP); HF's block-type names (current and legacy) -> the symbol.
 SYMBOL_PARTS = {"M": ("mamba2", "none"), "*": ("nope_attention", "none"), "-": ("none", "relu2"), "E": ("none", "moe")}
-HF_BLOCK_SYMBOLS = {"linear_attention": "M", "mamba": "M", "full_attention": "*", "attention": "*", "mlp": "-", "moe": "E"}
+HF_BLOCK_SYMBOLS = {
+    "linear_attention": "M",
+    "mamba": "M",
+    "full_attention": "*",
+    "attention": "*",
+    "mlp": "-",
+    "moe": "E",
+}
 SYMBOL_HF_BLOCK = {"M": "linear_attention", "*": "full_attention", "-": "mlp", "E": "moe"}
 
 
