@@ -8,7 +8,8 @@ from mcore.bridge.errors import BridgeError
 from mcore.bridge.mappings import llama, mamba2, mistral, nemotron_h, qwen2, qwen3
 from mcore.bridge.mappings.base import FamilyMapping, TensorRule
 
-FAMILIES: dict[str, FamilyMapping] = {m.MAPPING.name: m.MAPPING for m in (llama, qwen2, qwen3, mistral, mamba2, nemotron_h)}
+_BUILTIN = (llama, qwen2, qwen3, mistral, mamba2, nemotron_h)
+FAMILIES: dict[str, FamilyMapping] = {m.MAPPING.name: m.MAPPING for m in _BUILTIN}
 
 
 def register_mapping(mapping: FamilyMapping) -> None:

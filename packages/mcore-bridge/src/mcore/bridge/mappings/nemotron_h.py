@@ -21,7 +21,9 @@ TENSORS = (
     TensorRule("layers.{layer}.input_norm.weight", (f"{L}.norm.weight",)),
     TensorRule("layers.{layer}.mlp_norm.weight", (f"{L}.norm.weight",)),
     *mamba_tensors(L),
-    TensorRule("layers.{layer}.attention.qkv.weight", (f"{X}.q_proj.weight", f"{X}.k_proj.weight", f"{X}.v_proj.weight"), "qkv"),
+    TensorRule(
+        "layers.{layer}.attention.qkv.weight", (f"{X}.q_proj.weight", f"{X}.k_proj.weight", f"{X}.v_proj.weight"), "qkv"
+    ),
     TensorRule("layers.{layer}.attention.out_proj.weight", (f"{X}.o_proj.weight",)),
     TensorRule("layers.{layer}.mlp.up.weight", (f"{X}.up_proj.weight",)),
     TensorRule("layers.{layer}.mlp.down.weight", (f"{X}.down_proj.weight",)),
