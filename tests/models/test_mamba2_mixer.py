@@ -119,3 +119,16 @@ def test_config_validation_and_tp_rule():
     with pytest.raises(ValueError, match="must divide n_groups"):
         config.check_tensor_parallel(4)
     assert TransformerConfig.from_dict(config.to_dict()) == config
+
+
+def test_flops_follow_the_hf_hybrid_baseline_convention():
+    from mcore.models.accounting import model_flops_per_token
+    from mcore.models.families import get_config
+
+    # shared/bench/hf_hybrid_baseline.py's formula for nemotronh8b4l, written out.
+    h, d_inner, g, n, heads, ffn, vocab, seq, chunk = 4096, 8192, 8, 128, 128, 21504, 131072, 4096, 128
+    mamba_w = h * (2 * d_inner + 2 * g * n + heads) + d_inner * h
+    attn_w = h * 128 * (32 + 16) + 32 * 128 * h
+    weights = 2 * mamba_w + attn_w + 2 * h * ffn + h * vocab
+    expected = 6 * weights + 12 * 32 * 128 * seq + 6 * 2 * (2 * chunk * d_inner + 4 * d_inner * n)
+    assert model_flops_per_token(get_config("nemotron-h-8b-4l"), seq) == expected
