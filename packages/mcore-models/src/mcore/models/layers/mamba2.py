@@ -25,7 +25,8 @@ from mcore.models.config import TransformerConfig
 from mcore.models.parts.registry import PartContext, PartSpec
 from mcore.parallel.comm import group_rank
 from mcore.parallel.init import normal_init, partition_slice
-from mcore.parallel.tensor_parallel import ColumnParallelLinear, RowParallelLinear, set_tensor_parallel_attributes
+from mcore.parallel.param_attrs import set_tensor_parallel_attributes
+from mcore.parallel.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 
 # dt's initial range (HF Mamba2 / NemotronH defaults: time_step_min, time_step_max, time_step_floor).
 _DT_MIN, _DT_MAX, _DT_FLOOR = 1e-3, 1e-1, 1e-4
