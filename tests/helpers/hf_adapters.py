@@ -159,7 +159,96 @@ def _nemotron_h_parts(model: torch.nn.Module, config: TransformerConfig) -> tupl
     return mixers, mlps
 
 
+def falcon_h1_config_kwargs(config: TransformerConfig) -> dict[str, Any]:
+    c = config
+    return dict(
+        vocab_size=c.vocab_size,
+        hidden_size=c.hidden_size,
+        intermediate_size=c.intermediate_size,
+        num_hidden_layers=c.num_hidden_layers,
+        num_attention_heads=c.num_attention_heads,
+        num_key_value_heads=c.num_key_value_heads,
+        head_dim=c.head_dim,
+        max_position_embeddings=c.max_position_embeddings,
+        rms_norm_eps=c.rms_norm_eps,
+        tie_word_embeddings=c.tie_word_embeddings,
+        initializer_range=c.initializer_range,
+        attention_bias=c.attention_bias,
+        mlp_bias=c.mlp_bias,
+        rope_parameters={"rope_type": "default", "rope_theta": c.rope_theta},
+        mamba_d_ssm=c.mamba_d_inner,
+        mamba_n_heads=c.mamba_num_heads,
+        mamba_d_head=c.mamba_head_dim,
+        mamba_n_groups=c.n_groups,
+        mamba_d_state=c.ssm_state_size,
+        mamba_d_conv=c.conv_kernel,
+        mamba_chunk_size=c.chunk_size,
+        mamba_conv_bias=c.use_conv_bias,
+        mamba_proj_bias=c.mamba_proj_bias,
+        projectors_bias=c.projectors_bias,
+        mamba_rms_norm=c.mamba_rms_norm,
+        mamba_norm_before_gate=c.mamba_norm_before_gate,
+        time_step_limit=list(c.time_step_limit),
+        embedding_multiplier=c.embedding_multiplier,
+        lm_head_multiplier=c.lm_head_multiplier,
+        key_multiplier=c.key_multiplier,
+        attention_in_multiplier=c.attention_in_multiplier,
+        attention_out_multiplier=c.attention_out_multiplier,
+        ssm_in_multiplier=c.ssm_in_multiplier,
+        ssm_out_multiplier=c.ssm_out_multiplier,
+        ssm_multipliers=list(c.ssm_multipliers),
+        mlp_multipliers=list(c.mlp_multipliers),
+        pad_token_id=None,
+        bos_token_id=None,
+        eos_token_id=None,
+    )
+
+
+_FALCON_RENAMES = (
+    ("input_layernorm.", "input_norm."),
+    ("pre_ff_layernorm.", "mlp_norm."),
+    ("mamba.", "parallel.mamba."),
+    ("self_attn.o_proj.", "parallel.attention.out_proj."),
+    ("feed_forward.down_proj.", "mlp.down."),
+)
+
+
+def falcon_h1_to_mcore_state(hf_state, config):
+    out = {
+        "embedding.weight": hf_state["model.embed_tokens.weight"],
+        "final_norm.weight": hf_state["model.final_layernorm.weight"],
+    }
+    if not config.tie_word_embeddings:
+        out["output.weight"] = hf_state["lm_head.weight"]
+    for i in range(config.num_hidden_layers):
+        hf, ours = f"model.layers.{i}.", f"layers.{i}."
+        for name, tensor in hf_state.items():
+            if not name.startswith(hf):
+                continue
+            rest = name[len(hf) :]
+            for old, new in _FALCON_RENAMES:
+                if rest.startswith(old):
+                    out[ours + new + rest[len(old) :]] = tensor
+        for kind in ("weight", "bias"):
+            a = hf + "self_attn."
+            if a + f"q_proj.{kind}" in hf_state:
+                qkv = [hf_state[a + f"{n}_proj.{kind}"] for n in "qkv"]
+                out[ours + f"parallel.attention.qkv.{kind}"] = _fuse_qkv(*qkv, config).reshape(-1, *qkv[0].shape[1:])
+            f = hf + "feed_forward."
+            if f + f"gate_proj.{kind}" in hf_state:
+                gate_up = [hf_state[f + f"{n}_proj.{kind}"] for n in ("gate", "up")]
+                out[ours + f"mlp.gate_up.{kind}"] = torch.cat(gate_up, dim=0)
+    return out
+
+
+def _falcon_h1_parts(model: torch.nn.Module, config: TransformerConfig) -> tuple[int, int]:
+    params = dict(model.named_parameters())
+    mixers = sum(p.numel() for n, p in params.items() if ".mamba." in n or ".self_attn." in n)
+    return mixers, sum(p.numel() for n, p in params.items() if ".feed_forward." in n)
+
+
 ADAPTERS: dict[str, HfAdapter] = {
+    "falcon_h1": HfAdapter(falcon_h1_config_kwargs, falcon_h1_to_mcore_state, _falcon_h1_parts),
     "nemotron_h": HfAdapter(
         nemotron_h_config_kwargs, nemotron_h_to_mcore_state, _nemotron_h_parts, hf_hidden_act_key="mamba_hidden_act"
     ),

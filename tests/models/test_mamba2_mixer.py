@@ -94,7 +94,7 @@ def test_packed_documents_equal_separate_hf_runs_and_selective_recompute_is_exac
 
 
 def test_part_is_registered_and_counts_its_parameters():
-    config = our_config(mamba_proj_bias=True)
+    config = our_config(mamba_proj_bias=True, projectors_bias=True)
     spec = MIXERS.get("mamba2")
     module = spec.build(config, 0, PartContext())
     assert spec.attribute == "mamba"

@@ -99,6 +99,19 @@ class TransformerConfig:
     mamba_proj_bias: bool = False
     mamba_norm_before_gate: bool = False
     time_step_limit: tuple[float, ...] = (0.0, float("inf"))
+    mamba_rms_norm: bool = True
+    projectors_bias: bool = False
+    # Falcon-H1's muP multipliers (HF names; 1.0 everywhere else): ssm_multipliers scale the in_proj blocks
+    # [z, x, B, C, dt], mlp_multipliers the MLP's gate and down outputs.
+    embedding_multiplier: float = 1.0
+    lm_head_multiplier: float = 1.0
+    key_multiplier: float = 1.0
+    attention_in_multiplier: float = 1.0
+    attention_out_multiplier: float = 1.0
+    ssm_in_multiplier: float = 1.0
+    ssm_out_multiplier: float = 1.0
+    ssm_multipliers: tuple[float, ...] = (1.0, 1.0, 1.0, 1.0, 1.0)
+    mlp_multipliers: tuple[float, ...] = (1.0, 1.0)
 
     def __post_init__(self) -> None:
         for name in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size"):
@@ -183,17 +196,27 @@ class TransformerConfig:
                 "set sliding_window"
             )
 
+    def _check_multipliers(self) -> None:
+        for name, length in (("time_step_limit", 2), ("ssm_multipliers", 5), ("mlp_multipliers", 2)):
+            value = getattr(self, name)
+            if not isinstance(value, list | tuple) or len(value) != length:
+                raise ValueError(f"TransformerConfig.{name} must be a list of {length} numbers, got {value!r}")
+            object.__setattr__(self, name, tuple(float(v) for v in value))
+        for name in ("embedding_multiplier", "lm_head_multiplier", "key_multiplier", "attention_in_multiplier",
+                     "attention_out_multiplier", "ssm_in_multiplier", "ssm_out_multiplier"):  # fmt: skip
+            if isinstance(getattr(self, name), bool) or not isinstance(getattr(self, name), int | float):
+                raise TypeError(f"TransformerConfig.{name} must be a number, got {getattr(self, name)!r}")
+
     def _check_mamba(self) -> None:
-        if isinstance(self.time_step_limit, list):
-            object.__setattr__(self, "time_step_limit", tuple(self.time_step_limit))
-        if "mamba2" not in (self.layer_types or ()):
+        self._check_multipliers()
+        if not {"mamba2", "falcon_h1_parallel"} & set(self.layer_types or ()):
             return
         for name in ("mamba_num_heads", "mamba_head_dim", "ssm_state_size"):
             if getattr(self, name) is None:
-                raise ValueError(f"TransformerConfig.{name} must be set: layer_types has 'mamba2' layers")
+                raise ValueError(f"TransformerConfig.{name} must be set: layer_types has Mamba-2 layers")
         for name in ("mamba_num_heads", "mamba_head_dim", "ssm_state_size", "n_groups", "conv_kernel", "chunk_size"):
             _positive_int(name, getattr(self, name))
-        for name in ("use_conv_bias", "mamba_proj_bias", "mamba_norm_before_gate"):
+        for name in ("use_conv_bias", "mamba_proj_bias", "mamba_norm_before_gate", "mamba_rms_norm", "projectors_bias"):
             _bool(name, getattr(self, name))
         if self.mamba_num_heads % self.n_groups != 0:
             raise ValueError(

@@ -14,21 +14,22 @@ from mcore.bridge.mappings.ssm_rules import Alias, Expand, LayerPattern, TimeSte
 L = "backbone.layers.{layer}"
 
 
-def mamba_tensors(hf_layer: str, proj_bias: str | None = "mamba_proj_bias") -> tuple[TensorRule, ...]:
-    """The mixer's tensors under ``layers.{layer}.mamba`` from HF's ``<hf_layer>.mixer``."""
-    m, ours = f"{hf_layer}.mixer", "layers.{layer}.mamba"
+def mamba_tensors(hf_mixer: str, ours: str = "layers.{layer}.mamba") -> tuple[TensorRule, ...]:
+    """The Mamba-2 mixer's tensors under ``ours`` from HF's ``hf_mixer`` (both with ``{layer}``)."""
+    m = hf_mixer
     rules = [TensorRule(f"{ours}.{n}", (f"{m}.{n}",)) for n in ("in_proj.weight", "conv1d.weight", "A_log", "D")]
-    rules += [TensorRule(f"{ours}.{n}", (f"{m}.{n}",)) for n in ("dt_bias", "norm.weight", "out_proj.weight")]
+    rules += [TensorRule(f"{ours}.{n}", (f"{m}.{n}",)) for n in ("dt_bias", "out_proj.weight")]
+    rules.append(TensorRule(f"{ours}.norm.weight", (f"{m}.norm.weight",), when="mamba_rms_norm"))
     rules.append(TensorRule(f"{ours}.conv1d.bias", (f"{m}.conv1d.bias",), when="use_conv_bias"))
-    for n in ("in_proj.bias", "out_proj.bias"):
-        rules.append(TensorRule(f"{ours}.{n}", (f"{m}.{n}",), when=proj_bias))
+    rules.append(TensorRule(f"{ours}.in_proj.bias", (f"{m}.in_proj.bias",), when="mamba_proj_bias"))
+    rules.append(TensorRule(f"{ours}.out_proj.bias", (f"{m}.out_proj.bias",), when="projectors_bias"))
     return tuple(rules)
 
 
 TENSORS = (
     TensorRule("embedding.weight", ("backbone.embeddings.weight",), "vocab"),
     TensorRule("layers.{layer}.input_norm.weight", (f"{L}.norm.weight",)),
-    *mamba_tensors(L),
+    *mamba_tensors(f"{L}.mixer"),
     TensorRule("final_norm.weight", ("backbone.norm_f.weight",)),
     TensorRule("output.weight", ("lm_head.weight",), "vocab", unless="tie_word_embeddings"),
 )
@@ -60,7 +61,7 @@ CONFIG = family_rules(
         Field("conv_kernel", 4),
         Field("chunk_size", 256),
         Field("use_conv_bias", True),
-        Alias("use_bias", ("mamba_proj_bias",), False),
+        Alias("use_bias", ("mamba_proj_bias", "projectors_bias"), False),
         TimeStepLimit(),
         Field("tie_word_embeddings", False),
         Field("hidden_act", "silu"),

@@ -20,7 +20,7 @@ TENSORS = (
     TensorRule("embedding.weight", ("backbone.embeddings.weight",), "vocab"),
     TensorRule("layers.{layer}.input_norm.weight", (f"{L}.norm.weight",)),
     TensorRule("layers.{layer}.mlp_norm.weight", (f"{L}.norm.weight",)),
-    *mamba_tensors(L),
+    *mamba_tensors(X),
     TensorRule(
         "layers.{layer}.attention.qkv.weight", (f"{X}.q_proj.weight", f"{X}.k_proj.weight", f"{X}.v_proj.weight"), "qkv"
     ),
@@ -87,7 +87,7 @@ CONFIG = family_rules(
         Field("conv_kernel", 4),
         Field("chunk_size", 128),
         Field("use_conv_bias", True),
-        Field("mamba_proj_bias", False),
+        Alias("mamba_proj_bias", ("mamba_proj_bias", "projectors_bias"), False),
         Field("mlp_bias", False),
         Alias("layer_norm_epsilon", ("rms_norm_eps",), 1e-5),
         TimeStepLimit(),

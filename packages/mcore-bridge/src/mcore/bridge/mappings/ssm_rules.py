@@ -122,3 +122,28 @@ class TimeStepLimit(ConfigRule):
 
     def to_hf(self, values: dict[str, Any], original: dict[str, Any] | None) -> dict[str, Any]:
         return {self.key: [float(v) for v in values["time_step_limit"]]}
+
+
+@dataclass(frozen=True)
+class MambaInnerWidth(ConfigRule):
+    """Falcon-H1's ``mamba_d_ssm`` (or ``mamba_expand * hidden_size`` when it is null): the Mamba inner width, which
+    must equal heads x head_dim. It sets no field of ours (the width is derived); import checks it, export writes it."""
+
+    heads_key: str = "mamba_n_heads"
+    head_dim_key: str = "mamba_d_head"
+    hf_keys = ("mamba_d_ssm", "mamba_expand")
+    mcore_fields = ()
+
+    def to_mcore(self, hf: dict[str, Any]) -> dict[str, Any]:
+        width = hf.get("mamba_d_ssm")
+        if width is None:
+            width = int(hf.get("mamba_expand", 2) * hf["hidden_size"])
+        heads, head_dim = hf.get(self.heads_key), hf.get(self.head_dim_key)
+        if heads is not None and head_dim is not None and width != heads * head_dim:
+            raise BridgeError(
+                f"config.json: mamba_d_ssm {width} != {self.heads_key} {heads} x {self.head_dim_key} {head_dim}"
+            )
+        return {}
+
+    def to_hf(self, values: dict[str, Any], original: dict[str, Any] | None) -> dict[str, Any]:
+        return {"mamba_d_ssm": values["mamba_num_heads"] * values["mamba_head_dim"]}

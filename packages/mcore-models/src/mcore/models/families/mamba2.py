@@ -55,7 +55,14 @@ def mamba2_sizes(*, hidden: int, layers: int, heads: int, head_dim: int, state: 
 PRESETS: dict[str, dict[str, Any]] = {
     # chunk 8 < the test sequences (24 tokens: three chunks), two groups (TP 2 keeps one each).
     "mamba2-tiny": mamba2_sizes(
-        hidden=64, layers=2, heads=8, head_dim=16, state=8, vocab=320, n_groups=2, chunk_size=8,
+        hidden=64,
+        layers=2,
+        heads=8,
+        head_dim=16,
+        state=8,
+        vocab=320,
+        n_groups=2,
+        chunk_size=8,
         max_position_embeddings=256,
     ),  # fmt: skip
     # mistralai/Mamba-Codestral-7B-v0.1 config.json.

@@ -35,6 +35,7 @@ class SelfAttention(nn.Module):
         super().__init__()
         ctx = PartContext() if context is None else context
         self.rotary = rotary  # False: no positional encoding at all (Nemotron-H's attention layers)
+        self.key_multiplier = config.key_multiplier
         tp_size, params_dtype, device = ctx.tp_size, ctx.params_dtype, ctx.device
         check_attention_tensor_parallel(config, tp_size)
         self.layer_index = layer_index
@@ -86,6 +87,8 @@ class SelfAttention(nn.Module):
         q, k, v = qkv.view(s, b, g, self.heads_per_group + 2, d).split([self.heads_per_group, 1, 1], dim=3)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
+        if self.key_multiplier != 1.0:  # Falcon-H1's muP key multiplier
+            k = k * self.key_multiplier
         # Rotating the 5-D views keeps the per-group layout; the rotated q/k come back contiguous, so the
         # head reshapes below are free.
         if self.rotary:

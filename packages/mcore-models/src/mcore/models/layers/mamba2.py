@@ -112,11 +112,28 @@ class Mamba2Mixer(nn.Module):
         self.A_log = _shard_param((heads,), tp, None, **fp32)
         self.D = _shard_param((heads,), tp, None, **fp32)
         self.dt_bias = _shard_param((heads,), tp, None, **fp32)
-        self.norm = GroupedGatedNorm(
-            d_inner, d_inner // c.n_groups, c.rms_norm_eps, c.mamba_norm_before_gate, tp, ctx.params_dtype, ctx.device
-        )
+        # Without the gated norm (Falcon-H1's mamba_rms_norm=False) the output is y * silu(z).
+        self.norm = None
+        if c.mamba_rms_norm:
+            self.norm = GroupedGatedNorm(
+                d_inner,
+                d_inner // c.n_groups,
+                c.rms_norm_eps,
+                c.mamba_norm_before_gate,
+                tp,
+                ctx.params_dtype,
+                ctx.device,
+            )
+        # Falcon-H1's muP: the input scaled by ssm_in_multiplier, each in_proj block by its ssm_multipliers entry.
+        self.in_multiplier = c.ssm_in_multiplier
+        self.block_multipliers = None
+        if any(m != 1.0 for m in c.ssm_multipliers):
+            local = [b // tp for b in self.in_blocks]
+            self.block_multipliers = torch.cat(
+                [torch.full((n,), m, dtype=torch.float32) for n, m in zip(local, c.ssm_multipliers, strict=True)]
+            )
         self.out_proj = RowParallelLinear(
-            d_inner, c.hidden_size, bias=c.mamba_proj_bias, input_is_parallel=True, init_method=init, **common
+            d_inner, c.hidden_size, bias=c.projectors_bias, input_is_parallel=True, init_method=init, **common
         )
 
     def reset_parameters(self, generator: torch.Generator | None = None) -> None:
@@ -134,7 +151,9 @@ class Mamba2Mixer(nn.Module):
     def forward(self, x: torch.Tensor, rope=None, *, cu_seqlens=None, kv_cache=None) -> torch.Tensor:
         """``x`` ``[s(/tp), b, hidden]``; ``rope`` is unused (no positions: the scan is ordered). With ``kv_cache``
         (inference) the conv inputs and the SSM state continue from the previous call and are stored for the next."""
-        proj = self.in_proj(x)  # [s, b, local widths]
+        proj = self.in_proj(x if self.in_multiplier == 1.0 else x * self.in_multiplier)  # [s, b, local widths]
+        if self.block_multipliers is not None:
+            proj = proj * self.block_multipliers.to(proj.device, proj.dtype)
         s, b = proj.shape[:2]
         if kv_cache is not None:
             if cu_seqlens is not None:
@@ -182,7 +201,10 @@ class Mamba2Mixer(nn.Module):
             window = torch.cat([history.to(conv_in.dtype), conv_in.transpose(1, 2)], dim=2)
             window = window[:, :, window.shape[2] - (k - 1) :]
             cache.states[self.layer_index] = (window, final)
-        return self.norm(y.reshape(b, s, self.local_inner), z)
+        y = y.reshape(b, s, self.local_inner)
+        if self.norm is None:
+            return y * torch.nn.functional.silu(z)
+        return self.norm(y, z)
 
 
 def check_mamba2_tensor_parallel(config: TransformerConfig, tp: int) -> None:
@@ -201,9 +223,8 @@ def mamba2_parameters(config: TransformerConfig, layer_index: int = 0) -> int:
     in_width, conv_dim = 2 * d_inner + 2 * gn + heads, d_inner + 2 * gn
     n = c.hidden_size * in_width + d_inner * c.hidden_size
     n += conv_dim * c.conv_kernel + (conv_dim if c.use_conv_bias else 0)
-    n += 3 * heads + d_inner
-    if c.mamba_proj_bias:
-        n += in_width + c.hidden_size
+    n += 3 * heads + (d_inner if c.mamba_rms_norm else 0)
+    n += (in_width if c.mamba_proj_bias else 0) + (c.hidden_size if c.projectors_bias else 0)
     return n
 
 

@@ -119,6 +119,7 @@ MIXERS = PartRegistry(
         "sliding_attention": "mcore.models.layers.attention:SLIDING_ATTENTION",
         "nope_attention": "mcore.models.layers.attention:NOPE_ATTENTION",
         "mamba2": "mcore.models.layers.mamba2:MAMBA2",
+        "falcon_h1_parallel": "mcore.models.layers.falcon_h1:FALCON_H1_PARALLEL",
         NO_PART: "mcore.models.layers.block:NO_MIXER",
     },
 )
@@ -128,6 +129,7 @@ MLPS = PartRegistry(
     {
         "dense": "mcore.models.layers.mlp:DENSE_MLP",
         "relu2": "mcore.models.layers.relu2_mlp:RELU2_MLP",
+        "falcon_h1_mlp": "mcore.models.layers.falcon_h1:FALCON_H1_MLP",
         NO_PART: "mcore.models.layers.block:NO_MLP",
     },
 )

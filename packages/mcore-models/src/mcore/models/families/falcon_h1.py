@@ -1,0 +1,65 @@
+"""Falcon-H1 (``FalconH1ForCausalLM``): every layer runs attention (RoPE) and a Mamba-2 mixer side by side on the
+same normed input and adds both (the ``falcon_h1_parallel`` mixer), then a gated MLP (``falcon_h1_mlp``), with
+Falcon-H1's muP multipliers on the embedding, the LM head, keys, both mixers' inputs and outputs, the in_proj
+blocks and the MLP. Its Mamba-2 may run without the gated norm (``mamba_rms_norm``), normalising before the gate.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+FAMILY = "falcon_h1"
+HF_ARCHITECTURE = "FalconH1ForCausalLM"
+
+DEFAULTS: dict[str, Any] = {
+    "model_type": "falcon_h1",
+    "normalization": "rmsnorm",
+    "hidden_act": "silu",
+    "attention_bias": False,
+    "attention_out_bias": False,
+    "mlp_bias": False,
+    "qk_norm": False,
+    "rms_norm_eps": 1e-5,
+    "n_groups": 1,
+    "conv_kernel": 4,
+    "chunk_size": 256,
+    "use_conv_bias": True,
+    "mamba_proj_bias": False,
+    "projectors_bias": False,
+    "mamba_norm_before_gate": True,
+    "mamba_rms_norm": False,
+    "tie_word_embeddings": False,
+}
+
+
+def falcon_layers(n: int) -> dict[str, Any]:
+    return {"num_hidden_layers": n, "layer_types": ["falcon_h1_parallel"] * n, "mlp_layer_types": ["falcon_h1_mlp"] * n}
+
+
+PRESETS: dict[str, dict[str, Any]] = {
+    # Every multiplier away from 1 so that a dropped one fails parity; chunk 8 < the test sequences.
+    "falcon_h1-tiny": {
+        "hidden_size": 64,
+        "intermediate_size": 96,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "mamba_num_heads": 8,
+        "mamba_head_dim": 8,
+        "ssm_state_size": 8,
+        "n_groups": 2,
+        "chunk_size": 8,
+        "vocab_size": 320,
+        "max_position_embeddings": 256,
+        "rope_theta": 100000.0,
+        "embedding_multiplier": 1.5,
+        "lm_head_multiplier": 0.7,
+        "key_multiplier": 0.9,
+        "attention_in_multiplier": 1.1,
+        "attention_out_multiplier": 0.8,
+        "ssm_in_multiplier": 1.2,
+        "ssm_out_multiplier": 0.6,
+        "ssm_multipliers": [1.1, 0.9, 1.2, 0.8, 1.3],
+        "mlp_multipliers": [1.2, 0.7],
+        **falcon_layers(2),
+    },
+}
