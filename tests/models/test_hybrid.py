@@ -77,3 +77,21 @@ def test_balanced_pipeline_layout_weighs_hybrid_layers_by_cost():
     stage_costs[-1] += 6 * config.vocab_size * config.hidden_size
     even[-1] += 6 * config.vocab_size * config.hidden_size
     assert max(stage_costs) < max(even)
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        {"mamba_rms_norm": True},
+        {"mamba_rms_norm": True, "mamba_norm_before_gate": False, "mamba_proj_bias": True, "projectors_bias": True},
+        {"attention_bias": True, "attention_out_bias": True, "mlp_bias": True, "tie_word_embeddings": True},
+    ],
+    ids=["gated-norm", "gate-then-norm-biases", "attention-mlp-biases-tied"],
+)
+def test_falcon_h1_variants_equal_hf(overrides):
+    config = get_config("falcon_h1-tiny", **overrides)
+    hf, ours = _pair(config, seed=5)
+    ids = torch.randint(0, config.vocab_size, (2, 20))
+    with torch.no_grad():
+        ref, got = hf(ids).logits, ours(ids)[..., : config.vocab_size]
+    assert (got - ref).abs().max() <= 1e-4

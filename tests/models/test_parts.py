@@ -81,7 +81,9 @@ def _mixed_config(**overrides):
 
 
 def test_unknown_part_names_are_refused_naming_the_registered_ones():
-    expected = r"mlp_layer_types entries must be registered mlp parts \['dense', 'relu2', 'none'\].*'moe'"
+    expected = (
+        r"mlp_layer_types entries must be registered mlp parts \['dense', 'relu2', 'falcon_h1_mlp', 'none'\].*'moe'"
+    )
     with pytest.raises(ValueError, match=expected):
         get_config("llama-tiny", mlp_layer_types=["dense", "moe"])
     with pytest.raises(ValueError, match=r"layer_types entries must be registered mixer parts.*'mamba9'"):

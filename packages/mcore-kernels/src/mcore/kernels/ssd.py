@@ -29,12 +29,17 @@ import torch
 import torch.nn.functional as F
 
 
-def seq_idx_from_cu_seqlens(cu_seqlens: torch.Tensor, batch: int, seqlen: int) -> torch.Tensor:
-    """Document index of each token ``[batch, seqlen]`` (int32) from boundaries over the flattened tokens."""
+def seq_idx_from_cu_seqlens(
+    cu_seqlens: torch.Tensor, batch: int, seqlen: int, *, check_values: bool = True
+) -> torch.Tensor:
+    """Document index of each token ``[batch, seqlen]`` (int32) from boundaries over the flattened tokens.
+
+    ``check_values=False`` skips the check of the first and last boundary, which reads them on the host (a device
+    sync): models call it once per layer and forward, with boundaries the data pipeline already checked."""
     total = batch * seqlen
     if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2 or cu_seqlens.is_floating_point():
         raise ValueError(f"cu_seqlens must be a 1-D integer tensor [docs + 1], got {tuple(cu_seqlens.shape)}")
-    if int(cu_seqlens[0]) != 0 or int(cu_seqlens[-1]) != total:
+    if check_values and (int(cu_seqlens[0]) != 0 or int(cu_seqlens[-1]) != total):
         raise ValueError(f"cu_seqlens must start at 0 and end at batch * seqlen = {total}, got {cu_seqlens.tolist()}")
     tokens = torch.arange(total, device=cu_seqlens.device, dtype=cu_seqlens.dtype)
     return (torch.searchsorted(cu_seqlens, tokens, right=True) - 1).to(torch.int32).view(batch, seqlen)
