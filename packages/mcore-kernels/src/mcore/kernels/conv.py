@@ -5,14 +5,18 @@ in an earlier document, read as 0 (a document's first token sees only itself, as
 ``conv_states`` (``[batch, dim, k - 1]``, the last inputs of a previous call) stand in for the tokens before the
 row start: that is how a generation cache continues a sequence.
 
-Pure torch: ``F.conv1d`` when no document boundary is given, otherwise a sum of ``k`` shifted, masked products
-(``k`` is 4 in every published Mamba-2); autograd gives the backward pass.
+Two backends (:mod:`mcore.kernels.dispatch`): the Triton kernels of :mod:`mcore.kernels.triton.conv` (forward and a
+hand-written backward; not with ``conv_states``, a decoding-only input), and the torch reference: ``F.conv1d`` when
+no document boundary is given, otherwise a sum of ``k`` shifted, masked products (``k`` is 4 in every published
+Mamba-2), with autograd's backward.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from mcore.kernels import dispatch
 
 ACTIVATIONS = (None, "silu")
 
@@ -25,6 +29,7 @@ def causal_conv1d(
     activation: str | None = "silu",
     seq_idx: torch.Tensor | None = None,
     conv_states: torch.Tensor | None = None,
+    backend: str | None = None,
 ) -> torch.Tensor:
     """Depthwise causal convolution along ``x``'s sequence dim.
 
@@ -39,6 +44,33 @@ def causal_conv1d(
         ``[batch, seqlen, dim]`` in ``x``'s dtype.
     """
     _check(x, weight, bias, activation, seq_idx, conv_states)
+    tensors = [t for t in (x, weight, bias, seq_idx) if t is not None]
+    if conv_states is None and dispatch.choose("causal_conv1d", *tensors, backend=backend) == dispatch.TRITON:
+        return _TritonConv.apply(x, weight, bias, seq_idx, activation == "silu")
+    return reference_conv1d(x, weight, bias, activation=activation, seq_idx=seq_idx, conv_states=conv_states)
+
+
+class _TritonConv(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, seq_idx, silu):
+        from mcore.kernels.triton.conv import conv_forward
+
+        x, weight = x.contiguous(), weight.contiguous()
+        ctx.save_for_backward(x, weight, bias, seq_idx)
+        ctx.silu = silu
+        return conv_forward(x, weight, bias, seq_idx, silu)
+
+    @staticmethod
+    def backward(ctx, dy):
+        from mcore.kernels.triton.conv import conv_backward
+
+        x, weight, bias, seq_idx = ctx.saved_tensors
+        dx, dw, db = conv_backward(dy, x, weight, bias, seq_idx, ctx.silu)
+        return dx, dw, db, None, None
+
+
+def reference_conv1d(x, weight, bias=None, *, activation="silu", seq_idx=None, conv_states=None) -> torch.Tensor:
+    """The torch backend of :func:`causal_conv1d` (same arguments, already checked)."""
     b, length, dim = x.shape
     k = weight.shape[1]
     xt = x.transpose(1, 2)  # [b, dim, L]
