@@ -95,3 +95,12 @@ def test_falcon_h1_variants_equal_hf(overrides):
     with torch.no_grad():
         ref, got = hf(ids).logits, ours(ids)[..., : config.vocab_size]
     assert (got - ref).abs().max() <= 1e-4
+
+
+def test_published_totals():
+    from mcore.models.accounting import parameter_counts
+
+    # The released checkpoints' sizes: Mamba-Codestral 7.29B, Nemotron-H-8B 8.10B, Falcon-H1-0.5B 0.52B.
+    assert parameter_counts(get_config("mamba-codestral-7b")).total == 7_285_403_648
+    assert parameter_counts(get_config("nemotron-h-8b")).total == 8_100_852_736
+    assert parameter_counts(get_config("falcon-h1-0.5b")).total == 521_411_104
