@@ -115,6 +115,7 @@ def log_interval(
         "lr": out.lr,
         "tokens_per_s": tokens_per_s,
         "tflops_per_gpu": tflops,
+        "device": runtime.device.type,
         "mfu": mfu(tokens_per_s, flops_per_token, runtime.world_size, peak) if peak else None,
         "step_time_s": elapsed / sums.steps,
         "data_time_s": sums.data_time / sums.steps,
