@@ -15,6 +15,17 @@ from mcore.kernels.attention import attention
 from mcore.kernels.conv import causal_conv1d
 from mcore.kernels.cross_entropy import cross_entropy
 from mcore.kernels.gated_norm import gated_rms_norm
+from mcore.kernels.moe import (
+    expert_bias_update,
+    grouped_gemm,
+    load_balancing_loss,
+    permute,
+    plan_permutation,
+    route,
+    tokens_per_expert,
+    unpermute,
+    z_loss,
+)
 from mcore.kernels.norms import layer_norm, rms_norm
 from mcore.kernels.optimizer import adamw_step_
 from mcore.kernels.rotary import apply_rotary, rope_cos_sin, rope_inv_freq
@@ -28,12 +39,21 @@ __all__ = [
     "attention",
     "causal_conv1d",
     "cross_entropy",
+    "expert_bias_update",
     "gated_rms_norm",
     "geglu",
+    "grouped_gemm",
     "layer_norm",
+    "load_balancing_loss",
+    "permute",
+    "plan_permutation",
     "rms_norm",
     "rope_cos_sin",
     "rope_inv_freq",
+    "route",
     "ssd_scan",
     "swiglu",
+    "tokens_per_expert",
+    "unpermute",
+    "z_loss",
 ]

@@ -157,7 +157,12 @@ def _run_or_launch(args: argparse.Namespace, config, overrides: list[str], check
 
         try:  # fail here, before any worker starts, when the layout cannot fit the local workers
             layout = ParallelConfig(
-                tp=config.parallel.tp, pp=config.parallel.pp, vpp=config.parallel.vpp, dp=config.parallel.dp
+                tp=config.parallel.tp,
+                pp=config.parallel.pp,
+                vpp=config.parallel.vpp,
+                dp=config.parallel.dp,
+                ep=config.parallel.ep,
+                etp=config.parallel.etp,
             ).resolve(nproc or 1)
         except ValueError as exc:
             raise UserError(f"parallel layout does not fit {nproc or 1} worker(s): {exc}") from None

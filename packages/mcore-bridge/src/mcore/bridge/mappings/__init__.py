@@ -5,10 +5,22 @@ from __future__ import annotations
 from typing import Any
 
 from mcore.bridge.errors import BridgeError
-from mcore.bridge.mappings import falcon_h1, llama, mamba2, mistral, nemotron_h, qwen2, qwen3
+from mcore.bridge.mappings import (
+    falcon_h1,
+    llama,
+    mamba2,
+    mistral,
+    mixtral,
+    nemotron_h,
+    olmoe,
+    qwen2,
+    qwen2_moe,
+    qwen3,
+    qwen3_moe,
+)
 from mcore.bridge.mappings.base import FamilyMapping, TensorRule
 
-_BUILTIN = (llama, qwen2, qwen3, mistral, mamba2, nemotron_h, falcon_h1)
+_BUILTIN = (llama, qwen2, qwen3, mistral, mixtral, qwen3_moe, qwen2_moe, olmoe, mamba2, nemotron_h, falcon_h1)
 FAMILIES: dict[str, FamilyMapping] = {m.MAPPING.name: m.MAPPING for m in _BUILTIN}
 
 

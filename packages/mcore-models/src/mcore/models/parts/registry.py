@@ -32,6 +32,7 @@ class PartContext:
     recompute: str | None = None
     params_dtype: torch.dtype = torch.float32
     device: torch.device | str | None = None
+    groups: Any = None  # the model's ProcessGroups (the moe part takes its ep / etp groups from it)
 
 
 def _no_sequence_flops(config: Any, layer_index: int, seq_len: int) -> float:
@@ -131,5 +132,6 @@ MLPS = PartRegistry(
         "relu2": "mcore.models.layers.relu2_mlp:RELU2_MLP",
         "falcon_h1_mlp": "mcore.models.layers.falcon_h1:FALCON_H1_MLP",
         NO_PART: "mcore.models.layers.block:NO_MLP",
+        "moe": "mcore.models.layers.moe:MOE_MLP",
     },
 )
