@@ -4,14 +4,13 @@ mixer being a Mamba-2 mixer, an attention without positional encoding, or a squa
 Each HF layer maps to one of our layers with the other slot ``"none"``: Mamba ``M`` -> (``mamba2``, none),
 attention ``*`` -> (``nope_attention``, none), MLP ``-`` -> (none, ``relu2``). The pattern is stated either as HF's
 ``layers_block_type`` list or as Megatron's ``hybrid_override_pattern`` string (``M``, ``*``, ``-``, ``E``);
-:func:`pattern_parts` reads both. MoE layers (``E``) wait for the ``moe`` MLP part.
+:func:`pattern_parts` reads both. MoE layers (``E``) are refused: they need a non-gated squared-ReLU expert
+variant of the ``moe`` MLP part.
 """
 
 from __future__ import annotations
 
 from typing import Any
-
-from mcore.models.parts.registry import MLPS
 
 FAMILY = "nemotron_h"
 HF_ARCHITECTURE = "NemotronHForCausalLM"
@@ -39,8 +38,13 @@ def pattern_parts(pattern: str | list[str] | tuple[str, ...]) -> dict[str, list[
             f"Nemotron-H pattern {pattern!r} has unknown entries {bad}; use the symbols {sorted(SYMBOL_PARTS)} or "
             f"the block types {sorted(HF_BLOCK_SYMBOLS)}"
         )
-    if "E" in symbols and "moe" not in MLPS:
-        raise ValueError(f"Nemotron-H pattern {pattern!r} has MoE layers ('E'), but no 'moe' MLP part is registered")
+    if "E" in symbols:
+        # The registered 'moe' part has gated experts and a softmax router; Nemotron-H's experts are non-gated
+        # squared-ReLU MLPs behind a sigmoid router with a shared expert: building them from it would be wrong.
+        raise ValueError(
+            f"Nemotron-H pattern {pattern!r} has MoE layers ('E'), which are not supported yet (non-gated squared-ReLU "
+            "experts, sigmoid router, shared expert)"
+        )
     parts = [SYMBOL_PARTS[s] for s in symbols]
     return {
         "num_hidden_layers": len(parts),
