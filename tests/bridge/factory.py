@@ -16,6 +16,7 @@ import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
 
 from tests.helpers.families import families, hf_classes, hf_moe_kwargs, tiny_config
+from tests.helpers.hf_adapters import adapter
 
 # family -> (HF config class, HF model class), for every registered family.
 HF_CLASSES = {family: hf_classes(family) for family in families()}
@@ -48,6 +49,9 @@ def tiny_config_kwargs(family: str, **overrides: Any) -> dict[str, Any]:
         eos_token_id=2,
     )
     tiny = tiny_config(family)
+    special = adapter(family)
+    if special is not None:  # not Llama-shaped: the tiny preset's own HF kwargs, the bridge tests' vocab and ids
+        return {**special.config_kwargs(tiny), "vocab_size": VOCAB, "bos_token_id": 1, "eos_token_id": 2, **overrides}
     if tiny.head_dim * tiny.num_attention_heads != tiny.hidden_size:
         kwargs["head_dim"] = tiny.head_dim  # qwen3: 4 heads x 24 != hidden 64
     if tiny.sliding_window is not None:

@@ -14,6 +14,7 @@ import transformers
 
 from mcore.models.config import TransformerConfig
 from mcore.models.families import family_names, get_config, hf_architecture
+from tests.helpers.hf_adapters import adapter
 
 # TransformerConfig fields whose name and meaning Hugging Face's config classes share.
 _HF_FIELDS = (
@@ -56,6 +57,9 @@ def tiny_config(family: str, **overrides: Any) -> TransformerConfig:
 
 def hf_config_kwargs(config: TransformerConfig) -> dict[str, Any]:
     """Keyword arguments of the HF config describing the same model (fp32, eager attention, no special tokens)."""
+    special = adapter(config.model_type)
+    if special is not None:
+        return special.config_kwargs(config)
     rope = {"rope_type": "default"} if config.rope_scaling is None else dict(config.rope_scaling)
     kwargs = {name: getattr(config, name) for name in _HF_FIELDS}
     if config.layer_types is not None:

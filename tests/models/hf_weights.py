@@ -11,6 +11,7 @@ import torch
 
 from mcore.models.config import TransformerConfig
 from tests.helpers.families import hf_classes, hf_config
+from tests.helpers.hf_adapters import adapter
 
 
 def hf_model(config: TransformerConfig, seed: int) -> torch.nn.Module:
@@ -42,6 +43,9 @@ def _fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, config: Transfo
 
 def hf_to_mcore_state(hf_state: dict[str, torch.Tensor], config: TransformerConfig) -> dict[str, torch.Tensor]:
     """Rename (and fuse) an HF Llama-family state dict into our global parameter names (unpadded vocab)."""
+    special = adapter(config.model_type)
+    if special is not None:
+        return special.to_mcore_state(hf_state, config)
     out: dict[str, torch.Tensor] = {"embedding.weight": hf_state["model.embed_tokens.weight"]}
     out["final_norm.weight"] = hf_state["model.norm.weight"]
     if not config.tie_word_embeddings:

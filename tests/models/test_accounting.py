@@ -16,6 +16,7 @@ from mcore.models.accounting import (
 )
 from mcore.models.families import family_of, get_config, preset_names
 from tests.helpers.families import hf_classes, hf_config_kwargs
+from tests.helpers.hf_adapters import adapter
 
 
 def _hf_meta_model(name: str):
@@ -31,9 +32,13 @@ def test_parameter_count_equals_hf(name):
     config, model = _hf_meta_model(name)
     counts = parameter_counts(config)
     assert counts.total == sum(p.numel() for p in model.parameters())
-    assert counts.embedding == model.model.embed_tokens.weight.numel()
-    mlp = sum(p.numel() for n, p in model.named_parameters() if ".mlp." in n)
-    attn = sum(p.numel() for n, p in model.named_parameters() if ".self_attn." in n)
+    assert counts.embedding == model.get_input_embeddings().weight.numel()
+    special = adapter(config.model_type)
+    if special is not None:
+        attn, mlp = special.part_parameters(model, config)
+    else:
+        mlp = sum(p.numel() for n, p in model.named_parameters() if ".mlp." in n)
+        attn = sum(p.numel() for n, p in model.named_parameters() if ".self_attn." in n)
     assert (counts.mlps, counts.mixers) == (mlp, attn)
     assert counts.output == (0 if config.tie_word_embeddings else model.lm_head.weight.numel())
 

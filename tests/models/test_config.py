@@ -7,6 +7,7 @@ import pytest
 from mcore.models.config import TransformerConfig
 from mcore.models.families import FAMILIES, PRESETS, family_config, family_of, get_config, preset_names
 from tests.helpers.families import hf_classes, hf_config_kwargs
+from tests.helpers.hf_adapters import adapter
 
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, vocab_size=300)
 
@@ -117,7 +118,8 @@ def test_overrides_and_family_behaviour_is_data():
     assert family_config("qwen3", **TINY).qk_norm
     for name in ("llama3-8b", "llama3-70b", "qwen3-8b", "qwen2.5-7b", "mistral-7b", "llama2-7b"):
         assert name in preset_names()
-    assert set(FAMILIES) == {"llama", "qwen2", "qwen3", "mistral", "mixtral", "qwen3_moe", "qwen2_moe", "olmoe"}
+    moe = {"mixtral", "qwen3_moe", "qwen2_moe", "olmoe"}
+    assert set(FAMILIES) == {"llama", "qwen2", "qwen3", "mistral", *moe, "mamba2", "nemotron_h", "falcon_h1"}
 
 
 def test_presets_cannot_be_mutated_through_a_config():
@@ -135,6 +137,7 @@ def test_every_preset_is_a_valid_hf_config_with_the_same_fields(name):
     config_cls, _ = hf_classes(family_of(name))
     hf = config_cls(**hf_config_kwargs(c))
     assert hf.model_type == c.model_type
-    assert hf.hidden_act == c.hidden_act
-    assert hf.head_dim == c.head_dim
+    special = adapter(c.model_type)
+    assert getattr(hf, "hidden_act" if special is None else special.hf_hidden_act_key) == c.hidden_act
+    assert hf.head_dim == getattr(c, "head_dim" if special is None else special.head_dim_field)
     c.check_tensor_parallel(1)

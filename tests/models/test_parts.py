@@ -81,7 +81,10 @@ def _mixed_config(**overrides):
 
 
 def test_unknown_part_names_are_refused_naming_the_registered_ones():
-    expected = r"mlp_layer_types entries must be registered mlp parts \['dense', 'none', 'moe'\].*'sparse9'"
+    expected = (
+        r"mlp_layer_types entries must be registered mlp parts "
+        r"\['dense', 'relu2', 'falcon_h1_mlp', 'none', 'moe'\].*'sparse9'"
+    )
     with pytest.raises(ValueError, match=expected):
         get_config("llama-tiny", mlp_layer_types=["dense", "sparse9"])
     with pytest.raises(ValueError, match=r"layer_types entries must be registered mixer parts.*'mamba9'"):

@@ -53,6 +53,10 @@ def steps_for(family: FamilyMapping, config: TransformerConfig) -> list[Step]:
             else:
                 hf = tuple(h.format(**fmt) for h in rule.hf)
             steps.append(Step(rule.mcore.format(**fmt), hf, rule.op))
+    used = [h for step in steps for h in step.hf]
+    if len(set(used)) != len(used):
+        twice = sorted({h for h in used if used.count(h) > 1})
+        raise ValueError(f"family {family.name!r}: HF tensors {twice} feed two parameters of this model")
     return steps
 
 

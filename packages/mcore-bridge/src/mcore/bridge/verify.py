@@ -147,7 +147,7 @@ def verify(
 
     generator = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, config.vocab_size, (1, tokens), generator=generator).to(dev)
-    hf_hidden, hf_hooks = _capture(list(hf_model.model.layers), seq_first=False)
+    hf_hidden, hf_hooks = _capture(list(hf_model.base_model.layers), seq_first=False)
     mc_hidden, mc_hooks = _capture(list(mcore_model.layers.values()), seq_first=True)
     previous_tf32 = torch.backends.cuda.matmul.allow_tf32
     torch.backends.cuda.matmul.allow_tf32 = False  # tf32 matmuls would dominate the differences we measure

@@ -12,7 +12,9 @@ from __future__ import annotations
 # function whatever a caller imports first.
 from mcore.kernels.activations import geglu, swiglu
 from mcore.kernels.attention import attention
+from mcore.kernels.conv import causal_conv1d
 from mcore.kernels.cross_entropy import cross_entropy
+from mcore.kernels.gated_norm import gated_rms_norm
 from mcore.kernels.moe import (
     expert_bias_update,
     grouped_gemm,
@@ -27,6 +29,7 @@ from mcore.kernels.moe import (
 from mcore.kernels.norms import layer_norm, rms_norm
 from mcore.kernels.optimizer import adamw_step_
 from mcore.kernels.rotary import apply_rotary, rope_cos_sin, rope_inv_freq
+from mcore.kernels.ssd import ssd_scan
 
 __version__ = "0.1.0"
 
@@ -34,8 +37,10 @@ __all__ = [
     "adamw_step_",
     "apply_rotary",
     "attention",
+    "causal_conv1d",
     "cross_entropy",
     "expert_bias_update",
+    "gated_rms_norm",
     "geglu",
     "grouped_gemm",
     "layer_norm",
@@ -46,6 +51,7 @@ __all__ = [
     "rope_cos_sin",
     "rope_inv_freq",
     "route",
+    "ssd_scan",
     "swiglu",
     "tokens_per_expert",
     "unpermute",

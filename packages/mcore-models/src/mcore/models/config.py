@@ -99,6 +99,30 @@ class TransformerConfig:
     shared_expert_gate: bool = False  # its sigmoid gate
     router_aux_loss_coef: float = 0.0
     moe_router: dict[str, Any] | None = None  # training knobs: mcore.models.moe_fields.ROUTER_KNOBS
+    # Mamba-2 mixer (``mamba2`` layers only; NemotronH's config.json names): validated when a layer uses it.
+    mamba_num_heads: int | None = None
+    mamba_head_dim: int | None = None
+    ssm_state_size: int | None = None
+    n_groups: int = 1
+    conv_kernel: int = 4
+    chunk_size: int = 256
+    use_conv_bias: bool = True
+    mamba_proj_bias: bool = False
+    mamba_norm_before_gate: bool = False
+    time_step_limit: tuple[float, ...] = (0.0, float("inf"))
+    mamba_rms_norm: bool = True
+    projectors_bias: bool = False
+    # Falcon-H1's muP multipliers (HF names; 1.0 everywhere else): ssm_multipliers scale the in_proj blocks
+    # [z, x, B, C, dt], mlp_multipliers the MLP's gate and down outputs.
+    embedding_multiplier: float = 1.0
+    lm_head_multiplier: float = 1.0
+    key_multiplier: float = 1.0
+    attention_in_multiplier: float = 1.0
+    attention_out_multiplier: float = 1.0
+    ssm_in_multiplier: float = 1.0
+    ssm_out_multiplier: float = 1.0
+    ssm_multipliers: tuple[float, ...] = (1.0, 1.0, 1.0, 1.0, 1.0)
+    mlp_multipliers: tuple[float, ...] = (1.0, 1.0)
 
     def __post_init__(self) -> None:
         for name in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size"):
@@ -114,6 +138,7 @@ class TransformerConfig:
         self._check_heads()
         self._check_rope_scaling()
         self._check_attention_pattern()
+        self._check_mamba()
         if self.hidden_act not in GATED_ACTIVATIONS:
             raise ValueError(
                 f"TransformerConfig.hidden_act must be one of {GATED_ACTIVATIONS} (gated MLP), got {self.hidden_act!r}"
@@ -197,6 +222,44 @@ class TransformerConfig:
                 "TransformerConfig.layer_types has 'sliding_attention' layers but sliding_window is None; "
                 "set sliding_window"
             )
+
+    def _check_multipliers(self) -> None:
+        for name, length in (("time_step_limit", 2), ("ssm_multipliers", 5), ("mlp_multipliers", 2)):
+            value = getattr(self, name)
+            if not isinstance(value, list | tuple) or len(value) != length:
+                raise ValueError(f"TransformerConfig.{name} must be a list of {length} numbers, got {value!r}")
+            object.__setattr__(self, name, tuple(float(v) for v in value))
+        for name in ("embedding_multiplier", "lm_head_multiplier", "key_multiplier", "attention_in_multiplier",
+                     "attention_out_multiplier", "ssm_in_multiplier", "ssm_out_multiplier"):  # fmt: skip
+            if isinstance(getattr(self, name), bool) or not isinstance(getattr(self, name), int | float):
+                raise TypeError(f"TransformerConfig.{name} must be a number, got {getattr(self, name)!r}")
+
+    def _check_mamba(self) -> None:
+        self._check_multipliers()
+        if not {"mamba2", "falcon_h1_parallel"} & set(self.layer_types or ()):
+            return
+        for name in ("mamba_num_heads", "mamba_head_dim", "ssm_state_size"):
+            if getattr(self, name) is None:
+                raise ValueError(f"TransformerConfig.{name} must be set: layer_types has Mamba-2 layers")
+        for name in ("mamba_num_heads", "mamba_head_dim", "ssm_state_size", "n_groups", "conv_kernel", "chunk_size"):
+            _positive_int(name, getattr(self, name))
+        for name in ("use_conv_bias", "mamba_proj_bias", "mamba_norm_before_gate", "mamba_rms_norm", "projectors_bias"):
+            _bool(name, getattr(self, name))
+        if self.mamba_num_heads % self.n_groups != 0:
+            raise ValueError(
+                f"TransformerConfig: n_groups ({self.n_groups}) must divide mamba_num_heads ({self.mamba_num_heads}); "
+                f"valid n_groups: {_divisors(self.mamba_num_heads)}"
+            )
+        limit = self.time_step_limit
+        if not (isinstance(limit, tuple) and len(limit) == 2 and 0.0 <= float(limit[0]) < float(limit[1])):
+            raise ValueError(
+                f"TransformerConfig.time_step_limit must be (low, high) with 0 <= low < high, got {limit!r}"
+            )
+
+    @property
+    def mamba_d_inner(self) -> int:
+        """Width of a Mamba-2 mixer's inner stream (heads x head_dim; HF Mamba2's ``expand * hidden_size``)."""
+        return self.mamba_num_heads * self.mamba_head_dim
 
     def _check_per_layer(self, name: str, value: Any, registry: Any) -> tuple[str, ...] | None:
         if value is None:

@@ -17,7 +17,7 @@ from mcore.models.layers.block import DecoderLayer
 from mcore.models.layers.embedding import build_embedding, build_output_layer, mask_padded_logits
 from mcore.models.layers.kv_cache import KVCache
 from mcore.models.layers.norm import build_norm
-from mcore.models.parts.registry import PartContext
+from mcore.models.parts.registry import NO_PART, PartContext
 from mcore.models.rope import RopeTables, RotaryTables
 from mcore.parallel.grid import ProcessGroups
 from mcore.parallel.init import seeded_generator
@@ -134,8 +134,11 @@ class GPTModel(nn.Module):
         """An empty KV cache for this model's layers (local KV heads), for ``generate``."""
         c = self.config
         ref = next(self.parameters())
+        # Layers without attention need no key/value buffers (Mamba-2 keeps its state in ``KVCache.states``).
+        recurrent_or_none = ("mamba2", NO_PART)
+        attends = [i for i in range(*self.layer_range) if c.mixer_type(i) not in recurrent_or_none]
         return KVCache(
-            list(range(*self.layer_range)),
+            attends,
             batch_size,
             max_length,
             c.num_key_value_heads // self.groups.tp_size,
@@ -202,7 +205,9 @@ class GPTModel(nn.Module):
             b, s = input_ids.shape
             if self.sequence_parallel and s % tp != 0:
                 raise ValueError(f"GPTModel: sequence parallelism needs s ({s}) divisible by tp ({tp})")
-            return self.embedding(input_ids.t()), b, s
+            x = self.embedding(input_ids.t())
+            # Falcon-H1's muP embedding multiplier (1.0 elsewhere: no extra op).
+            return (x if self.config.embedding_multiplier == 1.0 else x * self.config.embedding_multiplier), b, s
         if hidden_states is None or input_ids is not None:
             raise ValueError("GPTModel: a later pipeline stage takes hidden_states [s, b, h] and no input_ids")
         if hidden_states.dim() != 3 or hidden_states.shape[-1] != self.config.hidden_size:
@@ -245,7 +250,8 @@ class GPTModel(nn.Module):
 
     def _logits(self, x: torch.Tensor) -> torch.Tensor:
         output = self._tied_output[0] if self._tied_output else self.output
-        return output(x)
+        logits = output(x)
+        return logits if self.config.lm_head_multiplier == 1.0 else logits * self.config.lm_head_multiplier
 
     def _position_ids(
         self,

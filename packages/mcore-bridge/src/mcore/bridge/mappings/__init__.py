@@ -5,12 +5,23 @@ from __future__ import annotations
 from typing import Any
 
 from mcore.bridge.errors import BridgeError
-from mcore.bridge.mappings import llama, mistral, mixtral, olmoe, qwen2, qwen2_moe, qwen3, qwen3_moe
+from mcore.bridge.mappings import (
+    falcon_h1,
+    llama,
+    mamba2,
+    mistral,
+    mixtral,
+    nemotron_h,
+    olmoe,
+    qwen2,
+    qwen2_moe,
+    qwen3,
+    qwen3_moe,
+)
 from mcore.bridge.mappings.base import FamilyMapping, TensorRule
 
-FAMILIES: dict[str, FamilyMapping] = {
-    m.MAPPING.name: m.MAPPING for m in (llama, qwen2, qwen3, mistral, mixtral, qwen3_moe, qwen2_moe, olmoe)
-}
+_BUILTIN = (llama, qwen2, qwen3, mistral, mixtral, qwen3_moe, qwen2_moe, olmoe, mamba2, nemotron_h, falcon_h1)
+FAMILIES: dict[str, FamilyMapping] = {m.MAPPING.name: m.MAPPING for m in _BUILTIN}
 
 
 def register_mapping(mapping: FamilyMapping) -> None:

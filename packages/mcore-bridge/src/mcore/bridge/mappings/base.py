@@ -84,7 +84,9 @@ class FamilyMapping:
         names = [r.mcore for r in self.tensors]
         if len(set(names)) != len(names):
             raise ValueError(f"family {self.name!r}: duplicate mcore tensor rules")
-        hf = [h for r in self.tensors for h in r.hf]
+        # One HF per-layer tensor may feed different modules in different layers (Nemotron-H's one norm per layer
+        # is our input_norm or mlp_norm by layer type); steps_for checks that no expanded tensor is used twice.
+        hf = [(h, r.mcore.split(".")[2] if r.per_layer else None) for r in self.tensors for h in r.hf]
         if len(set(hf)) != len(hf):
             raise ValueError(f"family {self.name!r}: an HF tensor is consumed by two rules")
         keys = [k for rule in self.config for k in rule.hf_keys]

@@ -35,9 +35,13 @@ class SelfAttention(nn.Module):
     recompute). ``layer_index`` is the global index; it picks the layer's sliding window.
     """
 
-    def __init__(self, config: TransformerConfig, layer_index: int, context: PartContext | None = None) -> None:
+    def __init__(
+        self, config: TransformerConfig, layer_index: int, context: PartContext | None = None, *, rotary: bool = True
+    ) -> None:
         super().__init__()
         ctx = PartContext() if context is None else context
+        self.rotary = rotary  # False: no positional encoding at all (Nemotron-H's attention layers)
+        self.key_multiplier = config.key_multiplier
         tp_size, params_dtype, device = ctx.tp_size, ctx.params_dtype, ctx.device
         check_attention_tensor_parallel(config, tp_size)
         self.layer_index = layer_index
@@ -100,9 +104,12 @@ class SelfAttention(nn.Module):
             k = self.k_norm(k.reshape(s, b, -1)).view(k.shape)
         elif self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
+        if self.key_multiplier != 1.0:  # Falcon-H1's muP key multiplier
+            k = k * self.key_multiplier
         # Rotating the 5-D views keeps the per-group layout; the rotated q/k come back contiguous, so the
         # head reshapes below are free.
-        q, k = apply_rotary(q, k, cos, sin)
+        if self.rotary:
+            q, k = apply_rotary(q, k, cos, sin)
         q = q.reshape(s, b, g * self.heads_per_group, d).transpose(0, 1)
         k = k.reshape(s, b, g, d).transpose(0, 1)
         v = v.reshape(s, b, g, d).transpose(0, 1)
@@ -184,11 +191,11 @@ def attention_sequence_flops(config: TransformerConfig, layer_index: int, seq_le
     return float(12 * config.q_size * seq_len)
 
 
-def _part(name: str) -> PartSpec:
+def _part(name: str, build=SelfAttention) -> PartSpec:
     return PartSpec(
         name=name,
         attribute="attention",
-        build=SelfAttention,
+        build=build,
         parameters=attention_parameters,
         matmul_weights=attention_matmul_weights,
         check_tensor_parallel=check_attention_tensor_parallel,
@@ -199,3 +206,11 @@ def _part(name: str) -> PartSpec:
 # Both names build the same module: the layer's window comes from config.window_for_layer.
 FULL_ATTENTION = _part("full_attention")
 SLIDING_ATTENTION = _part("sliding_attention")
+
+
+def _attention_without_rope(config: TransformerConfig, layer_index: int, context: PartContext) -> SelfAttention:
+    return SelfAttention(config, layer_index, context, rotary=False)
+
+
+# Causal attention with no positional encoding (NoPE: Nemotron-H, whose Mamba layers carry the order).
+NOPE_ATTENTION = _part("nope_attention", _attention_without_rope)

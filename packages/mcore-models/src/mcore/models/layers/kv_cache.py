@@ -32,6 +32,8 @@ class KVCache:
         self.batch_size = batch_size
         self.max_length = max_length
         self.length = 0
+        # Recurrent layers (mamba2: conv inputs and SSM state) keep their own per-layer state here.
+        self.states: dict[int, tuple[torch.Tensor, ...]] = {}
 
     def update(self, layer_index: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Store ``k``/``v`` ``[b, n, kv_heads, head_dim]`` after the cached tokens; return all keys/values so far."""

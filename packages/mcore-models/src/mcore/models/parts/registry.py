@@ -118,6 +118,9 @@ MIXERS = PartRegistry(
     {
         "full_attention": "mcore.models.layers.attention:FULL_ATTENTION",
         "sliding_attention": "mcore.models.layers.attention:SLIDING_ATTENTION",
+        "nope_attention": "mcore.models.layers.attention:NOPE_ATTENTION",
+        "mamba2": "mcore.models.layers.mamba2:MAMBA2",
+        "falcon_h1_parallel": "mcore.models.layers.falcon_h1:FALCON_H1_PARALLEL",
         NO_PART: "mcore.models.layers.block:NO_MIXER",
     },
 )
@@ -126,6 +129,8 @@ MLPS = PartRegistry(
     "mlp",
     {
         "dense": "mcore.models.layers.mlp:DENSE_MLP",
+        "relu2": "mcore.models.layers.relu2_mlp:RELU2_MLP",
+        "falcon_h1_mlp": "mcore.models.layers.falcon_h1:FALCON_H1_MLP",
         NO_PART: "mcore.models.layers.block:NO_MLP",
         "moe": "mcore.models.layers.moe:MOE_MLP",
     },

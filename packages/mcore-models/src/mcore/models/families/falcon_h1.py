@@ -1,0 +1,92 @@
+"""Falcon-H1 (``FalconH1ForCausalLM``): every layer runs attention (RoPE) and a Mamba-2 mixer side by side on the
+same normed input and adds both (the ``falcon_h1_parallel`` mixer), then a gated MLP (``falcon_h1_mlp``), with
+Falcon-H1's muP multipliers on the embedding, the LM head, keys, both mixers' inputs and outputs, the in_proj
+blocks and the MLP. Its Mamba-2 may run without the gated norm (``mamba_rms_norm``), normalising before the gate.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+FAMILY = "falcon_h1"
+HF_ARCHITECTURE = "FalconH1ForCausalLM"
+
+DEFAULTS: dict[str, Any] = {
+    "model_type": "falcon_h1",
+    "normalization": "rmsnorm",
+    "hidden_act": "silu",
+    "attention_bias": False,
+    "attention_out_bias": False,
+    "mlp_bias": False,
+    "qk_norm": False,
+    "rms_norm_eps": 1e-5,
+    "n_groups": 1,
+    "conv_kernel": 4,
+    "chunk_size": 256,
+    "use_conv_bias": True,
+    "mamba_proj_bias": False,
+    "projectors_bias": False,
+    "mamba_norm_before_gate": True,
+    "mamba_rms_norm": False,
+    "tie_word_embeddings": False,
+}
+
+
+def falcon_layers(n: int) -> dict[str, Any]:
+    return {"num_hidden_layers": n, "layer_types": ["falcon_h1_parallel"] * n, "mlp_layer_types": ["falcon_h1_mlp"] * n}
+
+
+PRESETS: dict[str, dict[str, Any]] = {
+    # Every multiplier away from 1 so that a dropped one fails parity; chunk 8 < the test sequences.
+    "falcon_h1-tiny": {
+        "hidden_size": 64,
+        "intermediate_size": 96,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "mamba_num_heads": 8,
+        "mamba_head_dim": 8,
+        "ssm_state_size": 8,
+        "n_groups": 2,
+        "chunk_size": 8,
+        "vocab_size": 320,
+        "max_position_embeddings": 256,
+        "rope_theta": 100000.0,
+        "embedding_multiplier": 1.5,
+        "lm_head_multiplier": 0.7,
+        "key_multiplier": 0.9,
+        "attention_in_multiplier": 1.1,
+        "attention_out_multiplier": 0.8,
+        "ssm_in_multiplier": 1.2,
+        "ssm_out_multiplier": 0.6,
+        "ssm_multipliers": [1.1, 0.9, 1.2, 0.8, 1.3],
+        "mlp_multipliers": [1.2, 0.7],
+        **falcon_layers(2),
+    },
+    # tiiuae/Falcon-H1-0.5B-Base (its config.json; mamba_d_ssm = 24 heads x 64).
+    "falcon-h1-0.5b": {
+        "hidden_size": 1024,
+        "intermediate_size": 2048,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 2,
+        "head_dim": 64,
+        "mamba_num_heads": 24,
+        "mamba_head_dim": 64,
+        "ssm_state_size": 128,
+        "n_groups": 1,
+        "chunk_size": 128,
+        "mamba_norm_before_gate": False,
+        "vocab_size": 32784,
+        "max_position_embeddings": 16384,
+        "rope_theta": 100000000000.0,
+        "embedding_multiplier": 5.656854249492381,
+        "lm_head_multiplier": 0.0390625,
+        "key_multiplier": 0.39062499999999994,
+        "attention_in_multiplier": 1.0,
+        "attention_out_multiplier": 0.9375,
+        "ssm_in_multiplier": 1.25,
+        "ssm_out_multiplier": 0.23570226039551587,
+        "ssm_multipliers": [0.3535533905932738, 0.25, 0.3535533905932738, 0.5, 0.3535533905932738],
+        "mlp_multipliers": [0.8838834764831844, 0.5859375],
+        **falcon_layers(36),
+    },
+}

@@ -1,0 +1,118 @@
+"""Nemotron-H (``NemotronHForCausalLM``): a hybrid whose every layer is one block, ``x + mixer(norm(x))``, the
+mixer being a Mamba-2 mixer, an attention without positional encoding, or a squared-ReLU MLP.
+
+Each HF layer maps to one of our layers with the other slot ``"none"``: Mamba ``M`` -> (``mamba2``, none),
+attention ``*`` -> (``nope_attention``, none), MLP ``-`` -> (none, ``relu2``). The pattern is stated either as HF's
+``layers_block_type`` list or as Megatron's ``hybrid_override_pattern`` string (``M``, ``*``, ``-``, ``E``);
+:func:`pattern_parts` reads both. MoE layers (``E``) are refused: they need a non-gated squared-ReLU expert
+variant of the ``moe`` MLP part.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+FAMILY = "nemotron_h"
+HF_ARCHITECTURE = "NemotronHForCausalLM"
+
+# Megatron's pattern symbol -> (mixer, MLP); HF's block-type names (current and legacy) -> the symbol.
+SYMBOL_PARTS = {"M": ("mamba2", "none"), "*": ("nope_attention", "none"), "-": ("none", "relu2"), "E": ("none", "moe")}
+HF_BLOCK_SYMBOLS = {
+    "linear_attention": "M",
+    "mamba": "M",
+    "full_attention": "*",
+    "attention": "*",
+    "mlp": "-",
+    "moe": "E",
+}
+SYMBOL_HF_BLOCK = {"M": "linear_attention", "*": "full_attention", "-": "mlp", "E": "moe"}
+
+
+def pattern_parts(pattern: str | list[str] | tuple[str, ...]) -> dict[str, list[str]]:
+    """``layer_types`` / ``mlp_layer_types`` / ``num_hidden_layers`` of a Megatron pattern string (``"M-M*-"``) or
+    an HF ``layers_block_type`` list; ``ValueError`` names a symbol it does not know."""
+    symbols = list(pattern) if isinstance(pattern, str) else [HF_BLOCK_SYMBOLS.get(t, f"?{t}") for t in pattern]
+    bad = sorted({s for s in symbols if s not in SYMBOL_PARTS})
+    if bad:
+        raise ValueError(
+            f"Nemotron-H pattern {pattern!r} has unknown entries {bad}; use the symbols {sorted(SYMBOL_PARTS)} or "
+            f"the block types {sorted(HF_BLOCK_SYMBOLS)}"
+        )
+    if "E" in symbols:
+        # The registered 'moe' part has gated experts and a softmax router; Nemotron-H's experts are non-gated
+        # squared-ReLU MLPs behind a sigmoid router with a shared expert: building them from it would be wrong.
+        raise ValueError(
+            f"Nemotron-H pattern {pattern!r} has MoE layers ('E'), which are not supported yet (non-gated squared-ReLU "
+            "experts, sigmoid router, shared expert)"
+        )
+    parts = [SYMBOL_PARTS[s] for s in symbols]
+    return {
+        "num_hidden_layers": len(parts),
+        "layer_types": [m for m, _ in parts],
+        "mlp_layer_types": [f for _, f in parts],
+    }
+
+
+def parts_pattern(layer_types, mlp_layer_types) -> str:
+    """The Megatron pattern string of per-layer parts (inverse of :func:`pattern_parts`)."""
+    inverse = {parts: symbol for symbol, parts in SYMBOL_PARTS.items()}
+    pairs = list(zip(layer_types, mlp_layer_types, strict=True))
+    bad = sorted({p for p in pairs if p not in inverse})
+    if bad:
+        raise ValueError(f"Nemotron-H layers are one of {sorted(inverse)} (mixer, MLP); got {bad}")
+    return "".join(inverse[p] for p in pairs)
+
+
+DEFAULTS: dict[str, Any] = {
+    "model_type": "nemotron_h",
+    "normalization": "rmsnorm",
+    "hidden_act": "silu",
+    "attention_bias": False,
+    "attention_out_bias": False,
+    "mlp_bias": False,
+    "qk_norm": False,
+    "rms_norm_eps": 1e-5,
+    "n_groups": 8,
+    "conv_kernel": 4,
+    "chunk_size": 128,
+    "use_conv_bias": True,
+    "mamba_proj_bias": False,
+    "mamba_norm_before_gate": False,
+    "tie_word_embeddings": False,
+}
+
+_8B_SHAPE = {
+    "hidden_size": 4096,
+    "intermediate_size": 21504,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "mamba_num_heads": 128,
+    "mamba_head_dim": 64,
+    "ssm_state_size": 128,
+    "vocab_size": 131072,
+    "max_position_embeddings": 8192,
+}
+
+PRESETS: dict[str, dict[str, Any]] = {
+    # Every block type, an attention layer between Mamba layers; chunk 8 < the test sequences.
+    "nemotron_h-tiny": {
+        "hidden_size": 64,
+        "intermediate_size": 96,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "mamba_num_heads": 8,
+        "mamba_head_dim": 16,
+        "ssm_state_size": 8,
+        "n_groups": 2,
+        "chunk_size": 8,
+        "vocab_size": 320,
+        "max_position_embeddings": 256,
+        **pattern_parts("M-*M"),
+    },
+    # nvidia/Nemotron-H-8B-Base-8K: 24 Mamba, 24 MLP and 4 attention layers.
+    "nemotron-h-8b": {**_8B_SHAPE, **pattern_parts("M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M-")},
+    # The benchmark shape (../shared/bench/hf_hybrid_baseline.py nemotronh8b4l): 8B layers in the order M - M *.
+    "nemotron-h-8b-4l": {**_8B_SHAPE, "max_position_embeddings": 4096, **pattern_parts("M-M*")},
+}

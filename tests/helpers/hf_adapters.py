@@ -1,0 +1,260 @@
+"""How the per-family tests speak to a family whose Hugging Face model is not Llama-shaped (Mamba-2 and the hybrid
+families): the HF config keyword arguments of one of our configs, the renaming of HF tensors into our parameter
+names, and which HF parameters belong to the token mixers and to the MLPs. Llama-shaped families need none (the
+defaults in ``tests/helpers/families.py`` and ``tests/models/hf_weights.py`` serve them)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from mcore.models.config import TransformerConfig
+
+
+@dataclass(frozen=True)
+class HfAdapter:
+    config_kwargs: Callable[[TransformerConfig], dict[str, Any]]
+    to_mcore_state: Callable[[dict[str, torch.Tensor], TransformerConfig], dict[str, torch.Tensor]]
+    # (mixer parameters, MLP parameters) of an HF model of the config
+    part_parameters: Callable[[torch.nn.Module, TransformerConfig], tuple[int, int]]
+    # the config field HF's ``head_dim`` means, and the HF key of our ``hidden_act``
+    head_dim_field: str = "head_dim"
+    hf_hidden_act_key: str = "hidden_act"
+
+
+def _mamba_kwargs(config: TransformerConfig) -> dict[str, Any]:
+    return dict(
+        vocab_size=config.vocab_size,
+        hidden_size=config.hidden_size,
+        n_groups=config.n_groups,
+        conv_kernel=config.conv_kernel,
+        chunk_size=config.chunk_size,
+        use_conv_bias=config.use_conv_bias,
+        layer_norm_epsilon=config.rms_norm_eps,
+        tie_word_embeddings=config.tie_word_embeddings,
+        initializer_range=config.initializer_range,
+        time_step_limit=list(config.time_step_limit),
+        pad_token_id=None,
+        bos_token_id=None,
+        eos_token_id=None,
+    )
+
+
+def mamba2_config_kwargs(config: TransformerConfig) -> dict[str, Any]:
+    d_inner = config.mamba_d_inner
+    expand = d_inner // config.hidden_size if d_inner % config.hidden_size == 0 else d_inner / config.hidden_size
+    return dict(
+        _mamba_kwargs(config),
+        num_hidden_layers=config.num_hidden_layers,
+        num_heads=config.mamba_num_heads,
+        head_dim=config.mamba_head_dim,
+        state_size=config.ssm_state_size,
+        expand=expand,
+        use_bias=config.mamba_proj_bias,
+        residual_in_fp32=True,
+    )
+
+
+def _one_block_per_layer_state(hf_state, config, prefix, mixer_names):
+    """HF models whose layer ``i`` is ``norm`` + ``mixer`` (Mamba2, NemotronH): ``mixer_names(i)`` says which of our
+    modules (``input_norm``/``mixer`` or ``mlp_norm``/``mlp``...) the HF layer's norm and mixer are."""
+    out = {
+        "embedding.weight": hf_state[f"{prefix}.embeddings.weight"],
+        "final_norm.weight": hf_state[f"{prefix}.norm_f.weight"],
+    }
+    if not config.tie_word_embeddings:
+        out["output.weight"] = hf_state["lm_head.weight"]
+    for i in range(config.num_hidden_layers):
+        norm, module = mixer_names(i)
+        hf = f"{prefix}.layers.{i}."
+        for name, tensor in hf_state.items():
+            if name == hf + "norm.weight":
+                out[f"layers.{i}.{norm}.weight"] = tensor
+            elif name.startswith(hf + "mixer."):
+                out[f"layers.{i}.{module}." + name[len(hf + "mixer.") :]] = tensor
+    return out
+
+
+def mamba2_to_mcore_state(hf_state, config):
+    return _one_block_per_layer_state(hf_state, config, "backbone", lambda i: ("input_norm", "mamba"))
+
+
+def _mixer_only(model: torch.nn.Module, config: TransformerConfig) -> tuple[int, int]:
+    return sum(p.numel() for n, p in model.named_parameters() if ".mixer." in n), 0
+
+
+def nemotron_h_config_kwargs(config: TransformerConfig) -> dict[str, Any]:
+    from mcore.models.families.nemotron_h import SYMBOL_HF_BLOCK, parts_pattern
+
+    pattern = parts_pattern(config.layer_types, config.mlp_layer_types)
+    return dict(
+        _mamba_kwargs(config),
+        layers_block_type=[SYMBOL_HF_BLOCK[c] for c in pattern],
+        intermediate_size=config.intermediate_size,
+        num_attention_heads=config.num_attention_heads,
+        num_key_value_heads=config.num_key_value_heads,
+        head_dim=config.head_dim,
+        max_position_embeddings=config.max_position_embeddings,
+        mamba_num_heads=config.mamba_num_heads,
+        mamba_head_dim=config.mamba_head_dim,
+        ssm_state_size=config.ssm_state_size,
+        mamba_proj_bias=config.mamba_proj_bias,
+        mlp_bias=config.mlp_bias,
+        attention_bias=config.attention_bias,
+        mlp_hidden_act="relu2",
+        residual_in_fp32=False,
+    )
+
+
+def _fuse_qkv(q, k, v, config):
+    """Our fused QKV rows: for each KV head, its query heads then its key and value (as the attention part)."""
+    groups, d = config.num_key_value_heads, config.head_dim
+    q = q.reshape(groups, config.query_heads_per_kv_head * d, -1)
+    return torch.cat([q, k.reshape(groups, d, -1), v.reshape(groups, d, -1)], dim=1).reshape(-1, q.shape[-1])
+
+
+def _nemotron_h_names(config, i):
+    mixer = config.mixer_type(i)
+    if mixer == "mamba2":
+        return "input_norm", "mamba"
+    if mixer == "nope_attention":
+        return "input_norm", "attention"
+    return "mlp_norm", "mlp"
+
+
+_NEMOTRON_RENAMES = {
+    "attention.o_proj.": "attention.out_proj.",
+    "mlp.up_proj.": "mlp.up.",
+    "mlp.down_proj.": "mlp.down.",
+}
+
+
+def nemotron_h_to_mcore_state(hf_state, config):
+    out = _one_block_per_layer_state(hf_state, config, "model", lambda i: _nemotron_h_names(config, i))
+    for i in range(config.num_hidden_layers):
+        a = f"layers.{i}.attention."
+        if a + "q_proj.weight" in out:
+            qkv = [out.pop(a + f"{n}_proj.weight") for n in "qkv"]
+            out[a + "qkv.weight"] = _fuse_qkv(*qkv, config)
+    for name in list(out):
+        for old, new in _NEMOTRON_RENAMES.items():
+            if f".{old}" in name:
+                out[name.replace(f".{old}", f".{new}")] = out.pop(name)
+    return out
+
+
+def _nemotron_h_parts(model: torch.nn.Module, config: TransformerConfig) -> tuple[int, int]:
+    mixers = mlps = 0
+    for name, p in model.named_parameters():
+        if ".mixer." not in name:
+            continue
+        layer = int(name.split(".layers.")[1].split(".")[0])
+        if config.mlp_type(layer) == "none":
+            mixers += p.numel()
+        else:
+            mlps += p.numel()
+    return mixers, mlps
+
+
+def falcon_h1_config_kwargs(config: TransformerConfig) -> dict[str, Any]:
+    c = config
+    return dict(
+        vocab_size=c.vocab_size,
+        hidden_size=c.hidden_size,
+        intermediate_size=c.intermediate_size,
+        num_hidden_layers=c.num_hidden_layers,
+        num_attention_heads=c.num_attention_heads,
+        num_key_value_heads=c.num_key_value_heads,
+        head_dim=c.head_dim,
+        max_position_embeddings=c.max_position_embeddings,
+        rms_norm_eps=c.rms_norm_eps,
+        tie_word_embeddings=c.tie_word_embeddings,
+        initializer_range=c.initializer_range,
+        attention_bias=c.attention_bias,
+        mlp_bias=c.mlp_bias,
+        rope_parameters={"rope_type": "default", "rope_theta": c.rope_theta},
+        mamba_d_ssm=c.mamba_d_inner,
+        mamba_n_heads=c.mamba_num_heads,
+        mamba_d_head=c.mamba_head_dim,
+        mamba_n_groups=c.n_groups,
+        mamba_d_state=c.ssm_state_size,
+        mamba_d_conv=c.conv_kernel,
+        mamba_chunk_size=c.chunk_size,
+        mamba_conv_bias=c.use_conv_bias,
+        mamba_proj_bias=c.mamba_proj_bias,
+        projectors_bias=c.projectors_bias,
+        mamba_rms_norm=c.mamba_rms_norm,
+        mamba_norm_before_gate=c.mamba_norm_before_gate,
+        time_step_limit=list(c.time_step_limit),
+        embedding_multiplier=c.embedding_multiplier,
+        lm_head_multiplier=c.lm_head_multiplier,
+        key_multiplier=c.key_multiplier,
+        attention_in_multiplier=c.attention_in_multiplier,
+        attention_out_multiplier=c.attention_out_multiplier,
+        ssm_in_multiplier=c.ssm_in_multiplier,
+        ssm_out_multiplier=c.ssm_out_multiplier,
+        ssm_multipliers=list(c.ssm_multipliers),
+        mlp_multipliers=list(c.mlp_multipliers),
+        pad_token_id=None,
+        bos_token_id=None,
+        eos_token_id=None,
+    )
+
+
+_FALCON_RENAMES = (
+    ("input_layernorm.", "input_norm."),
+    ("pre_ff_layernorm.", "mlp_norm."),
+    ("mamba.", "parallel.mamba."),
+    ("self_attn.o_proj.", "parallel.attention.out_proj."),
+    ("feed_forward.down_proj.", "mlp.down."),
+)
+
+
+def falcon_h1_to_mcore_state(hf_state, config):
+    out = {
+        "embedding.weight": hf_state["model.embed_tokens.weight"],
+        "final_norm.weight": hf_state["model.final_layernorm.weight"],
+    }
+    if not config.tie_word_embeddings:
+        out["output.weight"] = hf_state["lm_head.weight"]
+    for i in range(config.num_hidden_layers):
+        hf, ours = f"model.layers.{i}.", f"layers.{i}."
+        for name, tensor in hf_state.items():
+            if not name.startswith(hf):
+                continue
+            rest = name[len(hf) :]
+            for old, new in _FALCON_RENAMES:
+                if rest.startswith(old):
+                    out[ours + new + rest[len(old) :]] = tensor
+        for kind in ("weight", "bias"):
+            a = hf + "self_attn."
+            if a + f"q_proj.{kind}" in hf_state:
+                qkv = [hf_state[a + f"{n}_proj.{kind}"] for n in "qkv"]
+                out[ours + f"parallel.attention.qkv.{kind}"] = _fuse_qkv(*qkv, config).reshape(-1, *qkv[0].shape[1:])
+            f = hf + "feed_forward."
+            if f + f"gate_proj.{kind}" in hf_state:
+                gate_up = [hf_state[f + f"{n}_proj.{kind}"] for n in ("gate", "up")]
+                out[ours + f"mlp.gate_up.{kind}"] = torch.cat(gate_up, dim=0)
+    return out
+
+
+def _falcon_h1_parts(model: torch.nn.Module, config: TransformerConfig) -> tuple[int, int]:
+    params = dict(model.named_parameters())
+    mixers = sum(p.numel() for n, p in params.items() if ".mamba." in n or ".self_attn." in n)
+    return mixers, sum(p.numel() for n, p in params.items() if ".feed_forward." in n)
+
+
+ADAPTERS: dict[str, HfAdapter] = {
+    "falcon_h1": HfAdapter(falcon_h1_config_kwargs, falcon_h1_to_mcore_state, _falcon_h1_parts),
+    "nemotron_h": HfAdapter(
+        nemotron_h_config_kwargs, nemotron_h_to_mcore_state, _nemotron_h_parts, hf_hidden_act_key="mamba_hidden_act"
+    ),
+    "mamba2": HfAdapter(mamba2_config_kwargs, mamba2_to_mcore_state, _mixer_only, head_dim_field="mamba_head_dim"),
+}
+
+
+def adapter(family: str) -> HfAdapter | None:
+    return ADAPTERS.get(family)
