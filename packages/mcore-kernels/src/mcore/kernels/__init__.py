@@ -13,21 +13,34 @@ from __future__ import annotations
 from mcore.kernels.activations import geglu, swiglu
 from mcore.kernels.attention import attention
 from mcore.kernels.cross_entropy import cross_entropy
+from mcore.kernels.fp8_gemm import scaled_matmul
+from mcore.kernels.low_precision_linear import LowPrecisionLinear, Recipe
+from mcore.kernels.microscaling import dequantize_mx, dequantize_nvfp4, quantize_mx, quantize_nvfp4
 from mcore.kernels.norms import layer_norm, rms_norm
 from mcore.kernels.optimizer import adamw_step_
+from mcore.kernels.quantization import quantize_fp8, quantize_fp8_pair
 from mcore.kernels.rotary import apply_rotary, rope_cos_sin, rope_inv_freq
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "LowPrecisionLinear",
+    "Recipe",
     "adamw_step_",
     "apply_rotary",
     "attention",
     "cross_entropy",
+    "dequantize_mx",
+    "dequantize_nvfp4",
     "geglu",
     "layer_norm",
+    "quantize_fp8",
+    "quantize_fp8_pair",
+    "quantize_mx",
+    "quantize_nvfp4",
     "rms_norm",
     "rope_cos_sin",
     "rope_inv_freq",
+    "scaled_matmul",
     "swiglu",
 ]

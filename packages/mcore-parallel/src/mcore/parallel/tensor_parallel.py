@@ -159,7 +159,9 @@ class _LinearWithDeferrableWeightGrad(torch.autograd.Function):
         return grad_x, grad_w, grad_b
 
 
-def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, low_precision=None) -> torch.Tensor:
+    if low_precision is not None:  # an FP8/FP4 linear installed by mcore.parallel.low_precision
+        return low_precision(x, weight, bias)
     return _LinearWithDeferrableWeightGrad.apply(x, weight, bias)
 
 
@@ -175,6 +177,8 @@ class ColumnParallelLinear(nn.Module):
     each block is split separately, so rank ``r`` holds ``[gate_r; up_r]``. With ``gather_output`` the
     output is all-gathered and put back into the full layout (blocks in order).
     """
+
+    low_precision = None  # set by mcore.parallel.low_precision.enable_low_precision
 
     def __init__(
         self,
@@ -234,7 +238,7 @@ class ColumnParallelLinear(nn.Module):
             x = gather_from_sequence_parallel_region(x, self.tp_group)
         else:
             x = copy_to_tp_region(x, self.tp_group)
-        y = _linear(x, self.weight, self.bias)
+        y = _linear(x, self.weight, self.bias, self.low_precision)
         if not self.gather_output or self.tp_size == 1:
             return y
         y = gather_from_tp_region(y, self.tp_group)
@@ -259,6 +263,8 @@ class RowParallelLinear(nn.Module):
     over TP (reduce-scattered along dim 0 with sequence parallelism). The bias is replicated and added
     after the reduction; under sequence parallelism it sees a sequence shard, so it carries
     ``sequence_parallel=True`` and ``finalize_model_grads`` all-reduces its gradient over TP."""
+
+    low_precision = None  # set by mcore.parallel.low_precision.enable_low_precision
 
     def __init__(
         self,
@@ -313,7 +319,7 @@ class RowParallelLinear(nn.Module):
         else:
             _check_last_dim(x, self.in_features, "RowParallelLinear", "in_features, input_is_parallel=False")
             x = scatter_to_tp_region(x, self.tp_group)
-        y = _linear(x, self.weight, None)
+        y = _linear(x, self.weight, None, self.low_precision)
         if self.sequence_parallel:
             y = reduce_scatter_to_sequence_parallel_region(y, self.tp_group)
         else:

@@ -1,0 +1,113 @@
+"""Turn the tensor-parallel linears of a model into FP8 / FP4 linears, with the amax reductions TP needs.
+
+``enable_low_precision(model, recipe, tp_group=...)`` gives every ``ColumnParallelLinear`` and
+``RowParallelLinear`` under ``model`` a :class:`mcore.kernels.low_precision_linear.LowPrecisionLinear`, except
+
+* the ones whose module name matches a ``keep`` pattern (``fnmatch``: ``"output"``, ``"layers.0.*"``),
+* the ones with a local in- or out-dimension below ``min_features`` (small GEMMs gain nothing from FP8),
+* the ones whose local shape breaks the recipe's rule (K not a multiple of the block, ...): with
+  ``on_mismatch="error"`` this raises one ``ValueError`` naming the layer and the rule; with ``"fallback"`` the
+  layer stays in high precision and the log says why.
+
+The weights are untouched (fp32 masters stay with the optimizer; checkpoints stay in high precision). The
+amax reduction is a MAX all-reduce over ``tp_group``: a column-parallel layer shards N, a row-parallel layer K.
+``disable_low_precision`` undoes it.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch.distributed as dist
+from torch import nn
+
+from mcore.kernels.low_precision_linear import LowPrecisionLinear, Recipe, recipe_shape_problem
+from mcore.parallel.comm import group_size
+from mcore.parallel.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+
+logger = logging.getLogger("mcore.parallel")
+MISMATCH_POLICIES = ("error", "fallback")
+
+
+@dataclass(frozen=True)
+class LayerDecision:
+    """What ``enable_low_precision`` did with one linear: ``recipe`` name, or ``None`` and the ``reason``."""
+
+    name: str
+    recipe: str | None
+    reason: str = ""
+
+
+def tp_amax_reduce(tp_group: dist.ProcessGroup | None):
+    """In-place MAX all-reduce over ``tp_group`` (``None`` when the group has one rank: nothing to reduce)."""
+    if group_size(tp_group) == 1:
+        return None
+
+    def reduce(amax):
+        dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=tp_group)
+
+    return reduce
+
+
+def _local_shape(module: nn.Module) -> tuple[int, int]:
+    out_features, in_features = module.weight.shape
+    return out_features, in_features
+
+
+def enable_low_precision(
+    model: nn.Module,
+    recipe: Recipe,
+    *,
+    tp_group: dist.ProcessGroup | None = None,
+    keep: Sequence[str] = ("output",),
+    min_features: int = 0,
+    on_mismatch: str = "error",
+    prefix: str = "",
+) -> list[LayerDecision]:
+    """Install ``recipe`` on the TP linears of ``model``; returns one decision per linear (also logged)."""
+    if on_mismatch not in MISMATCH_POLICIES:
+        raise ValueError(f"enable_low_precision: on_mismatch must be one of {MISMATCH_POLICIES}, got {on_mismatch!r}")
+    reduce = tp_amax_reduce(tp_group)
+    decisions = []
+    for name, module in model.named_modules(prefix=prefix):
+        if not isinstance(module, ColumnParallelLinear | RowParallelLinear):
+            continue
+        out_features, in_features = _local_shape(module)
+        reason = ""
+        if any(fnmatch.fnmatchcase(name, pattern) for pattern in keep):
+            reason = f"matches a keep pattern of {list(keep)}"
+        elif min(out_features, in_features) < min_features:
+            reason = f"local weight [{out_features}, {in_features}] has a dimension below min_features={min_features}"
+        else:
+            problem = recipe_shape_problem(recipe, out_features, in_features)
+            if problem is not None:
+                message = f"layer {name!r} (local weight [{out_features}, {in_features}]): {problem}"
+                if on_mismatch == "error":
+                    raise ValueError(
+                        f"{message}; keep the layer in high precision with a keep pattern or set the mismatch "
+                        "policy to 'fallback'"
+                    )
+                reason = f"{problem} (fallback)"
+        if reason:
+            module.low_precision = None
+            decisions.append(LayerDecision(name, None, reason))
+            logger.info("low precision: %s stays in high precision: %s", name, reason)
+            continue
+        sharded = (
+            None if group_size(module.tp_group) == 1 else ("n" if isinstance(module, ColumnParallelLinear) else "k")
+        )
+        module.low_precision = LowPrecisionLinear(recipe, sharded=sharded, amax_reduce=reduce, name=name)
+        decisions.append(LayerDecision(name, recipe.name))
+    converted = sum(d.recipe is not None for d in decisions)
+    logger.info("low precision: %d of %d linears use %s", converted, len(decisions), recipe.name)
+    return decisions
+
+
+def disable_low_precision(model: nn.Module) -> None:
+    """Put every TP linear under ``model`` back to the high-precision ``F.linear`` path."""
+    for module in model.modules():
+        if isinstance(module, ColumnParallelLinear | RowParallelLinear):
+            module.low_precision = None
