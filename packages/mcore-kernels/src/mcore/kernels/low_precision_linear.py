@@ -146,7 +146,8 @@ class LowPrecisionLinear:
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if x.shape[-1] != weight.shape[1]:
             raise ValueError(
-                f"LowPrecisionLinear {self.name}: input [..., {x.shape[-1]}] does not match weight {tuple(weight.shape)}"
+                f"LowPrecisionLinear {self.name}: input [..., {x.shape[-1]}] does not match weight "
+                f"{tuple(weight.shape)}"
             )
         fn = _EmulatedLinearFunction if self.recipe.emulated else _Fp8LinearFunction
         return fn.apply(x, weight, bias, self)
