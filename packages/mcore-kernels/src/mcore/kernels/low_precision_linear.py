@@ -252,14 +252,18 @@ class _Fp8LinearFunction(torch.autograd.Function):
         return grad_x, grad_w, grad_b, None
 
 
-def _fake_along_rows(t: torch.Tensor, fmt: str) -> torch.Tensor:
-    """``t`` fake-quantized in blocks along its last dim."""
-    return fake_quantize(t, fmt)
-
-
-def _fake_along_cols(t: torch.Tensor, fmt: str) -> torch.Tensor:
-    """``t`` fake-quantized in blocks along its first dim (the reduction dim of ``t^T @ ...``)."""
-    return fake_quantize(t.t().contiguous(), fmt).t()
+def _fake(layer: LowPrecisionLinear, fmt: str, t: torch.Tensor, tensor: str, dim: str, along_rows: bool):
+    """``t`` fake-quantized in blocks along its last dim (``along_rows``) or its first dim; NVFP4's per-tensor
+    amax is reduced over the ranks sharing ``tensor`` like a tensor-wise fp8 amax."""
+    src = t if along_rows else t.t().contiguous()
+    global_amax = None
+    if fmt == "nvfp4":
+        reduce = layer._reduce_fn(tensor, dim, "tensor")
+        if reduce is not None:
+            global_amax = src.abs().amax().to(torch.float32)
+            reduce(global_amax)
+    out = fake_quantize(src, fmt, global_amax)
+    return out if along_rows else out.t()
 
 
 class _EmulatedLinearFunction(torch.autograd.Function):
@@ -268,11 +272,11 @@ class _EmulatedLinearFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, bias, layer: LowPrecisionLinear):
-        fmt = "mxfp8" if layer.recipe.name == "mxfp8" else layer.recipe.name
+        fmt = layer.recipe.name
         x2 = x.reshape(-1, x.shape[-1])
         ctx.save_for_backward(x2, weight)
         ctx.layer, ctx.fmt, ctx.has_bias, ctx.x_shape = layer, fmt, bias is not None, x.shape
-        y = _fake_along_rows(x2, fmt) @ _fake_along_rows(weight, fmt).to(x.dtype).t()
+        y = _fake(layer, fmt, x2, "x", "k", True) @ _fake(layer, fmt, weight, "w", "k", True).to(x.dtype).t()
         if bias is not None:
             y = y + bias
         return y.reshape(*x.shape[:-1], weight.shape[0])
@@ -280,15 +284,16 @@ class _EmulatedLinearFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         x2, weight = ctx.saved_tensors
-        fmt, quantize_grads = ctx.fmt, ctx.layer.recipe.quantize_grads
+        layer, fmt = ctx.layer, ctx.fmt
+        quantize_grads = layer.recipe.quantize_grads
         g2 = grad_out.reshape(-1, grad_out.shape[-1])
         grad_x = grad_w = grad_b = None
         if ctx.needs_input_grad[0]:
-            g = _fake_along_rows(g2, fmt) if quantize_grads else g2
-            grad_x = (g @ _fake_along_cols(weight, fmt).to(g2.dtype)).reshape(ctx.x_shape)
+            g = _fake(layer, fmt, g2, "g", "n", True) if quantize_grads else g2
+            grad_x = (g @ _fake(layer, fmt, weight, "w", "n", False).to(g2.dtype)).reshape(ctx.x_shape)
         if ctx.needs_input_grad[1]:
-            g_t = _fake_along_rows(g2.t().contiguous(), fmt) if quantize_grads else g2.t()
-            grad_w = (g_t.float() @ _fake_along_cols(x2, fmt).float()).to(weight.dtype)
+            g_t = _fake(layer, fmt, g2, "g", "m", False).t() if quantize_grads else g2.t()
+            grad_w = (g_t.float() @ _fake(layer, fmt, x2, "x", "m", False).float()).to(weight.dtype)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_b = g2.sum(0)
         return grad_x, grad_w, grad_b, None

@@ -178,14 +178,15 @@ def dequantize_nvfp4(t: NVFP4Tensor, dtype: torch.dtype = torch.float32) -> torc
     return blocks.reshape(*values.shape[:-1], -1)[..., : t.n].to(dtype)
 
 
-def fake_quantize(x: torch.Tensor, fmt: str) -> torch.Tensor:
-    """``dequantize(quantize(x))`` in x's dtype for ``fmt`` in mxfp8 (e4m3), mxfp4, nvfp4 (emulated GEMMs)."""
+def fake_quantize(x: torch.Tensor, fmt: str, global_amax: torch.Tensor | None = None) -> torch.Tensor:
+    """``dequantize(quantize(x))`` in x's dtype for ``fmt`` in mxfp8 (e4m3), mxfp4, nvfp4 (emulated GEMMs);
+    ``global_amax``: NVFP4's per-tensor amax (e.g. reduced over tensor-parallel ranks)."""
     if fmt == "mxfp8":
         return dequantize_mx(quantize_mx(x, "e4m3"), x.dtype)
     if fmt == "mxfp4":
         return dequantize_mx(quantize_mx(x, "e2m1"), x.dtype)
     if fmt == "nvfp4":
-        return dequantize_nvfp4(quantize_nvfp4(x), x.dtype)
+        return dequantize_nvfp4(quantize_nvfp4(x, global_amax), x.dtype)
     raise ValueError(f"fake_quantize: format must be one of mxfp8, mxfp4, nvfp4, got {fmt!r}")
 
 
