@@ -79,7 +79,7 @@ def hf_model(config: TransformerConfig, seed: int) -> torch.nn.Module:
 def _fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, config: TransformerConfig) -> torch.Tensor:
     groups, d = config.num_key_value_heads, config.head_dim
     rest = q.shape[1:]
-    q = q.reshape(groups, config.num_query_groups * d, *rest)
+    q = q.reshape(groups, config.query_heads_per_kv_head * d, *rest)
     k = k.reshape(groups, d, *rest)
     v = v.reshape(groups, d, *rest)
     return torch.cat([q, k, v], dim=1).reshape(-1, *rest)

@@ -46,7 +46,7 @@ def test_parameter_count_equals_hf(name):
     assert counts.embedding == model.model.embed_tokens.weight.numel()
     mlp = sum(p.numel() for n, p in model.named_parameters() if ".mlp." in n)
     attn = sum(p.numel() for n, p in model.named_parameters() if ".self_attn." in n)
-    assert (counts.mlp, counts.attention) == (mlp, attn)
+    assert (counts.mlps, counts.mixers) == (mlp, attn)
     assert counts.output == (0 if config.tie_word_embeddings else model.lm_head.weight.numel())
 
 

@@ -15,7 +15,7 @@ def test_defaults_resolve_kv_heads_and_head_dim():
     c = TransformerConfig(**TINY)
     assert c.num_key_value_heads == 4
     assert c.head_dim == 16
-    assert c.num_query_groups == 1
+    assert c.query_heads_per_kv_head == 1
     assert (c.q_size, c.kv_size) == (64, 64)
 
 

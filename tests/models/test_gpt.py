@@ -39,7 +39,7 @@ def test_parameter_names_shapes_and_attributes(config):
     assert set(params) == _expected_names(config, range(config.num_hidden_layers))
     assert set(model.state_dict()) == set(params)
     d, g = config.head_dim, config.num_key_value_heads
-    assert params["layers.1.attention.qkv.weight"].shape == ((config.num_query_groups + 2) * d * g, 64)
+    assert params["layers.1.attention.qkv.weight"].shape == ((config.query_heads_per_kv_head + 2) * d * g, 64)
     assert params["layers.0.mlp.gate_up.weight"].partition_blocks == (176, 176)
     assert params["layers.0.mlp.down.weight"].partition_dim == 1
     emb = params["embedding.weight"]

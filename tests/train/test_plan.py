@@ -85,7 +85,7 @@ def test_activation_estimate_is_close_to_what_autograd_saves():
     ids = torch.randint(0, config.model.vocab_size, (2, 64))
     hidden = model.embedding(ids.t()).detach().requires_grad_(True)
     layer = model.layers["1"]
-    cos, sin = model._rope(torch.arange(64).expand(2, 64))
-    measured = _saved_bytes(layer, hidden, cos, sin)
+    rope = model.rotary(torch.arange(64).expand(2, 64))
+    measured = _saved_bytes(layer, hidden, rope)
     estimate = activation_bytes_per_layer(config, tp=1, dtype_bytes=4)
     assert 0.7 * measured <= estimate <= 1.3 * measured, (estimate, measured)

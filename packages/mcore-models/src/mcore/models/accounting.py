@@ -1,14 +1,16 @@
-"""Parameter counts and model FLOPs (for MFU), computed from the config alone.
+"""Parameter counts and model FLOPs (for MFU), summed over the parts each layer is built from.
 
 MFU uses *model* FLOPs (what the math needs, independent of recomputation or padding):
 
-    flops per token = 6 * (matmul weights, output layer included, embedding lookup excluded)
-                      + 12 * num_layers * (num_heads * head_dim) * seq_len
+    flops per token = 6 * (matmul weights each token multiplies, output layer included, embedding excluded)
+                      + the parts' sequence terms (attention: 12 * num_heads * head_dim * seq_len per layer)
 
-The first term is the forward (2 FLOPs per weight) plus backward (4) of every weight matmul; the second the
-score (QK^T) and weighted-sum (PV) matmuls of attention, forward and backward, counted over the whole
-sequence (causal masking and sliding windows are not discounted, as in the PaLM / Megatron convention).
-The vocabulary is the real one (not padded). Biases and norms are not matmuls and are not counted.
+The first term is the forward (2 FLOPs per weight) plus backward (4) of every weight matmul; for a mixture of
+experts only the active experts count. The second is what grows with the sequence: attention's score (QK^T) and
+weighted-sum (PV) matmuls, forward and backward, over the whole sequence (causal masking and sliding windows are
+not discounted, as in the PaLM / Megatron convention). Each part (``mcore.models.parts``) states both terms for
+itself, so a new layer type brings its own count. The vocabulary is the real one (not padded). Biases and norms
+are not matmuls and are not counted.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from mcore.models.config import TransformerConfig
+from mcore.models.parts.registry import MIXERS, MLPS, PartSpec
 
 # Dense bf16 peak of one H100 / H200 SXM (both 989.4 TFLOP/s), the denominator of MFU.
 H100_BF16_PEAK_FLOPS = 989.4e12
@@ -26,19 +29,19 @@ H200_BF16_PEAK_FLOPS = 989.4e12
 class ParameterCounts:
     """Parameters per component of the whole (unsharded) model, real vocabulary (no padding rows).
 
-    ``attention`` and ``mlp`` cover all layers (projections, their biases and Qwen3's q/k norms);
+    ``mixers`` and ``mlps`` cover all layers' token mixers (attention: projections, biases, q/k norms) and MLPs;
     ``norms`` the per-layer pre-norms and the final norm; ``output`` is 0 when the embedding is tied.
     """
 
     embedding: int
-    attention: int
-    mlp: int
+    mixers: int
+    mlps: int
     norms: int
     output: int
 
     @property
     def total(self) -> int:
-        return self.embedding + self.attention + self.mlp + self.norms + self.output
+        return self.embedding + self.mixers + self.mlps + self.norms + self.output
 
     @property
     def non_embedding(self) -> int:
@@ -46,58 +49,45 @@ class ParameterCounts:
         return self.total - self.embedding
 
 
+def layer_parts(config: TransformerConfig, layer_index: int) -> tuple[PartSpec, PartSpec]:
+    """The (mixer, MLP) specs layer ``layer_index`` is built from."""
+    return MIXERS.get(config.mixer_type(layer_index)), MLPS.get(config.mlp_type(layer_index))
+
+
 def _norm_params(config: TransformerConfig, width: int) -> int:
     return width * (2 if config.normalization == "layernorm" else 1)
-
-
-def attention_params_per_layer(config: TransformerConfig) -> int:
-    """Parameters of one attention block (fused QKV, output projection, optional biases and q/k norms)."""
-    h, d = config.hidden_size, config.head_dim
-    qkv_out = config.q_size + 2 * config.kv_size
-    n = h * qkv_out + config.q_size * h
-    if config.attention_bias:
-        n += qkv_out
-    if config.attention_out_bias:
-        n += h
-    if config.qk_norm:
-        n += 2 * _norm_params(config, d)
-    return n
-
-
-def mlp_params_per_layer(config: TransformerConfig) -> int:
-    """Parameters of one gated MLP (fused [gate; up] and down projections, optional biases)."""
-    h, f = config.hidden_size, config.intermediate_size
-    n = 3 * h * f
-    if config.mlp_bias:
-        n += 2 * f + h
-    return n
 
 
 def parameter_counts(config: TransformerConfig) -> ParameterCounts:
     """Parameter count of each component of the model described by ``config``."""
     h, layers, vocab = config.hidden_size, config.num_hidden_layers, config.vocab_size
+    mixers = mlps = 0
+    for i in range(layers):
+        mixer, mlp = layer_parts(config, i)
+        mixers += mixer.parameters(config, i)
+        mlps += mlp.parameters(config, i)
     return ParameterCounts(
         embedding=vocab * h,
-        attention=layers * attention_params_per_layer(config),
-        mlp=layers * mlp_params_per_layer(config),
+        mixers=mixers,
+        mlps=mlps,
         norms=(2 * layers + 1) * _norm_params(config, h),
         output=0 if config.tie_word_embeddings else vocab * h,
     )
 
 
-def _matmul_weights_per_layer(config: TransformerConfig) -> int:
-    """Elements of one transformer layer's matmul weights: fused QKV, output projection, gated MLP."""
-    h, f = config.hidden_size, config.intermediate_size
-    return h * (config.q_size + 2 * config.kv_size) + config.q_size * h + 3 * h * f
+def _matmul_weights_of_layer(config: TransformerConfig, layer_index: int) -> int:
+    mixer, mlp = layer_parts(config, layer_index)
+    return mixer.matmul_weights(config, layer_index) + mlp.matmul_weights(config, layer_index)
 
 
 def matmul_weight_count(config: TransformerConfig) -> int:
-    """Elements of every weight used in a matmul per token: all projections plus the output layer.
+    """Elements of every weight used in a matmul per token: all layers' parts plus the output layer.
 
     A tied output layer still multiplies every token by the embedding table, so it counts here even though
     it adds no parameters; the embedding lookup (a gather) does not.
     """
-    return config.num_hidden_layers * _matmul_weights_per_layer(config) + config.vocab_size * config.hidden_size
+    layers = sum(_matmul_weights_of_layer(config, i) for i in range(config.num_hidden_layers))
+    return layers + config.vocab_size * config.hidden_size
 
 
 def _check_seq_len(seq_len: int) -> None:
@@ -105,10 +95,17 @@ def _check_seq_len(seq_len: int) -> None:
         raise ValueError(f"seq_len must be a positive int, got {seq_len!r}")
 
 
-def layer_flops_per_token(config: TransformerConfig, seq_len: int) -> float:
-    """Training model FLOPs per token of one transformer layer (its matmuls and its attention scores)."""
+def layer_flops_per_token(config: TransformerConfig, seq_len: int, layer_index: int = 0) -> float:
+    """Training model FLOPs per token of layer ``layer_index`` (its matmuls and its parts' sequence terms)."""
     _check_seq_len(seq_len)
-    return float(6 * _matmul_weights_per_layer(config) + 12 * config.q_size * seq_len)
+    mixer, mlp = layer_parts(config, layer_index)
+    sequence = mixer.sequence_flops(config, layer_index, seq_len) + mlp.sequence_flops(config, layer_index, seq_len)
+    return float(6 * _matmul_weights_of_layer(config, layer_index) + sequence)
+
+
+def layer_costs(config: TransformerConfig, seq_len: int) -> list[float]:
+    """Training FLOPs per token of every layer, in order (what balanced pipeline layouts weigh)."""
+    return [layer_flops_per_token(config, seq_len, i) for i in range(config.num_hidden_layers)]
 
 
 def output_layer_flops_per_token(config: TransformerConfig) -> float:
@@ -118,9 +115,8 @@ def output_layer_flops_per_token(config: TransformerConfig) -> float:
 
 def model_flops_per_token(config: TransformerConfig, seq_len: int) -> float:
     """Training (forward + backward) model FLOPs per token at sequence length ``seq_len``: every layer plus the
-    output layer (= 6 x ``matmul_weight_count`` + 12 x layers x q_size x seq_len)."""
-    _check_seq_len(seq_len)
-    return config.num_hidden_layers * layer_flops_per_token(config, seq_len) + output_layer_flops_per_token(config)
+    output layer (for Llama-shaped models = 6 x ``matmul_weight_count`` + 12 x layers x q_size x seq_len)."""
+    return sum(layer_costs(config, seq_len)) + output_layer_flops_per_token(config)
 
 
 def mfu(

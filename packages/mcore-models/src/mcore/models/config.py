@@ -12,10 +12,11 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from mcore.models.parts.registry import MIXERS, MLPS
+
 NORMALIZATIONS = ("rmsnorm", "layernorm")
 # HF ``hidden_act`` names of the gated MLP activations the kernels provide (silu -> swiglu, gelu -> geglu).
 GATED_ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
-LAYER_TYPES = ("full_attention", "sliding_attention")
 # rope_scaling["rope_type"] -> the keys that type needs (as in HF ``config.json``).
 ROPE_SCALING_KEYS: dict[str, tuple[str, ...]] = {
     "default": (),
@@ -54,8 +55,10 @@ class TransformerConfig:
 
     ``num_key_value_heads=None`` means multi-head attention (as many KV heads as query heads);
     ``head_dim=None`` means ``hidden_size // num_attention_heads``. ``layer_types`` (HF name) picks, per
-    layer, ``"full_attention"`` or ``"sliding_attention"``; when it is ``None`` every layer uses
-    ``sliding_window`` if that is set. ``attention_bias`` adds biases to the Q/K/V projection (Qwen2),
+    layer, the token mixer registered under that name (``"full_attention"``, ``"sliding_attention"``, ...: see
+    ``mcore.models.parts``); when it is ``None`` every layer uses full attention, or ``sliding_window`` if that is
+    set. ``mlp_layer_types`` picks each layer's MLP the same way (``None``: ``"dense"`` everywhere).
+    ``attention_bias`` adds biases to the Q/K/V projection (Qwen2),
     ``attention_out_bias`` to the output projection (HF Llama's ``attention_bias=True`` sets both).
     ``make_vocab_size_divisible_by`` (Megatron's name) pads the vocabulary to a multiple of it times tp.
     The config is frozen: derive variants with ``dataclasses.replace``, which validates again.
@@ -79,6 +82,7 @@ class TransformerConfig:
     qk_norm: bool = False
     sliding_window: int | None = None
     layer_types: tuple[str, ...] | None = None
+    mlp_layer_types: tuple[str, ...] | None = None
     hidden_act: str = "silu"
     normalization: str = "rmsnorm"
     initializer_range: float = 0.02
@@ -158,32 +162,41 @@ class TransformerConfig:
     def _check_attention_pattern(self) -> None:
         if self.sliding_window is not None:
             _positive_int("sliding_window", self.sliding_window)
-        if self.layer_types is None:
-            return
-        if isinstance(self.layer_types, str) or not isinstance(self.layer_types, list | tuple):
-            raise TypeError(
-                f"TransformerConfig.layer_types must be a list of {LAYER_TYPES} or None, got {self.layer_types!r}"
-            )
-        object.__setattr__(self, "layer_types", tuple(self.layer_types))
-        if len(self.layer_types) != self.num_hidden_layers:
-            raise ValueError(
-                f"TransformerConfig.layer_types has {len(self.layer_types)} entries but num_hidden_layers is "
-                f"{self.num_hidden_layers}; give one entry per layer"
-            )
-        bad = sorted({t for t in self.layer_types if t not in LAYER_TYPES})
-        if bad:
-            raise ValueError(f"TransformerConfig.layer_types entries must be in {LAYER_TYPES}, got {bad}")
-        if "sliding_attention" in self.layer_types and self.sliding_window is None:
+        object.__setattr__(self, "layer_types", self._check_per_layer("layer_types", self.layer_types, MIXERS))
+        mlp_types = self._check_per_layer("mlp_layer_types", self.mlp_layer_types, MLPS)
+        object.__setattr__(self, "mlp_layer_types", mlp_types)
+        if self.layer_types is not None and "sliding_attention" in self.layer_types and self.sliding_window is None:
             raise ValueError(
                 "TransformerConfig.layer_types has 'sliding_attention' layers but sliding_window is None; "
                 "set sliding_window"
             )
 
+    def _check_per_layer(self, name: str, value: Any, registry: Any) -> tuple[str, ...] | None:
+        if value is None:
+            return None
+        if isinstance(value, str) or not isinstance(value, list | tuple):
+            raise TypeError(
+                f"TransformerConfig.{name} must be a list of {registry.names()} (one per layer) or None, got {value!r}"
+            )
+        if len(value) != self.num_hidden_layers:
+            raise ValueError(
+                f"TransformerConfig.{name} has {len(value)} entries but num_hidden_layers is "
+                f"{self.num_hidden_layers}; give one entry per layer"
+            )
+        bad = sorted({t for t in value if t not in registry}, key=str)
+        if bad:
+            raise ValueError(
+                f"TransformerConfig.{name} entries must be registered {registry.slot} parts "
+                f"{registry.names()}, got {bad}"
+            )
+        return tuple(value)
+
     # --- derived quantities -------------------------------------------------------------------------
 
     @property
-    def num_query_groups(self) -> int:
-        """Query heads per KV head (1 for multi-head attention)."""
+    def query_heads_per_kv_head(self) -> int:
+        """Query heads sharing one KV head (1 for multi-head attention; Megatron's ``num_query_groups`` is the
+        number of KV heads, which here is ``num_key_value_heads``)."""
         return self.num_attention_heads // self.num_key_value_heads
 
     @property
@@ -196,13 +209,25 @@ class TransformerConfig:
         """Width of all key heads together (and of all value heads)."""
         return self.num_key_value_heads * self.head_dim
 
-    def window_for_layer(self, layer_index: int) -> int | None:
-        """The sliding window of layer ``layer_index`` (global index), or ``None`` for full attention."""
+    def _check_layer_index(self, layer_index: int) -> None:
         if not 0 <= layer_index < self.num_hidden_layers:
             raise ValueError(f"layer_index must be in [0, {self.num_hidden_layers}), got {layer_index}")
-        if self.layer_types is None:
-            return self.sliding_window
-        return self.sliding_window if self.layer_types[layer_index] == "sliding_attention" else None
+
+    def mixer_type(self, layer_index: int) -> str:
+        """The registered token mixer of layer ``layer_index`` (global index)."""
+        self._check_layer_index(layer_index)
+        if self.layer_types is not None:
+            return self.layer_types[layer_index]
+        return "full_attention" if self.sliding_window is None else "sliding_attention"
+
+    def mlp_type(self, layer_index: int) -> str:
+        """The registered MLP of layer ``layer_index`` (global index)."""
+        self._check_layer_index(layer_index)
+        return "dense" if self.mlp_layer_types is None else self.mlp_layer_types[layer_index]
+
+    def window_for_layer(self, layer_index: int) -> int | None:
+        """The sliding window of layer ``layer_index`` (global index), or ``None`` for full attention."""
+        return self.sliding_window if self.mixer_type(layer_index) == "sliding_attention" else None
 
     def padded_vocab_size(self, tp: int = 1) -> int:
         """Vocabulary padded to a multiple of ``make_vocab_size_divisible_by * tp`` (every TP shard equal)."""
@@ -211,31 +236,47 @@ class TransformerConfig:
         return -(-self.vocab_size // multiple) * multiple
 
     def check_tensor_parallel(self, tp: int) -> None:
-        """Raise ``ValueError`` unless this model can be split over ``tp`` tensor-parallel ranks.
+        """Raise ``ValueError`` unless every part of this model splits over ``tp`` tensor-parallel ranks.
 
-        TP splits whole query groups (a KV head and its query heads) and the MLP's hidden width.
+        Each part states its own rule (attention keeps whole query groups per rank, the dense MLP splits its
+        hidden width); the message adds the tp values that every part of this model accepts.
         """
         _positive_int("tp", tp)
-        kv = self.num_key_value_heads
-        ok = [d for d in _divisors(kv) if self.intermediate_size % d == 0]
-        if kv % tp != 0:
-            raise ValueError(
-                f"tensor parallel size {tp} must divide num_key_value_heads ({kv}) so that each rank holds whole "
-                f"query groups; valid tp for this model: {ok}"
-            )
-        if self.intermediate_size % tp != 0:
-            raise ValueError(
-                f"tensor parallel size {tp} must divide intermediate_size ({self.intermediate_size}); "
-                f"valid tp for this model: {ok}"
-            )
+        try:
+            self._check_parts_tensor_parallel(tp)
+        except ValueError as exc:
+            raise ValueError(f"{exc}; valid tp for this model: {self.valid_tensor_parallel_sizes()}") from None
+
+    def valid_tensor_parallel_sizes(self, limit: int = 512) -> list[int]:
+        """The tensor-parallel sizes up to ``limit`` that every part of this model accepts."""
+        ok = []
+        for tp in range(1, limit + 1):
+            try:
+                self._check_parts_tensor_parallel(tp)
+            except ValueError:
+                continue
+            ok.append(tp)
+        return ok
+
+    def _check_parts_tensor_parallel(self, tp: int) -> None:
+        for registry, name in sorted(self._parts_used()):
+            (MIXERS if registry == "mixer" else MLPS).get(name).check_tensor_parallel(self, tp)
+
+    def _parts_used(self) -> set[tuple[str, str]]:
+        used = set()
+        for i in range(self.num_hidden_layers):
+            used.add(("mixer", self.mixer_type(i)))
+            used.add(("mlp", self.mlp_type(i)))
+        return used
 
     # --- serialisation --------------------------------------------------------------------------------
 
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON-able dict of every field (what checkpoints store as ``model_config``)."""
         out = dataclasses.asdict(self)
-        if out["layer_types"] is not None:
-            out["layer_types"] = list(out["layer_types"])
+        for name in ("layer_types", "mlp_layer_types"):
+            if out[name] is not None:
+                out[name] = list(out[name])
         return out
 
     @classmethod

@@ -10,12 +10,13 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from mcore.kernels import rope_cos_sin, rope_inv_freq
 from mcore.models.config import TransformerConfig
-from mcore.models.layers.block import TransformerLayer
+from mcore.models.layers.block import DecoderLayer
 from mcore.models.layers.embedding import build_embedding, build_output_layer, mask_padded_logits
 from mcore.models.layers.kv_cache import KVCache
 from mcore.models.layers.norm import build_norm
+from mcore.models.parts.registry import PartContext
+from mcore.models.rope import RopeTables, RotaryTables
 from mcore.parallel.grid import ProcessGroups
 from mcore.parallel.init import seeded_generator
 from mcore.parallel.tensor_parallel import ColumnParallelLinear, vocab_parallel_cross_entropy
@@ -25,7 +26,7 @@ IGNORE_INDEX = -100
 
 
 class GPTModel(nn.Module):
-    """A Llama-family decoder, or the pipeline stage holding layers ``layer_range = (start, end)``.
+    """A decoder built from per-layer parts, or the pipeline stage holding layers ``layer_range = (start, end)``.
 
     ``pre_process`` adds the embedding (the stage reads token ids), ``post_process`` the final norm, the
     output layer and the loss. Parameter names are global (``layers.<global index>...``), so a stage's names
@@ -35,7 +36,7 @@ class GPTModel(nn.Module):
     ``finalize_model_grads`` expects), so their gradients are summed over the embedding group.
 
     ``recompute``: ``None``; ``"full"`` (each layer's activations are recomputed in backward) or
-    ``"selective"`` (only the attention core's). The vocabulary is padded to a multiple of
+    ``"selective"`` (what each part chooses: attention recomputes its core). The vocabulary is padded to a multiple of
     ``config.make_vocab_size_divisible_by * tp``; padded rows are tagged ``vocab_padded_dim``/``vocab_size``,
     never enter the loss and are masked to ``-inf`` in returned logits.
     """
@@ -72,8 +73,7 @@ class GPTModel(nn.Module):
         self.sequence_parallel = sequence_parallel
         self.recompute = recompute
         self.padded_vocab_size = config.padded_vocab_size(tp)
-        self._inv_freq: dict[torch.device, torch.Tensor] = {}
-        self._attention_factor = 1.0
+        self.rotary = RotaryTables(config)
 
         factory = dict(params_dtype=params_dtype, device=device)
         parallel = dict(tp_group=self.tp_group, sequence_parallel=sequence_parallel, **factory)
@@ -82,20 +82,10 @@ class GPTModel(nn.Module):
             # Tied embeddings split over pipeline stages live twice (first stage: lookup, last stage: output
             # layer); finalize_model_grads sums the gradients of every copy marked shared_embedding.
             self.embedding.weight.shared_embedding = config.tie_word_embeddings and groups.pp_size > 1
-        self.layers = nn.ModuleDict(
-            {
-                str(i): TransformerLayer(
-                    config,
-                    i,
-                    tp_group=self.tp_group,
-                    tp_size=tp,
-                    sequence_parallel=sequence_parallel,
-                    recompute_attention_core=recompute == "selective",
-                    **factory,
-                )
-                for i in range(start, end)
-            }
+        context = PartContext(
+            tp_group=self.tp_group, tp_size=tp, sequence_parallel=sequence_parallel, recompute=recompute, **factory
         )
+        self.layers = nn.ModuleDict({str(i): DecoderLayer(config, i, context) for i in range(start, end)})
         self._tied_output: tuple[ColumnParallelLinear, ...] = ()
         if post_process:
             self.final_norm = build_norm(config, config.hidden_size, sequence_parallel=sequence_parallel, **factory)
@@ -165,6 +155,21 @@ class GPTModel(nn.Module):
         elsewhere the hidden states to send on. ``kv_cache`` (inference only, see ``generate``) appends
         this call's keys/values and positions the tokens after the cached ones.
         """
+        if kv_cache is not None and (labels is not None or cu_seqlens is not None or self.sequence_parallel):
+            raise ValueError("GPTModel: kv_cache is for inference: no labels, no cu_seqlens, no sequence parallel")
+        x, b, s = self._embed(input_ids, hidden_states)
+        rope = self.rotary(self._position_ids(position_ids, cu_seqlens, b, s, x.device, kv_cache))
+        x = self._run_layers(x, rope, cu_seqlens, kv_cache)
+        if kv_cache is not None:
+            kv_cache.advance(s)
+        if not self.post_process:
+            return x
+        return self._head(x, labels, b, s)
+
+    def _embed(
+        self, input_ids: torch.Tensor | None, hidden_states: torch.Tensor | None
+    ) -> tuple[torch.Tensor, int, int]:
+        """This stage's input ``[s(/tp), b, h]`` and the micro-batch's ``b`` and full ``s``."""
         tp = self.groups.tp_size
         if self.pre_process:
             if input_ids is None or hidden_states is not None:
@@ -177,33 +182,28 @@ class GPTModel(nn.Module):
             b, s = input_ids.shape
             if self.sequence_parallel and s % tp != 0:
                 raise ValueError(f"GPTModel: sequence parallelism needs s ({s}) divisible by tp ({tp})")
-            x = self.embedding(input_ids.t())
-        else:
-            if hidden_states is None or input_ids is not None:
-                raise ValueError("GPTModel: a later pipeline stage takes hidden_states [s, b, h] and no input_ids")
-            if hidden_states.dim() != 3 or hidden_states.shape[-1] != self.config.hidden_size:
-                raise ValueError(
-                    f"GPTModel: hidden_states must be [s, b, {self.config.hidden_size}], "
-                    f"got {tuple(hidden_states.shape)}"
-                )
-            x = hidden_states
-            s = x.shape[0] * (tp if self.sequence_parallel else 1)
-            b = x.shape[1]
-        if kv_cache is not None and (labels is not None or cu_seqlens is not None or self.sequence_parallel):
-            raise ValueError("GPTModel: kv_cache is for inference: no labels, no cu_seqlens, no sequence parallel")
-        position_ids = self._position_ids(position_ids, cu_seqlens, b, s, x.device, kv_cache)
-        cos, sin = self._rope(position_ids)
+            return self.embedding(input_ids.t()), b, s
+        if hidden_states is None or input_ids is not None:
+            raise ValueError("GPTModel: a later pipeline stage takes hidden_states [s, b, h] and no input_ids")
+        if hidden_states.dim() != 3 or hidden_states.shape[-1] != self.config.hidden_size:
+            raise ValueError(
+                f"GPTModel: hidden_states must be [s, b, {self.config.hidden_size}], got {tuple(hidden_states.shape)}"
+            )
+        s = hidden_states.shape[0] * (tp if self.sequence_parallel else 1)
+        return hidden_states, hidden_states.shape[1], s
 
+    def _run_layers(
+        self, x: torch.Tensor, rope: RopeTables, cu_seqlens: torch.Tensor | None, kv_cache: KVCache | None
+    ) -> torch.Tensor:
         for layer in self.layers.values():
             if self.recompute == "full" and torch.is_grad_enabled():
-                x = checkpoint(layer, x, cos, sin, cu_seqlens, use_reentrant=False)
+                x = checkpoint(layer, x, rope, cu_seqlens, use_reentrant=False)
             else:
-                x = layer(x, cos, sin, cu_seqlens, kv_cache)
-        if kv_cache is not None:
-            kv_cache.advance(s)
-        if not self.post_process:
-            return x
+                x = layer(x, rope, cu_seqlens, kv_cache)
+        return x
 
+    def _head(self, x: torch.Tensor, labels: torch.Tensor | None, b: int, s: int) -> torch.Tensor:
+        """Final norm and output layer: logits ``[b, s, V_pad / tp]`` or, with ``labels``, the loss ``[b, s]``."""
         logits = self._logits(self.final_norm(x))  # [s, b, V_pad / tp]
         if labels is None:
             return mask_padded_logits(logits, self.config.vocab_size, self.groups.tp_rank).transpose(0, 1)
@@ -245,20 +245,6 @@ class GPTModel(nn.Module):
         tokens = torch.arange(b * s, device=device, dtype=cu_seqlens.dtype)
         doc = torch.searchsorted(cu_seqlens, tokens, right=True) - 1
         return (tokens - cu_seqlens[doc]).view(b, s)
-
-    def _rope(self, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos/sin ``[s, b, 1, head_dim]`` fp32 (broadcast over the KV groups of the attention views)."""
-        device = position_ids.device
-        if device not in self._inv_freq:
-            c = self.config
-            inv_freq, self._attention_factor = rope_inv_freq(
-                c.head_dim, c.rope_theta, c.rope_scaling, c.max_position_embeddings
-            )
-            self._inv_freq[device] = inv_freq.to(device)
-        # Built from [s, b] positions so the tables are contiguous [s, b, D]: expanded over the KV groups they
-        # still flatten to rows without a copy inside apply_rotary.
-        cos, sin = rope_cos_sin(self._inv_freq[device], position_ids.t(), self._attention_factor)
-        return cos.unsqueeze(2), sin.unsqueeze(2)
 
 
 def _check_layer_range(layer_range: tuple[int, int] | None, num_layers: int) -> tuple[int, int]:

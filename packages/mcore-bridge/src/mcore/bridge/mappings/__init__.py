@@ -11,6 +11,22 @@ from mcore.bridge.mappings.base import FamilyMapping, TensorRule
 FAMILIES: dict[str, FamilyMapping] = {m.MAPPING.name: m.MAPPING for m in (llama, qwen2, qwen3, mistral)}
 
 
+def register_mapping(mapping: FamilyMapping) -> None:
+    """Add the mapping of a family registered in ``mcore.models.families`` (a plugin, or a test)."""
+    if not isinstance(mapping, FamilyMapping):
+        raise TypeError(f"register_mapping takes a FamilyMapping, got {type(mapping).__name__}")
+    if mapping.name in FAMILIES:
+        raise ValueError(f"register_mapping: family {mapping.name!r} already has a mapping")
+    FAMILIES[mapping.name] = mapping
+
+
+def unregister_mapping(name: str) -> None:
+    """Remove the mapping of ``name`` (for tests that register a throwaway family)."""
+    if name not in FAMILIES:
+        raise ValueError(f"unregister_mapping: family {name!r} has no mapping")
+    del FAMILIES[name]
+
+
 def _supported() -> str:
     return ", ".join(f"{f.name} ({'/'.join(f.hf_architectures)})" for f in FAMILIES.values())
 
@@ -43,4 +59,12 @@ def family_by_name(name: str, where: str = "checkpoint") -> FamilyMapping:
     return FAMILIES[name]
 
 
-__all__ = ["FAMILIES", "FamilyMapping", "TensorRule", "family_by_name", "family_for_hf_config"]
+__all__ = [
+    "FAMILIES",
+    "FamilyMapping",
+    "TensorRule",
+    "family_by_name",
+    "family_for_hf_config",
+    "register_mapping",
+    "unregister_mapping",
+]

@@ -61,12 +61,17 @@ class FamilyMapping:
 
     name: str  # the mcore family (TransformerConfig.model_type and mcore.models.families name)
     hf_model_type: str
-    hf_architectures: tuple[str, ...]
     tensors: tuple[TensorRule, ...]
     config: tuple[ConfigRule, ...]
     description: str = ""
+    # HF class names that read as this family; () takes the family's HF_ARCHITECTURE from mcore.models.families.
+    hf_architectures: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
+        if not self.hf_architectures:
+            from mcore.models.families import hf_architecture
+
+            object.__setattr__(self, "hf_architectures", (hf_architecture(self.name),))
         names = [r.mcore for r in self.tensors]
         if len(set(names)) != len(names):
             raise ValueError(f"family {self.name!r}: duplicate mcore tensor rules")

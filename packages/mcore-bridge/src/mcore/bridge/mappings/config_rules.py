@@ -206,3 +206,38 @@ class QwenSlidingWindow(ConfigRule):
             "max_window_layers": leading_full,
             "layer_types": types,
         }
+
+
+# TransformerConfig fields that Hugging Face has no key for: their default on import, ignored on export.
+MCORE_ONLY_FIELDS = ("make_vocab_size_divisible_by",)
+
+
+def family_rules(family: str, hf_rules: tuple[ConfigRule, ...]) -> tuple[ConfigRule, ...]:
+    """``hf_rules`` (the fields a ``config.json`` states) plus one rule for every other ``TransformerConfig`` field.
+
+    What the family *is* lives once, in ``mcore.models.families`` (its ``DEFAULTS``): each field no HF rule owns is
+    :class:`Fixed` to the family's value (or to the field's default when the family does not set it), so an export
+    of a model that differs fails instead of writing a config that HF would read as something else. Fields with no
+    HF meaning (``MCORE_ONLY_FIELDS``) are :class:`McoreOnly`.
+    """
+    import dataclasses
+
+    from mcore.models.config import TransformerConfig
+    from mcore.models.families import FAMILIES
+
+    if family not in FAMILIES:
+        raise ValueError(f"family_rules: {family!r} is not a registered mcore family; known: {sorted(FAMILIES)}")
+    defaults = FAMILIES[family]
+    owned = {f for rule in hf_rules for f in rule.mcore_fields}
+    derived: list[ConfigRule] = []
+    for field in dataclasses.fields(TransformerConfig):
+        if field.name in owned:
+            continue
+        value = defaults.get(field.name, field.default)
+        if value is dataclasses.MISSING:
+            raise ValueError(
+                f"family_rules: {family!r} has no HF rule for the required field {field.name!r} and no default"
+            )
+        rule_type = McoreOnly if field.name in MCORE_ONLY_FIELDS else Fixed
+        derived.append(rule_type(field.name, value))
+    return (*hf_rules, *derived)

@@ -7,7 +7,7 @@ projections; both are off in every published Llama. ``rope_scaling`` (Llama 3.1'
 from __future__ import annotations
 
 from mcore.bridge.mappings.base import FamilyMapping
-from mcore.bridge.mappings.config_rules import Field, Fixed, McoreOnly, Rope, SharedAttentionBias
+from mcore.bridge.mappings.config_rules import Field, Rope, SharedAttentionBias, family_rules
 from mcore.bridge.mappings.llama_layout import (
     DOWN,
     DOWN_BIAS,
@@ -41,24 +41,21 @@ TENSORS = (
     OUTPUT,
 )
 
-# Defaults are those of transformers' LlamaConfig, used when a key is absent from config.json.
-CONFIG = (
-    *shape_fields(max_position_embeddings=2048),
-    Field("mlp_bias", False),
-    SharedAttentionBias(),
-    Rope(default_theta=10000.0),
-    Fixed("model_type", "llama"),
-    Fixed("normalization", "rmsnorm"),
-    Fixed("qk_norm", False),
-    Fixed("sliding_window", None),
-    Fixed("layer_types", None),
-    McoreOnly("make_vocab_size_divisible_by", 128),
+# What config.json states (defaults are those of transformers' LlamaConfig, used when a key is absent);
+# every other field is fixed by the family's DEFAULTS in mcore.models.families.
+CONFIG = family_rules(
+    "llama",
+    (
+        *shape_fields(max_position_embeddings=2048),
+        Field("mlp_bias", False),
+        SharedAttentionBias(),
+        Rope(default_theta=10000.0),
+    ),
 )
 
 MAPPING = FamilyMapping(
     name="llama",
     hf_model_type="llama",
-    hf_architectures=("LlamaForCausalLM",),
     tensors=TENSORS,
     config=CONFIG,
     description="Llama 2, Llama 3, 3.1 (llama3 rope scaling), 3.2",

@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 from mcore.bridge.mappings.base import FamilyMapping
-from mcore.bridge.mappings.config_rules import Field, Fixed, McoreOnly, Rope
+from mcore.bridge.mappings.config_rules import Field, Rope, family_rules
 from mcore.bridge.mappings.llama_layout import (
     DOWN,
     EMBEDDING,
@@ -30,25 +30,20 @@ TENSORS = (
     OUTPUT,
 )
 
-# Defaults are those of transformers' MistralConfig, used when a key is absent from config.json.
-CONFIG = (
-    *shape_fields(max_position_embeddings=4096 * 32, num_key_value_heads=8),
-    Field("sliding_window", 4096),
-    Rope(default_theta=10000.0),
-    Fixed("model_type", "mistral"),
-    Fixed("normalization", "rmsnorm"),
-    Fixed("attention_bias", False),
-    Fixed("attention_out_bias", False),
-    Fixed("mlp_bias", False),
-    Fixed("qk_norm", False),
-    Fixed("layer_types", None),
-    McoreOnly("make_vocab_size_divisible_by", 128),
+# What config.json states (defaults are those of transformers' MistralConfig, used when a key is absent);
+# every other field is fixed by the family's DEFAULTS in mcore.models.families.
+CONFIG = family_rules(
+    "mistral",
+    (
+        *shape_fields(max_position_embeddings=4096 * 32, num_key_value_heads=8),
+        Field("sliding_window", 4096),
+        Rope(default_theta=10000.0),
+    ),
 )
 
 MAPPING = FamilyMapping(
     name="mistral",
     hf_model_type="mistral",
-    hf_architectures=("MistralForCausalLM",),
     tensors=TENSORS,
     config=CONFIG,
     description="Mistral 7B v0.1-v0.3, Mistral NeMo (sliding-window attention)",

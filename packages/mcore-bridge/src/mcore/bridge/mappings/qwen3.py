@@ -5,7 +5,7 @@
 from __future__ import annotations
 
 from mcore.bridge.mappings.base import FamilyMapping
-from mcore.bridge.mappings.config_rules import Fixed, McoreOnly, QwenSlidingWindow, Rope, SharedAttentionBias
+from mcore.bridge.mappings.config_rules import QwenSlidingWindow, Rope, SharedAttentionBias, family_rules
 from mcore.bridge.mappings.llama_layout import (
     DOWN,
     EMBEDDING,
@@ -39,23 +39,21 @@ TENSORS = (
     OUTPUT,
 )
 
-# Defaults are those of transformers' Qwen3Config, used when a key is absent from config.json.
-CONFIG = (
-    *shape_fields(max_position_embeddings=32768, head_dim=128),
-    SharedAttentionBias(),
-    QwenSlidingWindow(default_window=4096, default_max_window_layers=28),
-    Rope(default_theta=10000.0),
-    Fixed("model_type", "qwen3"),
-    Fixed("normalization", "rmsnorm"),
-    Fixed("mlp_bias", False),
-    Fixed("qk_norm", True),
-    McoreOnly("make_vocab_size_divisible_by", 128),
+# What config.json states (defaults are those of transformers' Qwen3Config, used when a key is absent);
+# every other field is fixed by the family's DEFAULTS in mcore.models.families.
+CONFIG = family_rules(
+    "qwen3",
+    (
+        *shape_fields(max_position_embeddings=32768, head_dim=128),
+        SharedAttentionBias(),
+        QwenSlidingWindow(default_window=4096, default_max_window_layers=28),
+        Rope(default_theta=10000.0),
+    ),
 )
 
 MAPPING = FamilyMapping(
     name="qwen3",
     hf_model_type="qwen3",
-    hf_architectures=("Qwen3ForCausalLM",),
     tensors=TENSORS,
     config=CONFIG,
     description="Qwen3 dense (per-head q/k RMSNorm, decoupled head_dim)",

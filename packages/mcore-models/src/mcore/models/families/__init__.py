@@ -7,8 +7,11 @@
     >>> get_config("qwen3-tiny", num_hidden_layers=4).num_hidden_layers
     4
 
-Adding a family means adding one module with ``FAMILY``, ``DEFAULTS`` and ``PRESETS`` and listing it in
-``_FAMILY_MODULES``.
+A family module has ``FAMILY`` (its name, which is also ``TransformerConfig.model_type``), ``HF_ARCHITECTURE``
+(the Hugging Face class it equals, e.g. ``"LlamaForCausalLM"``: the tests build it as the reference and the bridge
+writes it into ``config.json``), ``DEFAULTS`` (what the family is: every field a Hugging Face ``config.json`` does
+not state) and ``PRESETS`` (published sizes, including a ``<family>-tiny`` one for the tests). Built-in families
+are listed in ``_FAMILY_MODULES``; :func:`register_family` adds one at run time (a plugin, or a test).
 """
 
 from __future__ import annotations
@@ -21,13 +24,60 @@ from mcore.models.families import llama, mistral, qwen2, qwen3
 
 _FAMILY_MODULES: tuple[ModuleType, ...] = (llama, qwen2, qwen3, mistral)
 
-FAMILIES: MappingProxyType[str, MappingProxyType[str, Any]] = MappingProxyType(
-    {m.FAMILY: MappingProxyType(dict(m.DEFAULTS)) for m in _FAMILY_MODULES}
-)
-# preset name -> (family, sizes); read-only so that no caller can change what a name means.
-PRESETS: MappingProxyType[str, tuple[str, MappingProxyType[str, Any]]] = MappingProxyType(
-    {name: (m.FAMILY, MappingProxyType(dict(sizes))) for m in _FAMILY_MODULES for name, sizes in m.PRESETS.items()}
-)
+_FAMILIES: dict[str, MappingProxyType[str, Any]] = {}
+_PRESETS: dict[str, tuple[str, MappingProxyType[str, Any]]] = {}
+_HF_ARCHITECTURES: dict[str, str] = {}
+# Read-only views: no caller can change what a name means; register_family is the one way in.
+FAMILIES: MappingProxyType[str, MappingProxyType[str, Any]] = MappingProxyType(_FAMILIES)
+# preset name -> (family, sizes)
+PRESETS: MappingProxyType[str, tuple[str, MappingProxyType[str, Any]]] = MappingProxyType(_PRESETS)
+
+
+def register_family(module: ModuleType | Any) -> None:
+    """Add the family described by ``module`` (``FAMILY``, ``HF_ARCHITECTURE``, ``DEFAULTS``, ``PRESETS``).
+
+    Every preset is validated into a ``TransformerConfig`` here, so a broken family fails when it is registered.
+    """
+    missing = [a for a in ("FAMILY", "HF_ARCHITECTURE", "DEFAULTS", "PRESETS") if not hasattr(module, a)]
+    if missing:
+        raise ValueError(f"register_family: {getattr(module, '__name__', module)!r} lacks {missing}")
+    name = module.FAMILY
+    if name in _FAMILIES:
+        raise ValueError(f"register_family: family {name!r} is already registered")
+    clash = sorted(set(module.PRESETS) & set(_PRESETS))
+    if clash:
+        raise ValueError(f"register_family: presets {clash} of {name!r} already belong to other families")
+    if f"{name}-tiny" not in module.PRESETS:
+        raise ValueError(f"register_family: family {name!r} needs a '{name}-tiny' preset (the per-family tests use it)")
+    defaults = MappingProxyType(dict(module.DEFAULTS))
+    if defaults.get("model_type") != name:
+        raise ValueError(f"register_family: {name!r} DEFAULTS must set model_type={name!r}")
+    for preset, sizes in module.PRESETS.items():
+        TransformerConfig.from_dict({**defaults, **sizes})  # raises naming the field
+    _FAMILIES[name] = defaults
+    _HF_ARCHITECTURES[name] = module.HF_ARCHITECTURE
+    for preset, sizes in module.PRESETS.items():
+        _PRESETS[preset] = (name, MappingProxyType(dict(sizes)))
+
+
+def unregister_family(name: str) -> None:
+    """Remove family ``name`` and its presets (for tests that register a throwaway family)."""
+    if name not in _FAMILIES:
+        raise ValueError(f"unknown family {name!r}; known families: {family_names()}")
+    del _FAMILIES[name], _HF_ARCHITECTURES[name]
+    for preset in [p for p, (fam, _) in _PRESETS.items() if fam == name]:
+        del _PRESETS[preset]
+
+
+def hf_architecture(family: str) -> str:
+    """The Hugging Face class name ``family`` equals (``"LlamaForCausalLM"`` for ``llama``)."""
+    if family not in _FAMILIES:
+        raise ValueError(f"unknown family {family!r}; known families: {family_names()}")
+    return _HF_ARCHITECTURES[family]
+
+
+for _module in _FAMILY_MODULES:
+    register_family(_module)
 
 
 def family_names() -> list[str]:
@@ -71,4 +121,15 @@ def _check_preset(name: str) -> None:
         raise ValueError(f"unknown model preset {name!r}; known presets: {sorted(PRESETS)}")
 
 
-__all__ = ["FAMILIES", "PRESETS", "family_config", "family_names", "family_of", "get_config", "preset_names"]
+__all__ = [
+    "FAMILIES",
+    "PRESETS",
+    "family_config",
+    "family_names",
+    "family_of",
+    "get_config",
+    "hf_architecture",
+    "preset_names",
+    "register_family",
+    "unregister_family",
+]

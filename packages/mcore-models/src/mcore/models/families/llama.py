@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 FAMILY = "llama"
+HF_ARCHITECTURE = "LlamaForCausalLM"
 
 DEFAULTS: dict[str, Any] = {
     "model_type": "llama",

@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 FAMILY = "mistral"
+HF_ARCHITECTURE = "MistralForCausalLM"
 
 DEFAULTS: dict[str, Any] = {
     "model_type": "mistral",

@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 FAMILY = "qwen2"
+HF_ARCHITECTURE = "Qwen2ForCausalLM"
 
 DEFAULTS: dict[str, Any] = {
     "model_type": "qwen2",

@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 FAMILY = "qwen3"
+HF_ARCHITECTURE = "Qwen3ForCausalLM"
 
 DEFAULTS: dict[str, Any] = {
     "model_type": "qwen3",

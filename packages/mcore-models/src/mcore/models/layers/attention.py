@@ -15,6 +15,8 @@ from mcore.kernels import apply_rotary, attention
 from mcore.models.config import TransformerConfig
 from mcore.models.layers.kv_cache import KVCache
 from mcore.models.layers.norm import build_norm
+from mcore.models.parts.registry import PartContext, PartSpec
+from mcore.models.rope import RopeTables
 from mcore.parallel.init import normal_init
 from mcore.parallel.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 
@@ -27,28 +29,21 @@ class SelfAttention(nn.Module):
     recompute). ``layer_index`` is the global index; it picks the layer's sliding window.
     """
 
-    def __init__(
-        self,
-        config: TransformerConfig,
-        layer_index: int,
-        *,
-        tp_group=None,
-        tp_size: int = 1,
-        sequence_parallel: bool = False,
-        recompute_core: bool = False,
-        params_dtype: torch.dtype = torch.float32,
-        device: torch.device | str | None = None,
-    ) -> None:
+    def __init__(self, config: TransformerConfig, layer_index: int, context: PartContext | None = None) -> None:
         super().__init__()
-        config.check_tensor_parallel(tp_size)
+        ctx = PartContext() if context is None else context
+        tp_size, params_dtype, device = ctx.tp_size, ctx.params_dtype, ctx.device
+        check_attention_tensor_parallel(config, tp_size)
         self.layer_index = layer_index
         self.head_dim = config.head_dim
-        self.heads_per_group = config.num_query_groups
+        self.heads_per_group = config.query_heads_per_kv_head
         self.local_groups = config.num_key_value_heads // tp_size
         self.window = config.window_for_layer(layer_index)
-        self.recompute_core = recompute_core
+        self.recompute_core = ctx.recompute == "selective"
         init = normal_init(config.initializer_range)
-        common = dict(tp_group=tp_group, sequence_parallel=sequence_parallel, params_dtype=params_dtype, device=device)
+        common = dict(
+            tp_group=ctx.tp_group, sequence_parallel=ctx.sequence_parallel, params_dtype=params_dtype, device=device
+        )
         self.qkv = ColumnParallelLinear(
             config.hidden_size,
             config.q_size + 2 * config.kv_size,
@@ -75,13 +70,13 @@ class SelfAttention(nn.Module):
     def forward(
         self,
         x: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
+        rope: RopeTables,
         *,
         cu_seqlens: torch.Tensor | None = None,
         kv_cache: KVCache | None = None,
     ) -> torch.Tensor:
-        """``x`` ``[s(/tp), b, h]``; ``cos``/``sin`` ``[s, b, 1, head_dim]`` for the tokens' positions."""
+        """``x`` ``[s(/tp), b, h]``; ``rope`` the cos/sin tables ``[s, b, 1, head_dim]`` of the tokens' positions."""
+        cos, sin = rope.cos, rope.sin
         qkv = self.qkv(x)
         s, b = qkv.shape[:2]
         g, d = self.local_groups, self.head_dim
@@ -129,3 +124,55 @@ class SelfAttention(nn.Module):
             start = max(0, offset + 1 - self.window)
             keys, values = keys[:, start:], values[:, start:]
         return attention(q, keys, values, causal=False)
+
+
+def check_attention_tensor_parallel(config: TransformerConfig, tp: int) -> None:
+    """TP splits whole query groups (a KV head and its query heads): ``tp`` must divide the KV heads."""
+    kv = config.num_key_value_heads
+    if kv % tp != 0:
+        raise ValueError(
+            f"tensor parallel size {tp} must divide num_key_value_heads ({kv}) so that each rank holds whole "
+            "query groups"
+        )
+
+
+def attention_parameters(config: TransformerConfig, layer_index: int = 0) -> int:
+    """Parameters of one attention block (fused QKV, output projection, optional biases and q/k norms)."""
+    h, d = config.hidden_size, config.head_dim
+    qkv_out = config.q_size + 2 * config.kv_size
+    n = h * qkv_out + config.q_size * h
+    if config.attention_bias:
+        n += qkv_out
+    if config.attention_out_bias:
+        n += h
+    if config.qk_norm:
+        n += 2 * d * (2 if config.normalization == "layernorm" else 1)
+    return n
+
+
+def attention_matmul_weights(config: TransformerConfig, layer_index: int = 0) -> int:
+    """Weight elements each token multiplies: the fused QKV and the output projection."""
+    return config.hidden_size * (config.q_size + 2 * config.kv_size) + config.q_size * config.hidden_size
+
+
+def attention_sequence_flops(config: TransformerConfig, layer_index: int, seq_len: int) -> float:
+    """QK^T and PV, forward and backward, over the whole sequence: 12 * q_size * seq per token (the PaLM /
+    Megatron convention: causal masks and sliding windows are not discounted)."""
+    return float(12 * config.q_size * seq_len)
+
+
+def _part(name: str) -> PartSpec:
+    return PartSpec(
+        name=name,
+        attribute="attention",
+        build=SelfAttention,
+        parameters=attention_parameters,
+        matmul_weights=attention_matmul_weights,
+        check_tensor_parallel=check_attention_tensor_parallel,
+        sequence_flops=attention_sequence_flops,
+    )
+
+
+# Both names build the same module: the layer's window comes from config.window_for_layer.
+FULL_ATTENTION = _part("full_attention")
+SLIDING_ATTENTION = _part("sliding_attention")

@@ -9,6 +9,7 @@ from torch import nn
 
 from mcore.kernels import geglu, swiglu
 from mcore.models.config import TransformerConfig
+from mcore.models.parts.registry import PartContext, PartSpec
 from mcore.parallel.init import normal_init
 from mcore.parallel.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 
@@ -24,19 +25,18 @@ class GatedMLP(nn.Module):
     communication.
     """
 
-    def __init__(
-        self,
-        config: TransformerConfig,
-        *,
-        tp_group=None,
-        sequence_parallel: bool = False,
-        params_dtype: torch.dtype = torch.float32,
-        device: torch.device | str | None = None,
-    ) -> None:
+    def __init__(self, config: TransformerConfig, layer_index: int = 0, context: PartContext | None = None) -> None:
         super().__init__()
+        ctx = PartContext() if context is None else context
+        check_dense_mlp_tensor_parallel(config, ctx.tp_size)
         h, ffn = config.hidden_size, config.intermediate_size
         init = normal_init(config.initializer_range)
-        common = dict(tp_group=tp_group, sequence_parallel=sequence_parallel, params_dtype=params_dtype, device=device)
+        common = dict(
+            tp_group=ctx.tp_group,
+            sequence_parallel=ctx.sequence_parallel,
+            params_dtype=ctx.params_dtype,
+            device=ctx.device,
+        )
         self.gate_up = ColumnParallelLinear(
             h, 2 * ffn, bias=config.mlp_bias, partition_blocks=(ffn, ffn), init_method=init, **common
         )
@@ -45,3 +45,29 @@ class GatedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down(self.activation(self.gate_up(x)))
+
+
+def check_dense_mlp_tensor_parallel(config: TransformerConfig, tp: int) -> None:
+    """TP splits the hidden width of the MLP: ``tp`` must divide ``intermediate_size``."""
+    if config.intermediate_size % tp != 0:
+        raise ValueError(f"tensor parallel size {tp} must divide intermediate_size ({config.intermediate_size})")
+
+
+def dense_mlp_parameters(config: TransformerConfig, layer_index: int = 0) -> int:
+    """Parameters of one gated MLP (fused [gate; up] and down projections, optional biases)."""
+    h, f = config.hidden_size, config.intermediate_size
+    return 3 * h * f + (2 * f + h if config.mlp_bias else 0)
+
+
+def dense_mlp_matmul_weights(config: TransformerConfig, layer_index: int = 0) -> int:
+    return 3 * config.hidden_size * config.intermediate_size
+
+
+DENSE_MLP = PartSpec(
+    name="dense",
+    attribute="mlp",
+    build=GatedMLP,
+    parameters=dense_mlp_parameters,
+    matmul_weights=dense_mlp_matmul_weights,
+    check_tensor_parallel=check_dense_mlp_tensor_parallel,
+)
