@@ -27,6 +27,7 @@ import yaml
 from mcore.models.config import TransformerConfig
 from mcore.models.families import PRESETS, get_config
 from mcore.train.errors import UserError
+from mcore.train.low_precision import Fp4Section, Fp8Section
 from mcore.train.lr import LRSchedule
 from mcore.train.typed_config import RawText, from_dict, set_dotted, to_dict
 
@@ -200,7 +201,8 @@ class TrainSection:
 
     ``global_batch_size`` = ``micro_batch_size`` x micro-batches per step x data-parallel size; the number
     of micro-batches is derived. ``precision=auto`` is bf16 (with fp32 master weights) on CUDA and fp32 on
-    CPU. ``stop_at_step`` ends the run early (saving a checkpoint) without changing the LR schedule.
+    CPU; ``fp8`` / ``fp4`` run the linears' GEMMs as the ``fp8`` / ``fp4`` sections say (``low_precision.py``).
+    ``stop_at_step`` ends the run early (saving a checkpoint) without changing the LR schedule.
     ``skip_nonfinite`` makes the optimizer skip steps whose gradient norm is NaN/Inf, at the cost of one host
     synchronization per step; ``None`` (auto) turns it on on CPU and with fp16, off on CUDA with bf16/fp32,
     where a non-finite loss or gradient norm is then caught at the next log interval and stops the run.
@@ -211,7 +213,7 @@ class TrainSection:
     global_batch_size: int = 16
     micro_batch_size: int = 8
     seed: int = 1234
-    precision: Literal["auto", "fp32", "bf16", "fp16"] = "auto"
+    precision: Literal["auto", "fp32", "bf16", "fp16", "fp8", "fp4"] = "auto"
     device: Literal["auto", "cpu", "cuda"] = "auto"
     eval_interval: int = 100
     eval_steps: int = 8
@@ -294,6 +296,8 @@ class Config:
     train: TrainSection = field(default_factory=TrainSection)
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
     log: LogSection = field(default_factory=LogSection)
+    fp8: Fp8Section = field(default_factory=Fp8Section)
+    fp4: Fp4Section = field(default_factory=Fp4Section)
 
     def __post_init__(self) -> None:
         try:

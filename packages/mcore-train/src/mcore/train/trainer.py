@@ -50,6 +50,7 @@ from mcore.parallel.pipeline import (
 )
 from mcore.train.config import Config
 from mcore.train.errors import UserError
+from mcore.train.low_precision import apply_low_precision, base_precision
 from mcore.train.runtime import Runtime
 
 PRECISION_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -144,7 +145,7 @@ class Trainer:
         groups = runtime.groups
         self.groups = groups
         self.precision = resolve_precision(config, self.device)
-        self.params_dtype = PRECISION_DTYPES[self.precision]
+        self.params_dtype = PRECISION_DTYPES[base_precision(self.precision, self.device)]
         self.skip_nonfinite = resolve_skip_nonfinite(config, self.device, self.precision)
         pp, vpp = groups.pp_size, config.parallel.vpp
         self.num_stages = pp * vpp
@@ -166,6 +167,7 @@ class Trainer:
                 device=self.device,
             )
             chunk.init_weights(config.train.seed)
+            apply_low_precision(config, chunk, groups.tp)
             self.chunks.append(chunk)
         if weights is not None:
             from mcore.train.checkpoint.state import load_model_weights
