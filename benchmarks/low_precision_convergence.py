@@ -12,6 +12,9 @@ passes when it lies within ``--tolerance`` (default 2%) of the baseline's.
     python benchmarks/low_precision_convergence.py --steps 300 --out benchmarks/results/low-precision-cpu
     python benchmarks/low_precision_convergence.py --dry-run --out DIR     # 6 steps, the CI test
 
+``--from FILE`` (repeatable) reuses the curves of an earlier run's JSON instead of training those
+configurations again (to split the runs over processes and merge them).
+
 Writes ``DIR/low_precision_convergence.json`` (every loss curve) and ``DIR/low_precision_convergence.md``; exits
 1 when a recipe misses the tolerance.
 """
@@ -19,6 +22,7 @@ Writes ``DIR/low_precision_convergence.json`` (every loss curve) and ``DIR/low_p
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import sys
 from pathlib import Path
@@ -56,6 +60,8 @@ def summarize(results: dict[str, dict[str, Any]], tail: int, tolerance: float) -
     def final(name: str) -> float:
         return statistics.fmean(results[name]["losses"][-tail:])
 
+    if "baseline" not in results:
+        return {}
     base = final("baseline")
     rows = {}
     for name, result in results.items():
@@ -80,37 +86,57 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", default=None, help="comma-separated configurations (baseline is always run)")
     parser.add_argument("--dry-run", action="store_true", help="6 steps, tail 2, no tolerance check")
     parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--from", dest="sources", type=Path, action="append", default=[], help="reuse these results")
+    parser.add_argument("--skip-baseline", action="store_true", help="do not train the baseline here")
     args = parser.parse_args(argv)
     if args.dry_run:
         args.steps, args.tail = 6, 2
     names = list(CONFIGS) if args.only is None else ["baseline", *[n for n in args.only.split(",") if n != "baseline"]]
+    if args.skip_baseline:
+        names.remove("baseline")
     unknown = [n for n in names if n not in CONFIGS]
     if unknown:
         parser.error(f"unknown configuration(s) {unknown}; known: {list(CONFIGS)}")
     results: dict[str, dict[str, Any]] = {}
+    for source in args.sources:
+        previous = json.loads(source.read_text())
+        for name, curve in previous["curves"].items():
+            # "runs" holds step time and precision; files of the first version kept them in "summary" only
+            old = previous.get("runs", previous["summary"])[name]
+            results[name] = {"losses": curve, "step_s": old["step_s"], "precision": old["precision"]}
     for name in names:
+        if name in results:
+            continue
         result, runtime = run_spec(build_spec(name, args.steps, args.device))
         runtime.shutdown()
         results[name] = result
         print(f"[{name}] loss after {args.steps} steps {result['final_loss']:.4f}, {result['step_s']:.3f} s/step")
-        rows = summarize(results, args.tail, args.tolerance)
-        data = {"steps": args.steps, "tail": args.tail, "tolerance": args.tolerance, "summary": rows}
-        data["curves"] = {n: r["losses"] for n, r in results.items()}
-        write_json(args.out / "low_precision_convergence.json", data)
-        table = markdown_table(
-            ["configuration", "precision", f"final loss (mean of last {args.tail})", "vs baseline", "s/step"],
-            [
-                [n, r["precision"], f"{r['final_loss']:.4f}", f"{100 * r['relative_to_baseline']:+.2f}%", r["step_s"]]
-                for n, r in rows.items()
-            ],
-        )
-        (args.out / "low_precision_convergence.md").write_text(table + "\n")
-    print(table)
+        write_outputs(args, results)
+    rows = write_outputs(args, results)
     failed = [n for n, r in rows.items() if not r["passes"]]
     if failed and not args.dry_run:
         print(f"outside {100 * args.tolerance:.0f}% of the baseline: {failed}", file=sys.stderr)
         return 1
     return 0
+
+
+def write_outputs(args: argparse.Namespace, results: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """Rewrite the JSON and the markdown table from ``results``; returns the summary rows."""
+    rows = summarize(results, args.tail, args.tolerance)
+    data = {"steps": args.steps, "tail": args.tail, "tolerance": args.tolerance, "summary": rows}
+    data["curves"] = {n: r["losses"] for n, r in results.items()}
+    data["runs"] = {n: {"step_s": r["step_s"], "precision": r["precision"]} for n, r in results.items()}
+    write_json(args.out / "low_precision_convergence.json", data)
+    table = markdown_table(
+        ["configuration", "precision", f"final loss (mean of last {args.tail})", "vs baseline", "s/step"],
+        [
+            [n, r["precision"], f"{r['final_loss']:.4f}", f"{100 * r['relative_to_baseline']:+.2f}%", r["step_s"]]
+            for n, r in rows.items()
+        ],
+    )
+    (args.out / "low_precision_convergence.md").write_text(table + "\n")
+    print(table, flush=True)
+    return rows
 
 
 if __name__ == "__main__":
