@@ -6,7 +6,15 @@ import pytest
 import torch
 
 from mcore.kernels.fp8_gemm import scaled_matmul
-from mcore.kernels.low_precision_linear import RECIPES, AmaxHistory, LowPrecisionLinear, Recipe, recipe_shape_problem
+from mcore.kernels.low_precision_linear import (
+    EMULATED_RECIPES,
+    FP8_RECIPES,
+    RECIPES,
+    AmaxHistory,
+    LowPrecisionLinear,
+    Recipe,
+    recipe_shape_problem,
+)
 from mcore.kernels.quantization import E4M3, E5M2, quantize_fp8
 
 PAIRS = [("tensor", "tensor"), ("row", "row"), ("1x128", "128x128")]
@@ -61,7 +69,7 @@ def _float64_linear(x, w, b, g):
     return y.detach(), x64.grad, w64.grad
 
 
-@pytest.mark.parametrize("name", RECIPES)
+@pytest.mark.parametrize("name", FP8_RECIPES + EMULATED_RECIPES)  # bitnet: test_bitnet.py
 def test_linear_through_autograd_tracks_float64(name):
     gen = torch.Generator().manual_seed(1)
     x = torch.randn(2, 64, 256, generator=gen).requires_grad_()

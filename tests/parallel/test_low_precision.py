@@ -22,9 +22,9 @@ from mcore.parallel.low_precision import disable_low_precision, enable_low_preci
 from tests.helpers.distributed import run_workers
 from tests.parallel._helpers import case_result, rel_err, run_cases
 
-RECIPES = ("tensorwise", "delayed", "rowwise", "blockwise", "mxfp8", "nvfp4")
+RECIPES = ("tensorwise", "delayed", "rowwise", "blockwise", "mxfp8", "nvfp4", "bitnet")
 # recipes whose scales span a shard: a missing reduction changes the numbers
-NEEDS_REDUCTION = ("tensorwise", "delayed", "rowwise", "nvfp4")
+NEEDS_REDUCTION = ("tensorwise", "delayed", "rowwise", "nvfp4", "bitnet")
 TOL = 1e-5
 M, H, FFN = 64, 256, 512
 STEPS = 3

@@ -96,3 +96,14 @@ def test_convergence_script_dry_run(tmp_path):
     assert data["summary"]["fp8-rowwise"]["precision"] == "fp8"
     assert data["curves"]["fp8-rowwise"] != data["curves"]["baseline"]
     assert "fp8-rowwise" in (tmp_path / "low_precision_convergence.md").read_text()
+
+
+def test_bitnet_quant_trains_and_rejects_fp8(tmp_path, fp32_run):
+    result, _ = train(tmp_path / "bitnet", "train.quant=bitnet")
+    assert result.status == "finished" and result.final_loss != fp32_run.final_loss
+    assert result.final_loss < 6.0  # it learns (12 steps from ln(320) = 5.77 at init)
+    config = load_config(None, [*TINY, "train.quant=bitnet"])
+    linears = _linears(Trainer(config, init_runtime(config)))
+    assert all(m.low_precision.recipe.name == "bitnet" for n, m in linears.items() if n != "output")
+    with pytest.raises(UserError, match="train.quant=bitnet cannot be combined with train.precision=fp8"):
+        load_config(None, ["train.quant=bitnet", "train.precision=fp8"])

@@ -17,7 +17,8 @@ wgrad     grad^T [N, M]             x^T [K, M]                      ``grad_forma
 Recipes: ``tensorwise`` (current scaling; x, W and grad quantized together with their transposes in one
 pass, the fp8 transposes saved for backward), ``delayed`` (tensor-wise, scale from the max of the last
 ``amax_history_len`` amaxes), ``rowwise``, ``blockwise`` (A operands 1x128, B operands 128x128: DeepSeek-V3's
-tiles), and the emulated ``mxfp8``, ``mxfp4``, ``nvfp4`` (quantize-dequantize, then a high-precision GEMM).
+tiles), the emulated ``mxfp8``, ``mxfp4``, ``nvfp4`` (quantize-dequantize, then a high-precision GEMM), and
+``bitnet`` (BitNet b1.58: ternary weights, int8 per-token activations, straight-through gradients; ``bitnet.py``).
 
 Tensor parallelism: a rank holding a shard of a logical tensor must scale it like the whole tensor, or the
 quantized values (and the training run) silently differ from a single process. ``sharded`` names the GEMM
@@ -34,6 +35,7 @@ from dataclasses import dataclass
 
 import torch
 
+from mcore.kernels.bitnet import bitnet_linear
 from mcore.kernels.fp8_gemm import scaled_matmul, shape_rule_violation
 from mcore.kernels.microscaling import MX_BLOCK, NVFP4_BLOCK, fake_quantize
 from mcore.kernels.quantization import E4M3, Quantized, fp8_dtype, quantize_fp8, quantize_fp8_pair
@@ -41,7 +43,7 @@ from mcore.kernels.quantization import E4M3, Quantized, fp8_dtype, quantize_fp8,
 FP8_RECIPES = ("tensorwise", "delayed", "rowwise", "blockwise")
 FP4_RECIPES = ("mxfp4", "nvfp4")
 EMULATED_RECIPES = ("mxfp8",) + FP4_RECIPES
-RECIPES = FP8_RECIPES + EMULATED_RECIPES
+RECIPES = FP8_RECIPES + EMULATED_RECIPES + ("bitnet",)
 # granularity of the A and B operands of each fp8 recipe
 _GRANULARITY = {
     "tensorwise": ("tensor", "tensor"),
@@ -88,6 +90,8 @@ def recipe_shape_problem(recipe: Recipe, out_features: int, in_features: int) ->
     The rules are the fp8 GEMM kernels' (K and N multiples of 16, of 128 block-wise: the same rules keep block
     scales inside tensor-parallel shards) and the block size of the emulated formats along K and N.
     """
+    if recipe.name == "bitnet":
+        return None
     if recipe.emulated:
         block = _EMULATED_BLOCK[recipe.name]
         for name, value in (("in_features (K)", in_features), ("out_features (N)", out_features)):
@@ -129,6 +133,7 @@ class LowPrecisionLinear:
         *,
         sharded: str | None = None,
         amax_reduce: AmaxReduce | None = None,
+        sum_reduce: AmaxReduce | None = None,
         name: str = "",
         backend: str | None = None,
     ) -> None:
@@ -141,6 +146,7 @@ class LowPrecisionLinear:
             name,
             backend,
         )
+        self.sum_reduce = sum_reduce  # BitNet's weight mean over the shards (a SUM all-reduce)
         self.histories = {op: AmaxHistory(recipe.amax_history_len, recipe.amax_compute) for op in ("x", "w", "g")}
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -148,6 +154,15 @@ class LowPrecisionLinear:
             raise ValueError(
                 f"LowPrecisionLinear {self.name}: input [..., {x.shape[-1]}] does not match weight "
                 f"{tuple(weight.shape)}"
+            )
+        if self.recipe.name == "bitnet":
+            sharded = self.sharded is not None
+            return bitnet_linear(
+                x,
+                weight,
+                bias,
+                sum_reduce=self.sum_reduce if sharded else None,
+                max_reduce=self.amax_reduce if self.sharded == "k" else None,
             )
         fn = _EmulatedLinearFunction if self.recipe.emulated else _Fp8LinearFunction
         return fn.apply(x, weight, bias, self)

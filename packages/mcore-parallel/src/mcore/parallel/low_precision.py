@@ -10,7 +10,8 @@
   layer stays in high precision and the log says why.
 
 The weights are untouched (fp32 masters stay with the optimizer; checkpoints stay in high precision). The
-amax reduction is a MAX all-reduce over ``tp_group``: a column-parallel layer shards N, a row-parallel layer K.
+amax reduction is a MAX all-reduce over ``tp_group`` (BitNet's weight mean a SUM): a column-parallel layer shards
+N, a row-parallel layer K.
 ``disable_low_precision`` undoes it.
 """
 
@@ -41,13 +42,13 @@ class LayerDecision:
     reason: str = ""
 
 
-def tp_amax_reduce(tp_group: dist.ProcessGroup | None):
-    """In-place MAX all-reduce over ``tp_group`` (``None`` when the group has one rank: nothing to reduce)."""
+def tp_reduce(tp_group: dist.ProcessGroup | None, op: dist.ReduceOp = dist.ReduceOp.MAX):
+    """In-place all-reduce ``op`` over ``tp_group`` (``None`` when the group has one rank: nothing to reduce)."""
     if group_size(tp_group) == 1:
         return None
 
-    def reduce(amax):
-        dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=tp_group)
+    def reduce(t):
+        dist.all_reduce(t, op=op, group=tp_group)
 
     return reduce
 
@@ -70,7 +71,7 @@ def enable_low_precision(
     """Install ``recipe`` on the TP linears of ``model``; returns one decision per linear (also logged)."""
     if on_mismatch not in MISMATCH_POLICIES:
         raise ValueError(f"enable_low_precision: on_mismatch must be one of {MISMATCH_POLICIES}, got {on_mismatch!r}")
-    reduce = tp_amax_reduce(tp_group)
+    reduce, sum_reduce = tp_reduce(tp_group), tp_reduce(tp_group, dist.ReduceOp.SUM)
     decisions = []
     for name, module in model.named_modules(prefix=prefix):
         if not isinstance(module, ColumnParallelLinear | RowParallelLinear):
@@ -99,7 +100,9 @@ def enable_low_precision(
         sharded = (
             None if group_size(module.tp_group) == 1 else ("n" if isinstance(module, ColumnParallelLinear) else "k")
         )
-        module.low_precision = LowPrecisionLinear(recipe, sharded=sharded, amax_reduce=reduce, name=name)
+        module.low_precision = LowPrecisionLinear(
+            recipe, sharded=sharded, amax_reduce=reduce, sum_reduce=sum_reduce, name=name
+        )
         decisions.append(LayerDecision(name, recipe.name))
     converted = sum(d.recipe is not None for d in decisions)
     logger.info("low precision: %d of %d linears use %s", converted, len(decisions), recipe.name)

@@ -8,7 +8,8 @@ only, so a checkpoint trained in FP8 loads at any precision and vice versa.
 ``keep`` patterns (``fnmatch`` on module names such as ``layers.3.mlp.down``) may use ``{first}`` and
 ``{last}`` for the first and last decoder layer: ``["layers.{first}.*", "layers.{last}.*"]`` keeps both in
 high precision. The output layer (``output``; a tied output layer shares the embedding and is never
-quantized) is kept by default.
+quantized) is kept by default. ``train.quant: bitnet`` (with the ``bitnet`` section's patterns) makes the same
+linears BitNet b1.58 linears instead, at any ``train.precision`` but fp8/fp4.
 """
 
 from __future__ import annotations
@@ -71,6 +72,15 @@ class Fp4Section(_LowPrecisionSection):
         return Recipe(self.recipe, quantize_grads=self.quantize_grads)
 
 
+@dataclass
+class BitNetSection(_LowPrecisionSection):
+    """BitNet b1.58 quantization-aware training (``train.quant: bitnet``): every TP linear not kept runs with
+    ternary absmean weights and int8 per-token activations (straight-through gradients)."""
+
+    def to_recipe(self) -> Recipe:
+        return Recipe("bitnet")
+
+
 def base_precision(precision: str, device: torch.device) -> str:
     """The parameter precision behind ``precision``: fp8/fp4 keep bf16 parameters on CUDA and fp32 on CPU."""
     if precision in LOW_PRECISIONS:
@@ -85,9 +95,12 @@ def expand_patterns(patterns: list[str], num_layers: int) -> list[str]:
 def apply_low_precision(config, chunk: torch.nn.Module, tp_group) -> list[LayerDecision]:
     """Install the configured recipe on ``chunk``'s TP linears (nothing unless precision is fp8 or fp4)."""
     precision = config.train.precision
-    if precision not in LOW_PRECISIONS:
+    if config.train.quant == "bitnet":
+        precision, section = "bitnet", config.bitnet
+    elif precision in LOW_PRECISIONS:
+        section = config.fp8 if precision == "fp8" else config.fp4
+    else:
         return []
-    section = config.fp8 if precision == "fp8" else config.fp4
     try:
         return enable_low_precision(
             chunk,
@@ -98,4 +111,5 @@ def apply_low_precision(config, chunk: torch.nn.Module, tp_group) -> list[LayerD
             on_mismatch=section.on_mismatch,
         )
     except ValueError as exc:
-        raise UserError(f"{precision}.recipe={section.recipe}: {exc}") from None
+        recipe = getattr(section, "recipe", "bitnet")
+        raise UserError(f"{precision}.recipe={recipe}: {exc}") from None
