@@ -107,3 +107,11 @@ def test_bitnet_quant_trains_and_rejects_fp8(tmp_path, fp32_run):
     assert all(m.low_precision.recipe.name == "bitnet" for n, m in linears.items() if n != "output")
     with pytest.raises(UserError, match="train.quant=bitnet cannot be combined with train.precision=fp8"):
         load_config(None, ["train.quant=bitnet", "train.precision=fp8"])
+
+
+@pytest.mark.skipif(__import__("mcore.kernels.te_backend").kernels.te_backend.te_available(), reason="TE installed")
+def test_te_backend_without_te_is_one_clear_error():
+    for extra in ([], ["train.precision=fp8"]):
+        config = load_config(None, [*TINY, "kernels.backend=te", *extra])
+        with pytest.raises(UserError, match="needs NVIDIA Transformer Engine"):
+            Trainer(config, init_runtime(config))

@@ -31,6 +31,7 @@ from mcore.parallel.tensor_parallel import ColumnParallelLinear, RowParallelLine
 
 logger = logging.getLogger("mcore.parallel")
 MISMATCH_POLICIES = ("error", "fallback")
+BACKENDS = ("mcore", "te")
 
 
 @dataclass(frozen=True)
@@ -60,17 +61,26 @@ def _local_shape(module: nn.Module) -> tuple[int, int]:
 
 def enable_low_precision(
     model: nn.Module,
-    recipe: Recipe,
+    recipe: Recipe | None,
     *,
+    backend: str = "mcore",
     tp_group: dist.ProcessGroup | None = None,
     keep: Sequence[str] = ("output",),
     min_features: int = 0,
     on_mismatch: str = "error",
     prefix: str = "",
 ) -> list[LayerDecision]:
-    """Install ``recipe`` on the TP linears of ``model``; returns one decision per linear (also logged)."""
+    """Install ``recipe`` on the TP linears of ``model``; returns one decision per linear (also logged).
+
+    ``backend="te"`` runs them through Transformer Engine instead (``mcore.kernels.te_backend``; ``recipe=None``:
+    TE's high-precision GEMMs), which reduces amaxes over ``tp_group`` itself.
+    """
     if on_mismatch not in MISMATCH_POLICIES:
         raise ValueError(f"enable_low_precision: on_mismatch must be one of {MISMATCH_POLICIES}, got {on_mismatch!r}")
+    if backend not in BACKENDS:
+        raise ValueError(f"enable_low_precision: backend must be one of {BACKENDS}, got {backend!r}")
+    if recipe is None and backend != "te":
+        raise ValueError("enable_low_precision: recipe=None (high precision) is only meaningful with backend='te'")
     reduce, sum_reduce = tp_reduce(tp_group), tp_reduce(tp_group, dist.ReduceOp.SUM)
     decisions = []
     for name, module in model.named_modules(prefix=prefix):
@@ -82,7 +92,7 @@ def enable_low_precision(
             reason = f"matches a keep pattern of {list(keep)}"
         elif min(out_features, in_features) < min_features:
             reason = f"local weight [{out_features}, {in_features}] has a dimension below min_features={min_features}"
-        else:
+        elif recipe is not None:
             problem = recipe_shape_problem(recipe, out_features, in_features)
             if problem is not None:
                 message = f"layer {name!r} (local weight [{out_features}, {in_features}]): {problem}"
@@ -97,15 +107,22 @@ def enable_low_precision(
             decisions.append(LayerDecision(name, None, reason))
             logger.info("low precision: %s stays in high precision: %s", name, reason)
             continue
-        sharded = (
-            None if group_size(module.tp_group) == 1 else ("n" if isinstance(module, ColumnParallelLinear) else "k")
-        )
+        if backend == "te":
+            from mcore.kernels.te_backend import TELinear
+
+            module.low_precision = TELinear(recipe, amax_group=tp_group, name=name)
+            decisions.append(LayerDecision(name, f"te:{recipe.name if recipe else 'high precision'}"))
+            continue
+        # the GEMM dimension this layer splits: N for column-parallel, K for row-parallel
+        sharded = "n" if isinstance(module, ColumnParallelLinear) else "k"
+        sharded = None if group_size(module.tp_group) == 1 else sharded
         module.low_precision = LowPrecisionLinear(
             recipe, sharded=sharded, amax_reduce=reduce, sum_reduce=sum_reduce, name=name
         )
         decisions.append(LayerDecision(name, recipe.name))
     converted = sum(d.recipe is not None for d in decisions)
-    logger.info("low precision: %d of %d linears use %s", converted, len(decisions), recipe.name)
+    what = f"{backend}:{recipe.name if recipe else 'high precision'}"
+    logger.info("low precision: %d of %d linears use %s", converted, len(decisions), what)
     return decisions
 
 

@@ -27,7 +27,7 @@ import yaml
 from mcore.models.config import TransformerConfig
 from mcore.models.families import PRESETS, get_config
 from mcore.train.errors import UserError
-from mcore.train.low_precision import BitNetSection, Fp4Section, Fp8Section
+from mcore.train.low_precision import BitNetSection, Fp4Section, Fp8Section, KernelsSection
 from mcore.train.lr import LRSchedule
 from mcore.train.typed_config import RawText, from_dict, set_dotted, to_dict
 
@@ -303,6 +303,7 @@ class Config:
     fp8: Fp8Section = field(default_factory=Fp8Section)
     fp4: Fp4Section = field(default_factory=Fp4Section)
     bitnet: BitNetSection = field(default_factory=BitNetSection)
+    kernels: KernelsSection = field(default_factory=KernelsSection)
 
     def __post_init__(self) -> None:
         try:

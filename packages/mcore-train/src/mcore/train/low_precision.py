@@ -81,6 +81,14 @@ class BitNetSection(_LowPrecisionSection):
         return Recipe("bitnet")
 
 
+@dataclass
+class KernelsSection:
+    """``backend``: ``auto`` (mcore's kernels: Triton on CUDA, torch references elsewhere) or ``te`` (the linears
+    through NVIDIA Transformer Engine, with the fp8 recipe when ``train.precision: fp8``; it must import)."""
+
+    backend: Literal["auto", "te"] = "auto"
+
+
 def base_precision(precision: str, device: torch.device) -> str:
     """The parameter precision behind ``precision``: fp8/fp4 keep bf16 parameters on CUDA and fp32 on CPU."""
     if precision in LOW_PRECISIONS:
@@ -95,21 +103,28 @@ def expand_patterns(patterns: list[str], num_layers: int) -> list[str]:
 def apply_low_precision(config, chunk: torch.nn.Module, tp_group) -> list[LayerDecision]:
     """Install the configured recipe on ``chunk``'s TP linears (nothing unless precision is fp8 or fp4)."""
     precision = config.train.precision
+    backend = "te" if config.kernels.backend == "te" else "mcore"
     if config.train.quant == "bitnet":
         precision, section = "bitnet", config.bitnet
     elif precision in LOW_PRECISIONS:
         section = config.fp8 if precision == "fp8" else config.fp4
+    elif backend == "te":
+        try:
+            return enable_low_precision(chunk, None, backend="te", tp_group=tp_group, keep=("output",))
+        except RuntimeError as exc:
+            raise UserError(str(exc)) from None
     else:
         return []
     try:
         return enable_low_precision(
             chunk,
             section.to_recipe(),
+            backend=backend,
             tp_group=tp_group,
             keep=expand_patterns(section.keep, config.model.num_hidden_layers),
             min_features=section.min_features,
             on_mismatch=section.on_mismatch,
         )
-    except ValueError as exc:
+    except (ValueError, RuntimeError) as exc:
         recipe = getattr(section, "recipe", "bitnet")
         raise UserError(f"{precision}.recipe={recipe}: {exc}") from None
