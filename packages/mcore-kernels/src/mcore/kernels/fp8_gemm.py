@@ -6,8 +6,8 @@ Elsewhere (and with ``backend="reference"``) the reference: dequantize both oper
 Both see the same fp8 values and scales, so on CUDA they differ only by accumulation order.
 
 Shape rules of the CUDA kernels (checked before any launch, with the rule in the message): K and N
-multiples of 16 (tensor- and row-wise); K and N multiples of 128 for block-wise; the row-wise kernel writes
-bf16 only (other output dtypes are cast from it).
+multiples of 16 (tensor- and row-wise); K and N multiples of 128 for block-wise; the row- and block-wise
+kernels write bf16 (other output dtypes are cast from it).
 """
 
 from __future__ import annotations
@@ -97,12 +97,13 @@ def _blockwise_cuda(a: Quantized, b: Quantized, out_dtype: torch.dtype) -> torch
     # transpose of the contiguous [N/128, K/128]
     scale_a = a.scale.t().contiguous().t()
     scale_b = b.scale.t()
-    return scaled_mm(
+    out = scaled_mm(
         a.data,
         b.data.t(),
         scale_a,
         ScalingType.BlockWise1x128,
         scale_b,
         ScalingType.BlockWise128x128,
-        output_dtype=out_dtype,
+        output_dtype=torch.bfloat16,  # the output dtype measured on sm90; others are cast from it
     )
+    return out.to(out_dtype)
