@@ -128,3 +128,18 @@ def test_bad_inputs():
         quantize_nvfp4(torch.randn(4, 31))
     with pytest.raises(TypeError, match="float32/bfloat16/float16"):
         quantize_mx(torch.ones(4, 32, dtype=torch.int32))
+
+
+@pytest.mark.parametrize("fmt", ["mxfp8", "mxfp4", "nvfp4"])
+def test_fake_quantize_is_the_round_trip_bit_for_bit(fmt):
+    from mcore.kernels.microscaling import dequantize_nvfp4, fake_quantize
+
+    x = torch.randn(9, 200, generator=torch.Generator().manual_seed(4)) * torch.logspace(-6, 6, 9).unsqueeze(1)
+    x[3, :40] = 0.0
+    if fmt == "nvfp4":
+        expected = dequantize_nvfp4(quantize_nvfp4(x))
+    else:
+        expected = dequantize_mx(quantize_mx(x, "e4m3" if fmt == "mxfp8" else "e2m1"))
+    torch.testing.assert_close(fake_quantize(x, fmt), expected, rtol=0, atol=0)
+    with pytest.raises(ValueError, match="format must be one of"):
+        fake_quantize(x, "fp4")

@@ -33,9 +33,6 @@ E8M0_BIAS = 127
 E8M0_NAN = 255
 # Magnitudes of the E2M1 codes 0..7.
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
-# Midpoints between neighbouring E2M1 magnitudes; a tie rounds to the even code (0, 2, 4, 6), so the
-# comparison at each midpoint is ``>`` when the code below is even and ``>=`` when it is odd.
-_E2M1_MIDPOINTS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
 MX_ELEMENTS = {"e4m3": (E4M3, 8), "e5m2": (E5M2, 15), "e2m1": (None, 2)}
 
 
@@ -68,13 +65,22 @@ class NVFP4Tensor:
 
 
 # -------------------------------------------------------------------------------------------------- E2M1
+def e2m1_round(v: torch.Tensor) -> torch.Tensor:
+    """``v`` (fp32) rounded to the nearest E2M1 value, ties to even, saturating at +-6.
+
+    The E2M1 grid is uniform within each binade: steps of 0.5 below 2, 1 in [2, 4), 2 in [4, 6]. Rounding
+    ``|v| / step`` half to even picks the even code at every tie, because a code's lowest bit is its mantissa bit.
+    """
+    mag = v.abs().clamp(max=E2M1_MAX)
+    step = torch.where(mag < 2.0, 0.5, torch.where(mag < 4.0, 1.0, 2.0))
+    return torch.copysign(torch.round(mag / step) * step, v)
+
+
 def e2m1_encode(v: torch.Tensor) -> torch.Tensor:
     """E2M1 codes (``uint8`` in 0..15) of fp32 ``v``: nearest value, ties to even, saturating at +-6."""
-    mag = v.abs()
-    code = torch.zeros(v.shape, dtype=torch.uint8, device=v.device)
-    for i, mid in enumerate(_E2M1_MIDPOINTS):
-        above = mag > mid if i % 2 == 0 else mag >= mid
-        code += above.to(torch.uint8)
+    r = e2m1_round(v).abs()
+    # value -> code: 0, 0.5, 1, 1.5 -> 0..3 (2r); 2, 3 -> 4, 5 (r + 2); 4, 6 -> 6, 7 (r / 2 + 4)
+    code = torch.where(r < 2.0, 2.0 * r, torch.where(r < 4.0, r + 2.0, r / 2.0 + 4.0)).to(torch.uint8)
     return code | (torch.signbit(v).to(torch.uint8) << 3)
 
 
@@ -116,9 +122,7 @@ def quantize_mx(x: torch.Tensor, element_format: str = "e2m1") -> MXTensor:
     elem_dtype, emax = MX_ELEMENTS[element_format]
     blocks = _blocks(x, MX_BLOCK)
     amax = blocks.abs().amax(dim=-1)
-    # frexp: amax = m * 2^k with m in [0.5, 1), so floor(log2(amax)) = k - 1 exactly (no log rounding)
-    _, k = torch.frexp(amax)
-    e = torch.where(amax > 0, k - 1 - emax, -E8M0_BIAS).clamp(-E8M0_BIAS, E8M0_BIAS)
+    e = _mx_exponents(amax, emax)
     scales = (e + E8M0_BIAS).to(torch.uint8)
     scales = torch.where(torch.isnan(amax), E8M0_NAN, scales).to(torch.uint8)
     scaled = torch.ldexp(blocks, -e.unsqueeze(-1).to(torch.float32))
@@ -129,6 +133,13 @@ def quantize_mx(x: torch.Tensor, element_format: str = "e2m1") -> MXTensor:
         fmax = FP8_MAX[elem_dtype]
         elements = scaled.clamp(-fmax, fmax).to(elem_dtype)
     return MXTensor(elements, scales, element_format, n)
+
+
+def _mx_exponents(amax: torch.Tensor, emax: int) -> torch.Tensor:
+    """The shared exponents ``floor(log2(amax)) - emax`` (int32), clamped to E8M0's range; -127 for zero blocks."""
+    # frexp: amax = m * 2^k with m in [0.5, 1), so floor(log2(amax)) = k - 1 exactly (no log rounding)
+    _, k = torch.frexp(amax)
+    return torch.where(amax > 0, k - 1 - emax, -E8M0_BIAS).clamp(-E8M0_BIAS, E8M0_BIAS)
 
 
 def e8m0_decode(scales: torch.Tensor) -> torch.Tensor:
@@ -156,19 +167,24 @@ def quantize_nvfp4(x: torch.Tensor, global_amax: torch.Tensor | None = None) -> 
     n = x.shape[-1]
     if n % 2:
         raise ValueError(f"quantize_nvfp4: e2m1 packs two values per byte, so the last dim must be even, got {n}")
-    amax = x.abs().amax().to(torch.float32) if global_amax is None else global_amax.to(torch.float32).reshape(())
-    fmax_e4m3 = FP8_MAX[E4M3]
-    # tensor-by-tensor division: correctly rounded (division by a Python scalar multiplies by its reciprocal)
-    global_scale = torch.where(amax > 0, amax.div(torch.full_like(amax, E2M1_MAX * fmax_e4m3)), torch.ones_like(amax))
-    blocks = _blocks(x, NVFP4_BLOCK)
-    wanted = blocks.abs().amax(dim=-1) / (E2M1_MAX * global_scale)
-    block_scales = wanted.clamp(max=fmax_e4m3).to(E4M3)
+    blocks, block_scales, global_scale = _nvfp4_scales(x, global_amax)
     effective = block_scales.to(torch.float32) * global_scale
     safe = torch.where(effective > 0, effective, torch.ones_like(effective))
     scaled = torch.where(effective.unsqueeze(-1) > 0, blocks / safe.unsqueeze(-1), torch.zeros_like(blocks))
     scaled = scaled.reshape(*x.shape[:-1], -1)[..., :n]
     codes = pack_fp4(e2m1_encode(scaled.clamp(-E2M1_MAX, E2M1_MAX)))
     return NVFP4Tensor(codes, block_scales, global_scale, n)
+
+
+def _nvfp4_scales(x: torch.Tensor, global_amax: torch.Tensor | None):
+    """``(blocks fp32 [..., n/16, 16], block scales e4m3 [..., n/16], global scale fp32 [])`` of ``x``."""
+    amax = x.abs().amax().to(torch.float32) if global_amax is None else global_amax.to(torch.float32).reshape(())
+    fmax_e4m3 = FP8_MAX[E4M3]
+    # tensor-by-tensor division: correctly rounded (division by a Python scalar multiplies by its reciprocal)
+    global_scale = torch.where(amax > 0, amax.div(torch.full_like(amax, E2M1_MAX * fmax_e4m3)), torch.ones_like(amax))
+    blocks = _blocks(x, NVFP4_BLOCK)
+    wanted = blocks.abs().amax(dim=-1) / (E2M1_MAX * global_scale)
+    return blocks, wanted.clamp(max=fmax_e4m3).to(E4M3), global_scale
 
 
 def dequantize_nvfp4(t: NVFP4Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -180,14 +196,30 @@ def dequantize_nvfp4(t: NVFP4Tensor, dtype: torch.dtype = torch.float32) -> torc
 
 def fake_quantize(x: torch.Tensor, fmt: str, global_amax: torch.Tensor | None = None) -> torch.Tensor:
     """``dequantize(quantize(x))`` in x's dtype for ``fmt`` in mxfp8 (e4m3), mxfp4, nvfp4 (emulated GEMMs);
-    ``global_amax``: NVFP4's per-tensor amax (e.g. reduced over tensor-parallel ranks)."""
-    if fmt == "mxfp8":
-        return dequantize_mx(quantize_mx(x, "e4m3"), x.dtype)
-    if fmt == "mxfp4":
-        return dequantize_mx(quantize_mx(x, "e2m1"), x.dtype)
+    ``global_amax``: NVFP4's per-tensor amax (e.g. reduced over tensor-parallel ranks).
+
+    Computes the same values as the round trip (tested bit for bit) without packing codes or building the
+    scale encodings: the scales are applied as exact powers of two (MX) or fp32 products (NVFP4).
+    """
+    if fmt not in ("mxfp8", "mxfp4", "nvfp4"):
+        raise ValueError(f"fake_quantize: format must be one of mxfp8, mxfp4, nvfp4, got {fmt!r}")
+    _check_float(x, "fake_quantize")
+    n = x.shape[-1]
     if fmt == "nvfp4":
-        return dequantize_nvfp4(quantize_nvfp4(x, global_amax), x.dtype)
-    raise ValueError(f"fake_quantize: format must be one of mxfp8, mxfp4, nvfp4, got {fmt!r}")
+        blocks, block_scales, global_scale = _nvfp4_scales(x, global_amax)
+        scale = (block_scales.to(torch.float32) * global_scale).unsqueeze(-1)
+        safe = torch.where(scale > 0, scale, 1.0)
+        values = e2m1_round((blocks / safe).clamp(-E2M1_MAX, E2M1_MAX)) * scale
+    else:
+        blocks = _blocks(x, MX_BLOCK)
+        e = _mx_exponents(blocks.abs().amax(dim=-1), MX_ELEMENTS["e4m3" if fmt == "mxfp8" else "e2m1"][1])
+        scaled = torch.ldexp(blocks, -e.unsqueeze(-1).to(torch.float32))
+        if fmt == "mxfp8":
+            scaled = scaled.clamp(-FP8_MAX[E4M3], FP8_MAX[E4M3]).to(E4M3).to(torch.float32)
+        else:
+            scaled = e2m1_round(scaled.clamp(-E2M1_MAX, E2M1_MAX))
+        values = scaled * torch.ldexp(torch.ones_like(scaled[..., :1]), e.unsqueeze(-1).to(torch.float32))
+    return values.reshape(*x.shape[:-1], -1)[..., :n].to(x.dtype)
 
 
 def _check_float(x, op: str) -> None:
