@@ -240,8 +240,8 @@ def run_spec(spec: RunSpec) -> tuple[dict[str, Any], Any]:
 
 def _build_run(spec: RunSpec) -> tuple[Any, Any, Any, list[str]]:
     """(config, runtime, trainer, notes) as ``mcore-train`` builds them, resumed from a checkpoint if asked."""
-    from mcore.train.loop import build_trainer
     from mcore.train.runtime import init_runtime
+    from mcore.train.start import build_trainer
 
     config = spec_config(spec)
     runtime = init_runtime(config)

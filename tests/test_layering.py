@@ -101,3 +101,132 @@ def test_each_package_declares_its_version_once():
         meta = _pyproject(layer)
         assert "version" in meta["project"]["dynamic"]
         assert meta["tool"]["hatch"]["version"]["path"] == f"src/mcore/{layer}/__init__.py"
+
+
+# ------------------------------------------------------------------------------------------------ import cycles
+def _module_files(root: pathlib.Path = ROOT) -> dict[str, pathlib.Path]:
+    """Dotted module name -> file, for every module of every package (``pkg/__init__.py`` is ``pkg``)."""
+    out = {}
+    for layer in LAYERS:
+        src = root / "packages" / f"mcore-{layer}" / "src"
+        for f in src.rglob("*.py"):
+            parts = list(f.relative_to(src).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts = parts[:-1]
+            out[".".join(parts)] = f
+    return out
+
+
+def _module_imports(name: str, path: pathlib.Path, modules: dict[str, pathlib.Path]) -> set[str]:
+    """The package modules ``name`` imports anywhere in its file (functions and ``TYPE_CHECKING`` blocks
+    included: a cycle hidden inside a function is still two modules that need each other)."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            targets = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")[: len(package.split(".")) - node.level + 1]
+                module = ".".join(base + ([node.module] if node.module else []))
+            else:
+                module = node.module or ""
+            targets = [f"{module}.{a.name}" if f"{module}.{a.name}" in modules else module for a in node.names]
+        else:
+            continue
+        found.update(t for t in targets if t in modules and t != name)
+    return found
+
+
+def _import_cycles(root: pathlib.Path = ROOT) -> list[list[str]]:
+    """Strongly connected components of more than one module in the import graph (Tarjan's algorithm)."""
+    modules = _module_files(root)
+    graph = {name: sorted(_module_imports(name, path, modules)) for name, path in modules.items()}
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    cycles: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                cycles.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return cycles
+
+
+def test_no_import_cycle_between_modules():
+    assert _import_cycles() == [], "modules that import each other (move what both need into a third module)"
+
+
+def test_cycle_checker_finds_a_cycle_inside_a_function(tmp_path):
+    fake = tmp_path / "packages" / "mcore-train" / "src" / "mcore" / "train"
+    fake.mkdir(parents=True)
+    (fake / "a.py").write_text("from mcore.train.b import thing\n")
+    (fake / "b.py").write_text("def thing():\n    from mcore.train import a\n")
+    (fake / "c.py").write_text("from . import a\n")
+    assert _import_cycles(tmp_path) == [["mcore.train.a", "mcore.train.b"]]
+
+
+# ------------------------------------------------------------------------------------------------ both ways
+def _all_dependencies(layer: str) -> tuple[set[str], dict[str, set[str]]]:
+    """(required distributions, extra name -> its distributions) of one package."""
+    project = _pyproject(layer)["project"]
+
+    def names(items: list[str]) -> set[str]:
+        return {re.split(r"[<>=!;\[ ]", d, maxsplit=1)[0].strip().lower() for d in items}
+
+    extras = {name: names(items) for name, items in project.get("optional-dependencies", {}).items()}
+    return names(project.get("dependencies", [])), extras
+
+
+# Declared distributions that a package needs without importing them by name: torch imports them for it.
+USED_THROUGH_TORCH = {
+    ("train", "nvidia-ml-py"): "torch.cuda.utilization/temperature/power_draw import pynvml (gpu_stats.py)",
+    ("train", "tensorboard"): "torch.utils.tensorboard imports tensorboard (metrics.py)",
+}
+
+
+def _imported_distributions(layer: str) -> set[str]:
+    src = ROOT / "packages" / f"mcore-{layer}" / "src" / "mcore" / layer
+    found = set()
+    for f in src.rglob("*.py"):
+        for module, _, _ in _imports(f):
+            parts = module.split(".")
+            if parts[0] == "mcore" and len(parts) > 1:
+                found.add(f"mcore-{parts[1]}")
+            elif parts[0] not in STDLIB and parts[0] != "__future__":
+                found.add(DIST_OF.get(parts[0], parts[0]).lower().replace("_", "-"))
+    return found - {f"mcore-{layer}"}
+
+
+@pytest.mark.parametrize("layer", LAYERS)
+def test_declared_dependencies_equal_imports(layer):
+    """Every import anywhere (optional ones too) is declared, as a dependency or in an extra, and every
+    declared distribution is imported somewhere (or is listed in USED_THROUGH_TORCH with the reason)."""
+    required, extras = _all_dependencies(layer)
+    declared = required | set().union(*extras.values())
+    imported = _imported_distributions(layer)
+    indirect = {dist for (lay, dist) in USED_THROUGH_TORCH if lay == layer}
+    assert sorted(imported - declared) == [], "imported but not declared"
+    assert sorted(declared - imported - indirect) == [], "declared but never imported"

@@ -14,23 +14,11 @@ from typing import Any
 
 import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
-from transformers import (
-    LlamaConfig,
-    LlamaForCausalLM,
-    MistralConfig,
-    MistralForCausalLM,
-    Qwen2Config,
-    Qwen2ForCausalLM,
-    Qwen3Config,
-    Qwen3ForCausalLM,
-)
 
-HF_CLASSES = {
-    "llama": (LlamaConfig, LlamaForCausalLM),
-    "qwen2": (Qwen2Config, Qwen2ForCausalLM),
-    "qwen3": (Qwen3Config, Qwen3ForCausalLM),
-    "mistral": (MistralConfig, MistralForCausalLM),
-}
+from tests.helpers.families import families, hf_classes, tiny_config
+
+# family -> (HF config class, HF model class), for every registered family.
+HF_CLASSES = {family: hf_classes(family) for family in families()}
 FAMILIES = tuple(HF_CLASSES)
 VOCAB = 300  # not a multiple of 128: padding and unpadding are exercised
 
@@ -44,7 +32,8 @@ LLAMA31_ROPE = {
 
 
 def tiny_config_kwargs(family: str, **overrides: Any) -> dict[str, Any]:
-    """Sizes of a two-layer GQA model; per family the feature that sets it apart is switched on."""
+    """Sizes of a two-layer GQA model; per family the feature that sets it apart (as its ``<family>-tiny`` preset
+    has it: a decoupled head_dim, a sliding window, per-layer attention types) is switched on."""
     kwargs: dict[str, Any] = dict(
         vocab_size=VOCAB,
         hidden_size=64,
@@ -58,10 +47,13 @@ def tiny_config_kwargs(family: str, **overrides: Any) -> dict[str, Any]:
         bos_token_id=1,
         eos_token_id=2,
     )
-    if family == "qwen3":
-        kwargs["head_dim"] = 24  # 4 heads x 24 != hidden 64
-    if family == "mistral":
-        kwargs["sliding_window"] = 8  # shorter than the test sequences
+    tiny = tiny_config(family)
+    if tiny.head_dim * tiny.num_attention_heads != tiny.hidden_size:
+        kwargs["head_dim"] = tiny.head_dim  # qwen3: 4 heads x 24 != hidden 64
+    if tiny.sliding_window is not None:
+        kwargs["sliding_window"] = tiny.sliding_window  # mistral: 8, shorter than the test sequences
+    if tiny.layer_types is not None:
+        kwargs["layer_types"] = list(tiny.layer_types)
     kwargs.update(overrides)
     return kwargs
 

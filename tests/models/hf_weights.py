@@ -8,54 +8,9 @@ tests do not depend on a layer above them.
 from __future__ import annotations
 
 import torch
-from transformers import (
-    LlamaConfig,
-    LlamaForCausalLM,
-    MistralConfig,
-    MistralForCausalLM,
-    Qwen2Config,
-    Qwen2ForCausalLM,
-    Qwen3Config,
-    Qwen3ForCausalLM,
-)
 
 from mcore.models.config import TransformerConfig
-
-_HF = {
-    "llama": (LlamaConfig, LlamaForCausalLM),
-    "qwen2": (Qwen2Config, Qwen2ForCausalLM),
-    "qwen3": (Qwen3Config, Qwen3ForCausalLM),
-    "mistral": (MistralConfig, MistralForCausalLM),
-}
-
-
-def hf_config(config: TransformerConfig):
-    """The HF config of the same model (eager attention, fp32)."""
-    config_cls, _ = _HF[config.model_type]
-    rope = {"rope_type": "default"} if config.rope_scaling is None else dict(config.rope_scaling)
-    kwargs = dict(
-        hidden_size=config.hidden_size,
-        intermediate_size=config.intermediate_size,
-        num_hidden_layers=config.num_hidden_layers,
-        num_attention_heads=config.num_attention_heads,
-        num_key_value_heads=config.num_key_value_heads,
-        head_dim=config.head_dim,
-        vocab_size=config.vocab_size,
-        max_position_embeddings=config.max_position_embeddings,
-        rms_norm_eps=config.rms_norm_eps,
-        tie_word_embeddings=config.tie_word_embeddings,
-        rope_parameters={**rope, "rope_theta": config.rope_theta},
-        attn_implementation="eager",
-        pad_token_id=None,
-        bos_token_id=None,
-        eos_token_id=None,
-    )
-    if config.model_type == "mistral":
-        kwargs["sliding_window"] = config.sliding_window
-    if config.model_type == "llama":
-        kwargs["attention_bias"] = config.attention_bias
-        kwargs["mlp_bias"] = config.mlp_bias
-    return config_cls(**kwargs)
+from tests.helpers.families import hf_classes, hf_config
 
 
 def hf_model(config: TransformerConfig, seed: int) -> torch.nn.Module:
@@ -64,7 +19,7 @@ def hf_model(config: TransformerConfig, seed: int) -> torch.nn.Module:
     HF zero-initialises biases and sets norms to one; both are redrawn here so that a wrong mapping of
     either cannot hide behind a constant.
     """
-    _, model_cls = _HF[config.model_type]
+    _, model_cls = hf_classes(config.model_type)
     torch.manual_seed(seed)
     model = model_cls(hf_config(config)).eval()
     with torch.no_grad():

@@ -3,7 +3,7 @@ HF model's own matmul weights."""
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+from transformers import AutoModelForCausalLM
 
 from mcore.models.accounting import (
     H100_BF16_PEAK_FLOPS,
@@ -15,25 +15,13 @@ from mcore.models.accounting import (
     parameter_counts,
 )
 from mcore.models.families import family_of, get_config, preset_names
-
-_HF_CONFIG = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config, "mistral": MistralConfig}
+from tests.helpers.families import hf_classes, hf_config_kwargs
 
 
 def _hf_meta_model(name: str):
     c = get_config(name)
-    rope = {"rope_type": "default"} if c.rope_scaling is None else dict(c.rope_scaling)
-    hf = _HF_CONFIG[family_of(name)](
-        hidden_size=c.hidden_size,
-        intermediate_size=c.intermediate_size,
-        num_hidden_layers=c.num_hidden_layers,
-        num_attention_heads=c.num_attention_heads,
-        num_key_value_heads=c.num_key_value_heads,
-        head_dim=c.head_dim,
-        vocab_size=c.vocab_size,
-        max_position_embeddings=c.max_position_embeddings,
-        tie_word_embeddings=c.tie_word_embeddings,
-        rope_parameters={**rope, "rope_theta": c.rope_theta},
-    )
+    config_cls, _ = hf_classes(family_of(name))
+    hf = config_cls(**hf_config_kwargs(c))
     with torch.device("meta"):
         return c, AutoModelForCausalLM.from_config(hf)
 

@@ -3,10 +3,10 @@
 import dataclasses
 
 import pytest
-from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
 from mcore.models.config import TransformerConfig
 from mcore.models.families import FAMILIES, PRESETS, family_config, family_of, get_config, preset_names
+from tests.helpers.families import hf_classes, hf_config_kwargs
 
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, vocab_size=300)
 
@@ -128,27 +128,12 @@ def test_presets_cannot_be_mutated_through_a_config():
         PRESETS["llama3-8b"][1]["hidden_size"] = 1
 
 
-_HF_CONFIG = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config, "mistral": MistralConfig}
-
-
 @pytest.mark.parametrize("name", preset_names())
 def test_every_preset_is_a_valid_hf_config_with_the_same_fields(name):
     """Each preset builds the matching HF config class; the shared fields read back identical."""
     c = get_config(name)
-    rope = {"rope_type": "default"} if c.rope_scaling is None else dict(c.rope_scaling)
-    hf = _HF_CONFIG[family_of(name)](
-        hidden_size=c.hidden_size,
-        intermediate_size=c.intermediate_size,
-        num_hidden_layers=c.num_hidden_layers,
-        num_attention_heads=c.num_attention_heads,
-        num_key_value_heads=c.num_key_value_heads,
-        head_dim=c.head_dim,
-        vocab_size=c.vocab_size,
-        max_position_embeddings=c.max_position_embeddings,
-        rms_norm_eps=c.rms_norm_eps,
-        tie_word_embeddings=c.tie_word_embeddings,
-        rope_parameters={**rope, "rope_theta": c.rope_theta},
-    )
+    config_cls, _ = hf_classes(family_of(name))
+    hf = config_cls(**hf_config_kwargs(c))
     assert hf.model_type == c.model_type
     assert hf.hidden_act == c.hidden_act
     assert hf.head_dim == c.head_dim

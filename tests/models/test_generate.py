@@ -7,15 +7,14 @@ from transformers.generation.logits_process import TopPLogitsWarper
 from mcore.models.families import get_config
 from mcore.models.generate import generate, top_p_filter
 from mcore.models.gpt import GPTModel
+from tests.helpers.families import families, tiny_config
 from tests.models.hf_weights import hf_model, load_hf_weights
 
+# Every registered family's tiny preset (mistral's window 8 < prompt + 20 new tokens: the cache must drop keys
+# that leave the window), plus tied embeddings.
 CONFIGS = {
-    "llama": get_config("llama-tiny"),
+    **{family: tiny_config(family) for family in families()},
     "llama-tied": get_config("llama-tiny", tie_word_embeddings=True),
-    "qwen2": get_config("qwen2-tiny"),
-    "qwen3": get_config("qwen3-tiny"),
-    # window 8 < prompt + 20 new tokens: the cache must drop keys that leave the window
-    "mistral-window8": get_config("mistral-tiny"),
 }
 
 
@@ -40,7 +39,7 @@ def test_greedy_equals_hf_generate(case):
 
 def test_cached_decoding_equals_full_recomputation():
     """Each greedy token is the argmax of a fresh forward over the whole prefix (no cache)."""
-    config = CONFIGS["mistral-window8"]
+    config = CONFIGS["mistral"]
     _, ours = _pair(config)
     out = generate(ours, torch.randint(0, config.vocab_size, (3, 4)), 12)
     with torch.no_grad():

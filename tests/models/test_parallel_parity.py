@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from tests.helpers.distributed import run_workers
+from tests.helpers.families import families
 
 REL_TOL = 1e-5
 SEQ, MICRO_BATCH, MICROBATCHES = 16, 2, 3
@@ -20,7 +21,8 @@ LAYOUTS = {
     "tp2xpp2": (2, 2, False),
     "tp2xpp2-sp": (2, 2, True),
 }
-FAMILIES = ("llama-tiny", "qwen2-tied", "qwen3-tiny", "mistral-tiny")
+# Every registered family's tiny preset, plus tied embeddings (whose gradient is summed over pipeline stages).
+FAMILIES = (*(f"{family}-tiny" for family in families()), "qwen2-tied")
 
 
 def _config(name):
@@ -28,8 +30,11 @@ def _config(name):
 
     if name == "qwen2-tied":
         return get_config("qwen2-tiny", tie_word_embeddings=True)
-    # 4 layers so that each pipeline stage holds 2; mistral's window 8 < 16 tokens.
-    return get_config(name, num_hidden_layers=4) if name != "qwen3-tiny" else get_config(name)
+    # 4 layers so that each pipeline stage holds 2 (qwen3 keeps 2: one per stage; a preset with per-layer types keeps
+    # its own count); mistral's window 8 < 16 tokens.
+    if name == "qwen3-tiny" or get_config(name).layer_types is not None:
+        return get_config(name)
+    return get_config(name, num_hidden_layers=4)
 
 
 def _microbatches(config, seed):

@@ -125,7 +125,7 @@ def train(
             dist.all_reduce(total, group=groups.dp_cp)
         run.losses.append(float(total) / dp)
         run.norms.append(float(result.grad_norm))
-        run.skipped.append(result.skipped)
+        run.skipped.append(not result.finite)
     return run
 
 

@@ -17,6 +17,7 @@ from mcore.parallel import (
     DistributedDataParallel,
     RowParallelLinear,
     WeightGradStore,
+    attach_weight_grad_store,
 )
 from tests.helpers.distributed import run_workers
 from tests.parallel._helpers import case_result, rel_err, run_cases
@@ -171,10 +172,12 @@ def check_deferred_weight_grads(group) -> dict:
     (sum((ref(_data(r)) ** 2).mean() for r in range(dp)) / dp).backward()
 
     ddp = DistributedDataParallel(model, group, bucket_size=1)
-    with WeightGradStore.deferring():
+    store = WeightGradStore()
+    attach_weight_grad_store([ddp], store)
+    with store.deferring():
         (ddp(_data(dist.get_rank())) ** 2).mean().backward()
     launched_before_flush = ddp.launched_buckets()
-    WeightGradStore.flush()
+    store.flush()
     launched_after_flush = ddp.launched_buckets()
     ddp.finish_grad_sync()
     errs = [rel_err(p.main_grad, q.grad) for p, q in zip(model.parameters(), ref.parameters())]

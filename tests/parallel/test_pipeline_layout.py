@@ -95,3 +95,48 @@ def test_balanced_layout_minimizes_the_heaviest_rank(layers, pp, first, last):
 def test_balanced_layout_rejects_bad_extras(kwargs, message):
     with pytest.raises(ValueError, match=message):
         balanced_layout(4, 2, **kwargs)
+
+
+def _brute_force_max_load(costs, parts, extras):
+    """The lowest heaviest-part load over every contiguous split (small cases only)."""
+    import itertools
+
+    n, best = len(costs), float("inf")
+    for cuts in itertools.combinations_with_replacement(range(n + 1), parts - 1):
+        bounds = (0, *cuts, n)
+        load = max(sum(costs[bounds[j] : bounds[j + 1]]) + extras[j] for j in range(parts))
+        best = min(best, load)
+    return best
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_balanced_layout_with_unequal_layer_costs_is_the_best_contiguous_split(seed):
+    import random
+
+    rng = random.Random(seed)
+    n, pp, vpp = rng.randint(3, 8), rng.choice([2, 3]), rng.choice([1, 2])
+    costs = [rng.choice([1.0, 2.5, 0.4]) for _ in range(n)]
+    costs[0] += 0.1  # never all equal
+    extra = rng.uniform(0, 3)
+    layout = balanced_layout(n, pp, vpp, last_stage_extra=extra, layer_costs=costs)
+    assert len(layout) == pp * vpp and sum(layout) == n and min(layout) >= 0
+    extras = [0.0] * (pp * vpp)
+    extras[-1] = extra
+    starts = [0]
+    for k in layout:
+        starts.append(starts[-1] + k)
+    got = max(sum(costs[starts[j] : starts[j + 1]]) + extras[j] for j in range(pp * vpp))
+    assert got == pytest.approx(_brute_force_max_load(costs, pp * vpp, extras))
+
+
+def test_balanced_layout_with_equal_costs_is_the_uniform_one():
+    for n, pp, vpp, extra in [(8, 2, 1, 2.4), (12, 3, 2, 1.1), (4, 2, 2, 2.4)]:
+        plain = balanced_layout(n, pp, vpp, last_stage_extra=extra)
+        assert balanced_layout(n, pp, vpp, last_stage_extra=2 * extra, layer_costs=[2.0] * n) == plain
+
+
+def test_balanced_layout_rejects_bad_layer_costs():
+    with pytest.raises(ValueError, match="layer_costs has 3 entries but num_layers=4"):
+        balanced_layout(4, 2, layer_costs=[1.0, 1.0, 1.0])
+    with pytest.raises(ValueError, match=r"layer_costs\[1\] must be a number > 0"):
+        balanced_layout(2, 2, layer_costs=[1.0, 0.0])

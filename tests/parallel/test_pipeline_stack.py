@@ -24,6 +24,7 @@ from mcore.parallel.tensor_parallel import (
     ColumnParallelLinear,
     RowParallelLinear,
     VocabParallelEmbedding,
+    attach_weight_grad_store,
     vocab_parallel_cross_entropy,
 )
 from mcore.parallel.weight_grad_store import WeightGradStore
@@ -235,6 +236,7 @@ def _single_stage_errors(schedule_cls, m: int, steps: int = 3, seed: int = 7) ->
         sgd_step([chunk])
         weights = {k: v - LR * ref_grads[k] for k, v in weights.items()}
     param_err = max(rel_err(p, weights[n]) for n, p in chunk.params_by_name.items())
+    assert getattr(schedule, "weight_grads", None) is None or schedule.weight_grads.pending() == 0
     return loss_err, grad_err, param_err
 
 
@@ -243,7 +245,6 @@ def _single_stage_errors(schedule_cls, m: int, steps: int = 3, seed: int = 7) ->
 def test_one_stage_matches_float64_reference(schedule_cls, m):
     loss_err, grad_err, param_err = _single_stage_errors(schedule_cls, m)
     assert loss_err <= TOL and grad_err <= TOL and param_err <= TOL, (loss_err, grad_err, param_err)
-    assert WeightGradStore.pending() == 0
 
 
 def test_forward_only_returns_losses_without_gradients():
@@ -263,11 +264,13 @@ def test_zero_bubble_defers_tensor_parallel_weight_gradients_until_w():
     chunk = StackChunk(weights, (0, 2), first=True, last=True)
     ids, labels = make_batch(5, 0, 1)
     mb = Microbatch(0, ids[0], labels[0])
-    with WeightGradStore.deferring():
+    store = WeightGradStore()
+    assert attach_weight_grad_store([chunk], store) == 4  # fc1 and fc2 of each of the two layers
+    with store.deferring():
         chunk(None, mb).backward()
     assert chunk.fc1[0].weight.grad is None and chunk.fc2[0].weight.grad is None
     assert chunk.fc1[0].bias.grad is not None
-    assert WeightGradStore.flush(1) == 1
+    assert store.flush(1) == 1 and store.pending() == 0
     assert chunk.fc1[0].weight.grad is not None and chunk.fc2[0].weight.grad is not None
 
 
@@ -275,14 +278,12 @@ def test_zero_bubble_refuses_a_store_with_foreign_work():
     weights = full_weights(5)
     chunk = StackChunk(weights, (0, 2), first=True, last=True)
     ids, labels = make_batch(5, 0, 1)
-    with WeightGradStore.deferring():
+    schedule = ZeroBubbleH1([chunk], num_microbatches=1)
+    with schedule.weight_grads.deferring():  # work queued outside the schedule's own passes
         chunk(None, Microbatch(0, ids[0], labels[0])).backward()
-    try:
-        schedule = ZeroBubbleH1([chunk], num_microbatches=1)
-        with pytest.raises(RuntimeError, match="holds 1 queued"):
-            schedule.run(forward_step_of([chunk]), [Microbatch(0, ids[0], labels[0])])
-    finally:
-        WeightGradStore.clear()
+    with pytest.raises(RuntimeError, match="holds 1 queued"):
+        schedule.run(forward_step_of([chunk]), [Microbatch(0, ids[0], labels[0])])
+    schedule.weight_grads.clear()
 
 
 def test_run_rejects_bad_inputs_with_the_numbers():

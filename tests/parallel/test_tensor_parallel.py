@@ -18,6 +18,7 @@ from mcore.parallel import (
     RowParallelLinear,
     VocabParallelEmbedding,
     WeightGradStore,
+    attach_weight_grad_store,
     build_process_groups,
     copy_to_tp_region,
     finalize_model_grads,
@@ -289,11 +290,13 @@ def check_weight_grad_store(group) -> dict[str, float]:
     for p in (col.weight, row.weight):
         p.mcore_grad_ready_hook = ready.append
     xb = x.clone().requires_grad_()
-    with WeightGradStore.deferring():
+    store = WeightGradStore()
+    attach_weight_grad_store([col, row], store)
+    with store.deferring():
         loss(xb).backward()
     deferred_none = col.weight.grad is None and row.weight.grad is None and not ready
-    assert WeightGradStore.pending() == 1
-    WeightGradStore.flush()
+    assert store.pending() == 1
+    store.flush()
     for p in (col.weight, row.weight):
         del p.mcore_grad_ready_hook
     return {

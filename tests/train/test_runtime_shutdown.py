@@ -64,7 +64,7 @@ def test_train_command_shuts_down_once_and_says_whether_it_failed(monkeypatch, t
     runtime = _RecordingRuntime()
     monkeypatch.setattr(mcore.train.runtime, "init_runtime", lambda config: runtime)
 
-    def run_training(config, rt):
+    def run_training(config, rt, **_):
         assert rt is runtime
         if fails:
             raise RuntimeError("a rank failed while building its model")

@@ -14,16 +14,17 @@ from pathlib import Path
 import torch
 
 from mcore.bridge.config_translation import hf_to_mcore
+from mcore.bridge.conversion_plan import plan_import
 from mcore.bridge.convert import ConversionResult, McoreToHF, assets_dir, convert
 from mcore.bridge.dtypes import parse_dtype_choice, parse_size
 from mcore.bridge.errors import BridgeError
 from mcore.bridge.hf import CONFIG_FILE, read_hf_dir
 from mcore.bridge.mappings import family_for_hf_config
-from mcore.bridge.plan import plan_import
 from mcore.bridge.safetensors_io import read_tensor
 from mcore.bridge.sources import check_destination, resolve_source, staged_directory
 from mcore.bridge.transforms import to_mcore
 from mcore.models.config import TransformerConfig
+from mcore.parallel.param_attrs import is_tensor_parallel, tp_split, vocab_padding
 from mcore.train.checkpoint import expected_model_tensors
 from mcore.train.checkpoint.format import tensor_meta_of
 
@@ -38,10 +39,11 @@ def _tp(model: torch.nn.Module) -> tuple[int, int]:
 
 def _local_slice(full: torch.Tensor, param: torch.Tensor, tp_rank: int, tp_size: int) -> torch.Tensor:
     """This rank's part of ``full``: each partition block split evenly over TP (docs/architecture.md)."""
-    if tp_size == 1 or not getattr(param, "tensor_parallel", False):
+    split = tp_split(param)
+    if tp_size == 1 or split is None:
         return full
-    dim = param.partition_dim
-    blocks = getattr(param, "partition_blocks", None) or (full.shape[dim],)
+    dim = split.dim
+    blocks = split.blocks or (full.shape[dim],)
     pieces, offset = [], 0
     for block in blocks:
         chunk = block // tp_size
@@ -87,8 +89,8 @@ def load_hf_into(model: torch.nn.Module, path: str | os.PathLike, *, check_confi
             step = steps[name]
             inputs = [read_tensor(plan.sources[h]) for h in step.hf]
             padded = None
-            if getattr(param, "vocab_padded_dim", None) is not None:
-                padded = param.shape[0] * (tp_size if getattr(param, "tensor_parallel", False) else 1)
+            if vocab_padding(param) is not None:
+                padded = param.shape[0] * (tp_size if is_tensor_parallel(param) else 1)
             full = to_mcore(step.op, inputs, head_dim=config.head_dim, padded_rows=padded, **heads)
             local = _local_slice(full, param, tp_rank, tp_size)
             if local.shape != param.shape:

@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from mcore.bridge.config_translation import hf_to_mcore, mcore_to_hf
+from mcore.bridge.conversion_plan import ExportPlan, ImportPlan, plan_export, plan_import
 from mcore.bridge.dtypes import parse_dtype_choice, parse_size, torch_dtype_from_name, torch_dtype_name
 from mcore.bridge.errors import BridgeError
 from mcore.bridge.hf import (
@@ -31,7 +32,6 @@ from mcore.bridge.hf import (
 )
 from mcore.bridge.mappings import family_by_name, family_for_hf_config
 from mcore.bridge.memory import release_freed_memory
-from mcore.bridge.plan import ExportPlan, ImportPlan, plan_export, plan_import
 from mcore.bridge.progress import Progress
 from mcore.bridge.safetensors_io import TensorSpec, read_tensor
 from mcore.bridge.sources import check_destination, resolve_source, staged_directory

@@ -1,27 +1,27 @@
-"""Names of tensor dtypes in the three vocabularies the bridge speaks: torch, safetensors and ``--dtype``."""
+"""Names of tensor dtypes in the three vocabularies the bridge speaks: torch, safetensors and ``--dtype``.
+
+The safetensors table and the torch spelling come from mcore-train (:mod:`mcore.train.checkpoint.dtypes`),
+the layer below, so that both packages read and write the same codes.
+"""
 
 from __future__ import annotations
 
 import torch
 
 from mcore.bridge.errors import BridgeError
+from mcore.train.checkpoint.dtypes import SAFETENSORS_TO_TORCH, TORCH_TO_SAFETENSORS
+from mcore.train.checkpoint.dtypes import dtype_name as torch_dtype_name
 
-# safetensors header codes (https://github.com/huggingface/safetensors, format section)
-SAFETENSORS_TO_TORCH: dict[str, torch.dtype] = {
-    "F64": torch.float64,
-    "F32": torch.float32,
-    "F16": torch.float16,
-    "BF16": torch.bfloat16,
-    "I64": torch.int64,
-    "I32": torch.int32,
-    "I16": torch.int16,
-    "I8": torch.int8,
-    "U8": torch.uint8,
-    "BOOL": torch.bool,
-    "F8_E4M3": torch.float8_e4m3fn,
-    "F8_E5M2": torch.float8_e5m2,
-}
-TORCH_TO_SAFETENSORS: dict[torch.dtype, str] = {v: k for k, v in SAFETENSORS_TO_TORCH.items()}
+__all__ = [
+    "DTYPE_CHOICES",
+    "SAFETENSORS_TO_TORCH",
+    "TORCH_TO_SAFETENSORS",
+    "cast_dtype",
+    "parse_dtype_choice",
+    "parse_size",
+    "torch_dtype_from_name",
+    "torch_dtype_name",
+]
 
 # values of the --dtype option; "keep" writes every tensor in the dtype it was read in
 DTYPE_CHOICES: dict[str, torch.dtype | None] = {
@@ -30,11 +30,6 @@ DTYPE_CHOICES: dict[str, torch.dtype | None] = {
     "fp16": torch.float16,
     "fp32": torch.float32,
 }
-
-
-def torch_dtype_name(dtype: torch.dtype) -> str:
-    """``torch.bfloat16`` -> ``"bfloat16"`` (the spelling of mcore metadata and HF ``torch_dtype``)."""
-    return str(dtype).removeprefix("torch.")
 
 
 def torch_dtype_from_name(name: str) -> torch.dtype:

@@ -18,9 +18,7 @@ from mcore.bridge.errors import BridgeError
 from mcore.bridge.hf import CONFIG_FILE, read_config
 from mcore.bridge.mappings import family_for_hf_config
 from mcore.bridge.sources import resolve_source
-from mcore.models.gpt import GPTModel
-from mcore.train.checkpoint import CheckpointError, CheckpointReader
-from mcore.train.checkpoint.resharding import Target
+from mcore.train.checkpoint import CheckpointError, CheckpointReader, load_model
 
 DEFAULT_RTOL = 1e-4
 DEFAULT_MAX_KL = 1e-6
@@ -87,26 +85,6 @@ class VerifyReport:
         return "\n".join(lines)
 
 
-def load_checkpoint_model(reader: CheckpointReader, device: torch.device) -> GPTModel:
-    """The whole model of a checkpoint (any saved layout) in one process, float32."""
-    model = GPTModel(reader.model_config, device=device)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            target = Target(
-                full_shape=tuple(param.shape),
-                partition_dim=getattr(param, "partition_dim", None)
-                if getattr(param, "tensor_parallel", False)
-                else None,
-                partition_blocks=getattr(param, "partition_blocks", None),
-                tp_size=1,
-                tp_rank=0,
-                vocab_padded_dim=getattr(param, "vocab_padded_dim", None),
-                vocab_size=getattr(param, "vocab_size", None),
-            )
-            param.copy_(reader.read_local(name, target, dtype=torch.float32))
-    return model.eval()
-
-
 def _capture(layers: list[torch.nn.Module], seq_first: bool) -> tuple[list[torch.Tensor], list]:
     outputs: list[torch.Tensor] = []
 
@@ -132,7 +110,8 @@ def verify(
         from transformers import AutoModelForCausalLM
     except ImportError:
         raise BridgeError(
-            "verify runs the Hugging Face model and needs transformers: pip install transformers"
+            "verify runs the Hugging Face model and needs transformers: pip install 'mcore-bridge[verify]' "
+            "(or pip install transformers)"
         ) from None
     if tokens < 1:
         raise BridgeError(f"--tokens must be >= 1, got {tokens}")
@@ -158,7 +137,7 @@ def verify(
             ]
             if differ:
                 raise BridgeError(f"{hf_path} and {mcore_path} describe different models (fields {differ} differ)")
-            mcore_model = load_checkpoint_model(reader, dev)
+            mcore_model = load_model(reader, device=dev)
     except CheckpointError as exc:
         raise BridgeError(str(exc)) from None
     hf_model = AutoModelForCausalLM.from_pretrained(

@@ -22,48 +22,16 @@ from __future__ import annotations
 import math
 import numbers
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
 
 from mcore.kernels import dispatch
+from mcore.kernels.adamw_scalars import AdamWScalars
 
 __all__ = ["AdamWScalars", "adamw_step_", "reference_adamw_step"]
 
 _GRAD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _MODEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-
-
-@dataclass(frozen=True)
-class AdamWScalars:
-    """The per-call scalars of the update, computed once on the host in double precision.
-
-    ``decay`` is ``1 - lr * weight_decay`` (``None`` when ``weight_decay == 0``, so the multiply is skipped as
-    torch skips it), ``step_size`` is ``lr / (1 - beta1**steps)`` and ``bias_correction2_sqrt`` is
-    ``sqrt(1 - beta2**steps)``.
-    """
-
-    decay: float | None
-    beta1: float
-    one_minus_beta1: float
-    beta2: float
-    one_minus_beta2: float
-    step_size: float
-    bias_correction2_sqrt: float
-    eps: float
-
-    @classmethod
-    def of(cls, *, steps: int, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float) -> AdamWScalars:
-        return cls(
-            decay=None if weight_decay == 0 else 1.0 - lr * weight_decay,
-            beta1=float(beta1),
-            one_minus_beta1=1.0 - beta1,
-            beta2=float(beta2),
-            one_minus_beta2=1.0 - beta2,
-            step_size=lr / (1.0 - beta1**steps),
-            bias_correction2_sqrt=(1.0 - beta2**steps) ** 0.5,
-            eps=float(eps),
-        )
 
 
 def adamw_step_(
@@ -175,6 +143,26 @@ def _check_inputs(
     _check_real("eps", eps, 0.0)
     _check_real("weight_decay", weight_decay, 0.0)
 
+    device = _check_lists(params, grads, exp_avgs, exp_avg_sqs, model_params)
+    _check_grad_multiplier(grad_multiplier, device)
+    return AdamWScalars.of(
+        steps=int(steps),
+        lr=float(lr),
+        beta1=float(beta1),
+        beta2=float(beta2),
+        eps=float(eps),
+        weight_decay=float(weight_decay),
+    )
+
+
+def _check_lists(
+    params: Sequence[torch.Tensor],
+    grads: Sequence[torch.Tensor],
+    exp_avgs: Sequence[torch.Tensor],
+    exp_avg_sqs: Sequence[torch.Tensor],
+    model_params: Sequence[torch.Tensor | None] | None,
+) -> torch.device | None:
+    """Check the tensor lists (types, dtypes, sizes, devices, contiguity); return the params' device."""
     lists = {"params": params, "grads": grads, "exp_avgs": exp_avgs, "exp_avg_sqs": exp_avg_sqs}
     if model_params is not None:
         lists["model_params"] = model_params
@@ -212,27 +200,25 @@ def _check_inputs(
                     f"adamw_step_: {name}[{i}] (shape {tuple(t.shape)}, strides {t.stride()}) must be contiguous: "
                     "it is written in place through a flat view"
                 )
-    if grad_multiplier is not None:
-        if not isinstance(grad_multiplier, torch.Tensor):
-            raise TypeError(
-                f"adamw_step_: grad_multiplier must be a one-element fp32 tensor or None, got "
-                f"{type(grad_multiplier).__name__}"
-            )
-        if grad_multiplier.dtype != torch.float32 or grad_multiplier.numel() != 1:
-            raise ValueError(
-                f"adamw_step_: grad_multiplier must be a one-element float32 tensor, got {grad_multiplier.dtype} "
-                f"of shape {tuple(grad_multiplier.shape)}"
-            )
-        if device is not None and grad_multiplier.device != device:
-            raise ValueError(
-                f"adamw_step_: grad_multiplier is on {grad_multiplier.device} but params are on {device}; create it "
-                "on the params' device (it is read inside the kernel)"
-            )
-    return AdamWScalars.of(
-        steps=int(steps),
-        lr=float(lr),
-        beta1=float(beta1),
-        beta2=float(beta2),
-        eps=float(eps),
-        weight_decay=float(weight_decay),
-    )
+    return device
+
+
+def _check_grad_multiplier(grad_multiplier: torch.Tensor | None, device: torch.device | None) -> None:
+    """A one-element fp32 tensor on the params' device, or None."""
+    if grad_multiplier is None:
+        return
+    if not isinstance(grad_multiplier, torch.Tensor):
+        raise TypeError(
+            f"adamw_step_: grad_multiplier must be a one-element fp32 tensor or None, got "
+            f"{type(grad_multiplier).__name__}"
+        )
+    if grad_multiplier.dtype != torch.float32 or grad_multiplier.numel() != 1:
+        raise ValueError(
+            f"adamw_step_: grad_multiplier must be a one-element float32 tensor, got {grad_multiplier.dtype} "
+            f"of shape {tuple(grad_multiplier.shape)}"
+        )
+    if device is not None and grad_multiplier.device != device:
+        raise ValueError(
+            f"adamw_step_: grad_multiplier is on {grad_multiplier.device} but params are on {device}; create it "
+            "on the params' device (it is read inside the kernel)"
+        )

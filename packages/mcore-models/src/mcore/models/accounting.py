@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from mcore.models.config import TransformerConfig
-from mcore.models.parts.registry import MIXERS, MLPS, PartSpec
+from mcore.models.parts.registry import MIXERS, MLPS, NO_PART, PartSpec
 
 # Dense bf16 peak of one H100 / H200 SXM (both 989.4 TFLOP/s), the denominator of MFU.
 H100_BF16_PEAK_FLOPS = 989.4e12
@@ -30,7 +30,8 @@ class ParameterCounts:
     """Parameters per component of the whole (unsharded) model, real vocabulary (no padding rows).
 
     ``mixers`` and ``mlps`` cover all layers' token mixers (attention: projections, biases, q/k norms) and MLPs;
-    ``norms`` the per-layer pre-norms and the final norm; ``output`` is 0 when the embedding is tied.
+    ``norms`` the pre-norm of every present sub-block and the final norm; ``output`` is 0 when the embedding is
+    tied.
     """
 
     embedding: int
@@ -62,15 +63,17 @@ def parameter_counts(config: TransformerConfig) -> ParameterCounts:
     """Parameter count of each component of the model described by ``config``."""
     h, layers, vocab = config.hidden_size, config.num_hidden_layers, config.vocab_size
     mixers = mlps = 0
+    norms = 1  # the final norm
     for i in range(layers):
         mixer, mlp = layer_parts(config, i)
         mixers += mixer.parameters(config, i)
         mlps += mlp.parameters(config, i)
+        norms += (mixer.name != NO_PART) + (mlp.name != NO_PART)
     return ParameterCounts(
         embedding=vocab * h,
         mixers=mixers,
         mlps=mlps,
-        norms=(2 * layers + 1) * _norm_params(config, h),
+        norms=norms * _norm_params(config, h),
         output=0 if config.tie_word_embeddings else vocab * h,
     )
 

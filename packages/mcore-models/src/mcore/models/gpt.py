@@ -19,6 +19,7 @@ from mcore.models.parts.registry import PartContext
 from mcore.models.rope import RopeTables, RotaryTables
 from mcore.parallel.grid import ProcessGroups
 from mcore.parallel.init import seeded_generator
+from mcore.parallel.param_attrs import mark_shared_embedding
 from mcore.parallel.tensor_parallel import ColumnParallelLinear, vocab_parallel_cross_entropy
 
 RECOMPUTE_MODES = (None, "full", "selective")
@@ -81,7 +82,7 @@ class GPTModel(nn.Module):
             self.embedding = build_embedding(config, self.padded_vocab_size, **parallel)
             # Tied embeddings split over pipeline stages live twice (first stage: lookup, last stage: output
             # layer); finalize_model_grads sums the gradients of every copy marked shared_embedding.
-            self.embedding.weight.shared_embedding = config.tie_word_embeddings and groups.pp_size > 1
+            mark_shared_embedding(self.embedding.weight, config.tie_word_embeddings and groups.pp_size > 1)
         context = PartContext(
             tp_group=self.tp_group, tp_size=tp, sequence_parallel=sequence_parallel, recompute=recompute, **factory
         )

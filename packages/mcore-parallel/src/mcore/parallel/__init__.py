@@ -15,6 +15,7 @@ from mcore.parallel.comm import (
 )
 from mcore.parallel.cross_entropy import vocab_parallel_cross_entropy
 from mcore.parallel.data_parallel import DistributedDataParallel
+from mcore.parallel.distributed_optimizer import DistributedOptimizer
 from mcore.parallel.finalize import finalize_model_grads
 from mcore.parallel.grad_clip import clip_grad_norm, total_grad_norm
 from mcore.parallel.grid import GROUP_KINDS, ParallelConfig, ProcessGroups, build_process_groups, rank_groups
@@ -27,7 +28,6 @@ from mcore.parallel.init import (
 )
 from mcore.parallel.loss_scaler import DynamicLossScaler
 from mcore.parallel.optimizer import (
-    DistributedOptimizer,
     MixedPrecisionOptimizer,
     StepResult,
     default_param_groups,
@@ -37,6 +37,7 @@ from mcore.parallel.tensor_parallel import (
     ColumnParallelLinear,
     RowParallelLinear,
     VocabParallelEmbedding,
+    attach_weight_grad_store,
     set_tensor_parallel_attributes,
 )
 from mcore.parallel.weight_grad_store import WeightGradStore
@@ -76,6 +77,7 @@ __all__ = [
     "scatter_to_sequence_parallel_region",
     "scatter_to_tp_region",
     "seeded_generator",
+    "attach_weight_grad_store",
     "set_tensor_parallel_attributes",
     "total_grad_norm",
     "vocab_parallel_cross_entropy",

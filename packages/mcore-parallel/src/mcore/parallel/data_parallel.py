@@ -33,6 +33,7 @@ from torch import nn
 
 from mcore.parallel.comm import group_rank, group_size
 from mcore.parallel.grad_buffer import GradBuffer
+from mcore.parallel.param_attrs import attach_gradient_plumbing, main_grad, take_wgrad_in_main_grad
 
 __all__ = ["DistributedDataParallel"]
 
@@ -101,12 +102,10 @@ class DistributedDataParallel(nn.Module):
         self._hook_handles = []
         for p in params:
             hook = self._make_grad_hook()
-            p.mcore_grad_ready_hook = hook  # WeightGradStore calls it after a deferred weight gradient
-            # read by the tensor-parallel linears: accumulate the weight gradient into main_grad in the GEMM, for
-            # as long as this wrapper lives (a weak reference: a module trained on after its wrapper is gone gets
-            # its gradients in .grad again, not in an orphaned buffer)
-            p.mcore_fuse_wgrad = weakref.ref(self) if gradient_accumulation_fusion else None
-            p.mcore_wgrad_in_main_grad = False
+            # WeightGradStore calls the hook after a deferred weight gradient; the tensor-parallel linears
+            # accumulate weight gradients into main_grad in the GEMM for as long as this wrapper lives (a module
+            # trained on after its wrapper is gone gets its gradients in .grad again, not in an orphaned buffer)
+            attach_gradient_plumbing(p, owner=self, grad_ready_hook=hook, fuse_wgrad=gradient_accumulation_fusion)
             self._hook_handles.append(p.register_post_accumulate_grad_hook(hook))
         if overlap_param_gather:
             for sub in module.modules():
@@ -133,15 +132,14 @@ class DistributedDataParallel(nn.Module):
                 return
             # autograd calls this once per backward even when p.grad stayed empty: a deferred weight gradient
             # (WeightGradStore; the parameter is ready only once it has been computed) or one the linear layer
-            # accumulated straight into main_grad (then it flagged mcore_wgrad_in_main_grad). A parameter used
-            # by such a linear and elsewhere (tied embeddings) gets both: the rest arrives in p.grad.
-            fused = getattr(p, "mcore_wgrad_in_main_grad", False)
+            # accumulated straight into main_grad (then it said so, see param_attrs). A parameter used by such a
+            # linear and elsewhere (tied embeddings) gets both: the rest arrives in p.grad.
+            fused = take_wgrad_in_main_grad(p)
             if p.grad is None and not fused:
                 return
             if p.grad is not None:
-                p.main_grad.add_(p.grad)
+                main_grad(p).add_(p.grad)
                 p.grad = None
-            p.mcore_wgrad_in_main_grad = False
             if ddp._sync_enabled and ddp.overlap_grad_reduce:
                 ddp._buffer_of[p].mark_ready(p)
 
@@ -195,25 +193,6 @@ class DistributedDataParallel(nn.Module):
         """Wait for every parameter all-gather in flight (before reading parameters outside forward)."""
         for buf in self._grad_buffers:
             buf.finish_param_gather()
-
-    def broadcast_params(self) -> None:
-        """Copy dp rank 0's parameters to the other dp ranks (when they were not initialized identically)."""
-        if self.dp_size == 1:
-            return
-        src = dist.get_global_rank(self.dp_group, 0)
-        for p in self.module.parameters():
-            dist.broadcast(p.data, src=src, group=self.dp_group)
-
-    def remove_hooks(self) -> None:
-        """Detach this wrapper's hooks from the module's parameters and submodules."""
-        for handle in self._hook_handles:
-            handle.remove()
-        self._hook_handles.clear()
-        for buf in self._grad_buffers:
-            for p in buf.ranges:
-                for attr in ("mcore_grad_ready_hook", "mcore_fuse_wgrad", "mcore_wgrad_in_main_grad"):
-                    if hasattr(p, attr):
-                        delattr(p, attr)
 
     # Parameter names and state dicts are the wrapped module's: no "module." prefix.
     def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):

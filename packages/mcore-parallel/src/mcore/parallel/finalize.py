@@ -11,12 +11,9 @@ from torch import nn
 from mcore.parallel.comm import group_size
 from mcore.parallel.data_parallel import DistributedDataParallel
 from mcore.parallel.grid import ProcessGroups
+from mcore.parallel.param_attrs import accumulated_grad, is_sequence_parallel, is_shared_embedding
 
 __all__ = ["finalize_model_grads"]
-
-
-def _grad_of(p: torch.Tensor) -> torch.Tensor | None:
-    return p.main_grad if hasattr(p, "main_grad") else p.grad
 
 
 def _all_reduce_coalesced(grads: list[torch.Tensor], group: dist.ProcessGroup | None) -> None:
@@ -56,10 +53,10 @@ def finalize_model_grads(model_chunks: nn.Module | Sequence[nn.Module], groups: 
         if isinstance(chunk, DistributedDataParallel):
             chunk.finish_grad_sync()
     params = _unique_params(chunks)
-    sp = [g for p in params if getattr(p, "sequence_parallel", False) and (g := _grad_of(p)) is not None]
+    sp = [g for p in params if is_sequence_parallel(p) and (g := accumulated_grad(p)) is not None]
     if sp:
         _all_reduce_coalesced(sp, groups.tp)
     if groups.embedding is not None:
-        tied = [g for p in params if getattr(p, "shared_embedding", False) and (g := _grad_of(p)) is not None]
+        tied = [g for p in params if is_shared_embedding(p) and (g := accumulated_grad(p)) is not None]
         if tied:
             _all_reduce_coalesced(tied, groups.embedding)

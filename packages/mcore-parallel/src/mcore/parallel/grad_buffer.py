@@ -22,6 +22,7 @@ import torch.distributed as dist
 from torch import nn
 
 from mcore.parallel.comm import all_gather_into, group_rank, group_size, reduce_scatter_into
+from mcore.parallel.param_attrs import set_main_grad
 
 __all__ = ["Bucket", "GradBuffer"]
 
@@ -106,7 +107,7 @@ class GradBuffer:
             # parameters become views of one flat tensor so that each bucket can be all-gathered in place
             self.param_data = torch.zeros(self.numel, dtype=self.param_dtype, device=self.device)
         for p, (lo, hi) in self.ranges.items():
-            p.main_grad = self.grad_data[lo:hi].view(p.shape)
+            set_main_grad(p, self.grad_data[lo:hi].view(p.shape))
             if self.param_data is not None:
                 self.param_data[lo:hi].copy_(p.data.reshape(-1))
                 p.data = self.param_data[lo:hi].view(p.shape)

@@ -18,14 +18,15 @@ import torch
 import torch.distributed as dist
 
 from mcore.parallel.comm import group_rank, group_size
+from mcore.parallel.param_attrs import accumulated_grad, is_shared_embedding, is_tensor_parallel
 
 __all__ = ["clip_coefficient", "clip_grad_norm", "clip_grads_", "total_grad_norm"]
 
 
 def _counted_here(param: torch.Tensor, tp_rank: int, pp_rank: int) -> bool:
-    if getattr(param, "shared_embedding", False) and pp_rank != 0:
+    if is_shared_embedding(param) and pp_rank != 0:
         return False
-    return bool(getattr(param, "tensor_parallel", False)) or tp_rank == 0
+    return is_tensor_parallel(param) or tp_rank == 0
 
 
 def total_grad_norm(
@@ -89,7 +90,7 @@ def clip_grad_norm(
     ``max_norm`` (0 disables clipping) and return the norm before clipping."""
     items = []
     for p in parameters:
-        g = p.main_grad if hasattr(p, "main_grad") else p.grad
+        g = accumulated_grad(p)
         if g is not None:
             items.append((p, g))
     norm = total_grad_norm(items, tp_group=tp_group, pp_group=pp_group, dp_group=dp_group)

@@ -264,11 +264,6 @@ class ProcessGroups:
     def is_last_stage(self) -> bool:
         return self.pp_rank == self.config.pp - 1
 
-    @property
-    def in_embedding_group(self) -> bool:
-        """True on the ranks whose tied embedding gradients are all-reduced together (first/last stage)."""
-        return self.rank in self.group_ranks.get("embedding", ())
-
 
 def build_process_groups(
     config: ParallelConfig, backend: str | None = None, *, ranks: Sequence[int] | None = None

@@ -1,5 +1,5 @@
 """AdamW on fp32 master weights: replicated (``MixedPrecisionOptimizer``) or sharded over data parallelism
-(``DistributedOptimizer``, ZeRO-1).
+(``DistributedOptimizer``, ZeRO-1, in :mod:`mcore.parallel.distributed_optimizer`).
 
 Both optimizers keep, for each parameter (or, sharded, each piece of a parameter that falls in this
 rank's shard of a gradient bucket), an fp32 master copy and apply AdamW to those. A step:
@@ -41,20 +41,19 @@ import torch
 from torch import nn
 
 from mcore.kernels import adamw_step_
-from mcore.parallel.comm import all_gather_into, group_size
 from mcore.parallel.data_parallel import DistributedDataParallel
 from mcore.parallel.grad_clip import clip_coefficient, clip_grads_, total_grad_norm
 from mcore.parallel.grid import ProcessGroups
 from mcore.parallel.loss_scaler import DynamicLossScaler
+from mcore.parallel.param_attrs import main_grad
 
 __all__ = [
-    "DistributedOptimizer",
     "MixedPrecisionOptimizer",
     "StepResult",
     "default_param_groups",
 ]
 
-_STATE_KINDS = ("master", "exp_avg", "exp_avg_sq")
+STATE_KINDS = ("master", "exp_avg", "exp_avg_sq")
 _GROUP_KEYS = {"params", "weight_decay", "lr_mult"}
 
 
@@ -62,15 +61,14 @@ _GROUP_KEYS = {"params", "weight_decay", "lr_mult"}
 class StepResult:
     """Outcome of ``optimizer.step()``.
 
-    ``ok``: the parameters were updated with finite gradients. ``skipped``: the update was skipped because a
-    gradient was inf/nan (always ``not ok``). ``grad_norm``: fp32 0-d tensor, the global norm before
-    clipping (unscaled); reading it synchronizes, so the caller decides when. ``loss_scale``: the scale to
-    apply to the next loss (``None`` without a loss scaler).
+    ``finite``: the gradients were finite, so the parameters were updated (``False``: the update was skipped
+    because a gradient was inf/nan; the trainer's ``StepOutput.finite`` is this flag). ``grad_norm``: fp32 0-d
+    tensor, the global norm before clipping (unscaled); reading it synchronizes, so the caller decides when.
+    ``loss_scale``: the scale to apply to the next loss (``None`` without a loss scaler).
     """
 
-    ok: bool
+    finite: bool
     grad_norm: torch.Tensor
-    skipped: bool
     loss_scale: float | None
 
 
@@ -90,7 +88,7 @@ def default_param_groups(model: nn.Module | Sequence[nn.Module], weight_decay: f
 
 
 @dataclass(eq=False)
-class _Piece:
+class MasterPiece:
     """A contiguous flat range ``[lo, hi)`` of one parameter, with its fp32 master and gradient."""
 
     param: nn.Parameter
@@ -241,14 +239,15 @@ class MixedPrecisionOptimizer:
     def _group_index(self) -> dict[nn.Parameter, int]:
         return {p: gi for gi, g in enumerate(self._param_groups) for p in g["params"]}
 
-    def _build_pieces(self) -> list[_Piece]:
+    def _build_pieces(self) -> list[MasterPiece]:
         pieces = []
         for p, gi in self._group_index().items():
             flat = p.detach().view(-1)
             aliased = p.dtype == torch.float32
             master = flat if aliased else flat.float().clone()
-            grad_view = p.main_grad.view(-1) if hasattr(p, "main_grad") else None
-            pieces.append(_Piece(p, self.names[p], 0, p.numel(), master, gi, aliased, grad_view))
+            buffer = main_grad(p)
+            grad_view = buffer.view(-1) if buffer is not None else None
+            pieces.append(MasterPiece(p, self.names[p], 0, p.numel(), master, gi, aliased, grad_view))
         return pieces
 
     # ---- hooks for the sharded subclass -----------------------------------------------------------------------
@@ -333,7 +332,7 @@ class MixedPrecisionOptimizer:
         if self.check_nonfinite and not bool(torch.isfinite(norm).item()):
             if self.loss_scaler is not None:
                 self.loss_scaler.update(found_inf=True)
-            return StepResult(ok=False, grad_norm=norm, skipped=True, loss_scale=self._reported_scale())
+            return StepResult(finite=False, grad_norm=norm, loss_scale=self._reported_scale())
         if self._fused_step:
             self._fused_update(grads, norm, inv_scale)
         else:
@@ -342,7 +341,7 @@ class MixedPrecisionOptimizer:
         if self.loss_scaler is not None:
             self.loss_scaler.update(found_inf=False)
         self.step_count += 1
-        return StepResult(ok=True, grad_norm=norm, skipped=False, loss_scale=self._reported_scale())
+        return StepResult(finite=True, grad_norm=norm, loss_scale=self._reported_scale())
 
     def _torch_update(self, grads: list[torch.Tensor | None], present: list[torch.Tensor], norm: torch.Tensor) -> None:
         if self.clip_grad > 0:
@@ -421,7 +420,7 @@ class MixedPrecisionOptimizer:
 
     # ---- state ------------------------------------------------------------------------------------------------
 
-    def _piece_state(self, pc: _Piece, kind: str) -> torch.Tensor:
+    def _piece_state(self, pc: MasterPiece, kind: str) -> torch.Tensor:
         if kind == "master":
             return pc.master
         state = {} if self._adam is None else self._adam.state.get(pc.master, {})
@@ -431,7 +430,7 @@ class MixedPrecisionOptimizer:
         out = {}
         for pc in self._pieces:
             shape = pc.param.shape
-            out[pc.param] = {k: self._piece_state(pc, k).detach().float().view(shape).clone() for k in _STATE_KINDS}
+            out[pc.param] = {k: self._piece_state(pc, k).detach().float().view(shape).clone() for k in STATE_KINDS}
         return out
 
     def state_dict(self) -> dict:
@@ -457,7 +456,7 @@ class MixedPrecisionOptimizer:
         if not isinstance(state, dict) or "tensors" not in state or "step" not in state:
             raise ValueError("optimizer.load_state_dict: expected a dict with 'step' and 'tensors' (see state_dict())")
         tensors = state["tensors"]
-        expected = {f"{self.names[p]}/{k}" for p in self._optimized_params() for k in _STATE_KINDS}
+        expected = {f"{self.names[p]}/{k}" for p in self._optimized_params() for k in STATE_KINDS}
         missing = sorted(expected - set(tensors))
         extra = sorted(set(tensors) - expected)
         if missing or (strict and extra):
@@ -466,7 +465,7 @@ class MixedPrecisionOptimizer:
                 f"unexpected {extra[:6]}{'...' if len(extra) > 6 else ''} (strict={strict})"
             )
         for p in self._optimized_params():
-            for k in _STATE_KINDS:
+            for k in STATE_KINDS:
                 t = tensors[f"{self.names[p]}/{k}"]
                 if tuple(t.shape) != tuple(p.shape):
                     raise ValueError(
@@ -478,7 +477,7 @@ class MixedPrecisionOptimizer:
             if isinstance(chunk, DistributedDataParallel):
                 chunk.finish_param_sync()  # a gather still in flight would overwrite what is loaded here
         for pc in self._pieces:
-            full = {k: tensors[f"{pc.name}/{k}"].reshape(-1)[pc.lo : pc.hi] for k in _STATE_KINDS}
+            full = {k: tensors[f"{pc.name}/{k}"].reshape(-1)[pc.lo : pc.hi] for k in STATE_KINDS}
             pc.master.copy_(full["master"])
             if self._adam is not None:
                 self._adam.state[pc.master] = {
@@ -493,85 +492,3 @@ class MixedPrecisionOptimizer:
         self.step_count = step
         if self.loss_scaler is not None and state.get("loss_scaler") is not None:
             self.loss_scaler.load_state_dict(state["loss_scaler"])
-
-
-class DistributedOptimizer(MixedPrecisionOptimizer):
-    """ZeRO-1: each dp rank keeps fp32 masters and Adam states only for its shard of every gradient bucket.
-
-    ``model_chunks`` must be ``DistributedDataParallel`` wrappers built with ``use_distributed_optimizer=True``
-    over one dp group; the other arguments are those of ``MixedPrecisionOptimizer``.
-    """
-
-    def __init__(self, model_chunks: nn.Module | Sequence[nn.Module], param_groups=None, **kwargs) -> None:
-        chunks = [model_chunks] if isinstance(model_chunks, nn.Module) else list(model_chunks)
-        for i, c in enumerate(chunks):
-            if not isinstance(c, DistributedDataParallel) or not c.use_distributed_optimizer:
-                raise TypeError(
-                    f"DistributedOptimizer: model_chunks[{i}] must be a DistributedDataParallel built with "
-                    f"use_distributed_optimizer=True, got {type(c).__name__}"
-                )
-        if len({id(c.dp_group) for c in chunks}) != 1:
-            raise ValueError("DistributedOptimizer: every model chunk must use the same dp group")
-        self.dp_group = chunks[0].dp_group
-        super().__init__(chunks, param_groups, **kwargs)
-
-    def _build_pieces(self) -> list[_Piece]:
-        group_of = self._group_index()
-        pieces = []
-        for chunk in self.chunks:
-            for buf in chunk.grad_buffers:
-                for bucket in buf.buckets:
-                    for p in bucket.params:
-                        if p not in group_of:
-                            continue
-                        lo, hi = buf.ranges[p]
-                        a, b = max(lo, bucket.shard_start), min(hi, bucket.shard_end)
-                        if a >= b:
-                            continue
-                        master = buf.param_data[a:b].float().clone()
-                        grad_view = buf.grad_data[lo:hi]
-                        pieces.append(_Piece(p, self.names[p], a - lo, b - lo, master, group_of[p], False, grad_view))
-        return pieces
-
-    def _norm_dp_group(self):
-        return self.dp_group  # each dp rank holds a different shard of the gradients
-
-    def _after_update(self) -> None:
-        for chunk in self.chunks:
-            chunk.start_param_sync()
-
-    def _full_states(self) -> dict[nn.Parameter, dict[str, torch.Tensor]]:
-        """Gather every bucket's shards of master/exp_avg/exp_avg_sq over dp (collective over the dp group)."""
-        dp = group_size(self.dp_group)
-        by_param: dict[int, list[_Piece]] = {}
-        for pc in self._pieces:
-            by_param.setdefault(id(pc.param), []).append(pc)
-        optimized = {id(p) for p in self._optimized_params()}
-        out: dict[nn.Parameter, dict[str, torch.Tensor]] = {}
-        for chunk in self.chunks:
-            chunk.finish_param_sync()
-            for buf in chunk.grad_buffers:
-                for bucket in buf.buckets:
-                    length = bucket.shard_end - bucket.shard_start
-                    shard = torch.zeros(len(_STATE_KINDS), length, dtype=torch.float32, device=self.device)
-                    for p in bucket.params:
-                        lo, _ = buf.ranges[p]
-                        for pc in by_param.get(id(p), []):
-                            dst = slice(lo + pc.lo - bucket.shard_start, lo + pc.hi - bucket.shard_start)
-                            for k, kind in enumerate(_STATE_KINDS):
-                                shard[k, dst] = self._piece_state(pc, kind)
-                    kinds = len(_STATE_KINDS)
-                    gathered = torch.empty(dp * kinds, length, dtype=torch.float32, device=self.device)
-                    if dp == 1:
-                        gathered.copy_(shard)
-                    else:
-                        all_gather_into(gathered, shard, self.dp_group)
-                    # [dp, kind, shard] -> [kind, dp * shard]: the bucket in order, one row per state kind
-                    full = gathered.view(dp, kinds, length).permute(1, 0, 2).reshape(kinds, dp * length)
-                    for p in bucket.params:
-                        if id(p) not in optimized:
-                            continue
-                        lo, hi = buf.ranges[p]
-                        rng = slice(lo - bucket.start, hi - bucket.start)
-                        out[p] = {kind: full[k, rng].view(p.shape).clone() for k, kind in enumerate(_STATE_KINDS)}
-        return out

@@ -37,6 +37,12 @@ from mcore.parallel.comm import (
 )
 from mcore.parallel.cross_entropy import vocab_parallel_cross_entropy
 from mcore.parallel.init import InitMethod, normal_init, partition_slice
+from mcore.parallel.param_attrs import (
+    fused_wgrad_target,
+    mark_vocab_padded,
+    mark_wgrad_in_main_grad,
+    set_tensor_parallel_attributes,
+)
 from mcore.parallel.random import RNGStatesTracker, get_rng_tracker
 from mcore.parallel.weight_grad_store import WeightGradStore
 
@@ -46,25 +52,11 @@ __all__ = [
     "RowParallelLinear",
     "VocabParallelEmbedding",
     "WeightGradStore",
+    "attach_weight_grad_store",
     "get_rng_tracker",
     "set_tensor_parallel_attributes",
     "vocab_parallel_cross_entropy",
 ]
-
-
-def set_tensor_parallel_attributes(
-    param: torch.Tensor,
-    *,
-    tensor_parallel: bool,
-    partition_dim: int | None = None,
-    partition_blocks: Sequence[int] | None = None,
-    sequence_parallel: bool = False,
-) -> None:
-    """Set the layout attributes that DDP, the optimizer, grad clipping and checkpoints read."""
-    param.tensor_parallel = tensor_parallel
-    param.partition_dim = partition_dim
-    param.partition_blocks = None if partition_blocks is None else tuple(int(b) for b in partition_blocks)
-    param.sequence_parallel = sequence_parallel
 
 
 def _positive_int(value, what: str) -> int:
@@ -117,27 +109,29 @@ def accumulate_weight_grad_(main_grad: torch.Tensor, grad_out: torch.Tensor, x: 
 def _weight_grad(param: nn.Parameter, grad_out: torch.Tensor, x: torch.Tensor) -> torch.Tensor | None:
     """The weight gradient, or ``None`` when it went straight into ``param.main_grad``.
 
-    ``DistributedDataParallel`` sets ``mcore_fuse_wgrad`` on its parameters (a weak reference to itself); while
-    that wrapper lives the GEMM accumulates into the fp32 ``main_grad`` and ``mcore_wgrad_in_main_grad`` tells
-    DDP's gradient hook (which autograd still calls, with ``param.grad`` left empty) that the gradient is there.
+    While the ``DistributedDataParallel`` wrapper of ``param`` lives (:func:`~mcore.parallel.param_attrs.
+    fused_wgrad_target`) the GEMM accumulates into the fp32 ``main_grad`` and tells DDP's gradient hook (which
+    autograd still calls, with ``param.grad`` left empty) that the gradient is there.
     """
-    owner = getattr(param, "mcore_fuse_wgrad", None)
-    if owner is not None and owner() is not None and getattr(param, "main_grad", None) is not None:
-        accumulate_weight_grad_(param.main_grad, grad_out, x)
-        param.mcore_wgrad_in_main_grad = True
+    target = fused_wgrad_target(param)
+    if target is not None:
+        accumulate_weight_grad_(target, grad_out, x)
+        mark_wgrad_in_main_grad(param)
         return None
     return grad_out.t().matmul(x)
 
 
 class _LinearWithDeferrableWeightGrad(torch.autograd.Function):
-    """``F.linear`` whose weight gradient is queued in ``WeightGradStore`` while it is deferring, and accumulated
-    straight into ``main_grad`` for parameters of a ``DistributedDataParallel`` (see ``_weight_grad``)."""
+    """``F.linear`` whose weight gradient is queued in the layer's ``WeightGradStore`` while that is deferring,
+    and accumulated straight into ``main_grad`` for parameters of a ``DistributedDataParallel``
+    (see ``_weight_grad``)."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias):
+    def forward(ctx, x, weight, bias, store):
         ctx.save_for_backward(x, weight)
         ctx.param = weight  # the Parameter itself: a deferred gradient is accumulated into its .grad
         ctx.has_bias = bias is not None
+        ctx.store = store
         return F.linear(x, weight, bias)
 
     @staticmethod
@@ -150,19 +144,34 @@ class _LinearWithDeferrableWeightGrad(torch.autograd.Function):
             g2 = grad_out.reshape(-1, grad_out.shape[-1])
             x2 = x.reshape(-1, x.shape[-1])
             param = ctx.param
-            if WeightGradStore.is_deferring():
-                WeightGradStore.put(param, lambda: _weight_grad(param, g2, x2))
+            store = ctx.store
+            if store is not None and store.is_deferring():
+                store.put(param, lambda: _weight_grad(param, g2, x2))
             else:
                 grad_w = _weight_grad(param, g2, x2)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_b = grad_out.reshape(-1, grad_out.shape[-1]).sum(0)
-        return grad_x, grad_w, grad_b
+        return grad_x, grad_w, grad_b, None
 
 
-def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, low_precision=None) -> torch.Tensor:
+def _linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, store: WeightGradStore | None, low_precision=None
+) -> torch.Tensor:
     if low_precision is not None:  # an FP8/FP4 linear installed by mcore.parallel.low_precision
         return low_precision(x, weight, bias)
-    return _LinearWithDeferrableWeightGrad.apply(x, weight, bias)
+    return _LinearWithDeferrableWeightGrad.apply(x, weight, bias, store)
+
+
+def attach_weight_grad_store(modules: Sequence[nn.Module], store: WeightGradStore | None) -> int:
+    """Let every tensor-parallel linear inside ``modules`` queue its weight gradients in ``store`` while that is
+    deferring (``None`` detaches); returns how many linears were attached."""
+    count = 0
+    for module in modules:
+        for sub in module.modules():
+            if isinstance(sub, ColumnParallelLinear | RowParallelLinear):
+                sub.weight_grad_store = store
+                count += 1
+    return count
 
 
 def _check_last_dim(x: torch.Tensor, expected: int, layer: str, hint: str) -> None:
@@ -203,6 +212,8 @@ class ColumnParallelLinear(nn.Module):
         self.gather_output = gather_output
         self.sequence_parallel = sequence_parallel
         self.init_method = init_method or normal_init(0.02)
+        # set by attach_weight_grad_store (a zero-bubble schedule's queue of deferred weight gradients)
+        self.weight_grad_store: WeightGradStore | None = None
         blocks = None if partition_blocks is None else tuple(int(b) for b in partition_blocks)
         if blocks is not None and sum(blocks) != out_features:
             raise ValueError(
@@ -238,7 +249,7 @@ class ColumnParallelLinear(nn.Module):
             x = gather_from_sequence_parallel_region(x, self.tp_group)
         else:
             x = copy_to_tp_region(x, self.tp_group)
-        y = _linear(x, self.weight, self.bias, self.low_precision)
+        y = _linear(x, self.weight, self.bias, self.weight_grad_store, self.low_precision)
         if not self.gather_output or self.tp_size == 1:
             return y
         y = gather_from_tp_region(y, self.tp_group)
@@ -293,6 +304,7 @@ class RowParallelLinear(nn.Module):
         self.input_is_parallel = input_is_parallel
         self.sequence_parallel = sequence_parallel
         self.init_method = init_method or normal_init(0.02)
+        self.weight_grad_store: WeightGradStore | None = None  # see attach_weight_grad_store
         self.local_in_features = _divide(in_features, self.tp_size, "RowParallelLinear in_features")
 
         self.weight = nn.Parameter(torch.empty(out_features, self.local_in_features, dtype=params_dtype, device=device))
@@ -319,7 +331,7 @@ class RowParallelLinear(nn.Module):
         else:
             _check_last_dim(x, self.in_features, "RowParallelLinear", "in_features, input_is_parallel=False")
             x = scatter_to_tp_region(x, self.tp_group)
-        y = _linear(x, self.weight, None, self.low_precision)
+        y = _linear(x, self.weight, None, self.weight_grad_store, self.low_precision)
         if self.sequence_parallel:
             y = reduce_scatter_to_sequence_parallel_region(y, self.tp_group)
         else:
@@ -375,8 +387,7 @@ class VocabParallelEmbedding(nn.Module):
             torch.empty(self.local_num_embeddings, embedding_dim, dtype=params_dtype, device=device)
         )
         set_tensor_parallel_attributes(self.weight, tensor_parallel=True, partition_dim=0)
-        self.weight.vocab_padded_dim = 0
-        self.weight.vocab_size = num_embeddings if vocab_size is None else vocab_size
+        mark_vocab_padded(self.weight, 0, num_embeddings if vocab_size is None else vocab_size)
         if not _is_meta(device):
             self.reset_parameters()
 

@@ -5,6 +5,8 @@
     mcore-train [--config FILE.yaml] [--load CKPT] [key=value ...]      train (no arguments: the embedded demo)
     mcore-train --nproc-per-node N [--max-restarts R] ...                 N local workers (torch elastic)
     mcore-train evaluate [--config FILE.yaml] --load CKPT [key=value ...] validation loss/perplexity as JSON
+    mcore-train config [--config FILE.yaml] [key=value ...]                every key (type, default, help); with a
+                                                                          config or overrides, the resolved YAML
     mcore-train plan [--config FILE.yaml] [--world-size N] [--gpu-memory GB] [key=value ...]
     mcore-train plot RUN_DIR
     mcore-train preprocess --input DOCS.jsonl --output-prefix PREFIX [--tokenizer NAME]
@@ -16,6 +18,7 @@ and exits with code 2; ``--debug`` adds the traceback.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -25,8 +28,9 @@ from datetime import datetime
 
 from mcore.train import __version__
 from mcore.train.errors import UserError
+from mcore.train.log_setup import configure_logging
 
-COMMANDS = ("train", "evaluate", "plan", "plot", "preprocess")
+COMMANDS = ("train", "evaluate", "config", "plan", "plot", "preprocess")
 # The command table of the module docstring, shown by --help.
 OVERVIEW = __doc__.split("::\n\n", 1)[1].split("\n\n", 1)[0]
 
@@ -65,6 +69,8 @@ def build_parser(command: str) -> argparse.ArgumentParser:
     elif command == "evaluate":
         _common(parser)
         parser.add_argument("--load", metavar="CKPT", required=True, help="checkpoint to evaluate")
+    elif command == "config":
+        _common(parser)
     elif command == "plan":
         _common(parser)
         parser.add_argument("--world-size", type=int, default=None, help="ranks (default: tp x pp x dp of the config)")
@@ -83,19 +89,12 @@ def build_parser(command: str) -> argparse.ArgumentParser:
 
 
 # ------------------------------------------------------------------------------------------------ commands
-def _checkpoint_configs(path: str | None) -> tuple[dict | None, dict | None]:
-    """(model_config, train_config) recorded in checkpoint ``path`` (``None`` where absent)."""
-    if not path:
-        return None, None
-    from mcore.train.checkpoint.reader import CheckpointReader
-
-    with CheckpointReader(path) as reader:
-        return reader.model_config_dict, reader.train_config
-
-
 def _config(args: argparse.Namespace, extra: list[str] | None = None, *, reuse_run_config: bool = False):
-    """The run's config. With ``--load`` and no model in the config, the checkpoint's model is used;
-    with ``reuse_run_config`` (evaluate) and no ``--config``, the checkpoint's whole training config is."""
+    """(config, overrides, checkpoint): the run's config and the ``--load`` / ``checkpoint.load`` checkpoint,
+    opened once here (``None`` without one; the caller closes it). With a checkpoint and no model in the config,
+    the checkpoint's model is used; with ``reuse_run_config`` (evaluate) and no ``--config``, the checkpoint's
+    whole training config is."""
+    from mcore.train.checkpoint.reader import CheckpointReader
     from mcore.train.config import load_config, parse_overrides
 
     overrides = list(getattr(args, "overrides", []) or []) + (extra or [])
@@ -103,16 +102,30 @@ def _config(args: argparse.Namespace, extra: list[str] | None = None, *, reuse_r
     for key, value in parse_overrides(overrides):
         if key == "checkpoint.load":
             load = str(value)
-    model, train_config = _checkpoint_configs(load)
-    if reuse_run_config and args.config is None and train_config is not None:
-        base = {k: v for k, v in train_config.items() if k not in ("checkpoint", "log")}
-        return load_config(None, overrides, base=base), overrides
-    return load_config(args.config, overrides, default_model=model), overrides
+    reader = CheckpointReader(load) if load else None
+    try:
+        model = reader.model_config_dict if reader is not None else None
+        train_config = reader.train_config if reader is not None else None
+        if reuse_run_config and args.config is None and train_config is not None:
+            base = {k: v for k, v in train_config.items() if k not in ("checkpoint", "log")}
+            return load_config(None, overrides, base=base), overrides, reader
+        return load_config(args.config, overrides, default_model=model), overrides, reader
+    except BaseException:
+        if reader is not None:
+            reader.close()
+        raise
 
 
 def _train(args: argparse.Namespace) -> int:
     extra = [f"checkpoint.load={args.load}"] if args.load else []
-    config, overrides = _config(args, extra)
+    config, overrides, checkpoint = _config(args, extra)
+    with contextlib.ExitStack() as stack:
+        if checkpoint is not None:
+            stack.callback(checkpoint.close)
+        return _run_or_launch(args, config, overrides, checkpoint)
+
+
+def _run_or_launch(args: argparse.Namespace, config, overrides: list[str], checkpoint) -> int:
     nproc = args.nproc_per_node
     if nproc is not None or args.max_restarts > 0:
         if int(os.environ.get("WORLD_SIZE", "1")) > 1:
@@ -137,19 +150,49 @@ def _train(args: argparse.Namespace) -> int:
     from mcore.train.runtime import init_runtime
 
     with init_runtime(config) as runtime:
-        run_training(config, runtime)
+        run_training(config, runtime, load=checkpoint)
     return 0
 
 
 def _evaluate(args: argparse.Namespace) -> int:
+    from mcore.train.checkpoint.reader import resolve_checkpoint_dir
     from mcore.train.evaluate import run_evaluation
     from mcore.train.runtime import init_runtime
 
-    config, _ = _config(args, reuse_run_config=True)
-    with init_runtime(config) as runtime:
-        result = run_evaluation(config, runtime, args.load)
+    config, overrides, checkpoint = _config(args, reuse_run_config=True)
+    with contextlib.ExitStack() as stack:
+        if checkpoint is not None:
+            stack.callback(checkpoint.close)
+        if args.config is None and checkpoint.train_config is None and not _names_data(overrides):
+            raise UserError(
+                f"checkpoint {checkpoint.path} holds no training config (a converted or model-only checkpoint), so "
+                "nothing says what to evaluate it on: give the data, e.g. data.path=PREFIX data.tokenizer=NAME "
+                "(the tokenizer the model was trained with), or --config FILE.yaml"
+            )
+        same = checkpoint.path == resolve_checkpoint_dir(args.load)  # else checkpoint.load= named another
+        with init_runtime(config) as runtime:
+            result = run_evaluation(config, runtime, checkpoint if same else args.load)
     if runtime.is_logging_rank:
         print(json.dumps(result), flush=True)
+    return 0
+
+
+def _names_data(overrides: list[str]) -> bool:
+    return any(item.partition("=")[0].strip().startswith("data.") for item in overrides)
+
+
+def _show_config(args: argparse.Namespace) -> int:
+    if args.config is None and not args.overrides:
+        from mcore.train.config_help import config_keys, format_config_keys
+
+        print(format_config_keys(config_keys()))
+        return 0
+    from mcore.train.config import dump_config
+
+    config, _, checkpoint = _config(args)
+    if checkpoint is not None:
+        checkpoint.close()
+    print(dump_config(config), end="")
     return 0
 
 
@@ -159,7 +202,9 @@ def _plan(args: argparse.Namespace) -> int:
     from mcore.train.metrics import peak_flops
     from mcore.train.plan import default_world_size, format_plan, make_plan, plan_to_dict
 
-    config, _ = _config(args)
+    config, _, checkpoint = _config(args)
+    if checkpoint is not None:
+        checkpoint.close()
     world = args.world_size or default_world_size(config)
     if world < 1:
         raise UserError(f"--world-size must be >= 1, got {world}")
@@ -195,6 +240,7 @@ def _preprocess(args: argparse.Namespace) -> int:
 HANDLERS: dict[str, Callable[[argparse.Namespace], int]] = {
     "train": _train,
     "evaluate": _evaluate,
+    "config": _show_config,
     "plan": _plan,
     "plot": _plot,
     "preprocess": _preprocess,
@@ -209,6 +255,7 @@ def main(argv: list[str] | None = None) -> int:
         command = argv.pop(0)
     args = build_parser(command).parse_intermixed_args(argv)
     debug = bool(getattr(args, "debug", False)) or os.environ.get("MCORE_DEBUG") == "1"
+    configure_logging()
     try:
         return HANDLERS[command](args)
     except UserError as exc:

@@ -11,6 +11,7 @@ import torch
 from mcore.train.config import Config
 from mcore.train.data import (
     DatasetSplits,
+    EmptySplitError,
     build_data_loader,
     build_gpt_datasets,
     build_mock_datasets,
@@ -53,6 +54,29 @@ def build_run_data(config: Config, *, for_training: bool = True) -> RunData:
     else:
         counts = (0, config.train.eval_steps * config.train.global_batch_size, 0)
     common = dict(seq_length=data.seq_length, num_samples=counts, seed=config.train.seed)
+    try:
+        splits = _build_splits(config, tokenizer, common)
+    except EmptySplitError as exc:
+        raise UserError(_empty_split_message(config, exc, for_training)) from None
+    return RunData(tokenizer=tokenizer, train=splits.train, valid=splits.valid)
+
+
+def _empty_split_message(config: Config, exc: EmptySplitError, for_training: bool) -> str:
+    """What ``data.split`` left empty and the config keys that fix it."""
+    split = config.data.split
+    if exc.split_name == "valid":
+        fix = "give the validation part a share, e.g. data.split='95,5,0'"
+        if for_training:
+            fix += ", or turn evaluation off with train.eval_interval=0"
+        what = "evaluation needs train.eval_steps x train.global_batch_size samples"
+    else:
+        fix = f"give the {exc.split_name} part a share, e.g. data.split='95,5,0'"
+        what = f"{exc.split_name} samples were asked for"
+    return f"data.split={split!r} leaves no {exc.split_name} documents in {exc.corpus!r} but {what}; {fix}"
+
+
+def _build_splits(config: Config, tokenizer: Any, common: dict[str, Any]) -> DatasetSplits:
+    data = config.data
     if data.mock:
         # Mock tokens span the model's whole vocabulary, as real data for that vocabulary would.
         mock_vocab = config.model.vocab_size
@@ -78,10 +102,10 @@ def build_run_data(config: Config, *, for_training: bool = True) -> RunData:
                 **common,
             )
         except (ValueError, TypeError) as exc:
-            if isinstance(exc, UserError):
+            if isinstance(exc, UserError):  # an EmptySplitError, a DataError naming its file
                 raise
             raise UserError(f"data.path={data.path!r}: {exc}") from None
-    return RunData(tokenizer=tokenizer, train=splits.train, valid=splits.valid)
+    return splits
 
 
 def microbatch_stream(

@@ -31,12 +31,15 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from mcore.models.accounting import layer_flops_per_token, output_layer_flops_per_token
 from mcore.models.gpt import GPTModel
+from mcore.models.stages import build_stage_chunks
+from mcore.models.stages import pipeline_layout as stage_layout
 from mcore.parallel.data_parallel import DistributedDataParallel
+from mcore.parallel.distributed_optimizer import DistributedOptimizer
 from mcore.parallel.finalize import finalize_model_grads
 from mcore.parallel.loss_scaler import DynamicLossScaler
-from mcore.parallel.optimizer import DistributedOptimizer, MixedPrecisionOptimizer, StepResult, default_param_groups
+from mcore.parallel.optimizer import MixedPrecisionOptimizer, StepResult, default_param_groups
+from mcore.parallel.param_attrs import is_shared_embedding
 from mcore.parallel.pipeline import (
     GPipe,
     Interleaved1F1B,
@@ -44,10 +47,9 @@ from mcore.parallel.pipeline import (
     OneFOneB,
     PipelineSchedule,
     ZeroBubbleH1,
-    balanced_layout,
     p2p_activation_shape,
-    stage_layer_ranges,
 )
+from mcore.train.checkpoint.model_weights import load_model_weights
 from mcore.train.config import Config
 from mcore.train.errors import UserError
 from mcore.train.low_precision import apply_low_precision, base_precision
@@ -60,7 +62,6 @@ SCHEDULES: dict[str, type[PipelineSchedule]] = {
     "interleaved": Interleaved1F1B,
     "zero-bubble": ZeroBubbleH1,
 }
-BATCH_TENSORS = ("tokens", "labels", "loss_mask", "position_ids", "cu_seqlens")
 
 
 def resolve_precision(config: Config, device: torch.device) -> str:
@@ -98,7 +99,8 @@ class StepOutput:
     """What one optimizer step produced (tensors stay on the device; read them when logging).
 
     ``loss``: mean micro-batch loss on the last pipeline stage (0 on other stages). ``finite``: whether the
-    update was applied, or ``None`` when the step was not checked (``train.skip_nonfinite`` off).
+    gradients were finite and so the update was applied (see ``StepResult.finite``), or ``None`` when the step
+    was not checked (``train.skip_nonfinite`` off).
     """
 
     loss: torch.Tensor
@@ -114,17 +116,9 @@ def microbatch_to_device(batch: Mapping[str, Any], device: torch.device) -> dict
 
 
 def pipeline_layout(config: Config, pp: int) -> list[int] | None:
-    """Layers per virtual stage from ``parallel.pipeline_layout`` (``None``: the even split). ``balanced`` weighs
-    the output layer (and the loss) by its FLOPs relative to a transformer layer's; the embedding lookup costs
-    next to nothing."""
-    layout, vpp = config.parallel.pipeline_layout, config.parallel.vpp
-    if layout == "even" or pp == 1:
-        return None
-    if layout == "balanced":
-        m, seq = config.model, config.data.seq_length
-        extra = output_layer_flops_per_token(m) / layer_flops_per_token(m, seq)
-        return balanced_layout(m.num_hidden_layers, pp, vpp, last_stage_extra=extra)
-    return list(layout)
+    """Layers per virtual stage from ``parallel.pipeline_layout`` (``None``: the even split); see
+    :func:`mcore.models.stages.pipeline_layout`."""
+    return stage_layout(config.model, pp, config.parallel.vpp, config.parallel.pipeline_layout, config.data.seq_length)
 
 
 class Trainer:
@@ -136,6 +130,11 @@ class Trainer:
         weights: optional ``CheckpointReader`` whose model weights are loaded before the optimizer takes
             its fp32 master copies (for fine-tuning and resuming).
         with_optimizer: build DDP and the optimizer (``False`` for evaluation only).
+
+    ``chunks`` are this rank's model chunks (``GPTModel`` modules, one per virtual pipeline stage);
+    ``ddp_chunks`` their ``DistributedDataParallel`` wrappers (empty without the optimizer), which the
+    schedule runs when training. The rest of the training state (step, data position, optimizer) is read and
+    restored through :meth:`state_dict` / :meth:`load_state_dict`, which the checkpoint code uses.
     """
 
     def __init__(self, config: Config, runtime: Runtime, *, weights: Any = None, with_optimizer: bool = True) -> None:
@@ -150,36 +149,28 @@ class Trainer:
         pp, vpp = groups.pp_size, config.parallel.vpp
         self.num_stages = pp * vpp
         self.pipeline_layout = pipeline_layout(config, pp)
-        ranges = stage_layer_ranges(config.model.num_hidden_layers, pp, vpp, self.pipeline_layout)[groups.pp_rank]
-        recompute = None if config.train.recompute == "none" else config.train.recompute
-        self.chunks: list[GPTModel] = []
-        for c, layer_range in enumerate(ranges):
-            stage = c * pp + groups.pp_rank
-            chunk = GPTModel(
-                config.model,
-                groups=groups,
-                layer_range=layer_range,
-                pre_process=stage == 0,
-                post_process=stage == self.num_stages - 1,
-                sequence_parallel=config.parallel.sequence_parallel,
-                recompute=recompute,
-                params_dtype=self.params_dtype,
-                device=self.device,
-            )
-            chunk.init_weights(config.train.seed)
+        self.chunks: list[GPTModel] = build_stage_chunks(
+            config.model,
+            groups,
+            vpp=vpp,
+            layout=self.pipeline_layout,
+            seed=config.train.seed,
+            sequence_parallel=config.parallel.sequence_parallel,
+            recompute=None if config.train.recompute == "none" else config.train.recompute,
+            params_dtype=self.params_dtype,
+            device=self.device,
+        )
+        for chunk in self.chunks:
             apply_low_precision(config, chunk, groups.tp)
-            self.chunks.append(chunk)
         if weights is not None:
-            from mcore.train.checkpoint.state import load_model_weights
-
-            load_model_weights(self, weights)
+            load_model_weights(weights, self.named_local_parameters(), config.model, groups)
 
         self.iteration = 0
         self.consumed_samples = 0
         self.lr_schedule = config.lr_schedule()
         self.num_microbatches = config.num_microbatches(groups.dp_size)
         self.optimizer: MixedPrecisionOptimizer | None = None
-        self.model: list[Any] = list(self.chunks)
+        self.ddp_chunks: list[DistributedDataParallel] = []
         if with_optimizer:
             self._build_optimizer()
         self.schedule = self._build_schedule()
@@ -187,7 +178,7 @@ class Trainer:
     # ------------------------------------------------------------------------------------------ building
     def _build_optimizer(self) -> None:
         cfg, groups = self.config, self.groups
-        self.model = [
+        self.ddp_chunks = [
             DistributedDataParallel(
                 chunk,
                 groups.dp,
@@ -203,8 +194,8 @@ class Trainer:
         scaler = DynamicLossScaler(initial_scale=cfg.train.initial_loss_scale) if self.precision == "fp16" else None
         optimizer_cls = DistributedOptimizer if cfg.parallel.distributed_optimizer else MixedPrecisionOptimizer
         self.optimizer = optimizer_cls(
-            self.model,
-            default_param_groups(self.model, cfg.optim.weight_decay),
+            self.ddp_chunks,
+            default_param_groups(self.ddp_chunks, cfg.optim.weight_decay),
             lr=self.lr_schedule(0),
             betas=(cfg.optim.beta1, cfg.optim.beta2),
             eps=cfg.optim.eps,
@@ -227,7 +218,7 @@ class Trainer:
                 sequence_parallel=cfg.parallel.sequence_parallel,
             )
             return cls(
-                self.model,
+                self._scheduled_chunks,
                 num_microbatches=self.num_microbatches,
                 pp_group=groups.pp,
                 activation_shape=shape,
@@ -239,8 +230,13 @@ class Trainer:
         except ValueError as exc:
             raise UserError(f"pipeline schedule {cls.__name__}: {exc}") from None
 
+    @property
+    def _scheduled_chunks(self) -> list[torch.nn.Module]:
+        """What the schedule runs: the DDP wrappers when training, the chunks themselves for evaluation only."""
+        return list(self.ddp_chunks) if self.ddp_chunks else list(self.chunks)
+
     def _finalize_grads(self) -> None:
-        finalize_model_grads(self.model, self.groups)
+        finalize_model_grads(self.ddp_chunks, self.groups)
 
     # ------------------------------------------------------------------------------------------ stepping
     @property
@@ -248,8 +244,8 @@ class Trainer:
         return self.groups.pp_rank == self.groups.pp_size - 1
 
     def _forward_step(self, chunk_index: int, input_tensor: torch.Tensor | None, batch: Mapping[str, Any]):
-        module = self.model[chunk_index]
         chunk = self.chunks[chunk_index]
+        module = self.ddp_chunks[chunk_index] if self.ddp_chunks else chunk
         kwargs: dict[str, Any] = {"position_ids": batch["position_ids"], "cu_seqlens": batch.get("cu_seqlens")}
         if chunk.post_process:
             kwargs["labels"] = batch["labels"]
@@ -278,7 +274,7 @@ class Trainer:
         return StepOutput(
             loss=loss,
             grad_norm=result.grad_norm,
-            finite=result.ok if self.skip_nonfinite else None,
+            finite=result.finite if self.skip_nonfinite else None,
             lr=lr,
             loss_scale=result.loss_scale,
         )
@@ -317,3 +313,55 @@ class Trainer:
     def named_local_parameters(self) -> list[tuple[str, torch.nn.Parameter, GPTModel]]:
         """(global name, parameter, chunk) of every parameter on this rank, shared copies included."""
         return [(name, p, chunk) for chunk in self.chunks for name, p in chunk.named_parameters()]
+
+    # ------------------------------------------------------------------------------------------ state
+    @property
+    def has_optimizer(self) -> bool:
+        return self.optimizer is not None
+
+    def checkpointed_parameters(self) -> dict[str, torch.nn.Parameter]:
+        """This rank's parameters that go into its checkpoint shard: the last stage's copy of a tied embedding
+        is left out (it equals the first stage's ``embedding.weight``, from which it is loaded)."""
+        out: dict[str, torch.nn.Parameter] = {}
+        for name, param, chunk in self.named_local_parameters():
+            if is_shared_embedding(param) and not chunk.pre_process:
+                continue
+            out[name] = param
+        return out
+
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's training state, as a checkpoint saves it (collective with the distributed optimizer,
+        which gathers its shards over dp).
+
+        ``iteration`` and ``consumed_samples`` (the data position); ``lr``: the learning rate of the last step
+        taken; ``model``: :meth:`checkpointed_parameters` (the live parameters: copy them before the next step);
+        ``optimizer``: the optimizer's ``state_dict()`` (``step``, ``tensors`` keyed ``"<name>/<kind>"``,
+        ``loss_scaler``), or ``None`` without an optimizer.
+        """
+        return {
+            "iteration": self.iteration,
+            "consumed_samples": self.consumed_samples,
+            "lr": self.lr_schedule(max(self.iteration - 1, 0)),
+            "model": self.checkpointed_parameters(),
+            "optimizer": self.optimizer.state_dict() if self.optimizer is not None else None,
+        }
+
+    @torch.no_grad()
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore what :meth:`state_dict` returns: ``iteration`` and ``consumed_samples`` (required),
+        ``model`` (optional ``{name: tensor}`` of local parameters, copied in, shared copies included) and
+        ``optimizer`` (optional; needs a trainer built with the optimizer)."""
+        missing = [key for key in ("iteration", "consumed_samples") if key not in state]
+        if missing:
+            raise ValueError(f"Trainer.load_state_dict: state lacks {missing}; it needs iteration and consumed_samples")
+        if state.get("model") is not None:
+            tensors = state["model"]
+            for name, param, _ in self.named_local_parameters():
+                if name in tensors:
+                    param.copy_(tensors[name])
+        if state.get("optimizer") is not None:
+            if self.optimizer is None:
+                raise ValueError("Trainer.load_state_dict: optimizer state given, but the trainer has no optimizer")
+            self.optimizer.load_state_dict(dict(state["optimizer"]))
+        self.iteration = int(state["iteration"])
+        self.consumed_samples = int(state["consumed_samples"])

@@ -63,47 +63,77 @@ def _is_container(tp: Any) -> bool:
 def coerce(value: Any, tp: Any, path: str) -> Any:
     """Return ``value`` converted to the annotation ``tp``, or raise :class:`UserError` naming ``path``."""
     if isinstance(value, RawText) and tp is not str:
-        if tp is Any:
-            return yaml.safe_load(value)
-        origin = typing.get_origin(tp)
-        args = typing.get_args(tp)
-        union = origin in (typing.Union, types.UnionType)
-        if not (union and str in args):
-            try:
-                value = yaml.safe_load(value)
-            except yaml.YAMLError as exc:
-                raise UserError(f"config key '{path}': cannot parse {str(value)!r}: {exc}") from None
-        elif value.lstrip()[:1] in ("[", "{") and any(_is_container(a) for a in args):
-            # a key that takes a string or a list/mapping: `[...]`/`{...}` on the command line is the container
-            try:
-                parsed = yaml.safe_load(value)
-            except yaml.YAMLError:
-                parsed = value
-            if isinstance(parsed, list | dict):
-                value = parsed
+        value = _parse_raw_text(value, tp, path)
     if tp is Any:
         return value
     origin = typing.get_origin(tp)
-    args = typing.get_args(tp)
     if origin in (typing.Union, types.UnionType):
-        if type(None) in args and (value is None or (isinstance(value, str) and value.lower() in ("null", "none"))):
-            return None
-        errors = []
-        for arg in args:
-            if arg is type(None):
-                continue
-            try:
-                return coerce(value, arg, path)
-            except UserError as exc:
-                errors.append(exc)
-        expected = " or ".join(_type_name(a) for a in args)
-        raise UserError(f"config key '{path}' expects {expected}, got {_describe(value)}")
+        return _coerce_union(value, typing.get_args(tp), path)
     if origin is typing.Literal:
+        args = typing.get_args(tp)
         if value in args:
             return value
         raise UserError(
             f"config key '{path}' must be one of {', '.join(repr(a) for a in args)}, got {_describe(value)}"
         )
+    if tp in (bool, int, float, str) or tp is torch.dtype:
+        return _coerce_scalar(value, tp, path)
+    if isinstance(tp, type) and issubclass(tp, enum.Enum):
+        try:
+            return tp(value)
+        except ValueError:
+            choices = ", ".join(repr(m.value) for m in tp)
+            raise UserError(f"config key '{path}' must be one of {choices}, got {_describe(value)}") from None
+    if origin in (list, tuple, dict) or tp in (list, tuple, dict):
+        return _coerce_container(value, tp, path)
+    if dataclasses.is_dataclass(tp):
+        if isinstance(value, tp):
+            return value
+        if not isinstance(value, Mapping):
+            raise UserError(f"config section '{path}' expects a mapping of keys, got {_describe(value)}")
+        return from_dict(tp, value, path)
+    if isinstance(tp, type) and isinstance(value, tp):
+        return value
+    raise UserError(f"config key '{path}' expects {_type_name(tp)}, got {_describe(value)}")
+
+
+def _parse_raw_text(value: RawText, tp: Any, path: str) -> Any:
+    """A command-line value for a non-``str`` field, parsed as YAML (kept as text where ``str`` is allowed)."""
+    if tp is Any:
+        return yaml.safe_load(value)
+    args = typing.get_args(tp)
+    union = typing.get_origin(tp) in (typing.Union, types.UnionType)
+    if not (union and str in args):
+        try:
+            return yaml.safe_load(value)
+        except yaml.YAMLError as exc:
+            raise UserError(f"config key '{path}': cannot parse {str(value)!r}: {exc}") from None
+    if value.lstrip()[:1] in ("[", "{") and any(_is_container(a) for a in args):
+        # a key that takes a string or a list/mapping: `[...]`/`{...}` on the command line is the container
+        try:
+            parsed = yaml.safe_load(value)
+        except yaml.YAMLError:
+            parsed = value
+        if isinstance(parsed, list | dict):
+            return parsed
+    return value
+
+
+def _coerce_union(value: Any, args: tuple[Any, ...], path: str) -> Any:
+    if type(None) in args and (value is None or (isinstance(value, str) and value.lower() in ("null", "none"))):
+        return None
+    for arg in args:
+        if arg is type(None):
+            continue
+        try:
+            return coerce(value, arg, path)
+        except UserError:
+            pass
+    expected = " or ".join(_type_name(a) for a in args)
+    raise UserError(f"config key '{path}' expects {expected}, got {_describe(value)}")
+
+
+def _coerce_scalar(value: Any, tp: Any, path: str) -> Any:
     if tp is bool:
         if isinstance(value, bool):
             return value
@@ -118,9 +148,7 @@ def coerce(value: Any, tp: Any, path: str) -> Any:
             return int(number)
         raise UserError(f"config key '{path}' expects an integer, got {_describe(value)}")
     if tp is float:
-        if isinstance(value, bool):
-            raise UserError(f"config key '{path}' expects a number, got {_describe(value)}")
-        number = _as_number(value)
+        number = None if isinstance(value, bool) else _as_number(value)
         if number is not None:
             return float(number)
         raise UserError(f"config key '{path}' expects a number, got {_describe(value)}")
@@ -128,44 +156,32 @@ def coerce(value: Any, tp: Any, path: str) -> Any:
         if isinstance(value, str):
             return str(value)
         raise UserError(f"config key '{path}' expects a string, got {_describe(value)}")
-    if tp is torch.dtype:
-        if isinstance(value, torch.dtype):
-            return value
-        if isinstance(value, str) and isinstance(getattr(torch, value.removeprefix("torch."), None), torch.dtype):
-            return getattr(torch, value.removeprefix("torch."))
-        raise UserError(f"config key '{path}' expects a torch dtype name such as 'bfloat16', got {_describe(value)}")
-    if isinstance(tp, type) and issubclass(tp, enum.Enum):
-        try:
-            return tp(value)
-        except ValueError:
-            choices = ", ".join(repr(m.value) for m in tp)
-            raise UserError(f"config key '{path}' must be one of {choices}, got {_describe(value)}") from None
-    if origin in (list, tuple) or tp in (list, tuple):
-        if not isinstance(value, list | tuple):
-            raise UserError(f"config key '{path}' expects a list, got {_describe(value)}")
-        if origin is tuple and len(args) == 2 and args[1] is Ellipsis:
-            return tuple(coerce(v, args[0], f"{path}[{i}]") for i, v in enumerate(value))
-        if origin is tuple and args:
-            if len(args) != len(value):
-                raise UserError(f"config key '{path}' expects {len(args)} items, got {len(value)}: {value!r}")
-            return tuple(coerce(v, a, f"{path}[{i}]") for i, (v, a) in enumerate(zip(args, value)))
-        items = [coerce(v, args[0], f"{path}[{i}]") if args else v for i, v in enumerate(value)]
-        return tuple(items) if (origin is tuple or tp is tuple) else items
+    if isinstance(value, torch.dtype):
+        return value
+    if isinstance(value, str) and isinstance(getattr(torch, value.removeprefix("torch."), None), torch.dtype):
+        return getattr(torch, value.removeprefix("torch."))
+    raise UserError(f"config key '{path}' expects a torch dtype name such as 'bfloat16', got {_describe(value)}")
+
+
+def _coerce_container(value: Any, tp: Any, path: str) -> Any:
+    origin = typing.get_origin(tp)
+    args = typing.get_args(tp)
     if origin is dict or tp is dict:
         if not isinstance(value, Mapping):
             raise UserError(f"config key '{path}' expects a mapping, got {_describe(value)}")
         if not args:
             return dict(value)
         return {coerce(k, args[0], path): coerce(v, args[1], _join(path, str(k))) for k, v in value.items()}
-    if dataclasses.is_dataclass(tp):
-        if isinstance(value, tp):
-            return value
-        if not isinstance(value, Mapping):
-            raise UserError(f"config section '{path}' expects a mapping of keys, got {_describe(value)}")
-        return from_dict(tp, value, path)
-    if isinstance(tp, type) and isinstance(value, tp):
-        return value
-    raise UserError(f"config key '{path}' expects {_type_name(tp)}, got {_describe(value)}")
+    if not isinstance(value, list | tuple):
+        raise UserError(f"config key '{path}' expects a list, got {_describe(value)}")
+    if origin is tuple and len(args) == 2 and args[1] is Ellipsis:
+        return tuple(coerce(v, args[0], f"{path}[{i}]") for i, v in enumerate(value))
+    if origin is tuple and args:
+        if len(args) != len(value):
+            raise UserError(f"config key '{path}' expects {len(args)} items, got {len(value)}: {value!r}")
+        return tuple(coerce(v, a, f"{path}[{i}]") for i, (v, a) in enumerate(zip(args, value)))
+    items = [coerce(v, args[0], f"{path}[{i}]") if args else v for i, v in enumerate(value)]
+    return tuple(items) if (origin is tuple or tp is tuple) else items
 
 
 def _as_number(value: Any) -> int | float | None:

@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from mcore.kernels.optimizer import AdamWScalars
+from mcore.kernels.adamw_scalars import AdamWScalars
 
 # Elements per program: 16 fp32 values per thread at 8 warps, so every tensor is read with 128-bit loads and
 # enough bytes are in flight per SM (the same tile as the other elementwise kernels, see _common.py).

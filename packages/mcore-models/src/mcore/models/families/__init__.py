@@ -53,7 +53,10 @@ def register_family(module: ModuleType | Any) -> None:
     if defaults.get("model_type") != name:
         raise ValueError(f"register_family: {name!r} DEFAULTS must set model_type={name!r}")
     for preset, sizes in module.PRESETS.items():
-        TransformerConfig.from_dict({**defaults, **sizes})  # raises naming the field
+        try:
+            TransformerConfig.from_dict({**defaults, **sizes})
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"register_family: preset {preset!r} of {name!r} is invalid: {exc}") from None
     _FAMILIES[name] = defaults
     _HF_ARCHITECTURES[name] = module.HF_ARCHITECTURE
     for preset, sizes in module.PRESETS.items():

@@ -2,7 +2,8 @@
 
 Which mixer and which MLP layer ``i`` uses comes from the config (``config.mixer_type(i)``,
 ``config.mlp_type(i)``); each part's module sits under the name its spec gives (``attention``, ``mlp``...), so
-parameter names are those of the checkpoints whatever the part.
+parameter names are those of the checkpoints whatever the part. The part ``"none"`` of either slot leaves that
+sub-block out, norm and residual branch included (a Mamba-2 layer is ``x + mixer(norm(x))`` alone).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from torch import nn
 from mcore.models.config import TransformerConfig
 from mcore.models.layers.kv_cache import KVCache
 from mcore.models.layers.norm import build_norm
-from mcore.models.parts.registry import MIXERS, MLPS, PartContext
+from mcore.models.parts.registry import MIXERS, MLPS, NO_PART, PartContext, PartSpec
 from mcore.models.rope import RopeTables
 
 
@@ -30,19 +31,23 @@ class DecoderLayer(nn.Module):
                 f"{mixer.attribute!r} and {mlp.attribute!r}"
             )
         norm_kwargs = dict(sequence_parallel=ctx.sequence_parallel, params_dtype=ctx.params_dtype, device=ctx.device)
-        self.mixer_name, self.mlp_name = mixer.attribute, mlp.attribute
-        self.input_norm = build_norm(config, config.hidden_size, **norm_kwargs)
-        self.add_module(mixer.attribute, mixer.build(config, layer_index, ctx))
-        self.mlp_norm = build_norm(config, config.hidden_size, **norm_kwargs)
-        self.add_module(mlp.attribute, mlp.build(config, layer_index, ctx))
+        self.mixer_name = self.mlp_name = None
+        if mixer.name != NO_PART:
+            self.mixer_name = mixer.attribute
+            self.input_norm = build_norm(config, config.hidden_size, **norm_kwargs)
+            self.add_module(mixer.attribute, mixer.build(config, layer_index, ctx))
+        if mlp.name != NO_PART:
+            self.mlp_name = mlp.attribute
+            self.mlp_norm = build_norm(config, config.hidden_size, **norm_kwargs)
+            self.add_module(mlp.attribute, mlp.build(config, layer_index, ctx))
 
     @property
-    def mixer(self) -> nn.Module:
-        return getattr(self, self.mixer_name)
+    def mixer(self) -> nn.Module | None:
+        return None if self.mixer_name is None else getattr(self, self.mixer_name)
 
     @property
-    def feed_forward(self) -> nn.Module:
-        return getattr(self, self.mlp_name)
+    def feed_forward(self) -> nn.Module | None:
+        return None if self.mlp_name is None else getattr(self, self.mlp_name)
 
     def forward(
         self,
@@ -51,5 +56,48 @@ class DecoderLayer(nn.Module):
         cu_seqlens: torch.Tensor | None = None,
         kv_cache: KVCache | None = None,
     ) -> torch.Tensor:
-        x = x + self.mixer(self.input_norm(x), rope, cu_seqlens=cu_seqlens, kv_cache=kv_cache)
-        return x + self.feed_forward(self.mlp_norm(x))
+        if self.mixer_name is not None:
+            x = x + self.mixer(self.input_norm(x), rope, cu_seqlens=cu_seqlens, kv_cache=kv_cache)
+        if self.mlp_name is not None:
+            x = x + self.feed_forward(self.mlp_norm(x))
+        return x
+
+
+def layer_module_names(config: TransformerConfig, layer_index: int) -> tuple[str, ...]:
+    """Names of the modules ``DecoderLayer(config, layer_index)`` holds (its parameters' second name component):
+    what a converter needs to know which per-layer tensors layer ``layer_index`` has."""
+    names: list[str] = []
+    for registry, part_name, norm in (
+        (MIXERS, config.mixer_type(layer_index), "input_norm"),
+        (MLPS, config.mlp_type(layer_index), "mlp_norm"),
+    ):
+        if part_name != NO_PART:
+            names += [norm, registry.get(part_name).attribute]
+    return tuple(names)
+
+
+def _build_nothing(config: TransformerConfig, layer_index: int, context: PartContext) -> nn.Module:
+    raise RuntimeError("the 'none' part has no module: DecoderLayer leaves the sub-block out")
+
+
+def _zero(config: TransformerConfig, layer_index: int) -> int:
+    return 0
+
+
+def _any_tp(config: TransformerConfig, tp: int) -> None:
+    return None
+
+
+def _no_part(attribute: str) -> PartSpec:
+    return PartSpec(
+        name=NO_PART,
+        attribute=attribute,
+        build=_build_nothing,
+        parameters=_zero,
+        matmul_weights=_zero,
+        check_tensor_parallel=_any_tp,
+    )
+
+
+NO_MIXER = _no_part("no_mixer")
+NO_MLP = _no_part("no_mlp")

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from mcore.models.config import TransformerConfig
+from mcore.parallel.param_attrs import mark_vocab_padded
 from mcore.parallel.tensor_parallel import ColumnParallelLinear, VocabParallelEmbedding
 
 
@@ -84,8 +85,7 @@ def build_output_layer(
     if tied_weight is not None:
         output.weight = tied_weight
     else:
-        output.weight.vocab_padded_dim = 0
-        output.weight.vocab_size = config.vocab_size
+        mark_vocab_padded(output.weight, 0, config.vocab_size)
     return output
 
 

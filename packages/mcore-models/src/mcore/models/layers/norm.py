@@ -12,6 +12,7 @@ from torch import nn
 
 from mcore.kernels import layer_norm, rms_norm
 from mcore.models.config import TransformerConfig
+from mcore.parallel.param_attrs import mark_sequence_parallel
 
 
 class RMSNorm(nn.Module):
@@ -29,7 +30,7 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(width, dtype=params_dtype, device=device))
-        self.weight.sequence_parallel = sequence_parallel
+        mark_sequence_parallel(self.weight, sequence_parallel)
 
     def reset_parameters(self, generator: torch.Generator | None = None) -> None:
         """Ones; ``generator`` is accepted for the common ``reset_parameters`` contract and not used."""
@@ -60,7 +61,7 @@ class LayerNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(width, dtype=params_dtype, device=device))
         self.bias = nn.Parameter(torch.zeros(width, dtype=params_dtype, device=device))
         for p in (self.weight, self.bias):
-            p.sequence_parallel = sequence_parallel
+            mark_sequence_parallel(p, sequence_parallel)
 
     def reset_parameters(self, generator: torch.Generator | None = None) -> None:
         """Ones and zeros; ``generator`` is accepted for the common contract and not used."""

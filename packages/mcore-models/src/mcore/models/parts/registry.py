@@ -107,13 +107,18 @@ class PartRegistry:
         del self._entries[name]
 
 
+# The name of the empty part of either slot: a layer with it has no such sub-block at all (no norm, no residual
+# branch), as Mamba-2 layers have no MLP and Nemotron-H's MLP-only layers no mixer.
+NO_PART = "none"
+
 # HF ``layer_types`` names for the attention mixers; more mixers (mla, mamba2, ...) register themselves.
 MIXERS = PartRegistry(
     "mixer",
     {
         "full_attention": "mcore.models.layers.attention:FULL_ATTENTION",
         "sliding_attention": "mcore.models.layers.attention:SLIDING_ATTENTION",
+        NO_PART: "mcore.models.layers.block:NO_MIXER",
     },
 )
 # ``mlp_layer_types`` names; "dense" is the gated MLP of every Llama-family layer.
-MLPS = PartRegistry("mlp", {"dense": "mcore.models.layers.mlp:DENSE_MLP"})
+MLPS = PartRegistry("mlp", {"dense": "mcore.models.layers.mlp:DENSE_MLP", NO_PART: "mcore.models.layers.block:NO_MLP"})

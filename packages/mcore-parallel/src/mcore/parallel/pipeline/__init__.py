@@ -12,7 +12,7 @@
 from mcore.parallel.pipeline.layout import balanced_layout, stage_layer_ranges, virtual_stage_index
 from mcore.parallel.pipeline.ops import BACKWARD, FORWARD, WEIGHT, Op
 from mcore.parallel.pipeline.p2p import PipelineP2P, p2p_activation_shape
-from mcore.parallel.pipeline.plan import Message, Step, pipeline_plans, replay_plans
+from mcore.parallel.pipeline.p2p_exchanges import Message, Step, pipeline_plans, replay_plans
 from mcore.parallel.pipeline.schedules import (
     GPipe,
     Interleaved1F1B,

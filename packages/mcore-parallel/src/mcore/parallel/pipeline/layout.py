@@ -86,7 +86,13 @@ def _fill(count: int, extras: Sequence[float]) -> list[int]:
 
 
 def balanced_layout(
-    num_layers: int, pp: int, vpp: int = 1, *, first_stage_extra: float = 0.0, last_stage_extra: float = 0.0
+    num_layers: int,
+    pp: int,
+    vpp: int = 1,
+    *,
+    first_stage_extra: float = 0.0,
+    last_stage_extra: float = 0.0,
+    layer_costs: Sequence[float] | None = None,
 ) -> list[int]:
     """A ``layout`` for :func:`stage_layer_ranges` that evens out the work of the pipeline ranks.
 
@@ -96,6 +102,11 @@ def balanced_layout(
     light as possible, then each rank's layers to its ``vpp`` chunks the same way (the chunk carrying the
     output layer gets fewer). The pipeline runs at the pace of its heaviest rank, so this matters most when the
     output layer is large relative to a layer (big vocabularies, few layers per stage).
+
+    ``layer_costs`` (one per layer, in the same unit as the extras) is for models whose layers differ (hybrids of
+    attention and Mamba, MoE and dense layers): the contiguous split of the layers into the ``pp * vpp`` virtual
+    stages that makes the heaviest virtual stage lightest (with ``vpp > 1`` this balances chunks, and so ranks
+    up to one chunk's imbalance). Equal costs give the same layout as without them.
     """
     _check_positive_int("num_layers", num_layers)
     _check_positive_int("pp", pp)
@@ -103,6 +114,14 @@ def balanced_layout(
     for name, extra in (("first_stage_extra", first_stage_extra), ("last_stage_extra", last_stage_extra)):
         if isinstance(extra, bool) or not isinstance(extra, (int, float)) or not extra >= 0:
             raise ValueError(f"{name} must be a number >= 0 (cost in transformer layers), got {extra!r}")
+    if layer_costs is not None:
+        costs = _check_costs(layer_costs, num_layers)
+        if len(set(costs)) > 1:
+            extras = [0.0] * (pp * vpp)
+            extras[0] += first_stage_extra
+            extras[-1] += last_stage_extra
+            return _contiguous_partition(costs, extras)
+        first_stage_extra, last_stage_extra = first_stage_extra / costs[0], last_stage_extra / costs[0]
     rank_extra = [0.0] * pp
     rank_extra[0] += first_stage_extra
     rank_extra[pp - 1] += last_stage_extra
@@ -117,3 +136,38 @@ def balanced_layout(
         for c, n in enumerate(_fill(per_rank[r], chunk_extra)):
             layout[virtual_stage_index(r, c, pp)] = n
     return layout
+
+
+def _check_costs(layer_costs: Sequence[float], num_layers: int) -> list[float]:
+    costs = list(layer_costs)
+    if len(costs) != num_layers:
+        raise ValueError(f"layer_costs has {len(costs)} entries but num_layers={num_layers}; give one per layer")
+    for i, c in enumerate(costs):
+        if isinstance(c, bool) or not isinstance(c, int | float) or not c > 0:
+            raise ValueError(f"layer_costs[{i}] must be a number > 0, got {c!r}")
+    return [float(c) for c in costs]
+
+
+def _contiguous_partition(costs: list[float], extras: list[float]) -> list[int]:
+    """Layers per part of the contiguous split of ``costs`` into ``len(extras)`` parts (part ``j`` also carries
+    ``extras[j]``) minimising the heaviest part: dynamic programming over (parts used, layers placed)."""
+    n, parts = len(costs), len(extras)
+    prefix = [0.0]
+    for c in costs:
+        prefix.append(prefix[-1] + c)
+    inf = float("inf")
+    # best[j][i]: lowest possible heaviest load placing the first i layers into the first j parts.
+    best = [[inf] * (n + 1) for _ in range(parts + 1)]
+    cut = [[0] * (n + 1) for _ in range(parts + 1)]
+    best[0][0] = 0.0
+    for j in range(1, parts + 1):
+        for i in range(n + 1):
+            for k in range(i + 1):  # part j takes layers k..i-1 (possibly none)
+                load = max(best[j - 1][k], prefix[i] - prefix[k] + extras[j - 1])
+                if load < best[j][i]:
+                    best[j][i], cut[j][i] = load, k
+    counts, i = [0] * parts, n
+    for j in range(parts, 0, -1):
+        counts[j - 1] = i - cut[j][i]
+        i = cut[j][i]
+    return counts

@@ -26,6 +26,8 @@ from typing import Any
 
 import torch
 
+from mcore.parallel.param_attrs import tp_split, vocab_padding
+from mcore.train.checkpoint.dtypes import dtype_name
 from mcore.train.errors import CheckpointError
 
 FORMAT_NAME = "mcore"
@@ -37,18 +39,6 @@ LATEST_FILE = "latest"
 # carried by every training checkpoint saved from it, so that converting back needs no --hf-assets).
 HF_ASSETS_DIR = "hf"
 ITER_DIR_RE = re.compile(r"^iter_(\d{7,})$")
-
-_DTYPES = {
-    "float32": torch.float32,
-    "float16": torch.float16,
-    "bfloat16": torch.bfloat16,
-    "float64": torch.float64,
-    "int64": torch.int64,
-    "int32": torch.int32,
-    "uint8": torch.uint8,
-    "int8": torch.int8,
-    "bool": torch.bool,
-}
 
 
 def iter_dir_name(iteration: int) -> str:
@@ -66,18 +56,6 @@ def shard_file(kind: str, tp_rank: int, pp_rank: int) -> str:
 def rng_file(rank: int) -> str:
     """Relative path of the RNG states of one global rank."""
     return f"rng/rank{rank:05d}.safetensors"
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    """``torch.bfloat16`` -> ``"bfloat16"``."""
-    return str(dtype).removeprefix("torch.")
-
-
-def dtype_from_name(name: str) -> torch.dtype:
-    """``"bfloat16"`` -> ``torch.bfloat16``; unknown names raise ``CheckpointError``."""
-    if name not in _DTYPES:
-        raise CheckpointError(f"unknown tensor dtype {name!r} in checkpoint metadata; known: {sorted(_DTYPES)}")
-    return _DTYPES[name]
 
 
 @dataclass(frozen=True)
@@ -173,19 +151,18 @@ def tensor_meta_of(param: torch.Tensor, tp_size: int) -> TensorMeta:
     shape = list(param.shape)
     partition_dim = None
     blocks = None
-    if getattr(param, "tensor_parallel", False):
-        partition_dim = int(param.partition_dim)
+    split = tp_split(param)
+    if split is not None:
+        partition_dim = split.dim
         shape[partition_dim] *= tp_size
-        local_blocks = getattr(param, "partition_blocks", None)
-        if local_blocks is not None:
-            blocks = tuple(int(b) for b in local_blocks)
+        if split.blocks is not None:
+            blocks = split.blocks
             if sum(blocks) != shape[partition_dim]:
                 raise ValueError(
                     f"partition_blocks {blocks} must sum to the full size {shape[partition_dim]} of dim "
                     f"{partition_dim} (local size {param.shape[partition_dim]} x tp {tp_size})"
                 )
-    vocab_dim = getattr(param, "vocab_padded_dim", None)
-    vocab_size = getattr(param, "vocab_size", None) if vocab_dim is not None else None
+    vocab_dim, vocab_size = vocab_padding(param) or (None, None)
     return TensorMeta(
         shape=tuple(shape),
         dtype=dtype_name(param.dtype),

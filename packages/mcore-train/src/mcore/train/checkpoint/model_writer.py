@@ -25,13 +25,13 @@ from typing import Any
 import torch
 
 from mcore.train.checkpoint.directory import fsync_tree
+from mcore.train.checkpoint.dtypes import dtype_name
 from mcore.train.checkpoint.format import (
     FORMAT_NAME,
     FORMAT_VERSION,
     METADATA_FILE,
     Layout,
     TensorMeta,
-    dtype_name,
     shard_file,
     tensor_meta_of,
     write_json_atomic,

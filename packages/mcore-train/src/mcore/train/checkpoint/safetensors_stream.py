@@ -14,18 +14,7 @@ from pathlib import Path
 
 import torch
 
-_CODES = {
-    torch.float64: "F64",
-    torch.float32: "F32",
-    torch.float16: "F16",
-    torch.bfloat16: "BF16",
-    torch.int64: "I64",
-    torch.int32: "I32",
-    torch.int16: "I16",
-    torch.int8: "I8",
-    torch.uint8: "U8",
-    torch.bool: "BOOL",
-}
+from mcore.train.checkpoint.dtypes import TORCH_TO_SAFETENSORS
 
 
 class SafetensorsStreamWriter:
@@ -52,11 +41,15 @@ class SafetensorsStreamWriter:
         offset = 0
         for name in sorted(self._specs):
             dtype, shape = self._specs[name]
-            if dtype not in _CODES:
+            if dtype not in TORCH_TO_SAFETENSORS:
                 raise TypeError(f"tensor {name!r}: dtype {dtype} cannot be stored in safetensors")
             size = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
             self._offsets[name] = (offset, offset + size)
-            header[name] = {"dtype": _CODES[dtype], "shape": list(shape), "data_offsets": [offset, offset + size]}
+            header[name] = {
+                "dtype": TORCH_TO_SAFETENSORS[dtype],
+                "shape": list(shape),
+                "data_offsets": [offset, offset + size],
+            }
             offset += size
         raw = json.dumps(header, separators=(",", ":")).encode("utf-8")
         raw += b" " * (-len(raw) % 8)  # the format aligns the data section to 8 bytes

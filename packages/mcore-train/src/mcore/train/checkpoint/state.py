@@ -17,7 +17,7 @@ import threading
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -37,74 +37,15 @@ from mcore.train.checkpoint.format import (
     write_json_atomic,
 )
 from mcore.train.checkpoint.hf_assets import write_hf_assets
+from mcore.train.checkpoint.model_weights import target_of
 from mcore.train.checkpoint.reader import CheckpointReader
-from mcore.train.checkpoint.resharding import Target
 from mcore.train.errors import CheckpointError
-
-if TYPE_CHECKING:
-    from mcore.train.trainer import Trainer
+from mcore.train.trainer import Trainer
 
 OPTIM_KINDS = ("master", "exp_avg", "exp_avg_sq")
-# Fields that decide the model's tensor shapes and structure: a checkpoint must agree on all of them.
-STRUCTURE_FIELDS = (
-    "hidden_size",
-    "intermediate_size",
-    "num_hidden_layers",
-    "num_attention_heads",
-    "num_key_value_heads",
-    "head_dim",
-    "vocab_size",
-    "tie_word_embeddings",
-    "attention_bias",
-    "attention_out_bias",
-    "mlp_bias",
-    "qk_norm",
-    "normalization",
-)
 
 
 # ------------------------------------------------------------------------------------------------ helpers
-def checkpoint_parameters(trainer: Trainer) -> dict[str, torch.nn.Parameter]:
-    """This rank's parameters that go into its shard: the last stage's copy of a tied embedding is left out
-    (it equals the first stage's ``embedding.weight``, from which it is loaded)."""
-    out: dict[str, torch.nn.Parameter] = {}
-    for name, param, chunk in trainer.named_local_parameters():
-        if getattr(param, "shared_embedding", False) and not chunk.pre_process:
-            continue
-        out[name] = param
-    return out
-
-
-def target_of(param: torch.Tensor, trainer: Trainer) -> Target:
-    """The resharding target that ``param`` (a TP-local slice) represents at this rank."""
-    meta = tensor_meta_of(param, trainer.groups.tp_size)
-    return Target(
-        full_shape=meta.shape,
-        partition_dim=meta.partition_dim,
-        partition_blocks=meta.partition_blocks,
-        tp_size=trainer.groups.tp_size,
-        tp_rank=trainer.groups.tp_rank,
-        vocab_padded_dim=meta.vocab_padded_dim,
-        vocab_size=meta.vocab_size,
-    )
-
-
-def check_model_matches(reader: CheckpointReader, model_config: Any) -> None:
-    """Raise :class:`CheckpointError` if the checkpoint's model differs in shape or structure."""
-    saved = reader.model_config_dict
-    current = model_config.to_dict()
-    diffs = [
-        f"{key}: checkpoint {saved.get(key)!r}, config {current.get(key)!r}"
-        for key in STRUCTURE_FIELDS
-        if key in saved and saved.get(key) != current.get(key)
-    ]
-    if diffs:
-        raise CheckpointError(
-            f"checkpoint {reader.path} was saved from a different model ({'; '.join(diffs)}); set the model "
-            f"section to match the checkpoint (its metadata.json lists the model_config)"
-        )
-
-
 def _rng_tensors(device: torch.device) -> dict[str, torch.Tensor]:
     out = {"torch_cpu": torch.get_rng_state()}
     if device.type == "cuda":
@@ -140,22 +81,6 @@ def layout_of(trainer: Trainer) -> Layout:
 
 # ------------------------------------------------------------------------------------------------ loading
 @torch.no_grad()
-def load_model_weights(trainer: Trainer, reader: CheckpointReader) -> None:
-    """Copy the checkpoint's weights into this rank's parameters, resharding from any saved layout."""
-    check_model_matches(reader, trainer.config.model)
-    known = set(reader.tensor_names())
-    local = trainer.named_local_parameters()
-    missing = sorted({name for name, _, _ in local if name not in known})
-    if missing:
-        raise CheckpointError(
-            f"checkpoint {reader.path} lacks {len(missing)} tensor(s) this model needs, e.g. {missing[:3]}; "
-            f"it was saved from a different model"
-        )
-    for name, param, _ in local:
-        param.data.copy_(reader.read_local(name, target_of(param, trainer), dtype=param.dtype))
-
-
-@torch.no_grad()
 def load_training_state(
     trainer: Trainer, reader: CheckpointReader, *, load_optimizer: bool = True, load_rng: bool = True
 ) -> list[str]:
@@ -167,21 +92,20 @@ def load_training_state(
     for key in ("iteration", "consumed_samples", "optimizer"):
         if key not in state:
             raise CheckpointError(f"{reader.path / TRAIN_STATE_FILE} is corrupt: key '{key}' is missing")
-    if load_optimizer and trainer.optimizer is not None:
+    restored: dict[str, Any] = {"iteration": state["iteration"], "consumed_samples": state["consumed_samples"]}
+    if load_optimizer and trainer.has_optimizer:
         tensors = {}
         for name, param, _ in trainer.named_local_parameters():
-            target = target_of(param, trainer)
+            target = target_of(param, trainer.groups.tp_size, trainer.groups.tp_rank)
             for kind in OPTIM_KINDS:
                 key = f"{name}/{kind}"
                 tensors[key] = reader.read_local(name, target, kind="optim", key=key, dtype=torch.float32)
         optim = state["optimizer"]
-        trainer.optimizer.load_state_dict(
-            {"step": int(optim["step"]), "tensors": tensors, "loss_scaler": optim.get("loss_scaler")}
-        )
+        scaler = optim.get("loss_scaler")
+        restored["optimizer"] = {"step": int(optim["step"]), "tensors": tensors, "loss_scaler": scaler}
     else:
         notes.append("optimizer state not loaded (checkpoint.load_optimizer=false)")
-    trainer.iteration = int(state["iteration"])
-    trainer.consumed_samples = int(state["consumed_samples"])
+    trainer.load_state_dict(restored)
     same_layout = reader.layout == layout_of(trainer)
     if load_rng and same_layout:
         tensors = reader.rng_state(trainer.runtime.rank)
@@ -273,10 +197,10 @@ class CheckpointSaver:
     def _snapshot(self, train_config: dict[str, Any] | None, extra_state: dict[str, Any]) -> _Snapshot:
         trainer = self.trainer
         rt, g = trainer.runtime, trainer.groups
-        if trainer.optimizer is None:
+        if not trainer.has_optimizer:
             raise RuntimeError("cannot save a training checkpoint of a Trainer without optimizer")
-        opt_state = trainer.optimizer.state_dict()  # collective for the distributed optimizer
-        params = checkpoint_parameters(trainer)
+        state = trainer.state_dict()  # collective for the distributed optimizer
+        opt_state, params = state["optimizer"], state["model"]
         writer = g.dp_rank == 0
         model = {n: p.detach().to("cpu", copy=True) for n, p in params.items()} if writer else {}
         optim = {}
@@ -297,7 +221,7 @@ class CheckpointSaver:
             token = box[0]
         else:
             merged = metas
-        iteration = trainer.iteration
+        iteration = state["iteration"]
         metadata = train_state = None
         if rt.rank == 0:
             layout = layout_of(trainer)
@@ -313,9 +237,9 @@ class CheckpointSaver:
             }
             train_state = {
                 "iteration": iteration,
-                "consumed_samples": trainer.consumed_samples,
+                "consumed_samples": state["consumed_samples"],
                 "optimizer": {"step": opt_state["step"], "loss_scaler": opt_state.get("loss_scaler")},
-                "lr": trainer.lr_schedule(max(iteration - 1, 0)),
+                "lr": state["lr"],
                 "world_size": rt.world_size,
                 **extra_state,
             }

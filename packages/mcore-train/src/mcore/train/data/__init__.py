@@ -27,7 +27,7 @@ from mcore.train.data.embedded import (
     embedded_corpus_text,
     embedded_indexed_dataset,
 )
-from mcore.train.data.errors import DataError
+from mcore.train.data.errors import DataError, EmptySplitError
 from mcore.train.data.gpt_dataset import GPTSampleDataset
 from mcore.train.data.indexed import (
     IndexedDataset,
@@ -47,6 +47,7 @@ __all__ = [
     "IGNORE_INDEX",
     "BlendedDataset",
     "DataError",
+    "EmptySplitError",
     "DatasetSplits",
     "GPTSampleDataset",
     "InMemoryIndexedDataset",

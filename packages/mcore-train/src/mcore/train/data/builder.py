@@ -11,7 +11,7 @@ import numpy as np
 import torch
 
 from mcore.train.data.blended import BlendedDataset, normalize_weights, samples_per_dataset
-from mcore.train.data.errors import DataError
+from mcore.train.data.errors import EmptySplitError
 from mcore.train.data.gpt_dataset import GPTSampleDataset
 from mcore.train.data.indexed import IndexedDataset, TokenDocuments
 from mcore.train.data.mock import MockGPTDataset
@@ -111,10 +111,13 @@ def build_gpt_datasets_from_corpora(
         for (_, corpus_name, corpus), corpus_ranges, n in zip(corpora, ranges, per_corpus):
             start, end = corpus_ranges[k]
             if end <= start:
-                raise DataError(
+                raise EmptySplitError(
                     f"dataset {corpus_name!r}: the {name} split of {split!r} holds none of its {len(corpus)} "
                     f"documents, but {counts[k]} {name} samples were asked for; give the {name} split a larger "
-                    f"share or ask for no {name} samples"
+                    f"share or ask for no {name} samples",
+                    split_name=name,
+                    corpus=corpus_name,
+                    split=split,
                 )
             parts.append(
                 GPTSampleDataset(

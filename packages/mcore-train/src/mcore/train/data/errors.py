@@ -11,3 +11,17 @@ class DataError(UserError, ValueError):
     It is a ``UserError`` (the ``mcore-train`` command prints it as one line and exits non-zero) and a
     ``ValueError`` (callers that only know the standard hierarchy can still catch it).
     """
+
+
+class EmptySplitError(DataError):
+    """A train/valid/test split that holds no documents of a corpus although samples were asked of it.
+
+    ``split_name`` is ``train``, ``valid`` or ``test``; the run-level code turns it into a message that names
+    its config keys.
+    """
+
+    def __init__(self, message: str, *, split_name: str, corpus: str, split: object) -> None:
+        super().__init__(message)
+        self.split_name = split_name
+        self.corpus = corpus
+        self.split = split

@@ -3,7 +3,7 @@
 A schedule is defined by one class method, :meth:`PipelineSchedule.op_order`, which lists the ops (``F``,
 ``B``, ``W`` of a chunk and micro-batch) rank ``r`` runs, in order, with its warmup / steady / cooldown phases.
 :meth:`PipelineSchedule.run` executes that order, doing before each op the one batched exchange that
-:func:`~mcore.parallel.pipeline.plan.pipeline_plans` prescribes, so every schedule gets the same, checked
+:func:`~mcore.parallel.pipeline.p2p_exchanges.pipeline_plans` prescribes, so every schedule gets the same, checked
 communication (see ``plan.py``); the op order is also what the timeline drawings are made from.
 """
 
@@ -21,7 +21,7 @@ from torch import nn
 
 from mcore.parallel.pipeline.ops import BACKWARD, FORWARD, Op
 from mcore.parallel.pipeline.p2p import PipelineP2P
-from mcore.parallel.pipeline.plan import ACTIVATION, GRADIENT, Step, pipeline_plans
+from mcore.parallel.pipeline.p2p_exchanges import ACTIVATION, GRADIENT, Step, pipeline_plans
 from mcore.parallel.pipeline.timeline import StageTimeline, TimedOp
 
 __all__ = ["PipelineSchedule", "ForwardStep"]

@@ -3,9 +3,14 @@
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Sequence
+from typing import Any
+
+from torch import nn
 
 from mcore.parallel.pipeline.ops import BACKWARD, FORWARD, WEIGHT, Op
 from mcore.parallel.pipeline.schedules.base import PipelineSchedule
+from mcore.parallel.tensor_parallel import attach_weight_grad_store
 from mcore.parallel.weight_grad_store import WeightGradStore
 
 __all__ = ["ZeroBubbleH1"]
@@ -19,9 +24,10 @@ class ZeroBubbleH1(PipelineSchedule):
     at the end of 1F1B while the backward travels back to rank 0, run their saved-up W passes there instead. With
     ``t_F = t_B = t_W`` this leaves ``p - 1`` op slots idle per rank, a third of 1F1B's ``3 (p - 1)``.
 
-    Weight gradients are deferred through :class:`mcore.parallel.tensor_parallel.WeightGradStore`: each B pass
-    runs inside ``WeightGradStore.deferring()`` (one queued batch per micro-batch) and each W pass runs the oldest
-    batch with ``WeightGradStore.flush(1)``; W passes come in micro-batch order, so that is the right one. Only the
+    Weight gradients are deferred through the schedule's own :class:`~mcore.parallel.weight_grad_store.
+    WeightGradStore` (``weight_grads``, handed to the tensor-parallel linears of the chunks): each B pass runs
+    inside ``weight_grads.deferring()`` (one queued batch per micro-batch) and each W pass runs the oldest batch
+    with ``weight_grads.flush(1)``; W passes come in micro-batch order, so that is the right one. Only the
     tensor-parallel linears split their backward; every other parameter gets its gradient in B, which is correct,
     only less bubble-filling. Under data parallelism the B and the W pass of the last micro-batch both run with
     gradient sync on: each completes a different set of gradients.
@@ -76,10 +82,15 @@ class ZeroBubbleH1(PipelineSchedule):
         ticks += [(Op(WEIGHT, 0, mb),) for mb in waiting_w]
         return ticks
 
+    def __init__(self, model_chunks: Sequence[nn.Module], **kwargs: Any) -> None:
+        super().__init__(model_chunks, **kwargs)
+        self.weight_grads = WeightGradStore()
+        attach_weight_grad_store(self.model_chunks, self.weight_grads)
+
     def _check_store_empty(self, when: str) -> None:
-        if WeightGradStore.pending():
+        if self.weight_grads.pending():
             raise RuntimeError(
-                f"WeightGradStore holds {WeightGradStore.pending()} queued weight-gradient batches {when}; "
+                f"WeightGradStore holds {self.weight_grads.pending()} queued weight-gradient batches {when}; "
                 f"ZeroBubbleH1 owns the queue while it runs: flush() or clear() it before calling run()"
             )
 
@@ -87,10 +98,10 @@ class ZeroBubbleH1(PipelineSchedule):
         self._check_store_empty("before the schedule started")
 
     def _backward_context(self) -> contextlib.AbstractContextManager:
-        return WeightGradStore.deferring()
+        return self.weight_grads.deferring()
 
     def _weight_pass(self, chunk: int, microbatch: int) -> None:
-        if WeightGradStore.flush(1) != 1:
+        if self.weight_grads.flush(1) != 1:
             raise RuntimeError(
                 f"W pass of micro-batch {microbatch} found no deferred weight gradients: the WeightGradStore queue "
                 f"was emptied by someone else during the schedule"

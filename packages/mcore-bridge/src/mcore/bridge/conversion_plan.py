@@ -19,6 +19,7 @@ from mcore.bridge.mappings import FamilyMapping
 from mcore.bridge.mappings.base import Op
 from mcore.bridge.safetensors_io import TensorEntry
 from mcore.models.config import TransformerConfig
+from mcore.models.layers.block import layer_module_names
 from mcore.train.checkpoint.format import TensorMeta
 
 _SHOW = 4  # names listed in an error message before "... and N more"
@@ -41,6 +42,9 @@ def steps_for(family: FamilyMapping, config: TransformerConfig) -> list[Step]:
             continue
         layers = range(config.num_hidden_layers) if rule.per_layer else [None]
         for layer in layers:
+            # A per-layer rule applies to the layers holding its module (hybrids: attention or MoE on some only).
+            if layer is not None and rule.mcore.split(".")[2] not in layer_module_names(config, layer):
+                continue
             fmt = {"layer": layer} if layer is not None else {}
             steps.append(Step(rule.mcore.format(**fmt), tuple(h.format(**fmt) for h in rule.hf), rule.op))
     return steps

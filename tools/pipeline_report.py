@@ -1,15 +1,16 @@
-"""Timeline drawings and bubble numbers of every schedule, generated from the code for ``docs/parallelism.md``.
+"""Timeline drawings and bubble numbers of every schedule, generated from the code for ``docs/parallelism.md``
+(a developer tool, not part of the library).
 
-``python -m mcore.parallel.pipeline.report`` prints the drawings and the theoretical bubble table that the docs
+``python tools/pipeline_report.py`` prints the drawings and the theoretical bubble table that the docs
 contain; a test regenerates them and compares, so the docs cannot drift from the schedules' real op orders.
-The drawings replay each schedule's exact plan (:func:`~mcore.parallel.pipeline.plan.replay_plans`: the
+The drawings replay each schedule's exact plan (:func:`~mcore.parallel.pipeline.p2p_exchanges.replay_plans`: the
 executor's ops and lock-step exchanges under NCCL's matching rules, transfers taking no time) with
 ``t_F = 1`` and ``t_B = 2`` per model chunk (``t_B = t_W = 1`` for the split backward of ZB-H1).
 """
 
 from __future__ import annotations
 
-from mcore.parallel.pipeline.plan import replay_plans
+from mcore.parallel.pipeline.p2p_exchanges import replay_plans
 from mcore.parallel.pipeline.schedules import (
     GPipe,
     Interleaved1F1B,

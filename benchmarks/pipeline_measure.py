@@ -1,6 +1,6 @@
 """Measure each schedule's per-stage idle time on real processes (CPU/gloo or CUDA/NCCL).
 
-``python -m mcore.parallel.pipeline.measure --pp 4 --microbatches 8`` spawns ``pp`` ranks, runs every schedule
+``python benchmarks/pipeline_measure.py --pp 4 --microbatches 8`` spawns ``pp`` ranks, runs every schedule
 with ``measure=True`` on a synthetic stack of ``x + fc2(tanh(fc1(x)))`` blocks built from the tensor-parallel
 linears (so ZB-H1 can split their backward; F, B and W then each cost two GEMMs), and prints the measured idle
 fraction of every stage next to the theoretical one. Times come from the schedules' own accounting
@@ -22,10 +22,18 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
-from mcore.parallel.pipeline.report import SCHEDULES
-from mcore.parallel.pipeline.schedules import Interleaved1F1B, NoPipelining, PipelineSchedule
+from mcore.parallel.pipeline.schedules import (
+    GPipe,
+    Interleaved1F1B,
+    NoPipelining,
+    OneFOneB,
+    PipelineSchedule,
+    ZeroBubbleH1,
+)
 from mcore.parallel.pipeline.timeline import StageTimeline
 from mcore.parallel.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+
+SCHEDULES: tuple[type[PipelineSchedule], ...] = (NoPipelining, GPipe, OneFOneB, Interleaved1F1B, ZeroBubbleH1)
 
 __all__ = ["MeasureConfig", "measure", "main"]
 

@@ -1,0 +1,191 @@
+"""The attributes mcore puts on parameters, and the one place that reads and writes them.
+
+Parallel layers, DDP, the optimizer, gradient clipping, checkpoints and the bridge pass facts about a parameter
+along on the parameter itself, as Megatron-Core does: the tensor is what every one of them holds. Those facts are
+plain attributes (so ``torch.nn.Parameter`` keeps working everywhere), but only this module names them; the
+others call the typed helpers below. ``docs/architecture.md`` lists them with who sets and who reads each.
+
+Layout (set when the parameter is created; read by grad clipping, finalize, checkpoints and the bridge):
+
+- ``tensor_parallel`` / ``partition_dim`` / ``partition_blocks``: the tensor is this TP rank's slice along
+  ``partition_dim``; ``partition_blocks`` (full sizes) when the dimension concatenates blocks (fused QKV,
+  gate/up) that are split block by block. :func:`set_tensor_parallel_attributes`, :func:`tp_split`.
+- ``sequence_parallel``: replicated over TP but fed sequence-parallel activations, so its gradient is a partial
+  sum to all-reduce over TP (norm weights, row-parallel biases). :func:`is_sequence_parallel`.
+- ``shared_embedding``: one of the copies of a tied embedding that live on the first and last pipeline stage;
+  their gradients are summed. :func:`mark_shared_embedding`, :func:`is_shared_embedding`.
+- ``vocab_padded_dim`` / ``vocab_size``: dimension padded to the padded vocabulary and the real vocabulary
+  size (rows past it are padding that checkpoints drop). :func:`mark_vocab_padded`, :func:`vocab_padding`.
+
+Gradient plumbing (set by ``DistributedDataParallel`` while it wraps the module):
+
+- ``main_grad``: the fp32 view into DDP's gradient buffer that gradients accumulate into. :func:`main_grad`,
+  :func:`set_main_grad`, :func:`accumulated_grad`.
+- ``mcore_fuse_wgrad``: a weak reference to the DDP wrapper when weight-gradient GEMMs may accumulate straight
+  into ``main_grad``; ``mcore_wgrad_in_main_grad``: the GEMM did so this backward (so DDP must not add
+  ``.grad`` again). :func:`fused_wgrad_target`, :func:`take_wgrad_in_main_grad`.
+- ``mcore_grad_ready_hook``: what ``WeightGradStore`` calls once a deferred weight gradient is in place.
+  :func:`grad_ready_hook`.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+__all__ = [
+    "TensorParallelSplit",
+    "accumulated_grad",
+    "attach_gradient_plumbing",
+    "fused_wgrad_target",
+    "grad_ready_hook",
+    "is_sequence_parallel",
+    "is_shared_embedding",
+    "is_tensor_parallel",
+    "main_grad",
+    "mark_sequence_parallel",
+    "mark_shared_embedding",
+    "mark_vocab_padded",
+    "mark_wgrad_in_main_grad",
+    "set_main_grad",
+    "set_tensor_parallel_attributes",
+    "take_wgrad_in_main_grad",
+    "tp_split",
+    "vocab_padding",
+]
+
+# The attribute names, in one place (other modules use the helpers, never the names).
+_TENSOR_PARALLEL = "tensor_parallel"
+_PARTITION_DIM = "partition_dim"
+_PARTITION_BLOCKS = "partition_blocks"
+_SEQUENCE_PARALLEL = "sequence_parallel"
+_SHARED_EMBEDDING = "shared_embedding"
+_VOCAB_PADDED_DIM = "vocab_padded_dim"
+_VOCAB_SIZE = "vocab_size"
+_MAIN_GRAD = "main_grad"
+_FUSE_WGRAD = "mcore_fuse_wgrad"
+_WGRAD_IN_MAIN_GRAD = "mcore_wgrad_in_main_grad"
+_GRAD_READY_HOOK = "mcore_grad_ready_hook"
+
+
+# ------------------------------------------------------------------------------------------------ layout
+@dataclass(frozen=True)
+class TensorParallelSplit:
+    """How a tensor-parallel parameter is split: along ``dim``, block by block when ``blocks`` (full sizes)."""
+
+    dim: int
+    blocks: tuple[int, ...] | None = None
+
+
+def set_tensor_parallel_attributes(
+    param: torch.Tensor,
+    *,
+    tensor_parallel: bool,
+    partition_dim: int | None = None,
+    partition_blocks: Sequence[int] | None = None,
+    sequence_parallel: bool = False,
+) -> None:
+    """Set the layout attributes that DDP, the optimizer, grad clipping and checkpoints read."""
+    if tensor_parallel and partition_dim is None:
+        raise ValueError("set_tensor_parallel_attributes: a tensor-parallel parameter needs its partition_dim")
+    setattr(param, _TENSOR_PARALLEL, tensor_parallel)
+    setattr(param, _PARTITION_DIM, partition_dim)
+    setattr(param, _PARTITION_BLOCKS, None if partition_blocks is None else tuple(int(b) for b in partition_blocks))
+    setattr(param, _SEQUENCE_PARALLEL, sequence_parallel)
+
+
+def is_tensor_parallel(param: torch.Tensor) -> bool:
+    return bool(getattr(param, _TENSOR_PARALLEL, False))
+
+
+def tp_split(param: torch.Tensor) -> TensorParallelSplit | None:
+    """How ``param`` is split over TP ranks, or ``None`` when every TP rank holds all of it."""
+    if not is_tensor_parallel(param):
+        return None
+    blocks = getattr(param, _PARTITION_BLOCKS, None)
+    return TensorParallelSplit(int(getattr(param, _PARTITION_DIM)), None if blocks is None else tuple(blocks))
+
+
+def mark_sequence_parallel(param: torch.Tensor, sequence_parallel: bool) -> None:
+    setattr(param, _SEQUENCE_PARALLEL, bool(sequence_parallel))
+
+
+def is_sequence_parallel(param: torch.Tensor) -> bool:
+    return bool(getattr(param, _SEQUENCE_PARALLEL, False))
+
+
+def mark_shared_embedding(param: torch.Tensor, shared: bool) -> None:
+    setattr(param, _SHARED_EMBEDDING, bool(shared))
+
+
+def is_shared_embedding(param: torch.Tensor) -> bool:
+    return bool(getattr(param, _SHARED_EMBEDDING, False))
+
+
+def mark_vocab_padded(param: torch.Tensor, dim: int, vocab_size: int) -> None:
+    """Dimension ``dim`` of ``param`` (whole, or this TP rank's slice) spans the padded vocabulary, of which the
+    first ``vocab_size`` entries are real tokens."""
+    setattr(param, _VOCAB_PADDED_DIM, int(dim))
+    setattr(param, _VOCAB_SIZE, int(vocab_size))
+
+
+def vocab_padding(param: torch.Tensor) -> tuple[int, int] | None:
+    """``(dim, vocab_size)`` of a vocabulary-padded parameter, else ``None``."""
+    dim = getattr(param, _VOCAB_PADDED_DIM, None)
+    return None if dim is None else (int(dim), int(getattr(param, _VOCAB_SIZE)))
+
+
+# ------------------------------------------------------------------------------------------------ gradients
+def main_grad(param: torch.Tensor) -> torch.Tensor | None:
+    """The fp32 gradient-buffer view of ``param`` (``None`` when no DDP wrapper gave it one)."""
+    return getattr(param, _MAIN_GRAD, None)
+
+
+def set_main_grad(param: torch.Tensor, view: torch.Tensor) -> None:
+    setattr(param, _MAIN_GRAD, view)
+
+
+def accumulated_grad(param: torch.Tensor) -> torch.Tensor | None:
+    """Where ``param``'s gradient accumulates: ``main_grad`` under DDP, else ``.grad``."""
+    buffer = main_grad(param)
+    return buffer if buffer is not None else param.grad
+
+
+def attach_gradient_plumbing(
+    param: torch.Tensor, *, owner: object, grad_ready_hook: Callable[[torch.Tensor], None], fuse_wgrad: bool
+) -> None:
+    """What ``DistributedDataParallel`` (``owner``) hangs on each parameter it wraps: the hook a deferred weight
+    gradient calls, and (``fuse_wgrad``) permission for weight-gradient GEMMs to write into ``main_grad``
+    while the owner is alive (a weak reference, so a dropped wrapper turns the fusion off)."""
+    setattr(param, _GRAD_READY_HOOK, grad_ready_hook)
+    setattr(param, _FUSE_WGRAD, weakref.ref(owner) if fuse_wgrad else None)
+    setattr(param, _WGRAD_IN_MAIN_GRAD, False)
+
+
+def fused_wgrad_target(param: torch.Tensor) -> torch.Tensor | None:
+    """``main_grad`` when a weight-gradient GEMM may accumulate into it now (the owning DDP wrapper is alive),
+    else ``None`` (the GEMM returns the gradient as usual)."""
+    owner = getattr(param, _FUSE_WGRAD, None)
+    if owner is None or owner() is None:
+        return None
+    return main_grad(param)
+
+
+def mark_wgrad_in_main_grad(param: torch.Tensor) -> None:
+    """The weight gradient of this backward is already in ``main_grad``."""
+    setattr(param, _WGRAD_IN_MAIN_GRAD, True)
+
+
+def take_wgrad_in_main_grad(param: torch.Tensor) -> bool:
+    """Whether this backward's weight gradient went into ``main_grad``; resets the flag for the next one."""
+    fused = bool(getattr(param, _WGRAD_IN_MAIN_GRAD, False))
+    if fused:
+        setattr(param, _WGRAD_IN_MAIN_GRAD, False)
+    return fused
+
+
+def grad_ready_hook(param: torch.Tensor) -> Callable[[torch.Tensor], None] | None:
+    return getattr(param, _GRAD_READY_HOOK, None)
