@@ -29,6 +29,8 @@ from mcore.kernels.low_precision_linear import LowPrecisionLinear, Recipe, recip
 from mcore.parallel.comm import group_size
 from mcore.parallel.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 
+__all__ = ["LayerDecision", "Recipe", "disable_low_precision", "enable_low_precision", "tp_reduce"]
+
 logger = logging.getLogger("mcore.parallel")
 MISMATCH_POLICIES = ("error", "fallback")
 BACKENDS = ("mcore", "te")

@@ -19,8 +19,7 @@ from typing import Literal
 
 import torch
 
-from mcore.kernels.low_precision_linear import Recipe
-from mcore.parallel.low_precision import LayerDecision, enable_low_precision
+from mcore.parallel.low_precision import LayerDecision, Recipe, enable_low_precision
 from mcore.train.errors import UserError
 
 LOW_PRECISIONS = ("fp8", "fp4")

@@ -16,7 +16,9 @@ import torch
 import triton
 import triton.language as tl
 
-from mcore.kernels.quantization import BLOCK, FP8_MAX
+# The formats' constants (quantization.py has the same; importing it from here would make an import cycle).
+BLOCK = 128
+FP8_MAX = {dtype: float(torch.finfo(dtype).max) for dtype in (torch.float8_e4m3fn, torch.float8_e5m2)}
 
 _CAST_TILE = 64
 _BLOCK_ROWS_1X128 = 16
