@@ -15,7 +15,7 @@ from mcore.kernels.low_precision_linear import (
     Recipe,
     recipe_shape_problem,
 )
-from mcore.kernels.quantization import E4M3, E5M2, quantize_fp8
+from mcore.kernels.quantization import E4M3, E5M2, quantize_fp8, quantize_fp8_pair
 
 PAIRS = [("tensor", "tensor"), ("row", "row"), ("1x128", "128x128")]
 # relative error (Frobenius) of y, dx, dW against float64 F.linear: fp8 e4m3 ~ 2^-4 per element, averaged down
@@ -107,14 +107,23 @@ def test_tensorwise_keeps_only_fp8_tensors_for_backward():
 
 def test_delayed_history_uses_the_window_max():
     h = AmaxHistory(length=2, compute="max")
-    first = h.scale_amax(torch.tensor(3.0))
-    assert first.item() == 3.0  # nothing recorded yet: the current amax
-    assert h.scale_amax(torch.tensor(1.0)).item() == 3.0
-    assert h.scale_amax(torch.tensor(2.0)).item() == 3.0  # window [3, 1]
-    assert h.scale_amax(torch.tensor(0.5)).item() == 2.0  # window [2, 1]: the 3 left it
+    assert h.scale_amax() is None  # nothing recorded yet: the caller measures the current amax
+    for recorded, expected in ((3.0, 3.0), (1.0, 3.0), (2.0, 2.0), (0.5, 2.0)):
+        h.record(torch.tensor(recorded))
+        assert h.scale_amax().item() == expected  # the window of the last two: [3], [3, 1], [1, 2], [2, 0.5]
     recent = AmaxHistory(length=4, compute="most_recent")
-    recent.scale_amax(torch.tensor(5.0))
-    assert recent.scale_amax(torch.tensor(1.0)).item() == 5.0
+    recent.record(torch.tensor(5.0))
+    recent.record(torch.tensor(1.0))
+    assert recent.scale_amax().item() == 1.0
+
+
+def test_pair_reports_the_amax_of_the_input(interpreter):
+    x = torch.randn(40, 72) * 3
+    for backend in ("reference", "triton"):
+        for amax in (None, torch.tensor(2.0)):
+            out = torch.full((), -1.0)
+            quantize_fp8_pair(x, E4M3, amax=amax, amax_out=out, backend=backend)
+            assert out.item() == x.abs().max().item(), (backend, amax)
 
 
 def test_delayed_scaling_lags_by_one_call():

@@ -109,19 +109,19 @@ class AmaxHistory:
         self.history: torch.Tensor | None = None
         self.count = 0
 
-    def scale_amax(self, current: torch.Tensor) -> torch.Tensor:
-        """The amax to scale with: from the history, or ``current`` on the first call; then records ``current``."""
-        if self.history is None or self.history.device != current.device:
-            self.history = torch.zeros(self.length, dtype=torch.float32, device=current.device)
+    def scale_amax(self) -> torch.Tensor | None:
+        """The amax to scale with (max of the window, or the most recent), ``None`` before the first record."""
         if self.count == 0:
-            chosen = current.clone()
-        elif self.compute == "max":
-            chosen = self.history.max()
-        else:
-            chosen = self.history[(self.count - 1) % self.length].clone()
-        self.history[self.count % self.length] = current
+            return None
+        if self.compute == "max":
+            return self.history.max()
+        return self.history[(self.count - 1) % self.length].clone()
+
+    def record(self, amax: torch.Tensor) -> None:
+        if self.history is None or self.history.device != amax.device:
+            self.history = torch.zeros(self.length, dtype=torch.float32, device=amax.device)
+        self.history[self.count % self.length] = amax.reshape(())
         self.count += 1
-        return chosen
 
 
 class LowPrecisionLinear:
@@ -182,38 +182,38 @@ class LowPrecisionLinear:
             return self.amax_reduce
         return None
 
-    def _delayed_amax(self, tensor: str, t: torch.Tensor, reduce: AmaxReduce | None) -> torch.Tensor | None:
-        if self.recipe.name != "delayed":
-            return None
-        current = t.abs().amax().to(torch.float32)
-        if reduce is not None:
-            reduce(current)
-        return self.histories[tensor].scale_amax(current)
-
     def quantize(self, t: torch.Tensor, tensor: str, dim: str, operand: int, *, transpose: bool = False) -> Quantized:
         """``t`` (or ``t^T``) quantized as GEMM operand ``operand`` (0: A, 1: B) reducing over ``dim``."""
         granularity = _GRANULARITY[self.recipe.name][operand]
         dtype = fp8_dtype(self.recipe.grad_format) if tensor == "g" else E4M3
         reduce = self._reduce_fn(tensor, dim, granularity)
-        amax = self._delayed_amax(tensor, t, reduce)
         return quantize_fp8(
-            t,
-            dtype,
-            granularity,
-            transpose=transpose,
-            amax=amax,
-            amax_reduce=None if amax is not None else reduce,
-            backend=self._cast_backend(),
+            t, dtype, granularity, transpose=transpose, amax_reduce=reduce, backend=self._cast_backend()
         )
 
     def quantize_pair(self, t: torch.Tensor, tensor: str, dim: str) -> tuple[Quantized, Quantized]:
         """Tensor-wise ``t`` and ``t^T`` with one scale (one read of ``t``)."""
         dtype = fp8_dtype(self.recipe.grad_format) if tensor == "g" else E4M3
         reduce = self._reduce_fn(tensor, dim, "tensor")
-        amax = self._delayed_amax(tensor, t, reduce)
-        return quantize_fp8_pair(
-            t, dtype, amax=amax, amax_reduce=None if amax is not None else reduce, backend=self._cast_backend()
+        if self.recipe.name != "delayed":
+            return quantize_fp8_pair(t, dtype, amax_reduce=reduce, backend=self._cast_backend())
+        # delayed scaling: scale by the history, record this tensor's amax measured in the same pass (one read;
+        # the first use has no history and measures first)
+        history = self.histories[tensor]
+        amax = history.scale_amax()
+        current = torch.zeros((), dtype=torch.float32, device=t.device)
+        pair = quantize_fp8_pair(
+            t,
+            dtype,
+            amax=amax,
+            amax_reduce=reduce if amax is None else None,
+            amax_out=current,
+            backend=self._cast_backend(),
         )
+        if reduce is not None:
+            reduce(current)
+        history.record(current)
+        return pair
 
     def _cast_backend(self) -> str | None:
         return "reference" if self.backend == "reference" else None

@@ -49,6 +49,7 @@ def _cast_kernel(
     MULT,
     Y,
     YT,
+    AMAX_OUT,
     n_rows,
     n_cols,
     stride_xr,
@@ -59,6 +60,7 @@ def _cast_kernel(
     MULT_PER: tl.constexpr,  # 0: one multiplier, 1: one per x row, 2: one per x column
     WRITE_Y: tl.constexpr,
     WRITE_YT: tl.constexpr,
+    RECORD_AMAX: tl.constexpr,  # also max |x| of the tile into AMAX_OUT (delayed scaling: one read)
     BLOCK_R: tl.constexpr,
     BLOCK_C: tl.constexpr,
 ):
@@ -70,6 +72,8 @@ def _cast_kernel(
     r64 = rows.to(tl.int64)
     c64 = cols.to(tl.int64)
     x = tl.load(X + r64[:, None] * stride_xr + c64[None, :] * stride_xc, mask=mask, other=0.0).to(tl.float32)
+    if RECORD_AMAX:
+        tl.atomic_max(AMAX_OUT, tl.max(tl.max(tl.abs(x), axis=1), axis=0))
     if MULT_PER == 0:
         m = tl.load(MULT)
         v = x * m
@@ -136,7 +140,7 @@ def _block_quant_kernel(
     tl.store(Y + r64[:, None] * n_cols + c64[None, :], v.to(Y.dtype.element_ty), mask=mask)
 
 
-def _launch_cast(x, multiplier, y, yt, mult_per: int, dtype: torch.dtype) -> None:
+def _launch_cast(x, multiplier, y, yt, mult_per: int, dtype: torch.dtype, amax_out=None) -> None:
     rows, cols = x.shape
     if rows == 0 or cols == 0:
         return
@@ -146,6 +150,7 @@ def _launch_cast(x, multiplier, y, yt, mult_per: int, dtype: torch.dtype) -> Non
         multiplier.reshape(-1).contiguous(),
         y if y is not None else yt,
         yt if yt is not None else y,
+        amax_out if amax_out is not None else multiplier,
         rows,
         cols,
         x.stride(0),
@@ -156,6 +161,7 @@ def _launch_cast(x, multiplier, y, yt, mult_per: int, dtype: torch.dtype) -> Non
         MULT_PER=mult_per,
         WRITE_Y=y is not None,
         WRITE_YT=yt is not None,
+        RECORD_AMAX=amax_out is not None,
         BLOCK_R=_CAST_TILE,
         BLOCK_C=_CAST_TILE,
         num_warps=4,
@@ -176,13 +182,16 @@ def cast_scaled(x: torch.Tensor, multiplier: torch.Tensor, dtype: torch.dtype, *
 
 
 def cast_scaled_pair(
-    x: torch.Tensor, multiplier: torch.Tensor, dtype: torch.dtype
+    x: torch.Tensor, multiplier: torch.Tensor, dtype: torch.dtype, amax_out: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``q`` and ``q^T`` (both contiguous) with one multiplier, from one read of ``x``."""
+    """``q`` and ``q^T`` (both contiguous) with one multiplier, from one read of ``x``; with ``amax_out`` (fp32,
+    one element) also ``max |x|`` written there in the same pass."""
     rows, cols = x.shape
     out = torch.empty((rows, cols), dtype=dtype, device=x.device)
     out_t = torch.empty((cols, rows), dtype=dtype, device=x.device)
-    _launch_cast(x, multiplier.to(torch.float32), out, out_t, 0, dtype)
+    if amax_out is not None:
+        amax_out.zero_()
+    _launch_cast(x, multiplier.to(torch.float32), out, out_t, 0, dtype, amax_out)
     return out, out_t
 
 
