@@ -179,3 +179,14 @@ def test_cuda_linear_equals_the_reference_path(name):
         outs.append((y.float(), xi.grad.float(), wi.grad.float()))
     for fast, ref in zip(*outs, strict=True):
         torch.testing.assert_close(fast, ref, rtol=2e-2, atol=2e-2 * ref.abs().max().item())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_pair_measures_the_amax_while_casting(cuda_triton):
+    x = torch.randn(4096, 1024, device="cuda", dtype=torch.bfloat16) * 3
+    out = torch.zeros((), device="cuda")
+    q, q_t = quantize_fp8_pair(x, E4M3, amax=torch.tensor(2.0, device="cuda"), amax_out=out, backend="triton")
+    assert out.item() == x.float().abs().max().item()
+    ref = quantize_fp8(x, E4M3, amax=torch.tensor(2.0, device="cuda"), backend="reference")
+    assert torch.equal(q.data.float(), ref.data.float()) and torch.equal(q_t.data.float(), ref.data.float().t())
