@@ -128,8 +128,9 @@ def _block_quant_kernel(
     else:
         amax = tl.max(a, axis=1)
     ok = (amax > 0.0) & (amax < float("inf"))
-    mult = tl.where(ok, tl.math.div_rn(tl.full(amax.shape, FMAX, tl.float32), tl.where(ok, amax, 1.0)), 1.0)
-    scale = tl.math.div_rn(tl.full(mult.shape, 1.0, tl.float32), mult)
+    zero = tl.zeros_like(amax)  # a scalar (128x128) or a vector (1x128) like amax
+    mult = tl.where(ok, tl.math.div_rn(zero + FMAX, tl.where(ok, amax, 1.0)), 1.0)
+    scale = tl.math.div_rn(zero + 1.0, mult)
     if SQUARE:
         v = x * mult
         tl.store(SCALE + pid_r * n_scale_cols + pid_c, scale)
