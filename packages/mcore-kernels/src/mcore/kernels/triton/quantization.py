@@ -128,7 +128,7 @@ def _block_quant_kernel(
     else:
         amax = tl.max(a, axis=1)
     ok = (amax > 0.0) & (amax < float("inf"))
-    zero = tl.zeros_like(amax)  # a scalar (128x128) or a vector (1x128) like amax
+    zero = amax * 0.0  # a scalar (128x128) or a vector (1x128), like amax
     mult = tl.where(ok, tl.math.div_rn(zero + FMAX, tl.where(ok, amax, 1.0)), 1.0)
     scale = tl.math.div_rn(zero + 1.0, mult)
     if SQUARE:
