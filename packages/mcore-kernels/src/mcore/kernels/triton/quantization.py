@@ -38,7 +38,8 @@ def _round_to_fp8(v, FMAX: tl.constexpr, MBITS: tl.constexpr, MIN_EXP: tl.conste
     bits = v.to(tl.int32, bitcast=True)
     exponent = tl.maximum(((bits >> 23) & 0xFF) - 127, MIN_EXP)
     ulp = ((exponent - MBITS + 127) << 23).to(tl.float32, bitcast=True)
-    steps = (v / ulp + _RNE_MAGIC) - _RNE_MAGIC
+    inv_ulp = ((MBITS - exponent + 127) << 23).to(tl.float32, bitcast=True)  # exact, unlike GPU division
+    steps = (v * inv_ulp + _RNE_MAGIC) - _RNE_MAGIC
     saturated = tl.minimum(tl.maximum(steps * ulp, -FMAX), FMAX)
     return tl.where(v != v, v, saturated)  # NaN stays NaN (min/max would turn it into a bound)
 
