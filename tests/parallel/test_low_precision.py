@@ -31,25 +31,33 @@ STEPS = 3
 
 
 class _MLP(torch.nn.Module):
-    def __init__(self, group):
+    def __init__(self, group, sp: bool = False):
         super().__init__()
-        self.up = ColumnParallelLinear(H, FFN, tp_group=group)
-        self.down = RowParallelLinear(FFN, H, tp_group=group)
+        self.up = ColumnParallelLinear(H, FFN, tp_group=group, sequence_parallel=sp)
+        self.down = RowParallelLinear(FFN, H, tp_group=group, sequence_parallel=sp)
 
     def forward(self, x):
         return self.down(torch.relu(self.up(x)))
 
 
-def _train(model, xs, lr=0.5):
+def _train(model, xs, lr=0.5, tp_group=None, sp=False):
+    """SGD on the mean squared error; with sequence parallelism each rank holds a slice of the rows and the
+    loss is its share of the global mean (summed over the ranks for the record)."""
     losses = []
+    rank, size = group_rank(tp_group), group_size(tp_group)
     for x, target in xs:
-        loss = ((model(x) - target) ** 2).mean()
+        if sp:
+            x, target = partition_slice(x, 0, rank, size), partition_slice(target, 0, rank, size)
+        loss = ((model(x) - target) ** 2).sum() / (M * H)
         loss.backward()
         with torch.no_grad():
             for p in model.parameters():
                 p -= lr * p.grad
                 p.grad = None
-        losses.append(loss.detach())
+        loss = loss.detach()
+        if sp:
+            dist.all_reduce(loss, group=tp_group)
+        losses.append(loss)
     return torch.stack(losses)
 
 
@@ -60,19 +68,19 @@ def _data():
     return [(torch.randn(M, H, generator=gen) * scale, torch.randn(M, H, generator=gen)) for _ in range(STEPS)]
 
 
-def _compare(recipe_name: str, tp_group, amax_group) -> dict[str, float]:
+def _compare(recipe_name: str, tp_group, amax_group, sp: bool = False) -> dict[str, float]:
     recipe = Recipe(recipe_name)
     torch.manual_seed(0)
     single = _MLP(None)
     enable_low_precision(single, recipe, keep=())
-    sharded = _MLP(tp_group)
+    sharded = _MLP(tp_group, sp)
     rank, size = group_rank(tp_group), group_size(tp_group)
     with torch.no_grad():
         sharded.up.weight.copy_(partition_slice(single.up.weight, 0, rank, size))
         sharded.down.weight.copy_(partition_slice(single.down.weight, 1, rank, size))
     enable_low_precision(sharded, recipe, tp_group=amax_group, keep=())
     data = _data()
-    loss_single, loss_tp = _train(single, data), _train(sharded, data)
+    loss_single, loss_tp = _train(single, data), _train(sharded, data, tp_group=tp_group, sp=sp)
     up = partition_slice(single.up.weight.detach(), 0, rank, size)
     down = partition_slice(single.down.weight.detach(), 1, rank, size)
     return {
@@ -89,6 +97,8 @@ def _cases(rank: int, world_size: int):
     for name in RECIPES:
         cases[f"right-{name}"] = lambda name=name: _compare(name, tp, tp)
         cases[f"wrong-{name}"] = lambda name=name: _compare(name, tp, alone)
+    for name in ("tensorwise", "rowwise", "blockwise"):
+        cases[f"sp-{name}"] = lambda name=name: _compare(name, tp, tp, sp=True)
     return run_cases(cases)
 
 
@@ -100,6 +110,12 @@ def results():
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_right_group_equals_single_process(results, recipe):
     for errors in case_result(results, f"right-{recipe}"):
+        assert max(errors.values()) < TOL, errors
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise", "blockwise"])
+def test_sequence_parallel_equals_single_process(results, recipe):
+    for errors in case_result(results, f"sp-{recipe}"):
         assert max(errors.values()) < TOL, errors
 
 
