@@ -356,7 +356,7 @@ def _result(spec: RunSpec, config: Any, runtime: Any, trainer: Any, m: _Measured
     """The JSON record of one configuration (the keys of hf_baseline.py's records among them)."""
     import torch
 
-    from mcore.models.accounting import H200_BF16_PEAK_FLOPS, model_flops_per_token, parameter_counts
+    from mcore.models.accounting import H200_BF16_PEAK_FLOPS, mfu, model_flops_per_token, parameter_counts
 
     timed = m.step_times_s[spec.untimed_steps :]
     if not timed:
@@ -407,7 +407,7 @@ def _result(spec: RunSpec, config: Any, runtime: Any, trainer: Any, m: _Measured
         "flops_per_token": flops_per_token,
         "tflops_per_gpu": tflops_per_gpu,
         "peak_flops": H200_BF16_PEAK_FLOPS,
-        "mfu": tflops_per_gpu * 1e12 / H200_BF16_PEAK_FLOPS,
+        "mfu": mfu(tokens_per_s, flops_per_token, runtime.world_size, H200_BF16_PEAK_FLOPS),
         "peak_mem_gb": max(m.peak_bytes) / 1e9,
         "peak_mem_gb_per_rank": [p / 1e9 for p in m.peak_bytes],
         "peak_mem_kind": "cuda max_memory_allocated" if cuda else "process peak RSS",

@@ -11,6 +11,7 @@ from mcore.kernels import attention
 
 # The module itself, by its import path: the package attribute of the same name is the function.
 attn_module = importlib.import_module("mcore.kernels.attention")
+torch_backends = importlib.import_module("mcore.kernels.attention_torch")
 
 B, S, HQ, D = 2, 24, 4, 16
 CU_SEQLENS = [0, 7, 24, 31, 40, 48]  # 5 documents over B * S = 48 tokens, a boundary at S = 24
@@ -212,9 +213,9 @@ def test_flex_block_mask_classification(case_name):
     case = LONG_CASES[case_name]
     s, cu = case["s"], case.get("cu_seqlens")
     b = 1 if cu is None else cu[-1] // s
-    doc_ids = None if cu is None else attn_module._document_ids(torch.tensor(cu, dtype=torch.int32), b, s)
+    doc_ids = None if cu is None else torch_backends._document_ids(torch.tensor(cu, dtype=torch.int32), b, s)
     window_size = case.get("window_size")
-    mask = attn_module._flex_block_mask(b, s, case["causal"], window_size, cu, doc_ids, torch.device("cpu"))
+    mask = torch_backends._flex_block_mask(b, s, case["causal"], window_size, cu, doc_ids, torch.device("cpu"))
     dense = _allowed(b, s, causal=case["causal"], window_size=case.get("window_size"), cu_seqlens=cu)
     n_blocks = -(-s // 128)
     padded = torch.zeros(b, n_blocks * 128, n_blocks * 128, dtype=torch.bool)
@@ -259,7 +260,8 @@ def test_default_backend_choice_on_cpu(monkeypatch):
     assert select(q, k, v, None, None, plain=True) == "sdpa"
     assert select(q, k, v, None, None, plain=False) == "reference"
     assert select(q, k, v, sinks, None, plain=True) == "reference"
-    assert select(q, k, v, None, "triton", plain=True) != "triton"  # no own kernel: falls to the default
+    assert select(q, k, v, None, None, plain=True, return_lse=True) == "reference"  # sdpa cannot return it
+    assert select(q, k, v, None, "triton", plain=True) == "triton"  # the interpreter runs it on CPU tensors
     assert select(q, k, v, None, "flex", plain=True) == "flex"
     monkeypatch.setenv("MCORE_KERNELS_BACKEND", "reference")
     assert select(q, k, v, None, None, plain=True) == "reference"
@@ -285,7 +287,7 @@ def _bad_calls():
         ((q, k.to("meta"), v), {}, ValueError, r"one device"),
         ((q, torch.randn(2, 8, 3, 16), torch.randn(2, 8, 3, 16)), {}, ValueError, r"query heads \(4\) .* \(3\)"),
         ((q, k[..., :8], v[..., :8]), {}, ValueError, r"head dims differ: q has 16, k/v have 8"),
-        ((q, k, v[..., :8]), {}, ValueError, r"k and v must have the same shape"),
+        ((q, k, v[:, :4]), {}, ValueError, r"k and v must agree on \[b, s_k, heads\]"),
         ((q, k[:1], v[:1]), {}, ValueError, r"batch sizes differ: q has 2, k/v have 1"),
         ((q, k[:, :5], v[:, :5]), {}, ValueError, r"causal attention needs as many keys as queries, got s=8 and s_k=5"),
         (("q", k, v), {}, TypeError, r"q must be a tensor, got str"),
@@ -306,6 +308,9 @@ def _bad_calls():
         ((q, k, v), {"sinks": torch.randn(2)}, ValueError, r"sinks must have shape \[Hq\] = \[4\], got \(2,\)"),
         ((q, k, v), {"sinks": torch.ones(4, dtype=torch.long)}, TypeError, r"sinks must be floating point"),
         ((q, k, v), {"sinks": torch.randn(4), "backend": "sdpa"}, ValueError, r"sdpa backend cannot add sinks"),
+        ((q, k, v), {"return_lse": True, "backend": "sdpa"}, ValueError, r"sdpa backend cannot return the log-sum"),
+        ((q, k, v), {"return_lse": 1}, TypeError, r"return_lse must be a bool, got 1"),
+        ((q, k, v), {"deterministic": None}, TypeError, r"deterministic must be a bool, got None"),
         ((q, k, v), {"backend": "cudnn"}, ValueError, r"unknown backend 'cudnn'"),
         ((q.requires_grad_(), k, v), {"backend": "flex"}, ValueError, r"flex backend has no backward on cpu"),
     ]
@@ -332,7 +337,7 @@ def test_cross_attention_without_masks():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("backend", ["default", "sdpa", "flex", "reference"])
+@pytest.mark.parametrize("backend", ["default", "sdpa", "flex", "reference", "triton"])
 @pytest.mark.parametrize("case_name", ["causal_gqa", "window", "documents", "sinks", "window_documents_sinks"])
 def test_gpu_bf16_forward_backward(case_name, backend):
     case = CASES[case_name]
@@ -357,7 +362,7 @@ def test_gpu_bf16_forward_backward(case_name, backend):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("backend", ["flex", "sdpa"])
+@pytest.mark.parametrize("backend", ["flex", "sdpa", "triton"])
 @pytest.mark.parametrize("case_name", list(LONG_CASES))
 def test_gpu_long_sequences_forward_backward(case_name, backend):
     """Multi-block masks on the device, where FlexAttention skips the blocks the BlockMask leaves out."""
@@ -385,5 +390,7 @@ def test_gpu_default_backend_choice(monkeypatch):
     q, k, v, _ = _inputs(CASES["causal_gqa"], dtype=torch.bfloat16, device="cuda")
     select = attn_module._select_backend
     assert select(q, k, v, None, None, plain=True) == "sdpa"
-    assert select(q, k, v, None, None, plain=False) == "flex"
-    assert select(q, k, v, torch.randn(HQ, device="cuda"), None, plain=True) == "flex"
+    assert select(q, k, v, None, None, plain=False) == "triton"
+    assert select(q, k, v, None, None, plain=True, return_lse=True) == "triton"
+    assert select(q, k, v, torch.randn(HQ, device="cuda"), None, plain=False) == "triton"
+    assert select(q.float(), k.float(), v.float(), None, None, plain=False) == "flex"

@@ -237,6 +237,8 @@ def test_evaluate_of_a_model_only_checkpoint_without_data_settings_refuses(capsy
     line = err.strip().splitlines()[-1]
     assert line.startswith("mcore-train: error: checkpoint ") and "holds no training config" in line
     assert "data.path=PREFIX data.tokenizer=NAME" in line
+    code, _, err = _run(capsys, "evaluate", "--load", str(tmp_path / "ckpt"), "train.device=cpu", "data.seq_length=32")
+    assert code == 2 and "holds no training config" in err  # a sequence length does not say which tokens
     # naming the data is enough (here the embedded corpus, whose byte tokenizer fits the model's vocabulary)
     code, out, _ = _run(
         capsys, "evaluate", "--load", str(tmp_path / "ckpt"), "train.device=cpu", "data.tokenizer=byte",

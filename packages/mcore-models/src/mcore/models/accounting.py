@@ -20,9 +20,31 @@ from dataclasses import dataclass
 from mcore.models.config import TransformerConfig
 from mcore.models.parts.registry import MIXERS, MLPS, NO_PART, PartSpec
 
-# Dense bf16 peak of one H100 / H200 SXM (both 989.4 TFLOP/s), the denominator of MFU.
-H100_BF16_PEAK_FLOPS = 989.4e12
+# Dense bf16 peak FLOP/s of common accelerators (the denominator of MFU), matched as substrings of the device
+# name in this order (so "GH200" is not taken for "H200"); the one table of them (mcore-train reads it).
+PEAK_BF16_FLOPS: tuple[tuple[str, float], ...] = (
+    ("GH200", 989.4e12),
+    ("H200", 989.4e12),
+    ("H100", 989.4e12),
+    ("H800", 989.4e12),
+    ("B200", 2250e12),
+    ("A100", 312e12),
+    ("A800", 312e12),
+    ("L40S", 362e12),
+    ("A10G", 125e12),
+    ("L4", 121e12),
+)
+H100_BF16_PEAK_FLOPS = 989.4e12  # SXM, as in the table
 H200_BF16_PEAK_FLOPS = 989.4e12
+
+
+def peak_bf16_flops(device_name: str) -> float | None:
+    """Dense bf16 peak FLOP/s of the accelerator called ``device_name`` (``torch.cuda.get_device_name``), or
+    ``None`` when it is not in :data:`PEAK_BF16_FLOPS`."""
+    for key, value in PEAK_BF16_FLOPS:
+        if key in device_name:
+            return value
+    return None
 
 
 @dataclass(frozen=True)

@@ -6,6 +6,8 @@ ids and losses are ``[b, s]``. The model never calls a collective: the parallel 
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
@@ -24,6 +26,9 @@ from mcore.parallel.tensor_parallel import ColumnParallelLinear, vocab_parallel_
 
 RECOMPUTE_MODES = (None, "full", "selective")
 IGNORE_INDEX = -100
+
+if TYPE_CHECKING:  # the CP context lives in mcore.parallel; the model only calls it
+    from mcore.parallel.cp_attention import CPContext
 
 
 class GPTModel(nn.Module):
@@ -145,6 +150,7 @@ class GPTModel(nn.Module):
         position_ids: torch.Tensor | None = None,
         cu_seqlens: torch.Tensor | None = None,
         kv_cache: KVCache | None = None,
+        context_parallel: CPContext | None = None,
     ) -> torch.Tensor:
         """Run this stage.
 
@@ -154,13 +160,21 @@ class GPTModel(nn.Module):
         Returns: on the last stage the per-token loss ``[b, s]`` fp32 (0 where ``labels == -100``) if
         ``labels`` are given, else logits ``[b, s, V_pad / tp]`` (a transposed view of ``[s, b, ...]``);
         elsewhere the hidden states to send on. ``kv_cache`` (inference only, see ``generate``) appends
-        this call's keys/values and positions the tokens after the cached ones.
+        this call's keys/values and positions the tokens after the cached ones. ``context_parallel`` (an
+        ``mcore.parallel.cp_attention.CPContext``): the inputs are this rank's CP shard (its sharding's
+        ``shard``), documents and positions come from the sharding, attention spans the CP group.
         """
         if kv_cache is not None and (labels is not None or cu_seqlens is not None or self.sequence_parallel):
             raise ValueError("GPTModel: kv_cache is for inference: no labels, no cu_seqlens, no sequence parallel")
+        if context_parallel is not None and (cu_seqlens is not None or kv_cache is not None):
+            raise ValueError(
+                "GPTModel: with context_parallel the documents come from its sharding; pass no cu_seqlens or kv_cache"
+            )
         x, b, s = self._embed(input_ids, hidden_states)
+        if context_parallel is not None and position_ids is None:
+            position_ids = context_parallel.positions(x.device)
         rope = self.rotary(self._position_ids(position_ids, cu_seqlens, b, s, x.device, kv_cache))
-        x = self._run_layers(x, rope, cu_seqlens, kv_cache)
+        x = self._run_layers(x, rope, cu_seqlens, kv_cache, context_parallel)
         if kv_cache is not None:
             kv_cache.advance(s)
         if not self.post_process:
@@ -194,13 +208,18 @@ class GPTModel(nn.Module):
         return hidden_states, hidden_states.shape[1], s
 
     def _run_layers(
-        self, x: torch.Tensor, rope: RopeTables, cu_seqlens: torch.Tensor | None, kv_cache: KVCache | None
+        self,
+        x: torch.Tensor,
+        rope: RopeTables,
+        cu_seqlens: torch.Tensor | None,
+        kv_cache: KVCache | None,
+        context_parallel: CPContext | None = None,
     ) -> torch.Tensor:
         for layer in self.layers.values():
             if self.recompute == "full" and torch.is_grad_enabled():
-                x = checkpoint(layer, x, rope, cu_seqlens, use_reentrant=False)
+                x = checkpoint(layer, x, rope, cu_seqlens, None, context_parallel, use_reentrant=False)
             else:
-                x = layer(x, rope, cu_seqlens, kv_cache)
+                x = layer(x, rope, cu_seqlens, kv_cache, context_parallel)
         return x
 
     def _head(self, x: torch.Tensor, labels: torch.Tensor | None, b: int, s: int) -> torch.Tensor:

@@ -7,6 +7,7 @@ from collections.abc import Iterable, Sequence
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from mcore.parallel.comm import group_size
 from mcore.parallel.data_parallel import DistributedDataParallel
@@ -14,6 +15,11 @@ from mcore.parallel.grid import ProcessGroups
 from mcore.parallel.param_attrs import accumulated_grad, is_sequence_parallel, is_shared_embedding
 
 __all__ = ["finalize_model_grads"]
+
+
+def _local(grad: torch.Tensor | None) -> torch.Tensor | None:
+    # fully sharded (FSDP2): the local shard, the same slice on every rank it is summed with (same dp rank)
+    return grad.to_local() if isinstance(grad, DTensor) else grad
 
 
 def _all_reduce_coalesced(grads: list[torch.Tensor], group: dist.ProcessGroup | None) -> None:
@@ -53,10 +59,10 @@ def finalize_model_grads(model_chunks: nn.Module | Sequence[nn.Module], groups: 
         if isinstance(chunk, DistributedDataParallel):
             chunk.finish_grad_sync()
     params = _unique_params(chunks)
-    sp = [g for p in params if is_sequence_parallel(p) and (g := accumulated_grad(p)) is not None]
+    sp = [g for p in params if is_sequence_parallel(p) and (g := _local(accumulated_grad(p))) is not None]
     if sp:
         _all_reduce_coalesced(sp, groups.tp)
     if groups.embedding is not None:
-        tied = [g for p in params if is_shared_embedding(p) and (g := accumulated_grad(p)) is not None]
+        tied = [g for p in params if is_shared_embedding(p) and (g := _local(accumulated_grad(p))) is not None]
         if tied:
             _all_reduce_coalesced(tied, groups.embedding)

@@ -14,7 +14,7 @@ updated shards are all-gathered in place, bucket by bucket.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -112,6 +112,9 @@ class GradBuffer:
                 self.param_data[lo:hi].copy_(p.data.reshape(-1))
                 p.data = self.param_data[lo:hi].view(p.shape)
         self._next_to_launch = 0
+        # called with each bucket right after its collective is issued (grad_handle set; None at dp=1): the
+        # optimizer's host offload starts the bucket's device-to-host gradient copy there, behind the collective
+        self.launch_callbacks: list[Callable[[Bucket], None]] = []
 
     # ---- gradient reduction -------------------------------------------------------------------------------
 
@@ -133,8 +136,12 @@ class GradBuffer:
     def _launch(self, bucket: Bucket) -> None:
         bucket.launched = True
         self._next_to_launch = bucket.index + 1
-        if self.dp_size == 1:
-            return
+        if self.dp_size > 1:
+            self._issue_reduction(bucket)
+        for callback in self.launch_callbacks:
+            callback(bucket)
+
+    def _issue_reduction(self, bucket: Bucket) -> None:
         grad = self.grad_data[bucket.start : bucket.end]
         # average before summing: keeps low-precision gradient buffers away from overflow
         grad.div_(self.dp_size)

@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -45,6 +44,8 @@ from mcore.parallel.data_parallel import DistributedDataParallel
 from mcore.parallel.grad_clip import clip_coefficient, clip_grads_, total_grad_norm
 from mcore.parallel.grid import ProcessGroups
 from mcore.parallel.loss_scaler import DynamicLossScaler
+from mcore.parallel.offload import host_offload
+from mcore.parallel.optimizer_types import MasterPiece, StepResult, default_param_groups
 from mcore.parallel.param_attrs import main_grad
 
 __all__ = [
@@ -55,50 +56,6 @@ __all__ = [
 
 STATE_KINDS = ("master", "exp_avg", "exp_avg_sq")
 _GROUP_KEYS = {"params", "weight_decay", "lr_mult"}
-
-
-@dataclass(frozen=True)
-class StepResult:
-    """Outcome of ``optimizer.step()``.
-
-    ``finite``: the gradients were finite, so the parameters were updated (``False``: the update was skipped
-    because a gradient was inf/nan; the trainer's ``StepOutput.finite`` is this flag). ``grad_norm``: fp32 0-d
-    tensor, the global norm before clipping (unscaled); reading it synchronizes, so the caller decides when.
-    ``loss_scale``: the scale to apply to the next loss (``None`` without a loss scaler).
-    """
-
-    finite: bool
-    grad_norm: torch.Tensor
-    loss_scale: float | None
-
-
-def default_param_groups(model: nn.Module | Sequence[nn.Module], weight_decay: float) -> list[dict]:
-    """Two groups: matrices with ``weight_decay``, vectors (norm weights, biases) without."""
-    chunks = [model] if isinstance(model, nn.Module) else list(model)
-    decay, no_decay, seen = [], [], set()
-    for chunk in chunks:
-        for p in chunk.parameters():
-            if p.requires_grad and id(p) not in seen:
-                seen.add(id(p))
-                (decay if p.dim() >= 2 else no_decay).append(p)
-    return [
-        {"params": decay, "weight_decay": weight_decay},
-        {"params": no_decay, "weight_decay": 0.0},
-    ]
-
-
-@dataclass(eq=False)
-class MasterPiece:
-    """A contiguous flat range ``[lo, hi)`` of one parameter, with its fp32 master and gradient."""
-
-    param: nn.Parameter
-    name: str
-    lo: int
-    hi: int
-    master: torch.Tensor
-    group_index: int
-    aliased: bool = False  # master shares the parameter's storage (fp32, not sharded): no copy-back
-    grad_view: torch.Tensor | None = None  # view into the DDP buffer; None: read param.grad each step
 
 
 def _scalar_dtype(fused: bool) -> torch.dtype:
@@ -117,7 +74,9 @@ class MixedPrecisionOptimizer:
     parameter). ``clip_grad``: max global grad norm (0: no clipping). ``check_nonfinite``: skip steps whose
     gradient norm is inf/nan (one host sync per step; always on with a ``loss_scaler``). ``fused_step``:
     update with the fused ``mcore.kernels.adamw_step_`` (``True``) or with ``torch.optim.AdamW.step``
-    (``False``); ``None`` picks the fused step on CUDA (see the module docstring).
+    (``False``); ``None`` picks the fused step on CUDA (see the module docstring). ``offload_fraction``: the share
+    of the masters and moments kept in host memory and updated by the CPU (``offload_impl``: its AdamW, one of
+    ``mcore.parallel.offload.HOST_ADAMW_IMPLS``; see ``mcore.parallel.offload``).
     """
 
     def __init__(
@@ -134,6 +93,8 @@ class MixedPrecisionOptimizer:
         groups: ProcessGroups | None = None,
         check_nonfinite: bool = True,
         fused_step: bool | None = None,
+        offload_fraction: float = 0.0,
+        offload_impl: str | None = None,
     ) -> None:
         self.chunks = [model_chunks] if isinstance(model_chunks, nn.Module) else list(model_chunks)
         if not self.chunks or not all(isinstance(c, nn.Module) for c in self.chunks):
@@ -172,8 +133,18 @@ class MixedPrecisionOptimizer:
         # torch's AdamW is fused on CUDA: that fixes the dtype and device of the 'step' state for both kinds of step
         self._fused = self.device.type == "cuda"
         self._fused_step = self._fused if fused_step is None else fused_step
+        # before the AdamW below takes the masters: the offloaded ones move to host memory
+        self._offload = host_offload(self, offload_fraction, offload_impl)
+        self._offloaded = frozenset(self._offload.indices) if self._offload is not None else frozenset()
         # the step count of each piece's state, mirrored on the host so that the fused step never reads it back
         self._piece_steps = [0] * len(self._pieces)
+        self._adam = self._build_adam(lr, betas, eps)
+        self._lr = lr
+
+    # ---- construction ---------------------------------------------------------------------------------------
+
+    def _build_adam(self, lr: float, betas: tuple[float, float], eps: float) -> torch.optim.AdamW | None:
+        """The AdamW holding the param groups and the state of every master (``None``: nothing on this rank)."""
         adam_groups = []
         self._adam_group_of: dict[int, int] = {}  # index in self._param_groups -> index in self._adam.param_groups
         for gi, g in enumerate(self._param_groups):
@@ -184,22 +155,10 @@ class MixedPrecisionOptimizer:
                 adam_groups.append(
                     {"params": masters, "weight_decay": g["weight_decay"], "lr": lr * lr_mult, "lr_mult": lr_mult}
                 )
-        # a rank whose shards hold no parameter (tiny model, large dp) has nothing to update locally
-        self._adam = (
-            torch.optim.AdamW(
-                adam_groups,
-                lr=lr,
-                betas=betas,
-                eps=eps,
-                fused=True if self._fused else None,
-                foreach=None if self._fused else True,
-            )
-            if adam_groups
-            else None
-        )
-        self._lr = lr
-
-    # ---- construction ---------------------------------------------------------------------------------------
+        if not adam_groups:  # a rank whose shards hold no parameter (tiny model, large dp) has nothing to update
+            return None
+        fused = True if self._fused else None
+        return torch.optim.AdamW(adam_groups, lr=lr, betas=betas, eps=eps, fused=fused, foreach=None if fused else True)
 
     def _normalize_groups(self, param_groups: Sequence[dict] | None, weight_decay: float) -> list[dict]:
         if param_groups is None:
@@ -257,6 +216,12 @@ class MixedPrecisionOptimizer:
 
     def _after_update(self) -> None:
         """Nothing to do: every rank updated its full parameters (the sharded subclass all-gathers here)."""
+
+    def _load_params(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Set the model parameters from the loaded masters: every rank received the full tensors, so each sets
+        its whole parameter without a gather."""
+        for p in self._optimized_params():
+            p.data.copy_(tensors[f"{self.names[p]}/master"].to(device=p.device, dtype=p.dtype))
 
     # ---- public API ---------------------------------------------------------------------------------------------
 
@@ -316,7 +281,8 @@ class MixedPrecisionOptimizer:
     def step(self) -> StepResult:
         """Unscale, measure, (maybe) skip, clip, update; see the module docstring."""
         grads = self._gradients(upcast=not self._fused_step)
-        present = [g for g in grads if g is not None]
+        # offloaded gradients are unscaled and clipped on the host (their device copy may still be read)
+        present = [g for i, g in enumerate(grads) if g is not None and i not in self._offloaded]
         inv_scale = None if self.loss_scaler is None else 1.0 / self.loss_scaler.scale
         if inv_scale is not None and present and not self._fused_step:
             torch._foreach_mul_(present, inv_scale)
@@ -332,11 +298,16 @@ class MixedPrecisionOptimizer:
         if self.check_nonfinite and not bool(torch.isfinite(norm).item()):
             if self.loss_scaler is not None:
                 self.loss_scaler.update(found_inf=True)
+            if self._offload is not None:
+                self._offload.drop_pending()
             return StepResult(finite=False, grad_norm=norm, loss_scale=self._reported_scale())
+        on_device = [None if i in self._offloaded else g for i, g in enumerate(grads)]
         if self._fused_step:
-            self._fused_update(grads, norm, inv_scale)
+            self._fused_update(on_device, norm, inv_scale)
         else:
-            self._torch_update(grads, present, norm)
+            self._torch_update(on_device, present, norm)
+        if self._offload is not None:  # after the device update is queued: the GPU works while the CPU does
+            self._offload.update(self, grads, norm, inv_scale)
         self._after_update()
         if self.loss_scaler is not None:
             self.loss_scaler.update(found_inf=False)
@@ -350,21 +321,16 @@ class MixedPrecisionOptimizer:
             pc.master.grad = g
         if self._adam is not None:
             self._adam.step()
-        for pc in self._pieces:
+        for i, pc in enumerate(self._pieces):
             pc.master.grad = None
-            if not pc.aliased:
+            if not pc.aliased and i not in self._offloaded:
                 pc.param.data.view(-1)[pc.lo : pc.hi].copy_(pc.master)
 
     def _fused_update(self, grads: list[torch.Tensor | None], norm: torch.Tensor, inv_scale: float | None) -> None:
         """One ``adamw_step_`` call per (param group, step count): clip and unscale folded into the update."""
         if self._adam is None:
             return
-        multiplier = clip_coefficient(self.clip_grad, norm) if self.clip_grad > 0 else None
-        if inv_scale is not None:
-            if multiplier is None:
-                multiplier = torch.full((), inv_scale, dtype=torch.float32, device=self.device)
-            else:
-                multiplier = multiplier * inv_scale
+        multiplier = self._grad_multiplier(norm, inv_scale)
         # an unused parameter (no gradient) is skipped and keeps its step count, as torch.optim does
         calls: dict[tuple[int, int], list[int]] = {}
         for i, (pc, g) in enumerate(zip(self._pieces, grads)):
@@ -399,18 +365,28 @@ class MixedPrecisionOptimizer:
             for i in indices:
                 self._piece_steps[i] = steps
 
-    def _step_tensor(self, value: int) -> torch.Tensor:
+    def _grad_multiplier(self, norm: torch.Tensor, inv_scale: float | None) -> torch.Tensor | None:
+        """The fused step's gradient multiplier: clip coefficient times inverse loss scale (a device tensor)."""
+        multiplier = clip_coefficient(self.clip_grad, norm) if self.clip_grad > 0 else None
+        if inv_scale is not None:
+            if multiplier is None:
+                multiplier = torch.full((), inv_scale, dtype=torch.float32, device=self.device)
+            else:
+                multiplier = multiplier * inv_scale
+        return multiplier
+
+    def _step_tensor(self, value: int, device: torch.device) -> torch.Tensor:
         """A 'step' state entry as torch.optim.AdamW creates it (fp32 on the device when fused, else on the CPU).
 
         ``torch.full`` rather than ``torch.tensor``: a fill on the device, not a copy from pageable host memory."""
-        device = self.device if self._fused else torch.device("cpu")
+        device = device if self._fused else torch.device("cpu")
         return torch.full((), float(value), dtype=_scalar_dtype(self._fused), device=device)
 
     def _state_of(self, master: torch.Tensor) -> dict[str, torch.Tensor]:
         """The AdamW state of ``master``, created (zero moments, step 0) on first use as torch.optim does."""
         state = self._adam.state[master]
         if not state:
-            state["step"] = self._step_tensor(0)
+            state["step"] = self._step_tensor(0, master.device)
             state["exp_avg"] = torch.zeros_like(master, memory_format=torch.preserve_format)
             state["exp_avg_sq"] = torch.zeros_like(master, memory_format=torch.preserve_format)
         return state
@@ -480,14 +456,13 @@ class MixedPrecisionOptimizer:
             full = {k: tensors[f"{pc.name}/{k}"].reshape(-1)[pc.lo : pc.hi] for k in STATE_KINDS}
             pc.master.copy_(full["master"])
             if self._adam is not None:
+                device = pc.master.device  # the host for offloaded pieces
                 self._adam.state[pc.master] = {
-                    "step": self._step_tensor(step),
-                    "exp_avg": full["exp_avg"].to(device=self.device, dtype=torch.float32).clone(),
-                    "exp_avg_sq": full["exp_avg_sq"].to(device=self.device, dtype=torch.float32).clone(),
+                    "step": self._step_tensor(step, device),
+                    "exp_avg": full["exp_avg"].to(device=device, dtype=torch.float32).clone(),
+                    "exp_avg_sq": full["exp_avg_sq"].to(device=device, dtype=torch.float32).clone(),
                 }
-        # every rank received the full tensors, so each sets its whole parameter without a gather
-        for p in self._optimized_params():
-            p.data.copy_(tensors[f"{self.names[p]}/master"].to(device=p.device, dtype=p.dtype))
+        self._load_params(tensors)
         self._piece_steps = [step] * len(self._pieces)
         self.step_count = step
         if self.loss_scaler is not None and state.get("loss_scaler") is not None:

@@ -159,10 +159,8 @@ def _evaluate(args: argparse.Namespace) -> int:
     from mcore.train.evaluate import run_evaluation
     from mcore.train.runtime import init_runtime
 
-    config, overrides, checkpoint = _config(args, reuse_run_config=True)
-    with contextlib.ExitStack() as stack:
-        if checkpoint is not None:
-            stack.callback(checkpoint.close)
+    config, overrides, checkpoint = _config(args, reuse_run_config=True)  # --load is required: never None
+    with contextlib.closing(checkpoint):
         if args.config is None and checkpoint.train_config is None and not _names_data(overrides):
             raise UserError(
                 f"checkpoint {checkpoint.path} holds no training config (a converted or model-only checkpoint), so "
@@ -178,7 +176,8 @@ def _evaluate(args: argparse.Namespace) -> int:
 
 
 def _names_data(overrides: list[str]) -> bool:
-    return any(item.partition("=")[0].strip().startswith("data.") for item in overrides)
+    """Whether the overrides say which tokens to read (the rest of ``data`` does not choose the corpus)."""
+    return any(item.partition("=")[0].strip() in ("data.path", "data.mock", "data.tokenizer") for item in overrides)
 
 
 def _show_config(args: argparse.Namespace) -> int:

@@ -26,9 +26,12 @@ import yaml
 
 from mcore.models.config import TransformerConfig
 from mcore.models.families import PRESETS, get_config
+from mcore.train.config_checks import non_negative as _non_negative
+from mcore.train.config_checks import positive as _positive
 from mcore.train.errors import UserError
 from mcore.train.low_precision import BitNetSection, Fp4Section, Fp8Section, KernelsSection
 from mcore.train.lr import LRSchedule
+from mcore.train.output_config import CheckpointSection, LogSection
 from mcore.train.typed_config import RawText, from_dict, set_dotted, to_dict
 
 # The embedded demo model: the byte-level vocabulary (256 bytes + 3 special tokens), ~1M parameters.
@@ -48,16 +51,6 @@ DEMO_MODEL: dict[str, Any] = {
 }
 
 
-def _positive(section: str, name: str, value: int | float) -> None:
-    if value <= 0:
-        raise ValueError(f"{section}.{name} must be > 0, got {value}")
-
-
-def _non_negative(section: str, name: str, value: int | float) -> None:
-    if value < 0:
-        raise ValueError(f"{section}.{name} must be >= 0, got {value}")
-
-
 PIPELINE_LAYOUTS = ("even", "balanced")
 
 
@@ -70,9 +63,13 @@ class ParallelSection:
     the linear layers' weight-gradient GEMMs accumulate into the fp32 gradient buffer directly (no bf16 weight
     gradient, no extra add pass); turn it off only to compare. ``overlap_param_gather`` (with the distributed
     optimizer): the all-gather of the updated parameters runs behind the next forward, each layer waiting for
-    its own bucket. ``pipeline_layout``: ``even`` (the same number of
-    layers per virtual stage), ``balanced`` (fewer layers on the stage that also runs the output layer and the
-    loss, by their FLOPs: see ``mcore.parallel.pipeline.balanced_layout``) or a list of layers per virtual stage.
+    its own bucket. ``dp_shard`` (ZeRO-3, on torch's FSDP2): parameters, gradients and optimizer states sharded
+    over the data-parallel ranks, each layer all-gathered for its forward and backward (in the compute precision;
+    the fp32 shards are the master weights), and resharded after its forward when ``dp_shard_reshard_after_forward``
+    (off: keep the gathered layers from forward to backward, more memory, one all-gather fewer).
+    ``pipeline_layout``: ``even`` (the same number of layers per virtual stage), ``balanced`` (fewer layers on the
+    stage that also runs the output layer and the loss, by their FLOPs: see
+    ``mcore.parallel.pipeline.balanced_layout``) or a list of layers per virtual stage.
     """
 
     tp: int = 1
@@ -87,6 +84,8 @@ class ParallelSection:
     bucket_size: int = 40_000_000
     gradient_accumulation_fusion: bool = True
     pipeline_layout: str | list[int] = "even"
+    dp_shard: bool = False
+    dp_shard_reshard_after_forward: bool = True
 
     def __post_init__(self) -> None:
         for name in ("tp", "pp", "vpp", "bucket_size"):
@@ -104,6 +103,8 @@ class ParallelSection:
                 "parallel.overlap_param_gather=true needs parallel.distributed_optimizer=true (only the distributed "
                 "optimizer all-gathers the updated parameters)"
             )
+        if self.dp_shard:
+            self._check_dp_shard()
         layout = self.pipeline_layout
         if isinstance(layout, str):
             if layout not in PIPELINE_LAYOUTS:
@@ -117,6 +118,18 @@ class ParallelSection:
             raise ValueError(
                 f"parallel.pipeline_layout {layout} has {len(layout)} entries; pp*vpp = {self.pp}*{self.vpp} = "
                 f"{self.pp * self.vpp} virtual stages need one each (entry c*pp+r: layers of chunk c of rank r)"
+            )
+
+    def _check_dp_shard(self) -> None:
+        if self.distributed_optimizer:
+            raise ValueError(
+                "parallel.dp_shard=true shards the optimizer states itself (ZeRO-3); drop "
+                "parallel.distributed_optimizer=true (ZeRO-1), they are alternatives"
+            )
+        if self.schedule == "zero-bubble":
+            raise ValueError(
+                "parallel.dp_shard=true cannot run parallel.schedule=zero-bubble: its deferred weight gradients arrive "
+                "after FSDP has reduce-scattered the layer's gradients; use 1f1b or interleaved"
             )
 
     def world_size(self) -> int | None:
@@ -153,15 +166,24 @@ class DataSection:
 
 @dataclass
 class OptimSection:
-    """AdamW with decoupled weight decay (not applied to norms and biases) and gradient clipping."""
+    """AdamW with decoupled weight decay (not applied to norms and biases) and gradient clipping.
+
+    ``offload_fraction``: the share (0 to 1) of the fp32 master weights and AdamW moments kept in host memory and
+    updated by the CPU (see ``mcore.parallel.offload``); the rest stays on the device.
+    """
 
     weight_decay: float = 0.1
     beta1: float = 0.9
     beta2: float = 0.95
     eps: float = 1e-8
     clip_grad: float = 1.0
+    offload_fraction: float = 0.0
 
     def __post_init__(self) -> None:
+        if not 0.0 <= self.offload_fraction <= 1.0:
+            raise ValueError(
+                f"optim.offload_fraction must lie in [0, 1] (a share of the states), got {self.offload_fraction}"
+            )
         _non_negative("optim", "weight_decay", self.weight_decay)
         _non_negative("optim", "clip_grad", self.clip_grad)
         _positive("optim", "eps", self.eps)
@@ -207,7 +229,9 @@ class TrainSection:
     ``skip_nonfinite`` makes the optimizer skip steps whose gradient norm is NaN/Inf, at the cost of one host
     synchronization per step; ``None`` (auto) turns it on on CPU and with fp16, off on CUDA with bf16/fp32,
     where a non-finite loss or gradient norm is then caught at the next log interval and stops the run.
-    ``max_nonfinite_steps`` consecutive skipped steps stop the run.
+    ``max_nonfinite_steps`` consecutive skipped steps stop the run. ``activation_offload``: the parts of each
+    decoder layer (``attention``, ``mlp``, ``input_norm``, ``mlp_norm``, or ``layer`` for all) whose saved
+    activations go to host memory in forward and come back before backward needs them.
     """
 
     steps: int = 300
@@ -225,6 +249,7 @@ class TrainSection:
     initial_loss_scale: float = 65536.0
     hang_timeout: float = 600.0
     recompute: Literal["none", "full", "selective"] = "none"
+    activation_offload: list[str] = field(default_factory=list)
     sample_prompt: str = "The "
     sample_tokens: int = 64
 
@@ -241,51 +266,13 @@ class TrainSection:
                 f"train.global_batch_size ({self.global_batch_size}) must be a multiple of train.micro_batch_size "
                 f"({self.micro_batch_size})"
             )
+        if self.activation_offload and self.recompute == "full":
+            raise ValueError(
+                "train.activation_offload with train.recompute=full: full recompute keeps only each layer's input, "
+                "there is nothing left to offload; use recompute=selective or none with it"
+            )
         if self.stop_at_step is not None and not 0 < self.stop_at_step <= self.steps:
             raise ValueError(f"train.stop_at_step must lie in [1, train.steps={self.steps}], got {self.stop_at_step}")
-
-
-@dataclass
-class CheckpointSection:
-    """When and where checkpoints are written, and what to start from.
-
-    ``dir`` defaults to ``<log.run_dir>/checkpoints``; a run resumes from its ``latest`` checkpoint when it
-    exists. ``load`` names a checkpoint to start from otherwise (a full checkpoint resumes its step, data
-    position and optimizer; a model-only checkpoint, or ``finetune: true``, loads weights and starts at
-    step 0). ``save_interval: 0`` saves only at the end.
-    """
-
-    dir: str | None = None
-    save_interval: int = 0
-    save_at_end: bool = True
-    keep_last: int = 2
-    async_save: bool = False
-    load: str | None = None
-    finetune: bool = False
-    load_optimizer: bool = True
-    load_rng: bool = True
-
-    def __post_init__(self) -> None:
-        _non_negative("checkpoint", "save_interval", self.save_interval)
-        _positive("checkpoint", "keep_last", self.keep_last)
-
-
-@dataclass
-class LogSection:
-    """Console, JSONL, TensorBoard and plots; ``run_dir`` defaults to ``runs/<timestamp>``."""
-
-    run_dir: str | None = None
-    interval: int = 20
-    progress_bar: bool = True
-    tensorboard: bool = True
-    plot: bool = True
-    gpu_stats_interval: int = 100
-    straggler_interval: int = 100
-
-    def __post_init__(self) -> None:
-        _positive("log", "interval", self.interval)
-        _non_negative("log", "gpu_stats_interval", self.gpu_stats_interval)
-        _non_negative("log", "straggler_interval", self.straggler_interval)
 
 
 @dataclass
@@ -322,6 +309,11 @@ class Config:
         if isinstance(layout, list) and sum(layout) != layers:
             raise ValueError(
                 f"parallel.pipeline_layout {layout} holds {sum(layout)} layers but model.num_hidden_layers is {layers}"
+            )
+        if self.parallel.dp_shard and self.optim.offload_fraction > 0:
+            raise ValueError(
+                "optim.offload_fraction > 0 cannot be combined with parallel.dp_shard=true (the sharded optimizer runs "
+                "on the device); offload with parallel.distributed_optimizer=true (ZeRO-1) or plain data parallelism"
             )
         if self.parallel.sequence_parallel and self.data.seq_length % self.parallel.tp:
             raise ValueError(

@@ -102,7 +102,10 @@ def run_training(
     if trainer.iteration >= stop_at:
         say(f"checkpoint is at step {trainer.iteration} and the run ends at step {stop_at}: nothing to train")
         return RunResult("nothing-to-do", trainer.iteration, run_dir, directory.latest(), notes=start.notes)
-    return _TrainingRun(config, runtime, start, data, run_dir, directory, stop_at, say, stream).run()
+    run = _TrainingRun(
+        config, runtime, start, data=data, run_dir=run_dir, directory=directory, stop_at=stop_at, say=say, stream=stream
+    )
+    return run.run()
 
 
 class _TrainingRun:
@@ -113,6 +116,7 @@ class _TrainingRun:
         config: Config,
         runtime: Runtime,
         start: RunStart,
+        *,
         data: RunData,
         run_dir: Path,
         directory: CheckpointDirectory,

@@ -17,32 +17,17 @@ from typing import Any, TextIO
 import torch
 from tqdm import tqdm
 
-METRICS_FILE = "metrics.jsonl"
+from mcore.models.accounting import peak_bf16_flops
 
-# Dense bf16 peak FLOP/s of common accelerators, matched against the device name; the MFU denominator.
-_PEAK_BF16_FLOPS = (
-    ("H200", 989.4e12),
-    ("H100", 989.4e12),
-    ("H800", 989.4e12),
-    ("GH200", 989.4e12),
-    ("B200", 2250e12),
-    ("A100", 312e12),
-    ("A800", 312e12),
-    ("L40S", 362e12),
-    ("A10G", 125e12),
-    ("L4", 121e12),
-)
+METRICS_FILE = "metrics.jsonl"
 
 
 def peak_flops(device: torch.device) -> float | None:
-    """Dense bf16 peak of ``device`` in FLOP/s, or ``None`` when unknown (CPUs, unlisted GPUs)."""
+    """Dense bf16 peak of ``device`` in FLOP/s, or ``None`` when unknown (CPUs, GPUs not in
+    ``mcore.models.accounting.PEAK_BF16_FLOPS``)."""
     if device.type != "cuda":
         return None
-    name = torch.cuda.get_device_name(device)
-    for key, value in _PEAK_BF16_FLOPS:
-        if key in name:
-            return value
-    return None
+    return peak_bf16_flops(torch.cuda.get_device_name(device))
 
 
 def peak_memory_bytes(device: torch.device) -> int:

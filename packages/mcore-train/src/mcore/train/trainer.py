@@ -49,6 +49,7 @@ from mcore.parallel.pipeline import (
     ZeroBubbleH1,
     p2p_activation_shape,
 )
+from mcore.parallel.sharded_optimizer import FullyShardedOptimizer
 from mcore.train.checkpoint.model_weights import load_model_weights
 from mcore.train.config import Config
 from mcore.train.errors import UserError
@@ -157,11 +158,18 @@ class Trainer:
             seed=config.train.seed,
             sequence_parallel=config.parallel.sequence_parallel,
             recompute=None if config.train.recompute == "none" else config.train.recompute,
-            params_dtype=self.params_dtype,
+            # fully sharded training: the fp32 shards are the master weights, FSDP computes in params_dtype
+            params_dtype=torch.float32 if config.parallel.dp_shard and with_optimizer else self.params_dtype,
             device=self.device,
         )
         for chunk in self.chunks:
             apply_low_precision(config, chunk, groups.tp)
+        self.activation_offload = None
+        if config.train.activation_offload:
+            from mcore.train.activation_offload import attach_activation_offload
+
+            names = config.train.activation_offload
+            self.activation_offload = attach_activation_offload(self.chunks, names, self.device)
         if weights is not None:
             load_model_weights(weights, self.named_local_parameters(), config.model, groups)
 
@@ -178,7 +186,36 @@ class Trainer:
     # ------------------------------------------------------------------------------------------ building
     def _build_optimizer(self) -> None:
         cfg, groups = self.config, self.groups
-        self.ddp_chunks = [
+        if cfg.parallel.dp_shard:
+            from mcore.train.dp_shard import fully_shard_chunks
+
+            self.ddp_chunks = fully_shard_chunks(self.chunks, groups, cfg, self.params_dtype, self.device)
+        else:
+            self.ddp_chunks = self._data_parallel_chunks()
+        scaler = DynamicLossScaler(initial_scale=cfg.train.initial_loss_scale) if self.precision == "fp16" else None
+        optimizer_cls = DistributedOptimizer if cfg.parallel.distributed_optimizer else MixedPrecisionOptimizer
+        if cfg.parallel.dp_shard:
+            optimizer_cls = FullyShardedOptimizer
+        offload = {"offload_fraction": cfg.optim.offload_fraction} if cfg.optim.offload_fraction > 0 else {}
+        if offload and scaler is not None:
+            offload["fused_step"] = True  # the offloaded step unscales on the host: gradients stay scaled until then
+        self.optimizer = optimizer_cls(
+            self.ddp_chunks,
+            default_param_groups(self.ddp_chunks, cfg.optim.weight_decay),
+            lr=self.lr_schedule(0),
+            betas=(cfg.optim.beta1, cfg.optim.beta2),
+            eps=cfg.optim.eps,
+            weight_decay=cfg.optim.weight_decay,
+            clip_grad=cfg.optim.clip_grad,
+            loss_scaler=scaler,
+            groups=groups,
+            check_nonfinite=self.skip_nonfinite,
+            **offload,
+        )
+
+    def _data_parallel_chunks(self) -> list[DistributedDataParallel]:
+        cfg, groups = self.config, self.groups
+        return [
             DistributedDataParallel(
                 chunk,
                 groups.dp,
@@ -191,20 +228,6 @@ class Trainer:
             )
             for chunk in self.chunks
         ]
-        scaler = DynamicLossScaler(initial_scale=cfg.train.initial_loss_scale) if self.precision == "fp16" else None
-        optimizer_cls = DistributedOptimizer if cfg.parallel.distributed_optimizer else MixedPrecisionOptimizer
-        self.optimizer = optimizer_cls(
-            self.ddp_chunks,
-            default_param_groups(self.ddp_chunks, cfg.optim.weight_decay),
-            lr=self.lr_schedule(0),
-            betas=(cfg.optim.beta1, cfg.optim.beta2),
-            eps=cfg.optim.eps,
-            weight_decay=cfg.optim.weight_decay,
-            clip_grad=cfg.optim.clip_grad,
-            loss_scaler=scaler,
-            groups=groups,
-            check_nonfinite=self.skip_nonfinite,
-        )
 
     def _build_schedule(self) -> PipelineSchedule:
         cfg, groups = self.config, self.groups

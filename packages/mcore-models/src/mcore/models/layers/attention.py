@@ -7,6 +7,8 @@ contiguous row slice is therefore a set of whole query groups, and its projectio
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
@@ -19,6 +21,9 @@ from mcore.models.parts.registry import PartContext, PartSpec
 from mcore.models.rope import RopeTables
 from mcore.parallel.init import normal_init
 from mcore.parallel.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+
+if TYPE_CHECKING:  # the CP context lives in mcore.parallel; the model only calls it
+    from mcore.parallel.cp_attention import CPContext
 
 
 class SelfAttention(nn.Module):
@@ -74,8 +79,11 @@ class SelfAttention(nn.Module):
         *,
         cu_seqlens: torch.Tensor | None = None,
         kv_cache: KVCache | None = None,
+        context_parallel: CPContext | None = None,
     ) -> torch.Tensor:
-        """``x`` ``[s(/tp), b, h]``; ``rope`` the cos/sin tables ``[s, b, 1, head_dim]`` of the tokens' positions."""
+        """``x`` ``[s(/tp), b, h]``; ``rope`` the cos/sin tables ``[s, b, 1, head_dim]`` of the tokens' positions.
+        ``context_parallel`` (an ``mcore.parallel.cp_attention.CPContext``): this rank holds its CP shard of
+        the sequence and the core attends over the whole sequence through the CP group."""
         cos, sin = rope.cos, rope.sin
         qkv = self.qkv(x)
         s, b = qkv.shape[:2]
@@ -91,6 +99,10 @@ class SelfAttention(nn.Module):
         v = v.reshape(s, b, g, d).transpose(0, 1)
         if kv_cache is not None:
             out = self._attend_with_cache(q, k, v, kv_cache, cu_seqlens)
+        elif context_parallel is not None:
+            core = lambda q, k, v: context_parallel.attention(q, k, v, window_size=self.window)  # noqa: E731
+            recompute = self.recompute_core and torch.is_grad_enabled()
+            out = checkpoint(core, q, k, v, use_reentrant=False) if recompute else core(q, k, v)
         elif self.recompute_core and torch.is_grad_enabled():
             out = checkpoint(self._core, q, k, v, cu_seqlens, use_reentrant=False)
         else:

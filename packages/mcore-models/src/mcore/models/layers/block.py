@@ -8,6 +8,8 @@ sub-block out, norm and residual branch included (a Mamba-2 layer is ``x + mixer
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import nn
 
@@ -16,6 +18,9 @@ from mcore.models.layers.kv_cache import KVCache
 from mcore.models.layers.norm import build_norm
 from mcore.models.parts.registry import MIXERS, MLPS, NO_PART, PartContext, PartSpec
 from mcore.models.rope import RopeTables
+
+if TYPE_CHECKING:  # the CP context lives in mcore.parallel; the model only calls it
+    from mcore.parallel.cp_attention import CPContext
 
 
 class DecoderLayer(nn.Module):
@@ -55,9 +60,12 @@ class DecoderLayer(nn.Module):
         rope: RopeTables,
         cu_seqlens: torch.Tensor | None = None,
         kv_cache: KVCache | None = None,
+        context_parallel: CPContext | None = None,
     ) -> torch.Tensor:
         if self.mixer_name is not None:
-            x = x + self.mixer(self.input_norm(x), rope, cu_seqlens=cu_seqlens, kv_cache=kv_cache)
+            # Only mixers that support context parallelism take the keyword (the others raise TypeError).
+            cp = {} if context_parallel is None else {"context_parallel": context_parallel}
+            x = x + self.mixer(self.input_norm(x), rope, cu_seqlens=cu_seqlens, kv_cache=kv_cache, **cp)
         if self.mlp_name is not None:
             x = x + self.feed_forward(self.mlp_norm(x))
         return x

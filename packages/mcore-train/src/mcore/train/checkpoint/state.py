@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import save_file
 
+from mcore.parallel.fsdp import full_tensor
 from mcore.parallel.random import get_rng_tracker
 from mcore.train.checkpoint.directory import CheckpointDirectory
 from mcore.train.checkpoint.format import (
@@ -202,7 +203,9 @@ class CheckpointSaver:
         state = trainer.state_dict()  # collective for the distributed optimizer
         opt_state, params = state["optimizer"], state["model"]
         writer = g.dp_rank == 0
-        model = {n: p.detach().to("cpu", copy=True) for n, p in params.items()} if writer else {}
+        # a fully sharded (dp_shard) parameter is all-gathered over dp here, on every rank (collective)
+        whole = {n: full_tensor(p.detach()) for n, p in params.items()}
+        model = {n: t.to("cpu", copy=True) for n, t in whole.items()} if writer else {}
         optim = {}
         if writer:
             for key, tensor in opt_state["tensors"].items():

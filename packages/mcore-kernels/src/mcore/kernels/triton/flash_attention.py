@@ -1,0 +1,257 @@
+"""Flash attention (FA2-style) over segment-pair layouts: the forward kernel and the launchers.
+
+The forward keeps, per query row, a running max ``m``, a running sum ``l`` and an fp32 accumulator, in
+base-2 exponent units (``exp2`` with the scale pre-multiplied by ``log2(e)``), over the key blocks of the
+segments its block is paired with (:mod:`.flash_schedule`). Each segment's blocks run in three stretches:
+the blocks at the window's lower edge (masked), the blocks every row of the block sees whole (no mask
+arithmetic at all), and the diagonal blocks of the causal rule (masked). Learned sinks (GPT-OSS) join the
+denominator after the loop: ``l += exp(sink - m)``. The natural-log ``lse = log(sum exp(scores) [+ e^sink])``
+is stored per (token, head) in fp32 so that partial results over disjoint key sets merge exactly and the
+backward (:mod:`.flash_backward`) recomputes the probabilities without storing them.
+
+GQA: the program of query head ``h`` reads key/value head ``h // group``; the grid puts the heads of one
+query block next to each other so that a group's programs share K/V tiles through L2. The q/k head dim may
+differ from the v head dim (MLA: 192 / 128); both are padded to powers of two inside the kernel only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from mcore.kernels.attention_layout import AttentionLayout
+from mcore.kernels.dispatch import triton_interpreting
+from mcore.kernels.triton.flash_schedule import device_blocks
+
+LOG2E = 1.4426950408889634
+
+
+@dataclasses.dataclass(frozen=True)
+class FlashConfig:
+    """Tile sizes of one kernel launch (rows of the program's own block x rows of the other side)."""
+
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+
+@functools.cache
+def forward_config(head_dim_qk: int, head_dim_v: int, interpreting: bool) -> FlashConfig:
+    """Forward tiles per head dim. 128 x 64 with 8 warps is the FA2 choice for D <= 128 on sm90; wider heads
+    halve the key block so K, V and the accumulator stay within shared memory and registers."""
+    if interpreting:
+        return FlashConfig(16, 16, 1, 1)
+    widest = max(head_dim_qk, head_dim_v)
+    if widest <= 64:
+        return FlashConfig(128, 64, 4, 3)
+    if widest <= 128:
+        return FlashConfig(128, 64, 8, 3)
+    return FlashConfig(128, 32, 8, 2)
+
+
+def _pad_dim(d: int) -> int:
+    return max(16, triton.next_power_of_2(d))
+
+
+@triton.jit
+def _fwd_block(
+    acc,
+    m_i,
+    l_i,
+    q,
+    k_base,
+    v_base,
+    key,
+    k_len,
+    k_pos,
+    q_rows_pos,
+    stride_ks,
+    stride_vs,
+    offs_n,
+    offs_dqk,
+    offs_dv,
+    D_QK,
+    D_V,
+    scale_log2,
+    window,
+    MASKED: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    kn = key + offs_n
+    k_valid = kn < k_len
+    kt = tl.load(
+        k_base + kn[None, :] * stride_ks + offs_dqk[:, None],
+        mask=k_valid[None, :] & (offs_dqk < D_QK)[:, None],
+        other=0.0,
+    )
+    scores = tl.dot(q, kt, input_precision=PRECISION) * scale_log2
+    if MASKED:
+        k_rows_pos = k_pos + kn
+        allowed = k_valid[None, :]
+        if CAUSAL:
+            allowed = allowed & (k_rows_pos[None, :] <= q_rows_pos[:, None])
+        if HAS_WINDOW:
+            allowed = allowed & (k_rows_pos[None, :] > q_rows_pos[:, None] - window)
+        scores = tl.where(allowed, scores, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(scores, 1))
+    # A row that has seen no key yet keeps m = -inf; shift it by 0 so that exp2 gives 0, not NaN.
+    m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.exp2(scores - m_shift[:, None])
+    alpha = tl.exp2(m_i - m_shift)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    v = tl.load(
+        v_base + kn[:, None] * stride_vs + offs_dv[None, :],
+        mask=k_valid[:, None] & (offs_dv < D_V)[None, :],
+        other=0.0,
+    )
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+    return acc, m_new, l_i
+
+
+@triton.jit
+def _visible_keys(q_first, q_last, k_len, k_pos, window, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr):
+    """Segment-local key ranges of a query block: [lo, hi) seen by some row, [full_lo, full_hi) by all rows."""
+    lo = q_first * 0
+    hi = lo + k_len
+    full_lo = lo
+    full_hi = hi
+    if CAUSAL:
+        hi = tl.minimum(hi, q_last - k_pos + 1)
+        full_hi = tl.minimum(full_hi, q_first - k_pos + 1)
+    if HAS_WINDOW:
+        lo = tl.maximum(lo, q_first - window + 1 - k_pos)
+        full_lo = tl.maximum(full_lo, q_last - window + 1 - k_pos)
+    return lo, hi, full_lo, full_hi
+
+
+@triton.jit
+def _fwd_kernel(
+    Q, K, V, OUT, LSE, SINKS, BLOCKS, SEGS,  # fmt: skip
+    stride_qb, stride_qs, stride_qh,
+    stride_kb, stride_ks, stride_kh,
+    stride_vb, stride_vs, stride_vh,
+    stride_ob, stride_os, stride_oh,
+    q_len_row, n_heads, group, scale_log2, window, D_QK, D_V,
+    CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
+):  # fmt: skip
+    head = tl.program_id(0)
+    block = tl.program_id(1)
+    kv_head = head // group
+    row = tl.load(BLOCKS + block * 6).to(tl.int64)
+    q_start = tl.load(BLOCKS + block * 6 + 1)
+    q_rows = tl.load(BLOCKS + block * 6 + 2)
+    q_first = tl.load(BLOCKS + block * 6 + 3)
+    seg_lo = tl.load(BLOCKS + block * 6 + 4)
+    seg_hi = tl.load(BLOCKS + block * 6 + 5)
+    q_last = q_first + q_rows - 1
+
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_dqk = tl.arange(0, BLOCK_DQK)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    m_valid = offs_m < q_rows
+    q_tokens = (q_start + offs_m).to(tl.int64)
+    q = tl.load(
+        Q + row * stride_qb + head * stride_qh + q_tokens[:, None] * stride_qs + offs_dqk[None, :],
+        mask=m_valid[:, None] & (offs_dqk < D_QK)[None, :],
+        other=0.0,
+    )
+    q_rows_pos = q_first + offs_m
+    k_head = K + row * stride_kb + kv_head * stride_kh
+    v_head = V + row * stride_vb + kv_head * stride_vh
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
+    for seg in range(seg_lo, seg_hi):
+        k_start = tl.load(SEGS + seg * 3)
+        k_len = tl.load(SEGS + seg * 3 + 1)
+        k_pos = tl.load(SEGS + seg * 3 + 2)
+        lo, hi, full_lo, full_hi = _visible_keys(q_first, q_last, k_len, k_pos, window, CAUSAL, HAS_WINDOW)
+        # Blocks start at lo; the first ones straddle the window edge, then whole blocks, then the diagonal.
+        mid_lo = lo + tl.cdiv(tl.maximum(full_lo - lo, 0), BLOCK_N) * BLOCK_N
+        mid_hi = mid_lo + (tl.maximum(full_hi - mid_lo, 0) // BLOCK_N) * BLOCK_N
+        head_hi = tl.minimum(mid_lo, hi)
+        k_base = k_head + k_start.to(tl.int64) * stride_ks
+        v_base = v_head + k_start.to(tl.int64) * stride_vs
+        for key in range(lo, head_hi, BLOCK_N):
+            acc, m_i, l_i = _fwd_block(
+                acc, m_i, l_i, q, k_base, v_base, key, k_len, k_pos, q_rows_pos, stride_ks, stride_vs,
+                offs_n, offs_dqk, offs_dv, D_QK, D_V, scale_log2, window, True, CAUSAL, HAS_WINDOW, PRECISION,
+            )  # fmt: skip
+        for key in range(mid_lo, mid_hi, BLOCK_N):
+            acc, m_i, l_i = _fwd_block(
+                acc, m_i, l_i, q, k_base, v_base, key, k_len, k_pos, q_rows_pos, stride_ks, stride_vs,
+                offs_n, offs_dqk, offs_dv, D_QK, D_V, scale_log2, window, False, CAUSAL, HAS_WINDOW, PRECISION,
+            )  # fmt: skip
+        for key in range(tl.maximum(mid_hi, head_hi), hi, BLOCK_N):
+            acc, m_i, l_i = _fwd_block(
+                acc, m_i, l_i, q, k_base, v_base, key, k_len, k_pos, q_rows_pos, stride_ks, stride_vs,
+                offs_n, offs_dqk, offs_dv, D_QK, D_V, scale_log2, window, True, CAUSAL, HAS_WINDOW, PRECISION,
+            )  # fmt: skip
+
+    if HAS_SINKS:
+        sink = tl.load(SINKS + head).to(tl.float32) * 1.4426950408889634
+        m_fin = tl.maximum(m_i, sink)
+        alpha = tl.exp2(m_i - m_fin)
+        l_i = l_i * alpha + tl.exp2(sink - m_fin)
+        acc = acc * alpha[:, None]
+        m_i = m_fin
+    empty = l_i == 0.0
+    out = acc / tl.where(empty, 1.0, l_i)[:, None]
+    lse = tl.where(empty, float("-inf"), (m_i + tl.log2(tl.where(empty, 1.0, l_i))) * 0.6931471805599453)
+    tl.store(
+        OUT + row * stride_ob + head * stride_oh + q_tokens[:, None] * stride_os + offs_dv[None, :],
+        out.to(OUT.dtype.element_ty),
+        mask=m_valid[:, None] & (offs_dv < D_V)[None, :],
+    )
+    tl.store(LSE + (row * q_len_row + q_tokens) * n_heads + head, lse, mask=m_valid)
+
+
+def precision_for(dtype: torch.dtype) -> str:
+    """fp32/fp64 inputs (tests) multiply exactly; bf16/fp16 use the tensor cores' native products."""
+    return "ieee" if dtype in (torch.float32, torch.float64) else "tf32"
+
+
+def flash_forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    layout: AttentionLayout,
+    softmax_scale: float,
+    sinks: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(out [b, s, Hq, Dv], lse [b, s, Hq] fp32)`` of attention over ``layout``; inputs need a unit last stride."""
+    b, s, n_heads, d_qk = q.shape
+    d_v = v.shape[-1]
+    config = forward_config(d_qk, d_v, triton_interpreting())
+    blocks, segments = device_blocks(layout, "q", config.block_m, q.device)
+    covered = layout.covers_all("q")
+    alloc = torch.empty if covered else torch.zeros
+    out = alloc(b, s, n_heads, d_v, device=q.device, dtype=q.dtype)
+    lse = torch.empty(b, s, n_heads, device=q.device, dtype=torch.float32)
+    if not covered:  # rows in no pair see nothing but the sink: output 0, lse = sink (or -inf)
+        lse.copy_(sinks.float().expand_as(lse)) if sinks is not None else lse.fill_(float("-inf"))
+    if blocks.shape[0] == 0:
+        return out, lse
+    grid = (n_heads, blocks.shape[0])
+    _fwd_kernel[grid](
+        q, k, v, out, lse, sinks if sinks is not None else lse, blocks, segments,
+        q.stride(0), q.stride(1), q.stride(2),
+        k.stride(0), k.stride(1), k.stride(2),
+        v.stride(0), v.stride(1), v.stride(2),
+        out.stride(0), out.stride(1), out.stride(2),
+        s, n_heads, n_heads // k.shape[2], softmax_scale * LOG2E, layout.window_size or 0, d_qk, d_v,
+        CAUSAL=layout.causal, HAS_WINDOW=layout.window_size is not None, HAS_SINKS=sinks is not None,
+        PRECISION=precision_for(q.dtype), BLOCK_M=config.block_m, BLOCK_N=config.block_n,
+        BLOCK_DQK=_pad_dim(d_qk), BLOCK_DV=_pad_dim(d_v), num_warps=config.num_warps, num_stages=config.num_stages,
+    )  # fmt: skip
+    return out, lse
