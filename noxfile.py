@@ -28,11 +28,12 @@ nox.options.sessions = ["lint", "tests"]
 nox.options.reuse_existing_virtualenvs = True
 
 
-def _install_layers(session: nox.Session, upto: str, editable: bool = True) -> None:
-    session.install(TORCH)
+def _install_layers(session: nox.Session, upto: str, editable: bool = True, test_deps: bool = True) -> None:
+    session.install(*TORCH.split())  # MCORE_TORCH may carry pip options, e.g. an --index-url
     layers = LAYERS[: LAYERS.index(upto) + 1]
-    extra = sorted({d for layer in layers for d in LAYER_TEST_DEPS[layer]})
-    session.install(*TEST_DEPS, *extra)
+    if test_deps:
+        extra = sorted({d for layer in layers for d in LAYER_TEST_DEPS[layer]})
+        session.install(*TEST_DEPS, *extra)
     args: list[str] = []
     for layer in layers:
         args += (["-e"] if editable else []) + [str(ROOT / "packages" / f"mcore-{layer}")]
@@ -89,7 +90,7 @@ def build(session: nox.Session) -> None:
         venv = ROOT / ".nox" / f"wheel-{layer}"
         session.run("python", "-m", "venv", "--clear", str(venv))
         py = str(venv / "bin" / "python")
-        session.run(py, "-m", "pip", "install", "-q", TORCH, external=True)
+        session.run(py, "-m", "pip", "install", "-q", *TORCH.split(), external=True)
         below = [str(wheels[x]) for x in LAYERS[: LAYERS.index(layer) + 1]]
         session.run(py, "-m", "pip", "install", "-q", *below, external=True)
         session.run(py, "-c", f"import mcore.{layer}; print('mcore.{layer}', mcore.{layer}.__version__)", external=True)
@@ -106,5 +107,5 @@ def build(session: nox.Session) -> None:
 @nox.session
 def demo(session: nox.Session) -> None:
     """The main job: mcore-train on its embedded default (tiny GPT, CPU or GPU)."""
-    _install_layers(session, "train")
+    _install_layers(session, "train", test_deps=False)  # the demo needs none of the test references
     session.run("mcore-train", *session.posargs)

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
 
-from tests.helpers.families import families, hf_classes, tiny_config
+from tests.helpers.families import families, hf_classes, hf_moe_kwargs, tiny_config
 
 # family -> (HF config class, HF model class), for every registered family.
 HF_CLASSES = {family: hf_classes(family) for family in families()}
@@ -54,6 +54,8 @@ def tiny_config_kwargs(family: str, **overrides: Any) -> dict[str, Any]:
         kwargs["sliding_window"] = tiny.sliding_window  # mistral: 8, shorter than the test sequences
     if tiny.layer_types is not None:
         kwargs["layer_types"] = list(tiny.layer_types)
+    if tiny.num_experts is not None:  # the preset's small experts, not transformers' default 60-128 of them
+        kwargs.update(hf_moe_kwargs(tiny))
     kwargs.update(overrides)
     return kwargs
 

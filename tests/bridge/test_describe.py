@@ -58,7 +58,8 @@ def test_inspect_reports_an_unsupported_architecture_instead_of_failing(dirs, tm
 def test_list_names_the_supported_families(capsys):
     assert main(["list"]) == 0
     lines = capsys.readouterr().out.strip().splitlines()
-    assert [line.split()[0] for line in lines] == ["llama", "qwen2", "qwen3", "mistral"]
+    families = ["llama", "qwen2", "qwen3", "mistral", "mixtral", "qwen3_moe", "qwen2_moe", "olmoe"]
+    assert [line.split()[0] for line in lines] == families
     assert "Qwen3ForCausalLM" in lines[2]
 
 

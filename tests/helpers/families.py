@@ -60,12 +60,36 @@ def hf_config_kwargs(config: TransformerConfig) -> dict[str, Any]:
     kwargs = {name: getattr(config, name) for name in _HF_FIELDS}
     if config.layer_types is not None:
         kwargs["layer_types"] = list(config.layer_types)
+    if config.num_experts is not None:
+        kwargs.update(hf_moe_kwargs(config))
     kwargs.update(
         rope_parameters={**rope, "rope_theta": config.rope_theta},
         pad_token_id=None,
         bos_token_id=None,
         eos_token_id=None,
     )
+    return kwargs
+
+
+def hf_moe_kwargs(config: TransformerConfig) -> dict[str, Any]:
+    """HF's MoE fields: Mixtral names its experts ``num_local_experts`` and their width ``intermediate_size``."""
+    kwargs: dict[str, Any] = {"num_experts_per_tok": config.num_experts_per_tok, "router_aux_loss_coef": 0.0}
+    if config.model_type == "mixtral":
+        return {**kwargs, "num_local_experts": config.num_experts}
+    if config.model_type == "olmoe":
+        return {**kwargs, "num_experts": config.num_experts, "norm_topk_prob": config.norm_topk_prob}
+    dense = [i for i in range(config.num_hidden_layers) if config.mlp_type(i) != "moe"]
+    kwargs.update(
+        num_experts=config.num_experts,
+        moe_intermediate_size=config.moe_intermediate_size,
+        norm_topk_prob=config.norm_topk_prob,
+        decoder_sparse_step=1,
+        mlp_only_layers=dense,
+    )
+    if config.shared_expert_intermediate_size is not None:
+        kwargs["shared_expert_intermediate_size"] = config.shared_expert_intermediate_size
+    if config.model_type == "qwen2_moe":
+        kwargs["qkv_bias"] = config.attention_bias
     return kwargs
 
 

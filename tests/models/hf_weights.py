@@ -67,10 +67,27 @@ def hf_to_mcore_state(hf_state: dict[str, torch.Tensor], config: TransformerConf
                     [hf_state[mlp + f"gate_proj.{kind}"], hf_state[mlp + f"up_proj.{kind}"]], dim=0
                 )
                 out[ours + f"mlp.down.{kind}"] = hf_state[mlp + f"down_proj.{kind}"]
+        _moe_to_mcore(hf_state, hf + "mlp.", ours + "mlp.", out)
         for norm in ("q_norm", "k_norm"):
             if attn + f"{norm}.weight" in hf_state:
                 out[ours + f"attention.{norm}.weight"] = hf_state[attn + f"{norm}.weight"]
     return out
+
+
+def _moe_to_mcore(hf_state: dict[str, torch.Tensor], hf: str, ours: str, out: dict[str, torch.Tensor]) -> None:
+    """transformers 5 holds the experts merged in memory (``experts.gate_up_proj`` [E, 2F, H] = our layout)."""
+    if hf + "gate.weight" not in hf_state:
+        return
+    out[ours + "router.weight"] = hf_state[hf + "gate.weight"]
+    out[ours + "experts.gate_up"] = hf_state[hf + "experts.gate_up_proj"]
+    out[ours + "experts.down"] = hf_state[hf + "experts.down_proj"]
+    shared = hf + "shared_expert."
+    if shared + "gate_proj.weight" in hf_state:
+        gate_up = [hf_state[shared + "gate_proj.weight"], hf_state[shared + "up_proj.weight"]]
+        out[ours + "shared_expert.gate_up.weight"] = torch.cat(gate_up, dim=0)
+        out[ours + "shared_expert.down.weight"] = hf_state[shared + "down_proj.weight"]
+    if hf + "shared_expert_gate.weight" in hf_state:
+        out[ours + "shared_expert_gate.weight"] = hf_state[hf + "shared_expert_gate.weight"]
 
 
 def load_hf_weights(model: torch.nn.Module, hf: torch.nn.Module, config: TransformerConfig) -> None:

@@ -117,7 +117,7 @@ def test_overrides_and_family_behaviour_is_data():
     assert family_config("qwen3", **TINY).qk_norm
     for name in ("llama3-8b", "llama3-70b", "qwen3-8b", "qwen2.5-7b", "mistral-7b", "llama2-7b"):
         assert name in preset_names()
-    assert set(FAMILIES) == {"llama", "qwen2", "qwen3", "mistral"}
+    assert set(FAMILIES) == {"llama", "qwen2", "qwen3", "mistral", "mixtral", "qwen3_moe", "qwen2_moe", "olmoe"}
 
 
 def test_presets_cannot_be_mutated_through_a_config():

@@ -81,9 +81,9 @@ def _mixed_config(**overrides):
 
 
 def test_unknown_part_names_are_refused_naming_the_registered_ones():
-    expected = r"mlp_layer_types entries must be registered mlp parts \['dense', 'none'\].*'moe'"
+    expected = r"mlp_layer_types entries must be registered mlp parts \['dense', 'none', 'moe'\].*'sparse9'"
     with pytest.raises(ValueError, match=expected):
-        get_config("llama-tiny", mlp_layer_types=["dense", "moe"])
+        get_config("llama-tiny", mlp_layer_types=["dense", "sparse9"])
     with pytest.raises(ValueError, match=r"layer_types entries must be registered mixer parts.*'mamba9'"):
         get_config("llama-tiny", layer_types=["full_attention", "mamba9"])
     with pytest.raises(ValueError, match="mlp_layer_types has 1 entries but num_hidden_layers is 2"):

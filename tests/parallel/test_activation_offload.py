@@ -122,6 +122,11 @@ def test_bad_min_numel():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.xfail(
+    strict=True,
+    reason="measured on an H200 (2026-12-01, commit 58e77ed): results equal, but the peak with offload was 780 MB "
+    "against 579 MB without: the CUDA path does not yet free the device copies (open in #22)",
+)
 def test_cuda_offload_equal_and_lighter():
     model = _model(layers=6, hidden=1024, device="cuda")
     inputs = [torch.randn(512, 4, 1024, device="cuda")]

@@ -16,7 +16,7 @@ import torch
 from mcore.bridge.dtypes import cast_dtype, torch_dtype_from_name, torch_dtype_name
 from mcore.bridge.errors import BridgeError
 from mcore.bridge.mappings import FamilyMapping
-from mcore.bridge.mappings.base import Op
+from mcore.bridge.mappings.base import EXPERT_OPS, Op
 from mcore.bridge.safetensors_io import TensorEntry
 from mcore.models.config import TransformerConfig
 from mcore.models.layers.block import layer_module_names
@@ -45,8 +45,14 @@ def steps_for(family: FamilyMapping, config: TransformerConfig) -> list[Step]:
             # A per-layer rule applies to the layers holding its module (hybrids: attention or MoE on some only).
             if layer is not None and rule.mcore.split(".")[2] not in layer_module_names(config, layer):
                 continue
+            if rule.mlp is not None and config.mlp_type(layer) != rule.mlp:  # MoE or dense MLP layers only
+                continue
             fmt = {"layer": layer} if layer is not None else {}
-            steps.append(Step(rule.mcore.format(**fmt), tuple(h.format(**fmt) for h in rule.hf), rule.op))
+            if rule.op in EXPERT_OPS:  # each pattern once per expert, pattern by pattern
+                hf = tuple(h.format(**fmt, expert=e) for h in rule.hf for e in range(config.num_experts))
+            else:
+                hf = tuple(h.format(**fmt) for h in rule.hf)
+            steps.append(Step(rule.mcore.format(**fmt), hf, rule.op))
     return steps
 
 
@@ -59,6 +65,10 @@ def hf_shapes(step: Step, mcore_shape: tuple[int, ...], config: TransformerConfi
         return (q, kv, kv)
     if step.op == "gate_up":
         return ((mcore_shape[0] // 2, *rest),) * 2
+    if step.op == "experts":  # [E, out, in] from E tensors [out, in]
+        return (tuple(mcore_shape[1:]),) * mcore_shape[0]
+    if step.op == "experts_gate_up":  # [E, 2F, H] from E gate [F, H] then E up [F, H]
+        return ((mcore_shape[1] // 2, *mcore_shape[2:]),) * (2 * mcore_shape[0])
     return (mcore_shape,)
 
 

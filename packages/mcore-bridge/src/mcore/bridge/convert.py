@@ -45,6 +45,7 @@ from mcore.train.checkpoint import (
     TensorMeta,
     expected_model_tensors,
 )
+from mcore.train.output_paths import check_output_dir
 
 log = logging.getLogger("mcore.bridge")
 
@@ -265,6 +266,7 @@ def convert(
     target_dtype = parse_dtype_choice(dtype)
     max_shard_bytes = parse_size(max_shard_size)
     dst = Path(dst).expanduser()
+    check_output_dir(dst.parent, f"destination {dst}: its directory", BridgeError)  # before reading anything
     if dst.exists() and not overwrite:  # checked before a possibly long hub download
         check_destination(dst, overwrite, [])
     source = resolve_source(src)

@@ -14,6 +14,7 @@ from mcore.bridge.dtypes import torch_dtype_from_name, torch_dtype_name
 from mcore.bridge.errors import BridgeError
 from mcore.bridge.hf import read_hf_dir
 from mcore.bridge.mappings import FAMILIES, family_for_hf_config
+from mcore.bridge.safetensors_io import read_header
 from mcore.bridge.sources import resolve_source
 from mcore.train.checkpoint import CheckpointError, CheckpointReader
 
@@ -111,8 +112,30 @@ def _describe_hf(path: Path) -> Description:
     return Description("hf", str(path), family_name, layout, hf.config, tensors, details)
 
 
+def damaged_files(checkpoint: Path) -> tuple[list[str], int]:
+    """(one line per damaged safetensors file of an mcore checkpoint, number of files checked).
+
+    Each file's header is parsed and checked against the file size (offsets tile the data, nothing missing or
+    extra), so a truncated or overwritten shard is found without reading the tensors.
+    """
+    files = sorted(checkpoint.glob("*/*.safetensors"))
+    problems = []
+    for file in files:
+        try:
+            read_header(file)
+        except BridgeError as exc:
+            problems.append(str(exc))
+    return problems, len(files)
+
+
 def _describe_mcore(path: Path) -> Description:
     with CheckpointReader(path) as reader:
+        problems, checked = damaged_files(reader.path)
+        if problems:
+            raise BridgeError(
+                f"{reader.path} is a damaged checkpoint: {len(problems)} of its {checked} tensor files fail "
+                f"validation: {'; '.join(problems)}. Use another checkpoint (e.g. an older iter_* beside it)"
+            )
         config = reader.model_config_dict
         tensors, details = [], {}
         for name in reader.tensor_names():

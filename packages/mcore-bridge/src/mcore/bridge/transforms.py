@@ -97,6 +97,11 @@ def to_mcore(
         return pad_vocab(inputs[0], padded_rows)
     if op == "copy":
         return inputs[0]
+    if op == "experts":
+        return torch.stack(inputs)
+    if op == "experts_gate_up":
+        experts = len(inputs) // 2
+        return torch.stack([fuse_gate_up(g, u) for g, u in zip(inputs[:experts], inputs[experts:])])
     raise ValueError(f"unknown mapping op {op!r}")
 
 
@@ -108,4 +113,9 @@ def to_hf(op: str, tensor: torch.Tensor, *, num_heads: int, num_kv_heads: int, h
         return list(split_gate_up(tensor))
     if op in ("vocab", "copy"):
         return [tensor]
+    if op == "experts":
+        return [t.contiguous() for t in tensor.unbind(0)]
+    if op == "experts_gate_up":
+        pairs = [split_gate_up(t) for t in tensor.unbind(0)]
+        return [g.contiguous() for g, _ in pairs] + [u.contiguous() for _, u in pairs]
     raise ValueError(f"unknown mapping op {op!r}")

@@ -16,6 +16,17 @@ from mcore.kernels.cross_entropy import cross_entropy
 from mcore.kernels.fp8_gemm import scaled_matmul
 from mcore.kernels.low_precision_linear import LowPrecisionLinear, Recipe
 from mcore.kernels.microscaling import dequantize_mx, dequantize_nvfp4, quantize_mx, quantize_nvfp4
+from mcore.kernels.moe import (
+    expert_bias_update,
+    grouped_gemm,
+    load_balancing_loss,
+    permute,
+    plan_permutation,
+    route,
+    tokens_per_expert,
+    unpermute,
+    z_loss,
+)
 from mcore.kernels.norms import layer_norm, rms_norm
 from mcore.kernels.optimizer import adamw_step_
 from mcore.kernels.quantization import quantize_fp8, quantize_fp8_pair
@@ -32,8 +43,13 @@ __all__ = [
     "cross_entropy",
     "dequantize_mx",
     "dequantize_nvfp4",
+    "expert_bias_update",
     "geglu",
+    "grouped_gemm",
     "layer_norm",
+    "load_balancing_loss",
+    "permute",
+    "plan_permutation",
     "quantize_fp8",
     "quantize_fp8_pair",
     "quantize_mx",
@@ -41,6 +57,10 @@ __all__ = [
     "rms_norm",
     "rope_cos_sin",
     "rope_inv_freq",
+    "route",
     "scaled_matmul",
     "swiglu",
+    "tokens_per_expert",
+    "unpermute",
+    "z_loss",
 ]

@@ -80,6 +80,7 @@ class TransformerConfig:
     attention_out_bias: bool = False
     mlp_bias: bool = False
     qk_norm: bool = False
+    qk_norm_scope: str = "head"  # "head": one norm per head (Qwen3); "projection": over all of q / k (OLMoE)
     sliding_window: int | None = None
     layer_types: tuple[str, ...] | None = None
     mlp_layer_types: tuple[str, ...] | None = None
@@ -88,6 +89,16 @@ class TransformerConfig:
     initializer_range: float = 0.02
     make_vocab_size_divisible_by: int = 128
     model_type: str = "llama"
+    # Mixture of experts (HF names; ``num_experts=None``: a dense model). Layers whose ``mlp_layer_types`` entry is
+    # "moe" (every layer when that is None and num_experts is set) use them; see mcore.models.layers.moe.
+    num_experts: int | None = None
+    num_experts_per_tok: int = 2
+    moe_intermediate_size: int | None = None  # None: intermediate_size (Mixtral)
+    norm_topk_prob: bool = False
+    shared_expert_intermediate_size: int | None = None  # Qwen2-MoE's shared expert
+    shared_expert_gate: bool = False  # its sigmoid gate
+    router_aux_loss_coef: float = 0.0
+    moe_router: dict[str, Any] | None = None  # training knobs: mcore.models.moe_fields.ROUTER_KNOBS
 
     def __post_init__(self) -> None:
         for name in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size"):
@@ -110,6 +121,22 @@ class TransformerConfig:
         if self.normalization not in NORMALIZATIONS:
             raise ValueError(
                 f"TransformerConfig.normalization must be one of {NORMALIZATIONS}, got {self.normalization!r}"
+            )
+        if self.qk_norm_scope not in ("head", "projection"):
+            raise ValueError(
+                f"TransformerConfig.qk_norm_scope must be 'head' or 'projection', got {self.qk_norm_scope!r}"
+            )
+        if self.qk_norm_scope == "projection" and self.normalization != "rmsnorm":
+            raise ValueError(
+                "TransformerConfig.qk_norm_scope='projection' is an RMSNorm (OLMoE); set normalization=rmsnorm"
+            )
+        if self.num_experts is not None:
+            from mcore.models.moe_fields import check_moe_fields
+
+            check_moe_fields(self)
+        elif self.mlp_layer_types is not None and "moe" in self.mlp_layer_types:
+            raise ValueError(
+                "TransformerConfig.mlp_layer_types has 'moe' layers but num_experts is None; set num_experts"
             )
 
     def _check_heads(self) -> None:
@@ -223,7 +250,9 @@ class TransformerConfig:
     def mlp_type(self, layer_index: int) -> str:
         """The registered MLP of layer ``layer_index`` (global index)."""
         self._check_layer_index(layer_index)
-        return "dense" if self.mlp_layer_types is None else self.mlp_layer_types[layer_index]
+        if self.mlp_layer_types is None:
+            return "dense" if self.num_experts is None else "moe"
+        return self.mlp_layer_types[layer_index]
 
     def window_for_layer(self, layer_index: int) -> int | None:
         """The sliding window of layer ``layer_index`` (global index), or ``None`` for full attention."""

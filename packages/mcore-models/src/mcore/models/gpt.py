@@ -89,7 +89,12 @@ class GPTModel(nn.Module):
             # layer); finalize_model_grads sums the gradients of every copy marked shared_embedding.
             mark_shared_embedding(self.embedding.weight, config.tie_word_embeddings and groups.pp_size > 1)
         context = PartContext(
-            tp_group=self.tp_group, tp_size=tp, sequence_parallel=sequence_parallel, recompute=recompute, **factory
+            tp_group=self.tp_group,
+            tp_size=tp,
+            sequence_parallel=sequence_parallel,
+            recompute=recompute,
+            groups=groups,
+            **factory,
         )
         self.layers = nn.ModuleDict({str(i): DecoderLayer(config, i, context) for i in range(start, end)})
         self._tied_output: tuple[ColumnParallelLinear, ...] = ()

@@ -16,6 +16,7 @@ from mcore.parallel.comm import (
 from mcore.parallel.cross_entropy import vocab_parallel_cross_entropy
 from mcore.parallel.data_parallel import DistributedDataParallel
 from mcore.parallel.distributed_optimizer import DistributedOptimizer
+from mcore.parallel.expert_parallel import GroupedExperts, MoEConfig, MoELayer, moe_metrics, update_expert_biases
 from mcore.parallel.finalize import finalize_model_grads
 from mcore.parallel.grad_clip import clip_grad_norm, total_grad_norm
 from mcore.parallel.grid import GROUP_KINDS, ParallelConfig, ProcessGroups, build_process_groups, rank_groups
@@ -50,6 +51,9 @@ __all__ = [
     "DistributedDataParallel",
     "DistributedOptimizer",
     "DynamicLossScaler",
+    "GroupedExperts",
+    "MoEConfig",
+    "MoELayer",
     "MixedPrecisionOptimizer",
     "ParallelConfig",
     "ProcessGroups",
@@ -68,6 +72,7 @@ __all__ = [
     "gather_from_tp_region",
     "get_rng_tracker",
     "model_parallel_seed",
+    "moe_metrics",
     "normal_init",
     "partition_slice",
     "rank_groups",
@@ -80,5 +85,6 @@ __all__ = [
     "attach_weight_grad_store",
     "set_tensor_parallel_attributes",
     "total_grad_norm",
+    "update_expert_biases",
     "vocab_parallel_cross_entropy",
 ]

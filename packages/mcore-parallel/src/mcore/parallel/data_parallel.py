@@ -43,7 +43,9 @@ class DistributedDataParallel(nn.Module):
 
     ``overlap_param_gather`` (only with ``use_distributed_optimizer``) and ``gradient_accumulation_fusion`` are
     additions to the contract's signature. Wrap the model before building its optimizer: with the distributed
-    optimizer the parameters' storage moves into the flat parameter buffer.
+    optimizer the parameters' storage moves into the flat parameter buffer. ``expert_dp_group``: the group over
+    which parameters flagged ``expert_parallel`` are reduced (``groups.expert_dp``); the default ``"dense"``
+    reduces them with the rest, which is right only when ep = etp = 1.
     """
 
     def __init__(
@@ -57,6 +59,7 @@ class DistributedDataParallel(nn.Module):
         grad_dtype: torch.dtype = torch.float32,
         overlap_param_gather: bool = False,
         gradient_accumulation_fusion: bool = True,
+        expert_dp_group: dist.ProcessGroup | None | str = "dense",
     ) -> None:
         super().__init__()
         if not isinstance(module, nn.Module):
@@ -84,18 +87,23 @@ class DistributedDataParallel(nn.Module):
         # No parameter is allowed: an empty virtual pipeline stage (a chunk without layers, which a balanced
         # layout gives when the output layer outweighs the layers) only forwards activations; it gets no buffer.
         params = [p for p in module.parameters() if p.requires_grad]
-        by_key: dict[tuple[torch.dtype, torch.device], list[nn.Parameter]] = {}
+        # Expert parameters (``expert_parallel``, see expert_parallel.py) get their own buffers, reduced over
+        # ``expert_dp_group`` and scaled by 1 / dense dp size; "dense" treats them like the rest (ep = etp = 1).
+        separate_experts = not (isinstance(expert_dp_group, str) and expert_dp_group == "dense")
+        by_key: dict[tuple[torch.dtype, torch.device, bool], list[nn.Parameter]] = {}
         for p in reversed(params):  # backward order
-            by_key.setdefault((p.dtype, p.device), []).append(p)
+            expert = separate_experts and getattr(p, "expert_parallel", False)
+            by_key.setdefault((p.dtype, p.device, expert), []).append(p)
         self._grad_buffers: list[GradBuffer] = [
             GradBuffer(
                 group,
-                dp_group=dp_group,
+                dp_group=expert_dp_group if expert else dp_group,
                 bucket_size=bucket_size,
                 grad_dtype=grad_dtype,
                 use_distributed_optimizer=use_distributed_optimizer,
+                grad_scale=1.0 / self.dp_size if expert else None,
             )
-            for group in by_key.values()
+            for (_, _, expert), group in by_key.items()
         ]
         self._buffer_of = {p: buf for buf in self._grad_buffers for p in buf.ranges}
 

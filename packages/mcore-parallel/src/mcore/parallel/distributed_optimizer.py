@@ -56,6 +56,8 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
                         )
         return pieces
 
+    _shards_over_dp = True  # expert buffers are sharded over expert dp: their norm is summed over it
+
     def _norm_dp_group(self):
         return self.dp_group  # each dp rank holds a different shard of the gradients
 
@@ -65,7 +67,6 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
 
     def _full_states(self) -> dict[nn.Parameter, dict[str, torch.Tensor]]:
         """Gather every bucket's shards of master/exp_avg/exp_avg_sq over dp (collective over the dp group)."""
-        dp = group_size(self.dp_group)
         by_param: dict[int, list[MasterPiece]] = {}
         for pc in self._pieces:
             by_param.setdefault(id(pc.param), []).append(pc)
@@ -74,6 +75,7 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
         for chunk in self.chunks:
             chunk.finish_param_sync()
             for buf in chunk.grad_buffers:
+                dp = group_size(buf.dp_group)  # expert buffers are sharded over expert dp
                 for bucket in buf.buckets:
                     length = bucket.shard_end - bucket.shard_start
                     shard = torch.zeros(len(STATE_KINDS), length, dtype=torch.float32, device=self.device)
@@ -88,7 +90,7 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
                     if dp == 1:
                         gathered.copy_(shard)
                     else:
-                        all_gather_into(gathered, shard, self.dp_group)
+                        all_gather_into(gathered, shard, buf.dp_group)
                     # [dp, kind, shard] -> [kind, dp * shard]: the bucket in order, one row per state kind
                     full = gathered.view(dp, kinds, length).permute(1, 0, 2).reshape(kinds, dp * length)
                     for p in bucket.params:

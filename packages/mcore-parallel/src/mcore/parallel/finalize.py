@@ -11,6 +11,7 @@ from torch.distributed.tensor import DTensor
 
 from mcore.parallel.comm import group_size
 from mcore.parallel.data_parallel import DistributedDataParallel
+from mcore.parallel.expert_parallel import update_expert_biases
 from mcore.parallel.grid import ProcessGroups
 from mcore.parallel.param_attrs import accumulated_grad, is_sequence_parallel, is_shared_embedding
 
@@ -51,7 +52,8 @@ def finalize_model_grads(model_chunks: nn.Module | Sequence[nn.Module], groups: 
     Call it after the backward of the last micro-batch (and after ``WeightGradStore.flush()`` when weight
     gradients were deferred). Tied embeddings under pipeline parallelism: both copies (the first stage's
     embedding weight and the last stage's output weight) must carry ``shared_embedding=True``, as in
-    Megatron-Core; the grad norm counts a ``shared_embedding`` parameter on the first stage only.
+    Megatron-Core; the grad norm counts a ``shared_embedding`` parameter on the first stage only. Last, the MoE
+    layers' aux-loss-free expert biases take their once-per-step update (``update_expert_biases``).
     """
     chunks = [model_chunks] if isinstance(model_chunks, nn.Module) else list(model_chunks)
     groups = groups or ProcessGroups.single()
@@ -66,3 +68,4 @@ def finalize_model_grads(model_chunks: nn.Module | Sequence[nn.Module], groups: 
         tied = [g for p in params if is_shared_embedding(p) and (g := _local(accumulated_grad(p))) is not None]
         if tied:
             _all_reduce_coalesced(tied, groups.embedding)
+    update_expert_biases(chunks, groups)

@@ -57,6 +57,7 @@ class GradBuffer:
         bucket_size: int,
         grad_dtype: torch.dtype,
         use_distributed_optimizer: bool,
+        grad_scale: float | None = None,
     ) -> None:
         if not params:
             raise ValueError("GradBuffer needs at least one parameter")
@@ -70,6 +71,9 @@ class GradBuffer:
         self.dp_size = group_size(dp_group)
         self.dp_rank = group_rank(dp_group)
         self.use_distributed_optimizer = use_distributed_optimizer
+        # None: average over dp_group. Expert buffers pass 1 / (dense dp size): a replica sums the contributions
+        # of every rank of its ep group, so its group (expert dp) is smaller than the data it saw.
+        self.grad_scale = grad_scale
         pad_to = self.dp_size * _SHARD_ALIGN if use_distributed_optimizer else 1
 
         self.ranges: dict[nn.Parameter, tuple[int, int]] = {}
@@ -136,6 +140,8 @@ class GradBuffer:
     def _launch(self, bucket: Bucket) -> None:
         bucket.launched = True
         self._next_to_launch = bucket.index + 1
+        if self.grad_scale is not None and self.grad_scale != 1.0:
+            self.grad_data[bucket.start : bucket.end].mul_(self.grad_scale)
         if self.dp_size > 1:
             self._issue_reduction(bucket)
         for callback in self.launch_callbacks:
@@ -143,8 +149,9 @@ class GradBuffer:
 
     def _issue_reduction(self, bucket: Bucket) -> None:
         grad = self.grad_data[bucket.start : bucket.end]
-        # average before summing: keeps low-precision gradient buffers away from overflow
-        grad.div_(self.dp_size)
+        if self.grad_scale is None:
+            # average before summing: keeps low-precision gradient buffers away from overflow
+            grad.div_(self.dp_size)
         if self.use_distributed_optimizer:
             shard = self.grad_data[bucket.shard_start : bucket.shard_end]
             bucket.grad_handle = reduce_scatter_into(shard, grad, self.dp_group, async_op=True)

@@ -8,11 +8,15 @@ Every gradient element of the full model is counted exactly once:
 
 then the sums of squares are all-reduced over TP, over PP, and, when each data-parallel rank holds a
 different shard of the gradients (distributed optimizer), over DP.
+
+Expert parameters (``expert_parallel=True``) live on the expert grid: each is counted on every etp rank when
+sharded (``tensor_parallel``) else on etp rank 0, and their sum is all-reduced over ``expert_groups`` (etp, ep
+and, for the distributed optimizer, expert dp) before joining the dense sum for the PP reduction.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -36,15 +40,42 @@ def total_grad_norm(
     pp_group: dist.ProcessGroup | None = None,
     dp_group: dist.ProcessGroup | None = None,
     device: torch.device | str | None = None,
+    expert_groups: Sequence[dist.ProcessGroup | None] | None = None,
+    etp_group: dist.ProcessGroup | None = None,
 ) -> torch.Tensor:
     """L2 norm (fp32 0-d tensor, same value on every rank) of the gradients of the whole model.
 
     ``params_and_grads`` pairs each gradient (or gradient shard) with the parameter whose attributes say how
     it is replicated. Pass ``dp_group`` only when the dp ranks hold disjoint shards of the gradients.
-    No host synchronization.
+    ``expert_groups`` (when the model has expert parameters): the groups their sum is reduced over; ``etp_group``
+    decides which etp rank counts an unsharded expert parameter. No host synchronization.
     """
-    tp_rank, pp_rank = group_rank(tp_group), group_rank(pp_group)
-    grads = [g for p, g in params_and_grads if g is not None and _counted_here(p, tp_rank, pp_rank)]
+    items = [(p, g) for p, g in params_and_grads if g is not None]
+    if expert_groups is None:
+        tp_rank, pp_rank = group_rank(tp_group), group_rank(pp_group)
+        total = _sum_of_squares([g for p, g in items if _counted_here(p, tp_rank, pp_rank)], device)
+        for group in (tp_group, pp_group, dp_group):
+            if group_size(group) > 1:
+                dist.all_reduce(total, group=group)
+        return total.sqrt()
+    dense = [(p, g) for p, g in items if not getattr(p, "expert_parallel", False)]
+    experts = [(p, g) for p, g in items if getattr(p, "expert_parallel", False)]
+    tp_rank, pp_rank, etp_rank = group_rank(tp_group), group_rank(pp_group), group_rank(etp_group)
+    total = _sum_of_squares([g for p, g in dense if _counted_here(p, tp_rank, pp_rank)], device)
+    expert_total = _sum_of_squares([g for p, g in experts if _counted_here(p, etp_rank, pp_rank)], total.device)
+    for group in (tp_group, dp_group):
+        if group_size(group) > 1:
+            dist.all_reduce(total, group=group)
+    for group in expert_groups:
+        if group_size(group) > 1:
+            dist.all_reduce(expert_total, group=group)
+    total = total + expert_total
+    if group_size(pp_group) > 1:
+        dist.all_reduce(total, group=pp_group)
+    return total.sqrt()
+
+
+def _sum_of_squares(grads: list[torch.Tensor], device: torch.device | str | None = None) -> torch.Tensor:
     if device is None:
         device = grads[0].device if grads else "cpu"
     total = torch.zeros((), dtype=torch.float32, device=device)
@@ -54,10 +85,7 @@ def total_grad_norm(
     for g in grads:
         if g.dtype != torch.float32:
             total = total + torch.linalg.vector_norm(g, dtype=torch.float32).square()
-    for group in (tp_group, pp_group, dp_group):
-        if group_size(group) > 1:
-            dist.all_reduce(total, group=group)
-    return total.sqrt()
+    return total
 
 
 def clip_coefficient(max_norm: float, total_norm: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:

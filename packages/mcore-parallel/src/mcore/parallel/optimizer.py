@@ -214,6 +214,15 @@ class MixedPrecisionOptimizer:
     def _norm_dp_group(self):
         return None  # replicated gradients: every dp rank already holds the full, identical gradient
 
+    def _norm_expert_groups(self):
+        """Groups the expert parameters' squared norm is summed over (None: the model has none)."""
+        if not any(getattr(p, "expert_parallel", False) for p in self.names):
+            return None
+        # replicated over expert dp after DDP's all-reduce; the sharded subclass adds expert dp
+        return (self.groups.etp, self.groups.ep, self.groups.expert_dp if self._shards_over_dp else None)
+
+    _shards_over_dp = False
+
     def _after_update(self) -> None:
         """Nothing to do: every rank updated its full parameters (the sharded subclass all-gathers here)."""
 
@@ -292,6 +301,8 @@ class MixedPrecisionOptimizer:
             pp_group=self.groups.pp,
             dp_group=self._norm_dp_group(),
             device=self.device,
+            expert_groups=self._norm_expert_groups(),
+            etp_group=self.groups.etp,
         )
         if inv_scale is not None and self._fused_step:
             norm = norm * inv_scale  # the gradients are still scaled: ||g / s|| = ||g|| / s

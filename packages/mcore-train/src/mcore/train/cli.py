@@ -7,7 +7,9 @@
     mcore-train evaluate [--config FILE.yaml] --load CKPT [key=value ...] validation loss/perplexity as JSON
     mcore-train config [--config FILE.yaml] [key=value ...]                every key (type, default, help); with a
                                                                           config or overrides, the resolved YAML
-    mcore-train plan [--config FILE.yaml] [--world-size N] [--gpu-memory GB] [key=value ...]
+    mcore-train plan [--config FILE.yaml] [--world-size N] [--gpu-memory GB] [--calibration C] [key=value ...]
+    mcore-train plan --search --gpus N [--cluster NAME|FILE.json] [key=value ...]   best layouts on N GPUs
+    mcore-train plan --calibrate [--output FILE.json]                     measure this GPU for the planner
     mcore-train plot RUN_DIR
     mcore-train preprocess --input DOCS.jsonl --output-prefix PREFIX [--tokenizer NAME]
 
@@ -25,6 +27,7 @@ import sys
 import traceback
 from collections.abc import Callable
 from datetime import datetime
+from pathlib import Path
 
 from mcore.train import __version__
 from mcore.train.errors import UserError
@@ -74,8 +77,17 @@ def build_parser(command: str) -> argparse.ArgumentParser:
     elif command == "plan":
         _common(parser)
         parser.add_argument("--world-size", type=int, default=None, help="ranks (default: tp x pp x dp of the config)")
-        parser.add_argument("--gpu-memory", type=float, default=None, metavar="GB", help="GPU memory to fit in")
+        parser.add_argument(
+            "--gpu-memory",
+            type=float,
+            default=None,
+            metavar="GB",
+            help="GPU memory to fit in (default: the calibration's)",
+        )
         parser.add_argument("--json", action="store_true", help="print the plan as JSON")
+        from mcore.train.plan_cli import add_planner_arguments
+
+        add_planner_arguments(parser)
     elif command == "plot":
         parser.add_argument("run_dir", metavar="RUN_DIR", help="directory of a run (holds metrics.jsonl)")
         parser.add_argument("--output", metavar="FILE.png", help="where to write (default: RUN_DIR/curves.png)")
@@ -117,25 +129,40 @@ def _config(args: argparse.Namespace, extra: list[str] | None = None, *, reuse_r
 
 
 def _train(args: argparse.Namespace) -> int:
+    from mcore.train.output_paths import check_train_outputs
+    from mcore.train.parent_watch import end_with_launcher
+
+    end_with_launcher()  # a worker of `--nproc-per-node` ends when its launcher dies
+    if args.nproc_per_node is not None and args.nproc_per_node < 1:
+        raise UserError(f"--nproc-per-node must be >= 1, got {args.nproc_per_node}")
     extra = [f"checkpoint.load={args.load}"] if args.load else []
     config, overrides, checkpoint = _config(args, extra)
     with contextlib.ExitStack() as stack:
         if checkpoint is not None:
             stack.callback(checkpoint.close)
+        check_train_outputs(config)  # before building anything: an unwritable output fails in one line
         return _run_or_launch(args, config, overrides, checkpoint)
 
 
 def _run_or_launch(args: argparse.Namespace, config, overrides: list[str], checkpoint) -> int:
+    from mcore.train.run_lock import run_dir_lock
+
     nproc = args.nproc_per_node
     if nproc is not None or args.max_restarts > 0:
         if int(os.environ.get("WORLD_SIZE", "1")) > 1:
             raise UserError("--nproc-per-node is for launching; this process is already one of several workers")
         from mcore.parallel.grid import ParallelConfig
+        from mcore.train.checkpoint.directory import CheckpointDirectory
         from mcore.train.launcher import launch_local
 
         try:  # fail here, before any worker starts, when the layout cannot fit the local workers
             layout = ParallelConfig(
-                tp=config.parallel.tp, pp=config.parallel.pp, vpp=config.parallel.vpp, dp=config.parallel.dp
+                tp=config.parallel.tp,
+                pp=config.parallel.pp,
+                vpp=config.parallel.vpp,
+                dp=config.parallel.dp,
+                ep=config.parallel.ep,
+                etp=config.parallel.etp,
             ).resolve(nproc or 1)
         except ValueError as exc:
             raise UserError(f"parallel layout does not fit {nproc or 1} worker(s): {exc}") from None
@@ -143,14 +170,24 @@ def _run_or_launch(args: argparse.Namespace, config, overrides: list[str], check
         run_dir = config.log.run_dir or os.path.join("runs", datetime.now().strftime("%Y%m%d-%H%M%S"))
         worker_args = (["--config", args.config] if args.config else []) + (["--debug"] if args.debug else [])
         worker_args += [*overrides, f"log.run_dir={run_dir}"]
-        print(f"mcore-train: launching {nproc or 1} worker(s), run directory {run_dir}", flush=True)
-        return launch_local(nproc or 1, worker_args, max_restarts=args.max_restarts)
+        checkpoint_dir = Path(config.checkpoint.dir or os.path.join(run_dir, "checkpoints"))
+        CheckpointDirectory(checkpoint_dir).latest()  # a broken `latest` fails here, not once in every worker
+        with run_dir_lock(run_dir):  # held for the workers, which recognise their launcher's lock
+            print(f"mcore-train: launching {nproc or 1} worker(s), run directory {run_dir}", flush=True)
+            return launch_local(nproc or 1, worker_args, max_restarts=args.max_restarts, checkpoint_dir=checkpoint_dir)
 
-    from mcore.train.loop import run_training
+    from mcore.train.loop import resolve_run_dir, run_training
+    from mcore.train.plan_cli import memory_warning
     from mcore.train.runtime import init_runtime
 
+    if os.environ.get("RANK", "0") == "0":  # before the model is built: a run that will not fit says so
+        warning = memory_warning(config, int(os.environ.get("WORLD_SIZE", "1")))
+        if warning:
+            print(f"mcore-train: warning: {warning}", file=sys.stderr, flush=True)
     with init_runtime(config) as runtime:
-        run_training(config, runtime, load=checkpoint)
+        config.log.run_dir = str(resolve_run_dir(config, runtime))  # fixed once: the lock and the run agree
+        with run_dir_lock(config.log.run_dir, enabled=runtime.is_logging_rank):
+            run_training(config, runtime, load=checkpoint)
     return 0
 
 
@@ -196,31 +233,15 @@ def _show_config(args: argparse.Namespace) -> int:
 
 
 def _plan(args: argparse.Namespace) -> int:
-    import torch
+    from mcore.train.plan_cli import run_plan
 
-    from mcore.train.metrics import peak_flops
-    from mcore.train.plan import default_world_size, format_plan, make_plan, plan_to_dict
+    def load(parsed: argparse.Namespace):
+        config, _, checkpoint = _config(parsed)
+        if checkpoint is not None:
+            checkpoint.close()
+        return config
 
-    config, _, checkpoint = _config(args)
-    if checkpoint is not None:
-        checkpoint.close()
-    world = args.world_size or default_world_size(config)
-    if world < 1:
-        raise UserError(f"--world-size must be >= 1, got {world}")
-    memory = args.gpu_memory
-    peak = None
-    if torch.cuda.is_available():
-        device = torch.device("cuda", 0)
-        peak = peak_flops(device)
-        if memory is None:
-            memory = torch.cuda.get_device_properties(device).total_memory / 1e9
-    if memory is None:
-        memory = 80.0
-    if memory <= 0:
-        raise UserError(f"--gpu-memory must be > 0 GB, got {memory}")
-    plan = make_plan(config, world, memory)
-    print(json.dumps(plan_to_dict(plan), indent=1) if args.json else format_plan(plan, peak))
-    return 0
+    return run_plan(args, load)
 
 
 def _plot(args: argparse.Namespace) -> int:

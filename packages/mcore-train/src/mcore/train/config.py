@@ -86,10 +86,16 @@ class ParallelSection:
     pipeline_layout: str | list[int] = "even"
     dp_shard: bool = False
     dp_shard_reshard_after_forward: bool = True
+    # Expert parallelism (MoE models): experts split over ep ranks, each expert's FFN over etp (default: tp).
+    # Attention keeps tp x cp x dp while experts use etp x ep x edp over the same ranks (parallel folding).
+    ep: int = 1
+    etp: int | None = None
 
     def __post_init__(self) -> None:
-        for name in ("tp", "pp", "vpp", "bucket_size"):
+        for name in ("tp", "pp", "vpp", "bucket_size", "ep"):
             _positive("parallel", name, getattr(self, name))
+        if self.etp is not None:
+            _positive("parallel", "etp", self.etp)
         if self.dp is not None:
             _positive("parallel", "dp", self.dp)
         if self.sequence_parallel and self.tp == 1:
@@ -297,6 +303,7 @@ class Config:
             self.model.check_tensor_parallel(self.parallel.tp)
         except ValueError as exc:
             raise ValueError(f"parallel.tp: {exc}") from None
+        self._check_expert_layout()
         layers = self.model.num_hidden_layers
         stages = self.parallel.pp * self.parallel.vpp
         layout = self.parallel.pipeline_layout
@@ -331,6 +338,32 @@ class Config:
                 f"raise train.steps / lr.decay_steps"
             )
         self.lr_schedule()  # validates the schedule's own constraints now rather than at step 0
+
+    def _check_expert_layout(self) -> None:
+        ep, etp = self.parallel.ep, self.parallel.etp
+        if self.model.num_experts is None:
+            if ep > 1 or etp is not None:
+                raise ValueError(f"parallel.ep={ep} / parallel.etp={etp} need an MoE model; model.num_experts is unset")
+            return
+        from mcore.models.moe_fields import moe_layer_config
+
+        try:
+            moe_layer_config(self.model).check_layout(ep, self.parallel.tp if etp is None else etp)
+        except ValueError as exc:
+            raise ValueError(f"parallel.ep / parallel.etp: {exc}") from None
+        ck = self.checkpoint
+        folded = ep > 1 or (etp is not None and etp != self.parallel.tp)
+        if folded and self.parallel.dp_shard:
+            raise ValueError(
+                "parallel.dp_shard (FSDP) does not reduce expert parameters over the expert grid yet; with "
+                f"parallel.ep={ep} / parallel.etp={etp} use parallel.distributed_optimizer=true instead"
+            )
+        if folded and (ck.save_at_end or ck.save_interval or ck.load):
+            # checkpoints gather shards over tp and pp only: expert shards spread over ep would be lost
+            raise ValueError(
+                f"checkpoints of expert-parallel layouts (parallel.ep={ep}, parallel.etp={etp}) are not supported "
+                "yet; set checkpoint.save_at_end=false, checkpoint.save_interval=0 and no checkpoint.load, or ep=1"
+            )
 
     @property
     def decay_steps(self) -> int:

@@ -14,14 +14,17 @@ from __future__ import annotations
 import faulthandler
 import os
 import signal
+import socket
 import sys
 import threading
 import time
-import traceback
 from collections.abc import Callable
+from pathlib import Path
 from types import FrameType
 
+from mcore.train.blocking_call import describe_blocking_call
 from mcore.train.errors import UserError
+from mcore.train.heartbeat import Diagnosis, HeartbeatBoard, diagnose
 
 
 class TrainingDiverged(UserError):
@@ -87,30 +90,18 @@ class NonFiniteGuard:
             )
 
 
-def _blocking_call(frame: FrameType | None) -> str | None:
-    """The innermost ``torch.distributed`` function on a stack, with the call site outside torch, if any."""
-    stack = traceback.extract_stack(frame) if frame is not None else []
-
-    def in_dist(entry: traceback.FrameSummary) -> bool:
-        return "/torch/distributed/" in entry.filename.replace(os.sep, "/")
-
-    inner = next((i for i in range(len(stack) - 1, -1, -1) if in_dist(stack[i])), None)
-    if inner is None:
-        return None
-    outer = inner
-    while outer > 0 and in_dist(stack[outer - 1]):
-        outer -= 1
-    caller = stack[outer - 1] if outer > 0 else None
-    where = f" called from {caller.filename}:{caller.lineno} ({caller.name})" if caller else ""
-    return f"torch.distributed {stack[inner].name}(){where}"
-
-
 class HangWatchdog:
     """Reports (and by default ends) a rank that made no progress for ``timeout`` seconds.
 
     The loop calls :meth:`beat` with the current step and phase (``"forward-backward"``,
     ``"optimizer"``, ``"checkpoint"``, ...). ``on_hang`` receives the report; the default prints it with
     every thread's stack to stderr and exits with code 3.
+
+    With ``heartbeat_dir`` (a directory every rank of the job can read: the run directory's ``heartbeat/``)
+    the ranks publish their state (:mod:`mcore.train.heartbeat`) and the report names the rank that stopped
+    making progress and what each other rank waits in. The default action then also ends stopped sibling
+    workers on this host (SIGKILL), since a stopped process cannot act on the launcher's SIGTERM and the
+    launcher would wait out its shutdown timeout.
     """
 
     def __init__(
@@ -120,20 +111,30 @@ class HangWatchdog:
         *,
         on_hang: Callable[[str], None] | None = None,
         poll_interval: float | None = None,
+        heartbeat_dir: str | os.PathLike | None = None,
+        world_size: int = 1,
     ) -> None:
         if timeout <= 0:
             raise ValueError(f"timeout must be > 0 seconds, got {timeout}")
         self.timeout = timeout
         self.rank = rank
         self.on_hang = on_hang or self._default_on_hang
-        self._poll = poll_interval if poll_interval is not None else min(5.0, timeout / 4)
+        self._poll = poll_interval if poll_interval is not None else min(2.0, timeout / 4)
+        self.board = HeartbeatBoard(heartbeat_dir, rank, world_size) if heartbeat_dir is not None else None
+        # Heartbeats go to a shared file system: at most every 30 s for long timeouts (thousands of ranks).
+        self._publish_every = max(self._poll, min(30.0, timeout / 10))
+        # A heartbeat file older than this belongs to a stopped process (its watchdog thread rewrites it).
+        self._stale_after = 2 * self._publish_every + min(1.0, timeout / 4)
+        self._last_publish = 0.0
         self._last_beat = time.monotonic()
+        self._started = time.time()
         self._step = 0
         self._phase = "start-up"
         self._watched = threading.main_thread()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.report: str | None = None
+        self.diagnosis: Diagnosis | None = None
 
     def beat(self, step: int, phase: str) -> None:
         """Record progress: this rank reached ``phase`` of ``step`` now."""
@@ -145,6 +146,10 @@ class HangWatchdog:
         """Start watching the calling thread."""
         self._watched = threading.current_thread()
         self._last_beat = time.monotonic()
+        self._started = time.time()
+        if self.board is not None:  # at once: a rank that stops before its first poll is still on the board
+            self.board.publish(self._step, self._phase, 0.0, None)
+            self._last_publish = time.monotonic()
         self._thread = threading.Thread(target=self._run, name="mcore-hang-watchdog", daemon=True)
         self._thread.start()
         return self
@@ -153,6 +158,8 @@ class HangWatchdog:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=self._poll * 2 + 1)
+        if self.board is not None:
+            self.board.remove_own()
 
     def __enter__(self) -> HangWatchdog:
         return self.start()
@@ -163,20 +170,64 @@ class HangWatchdog:
     def _run(self) -> None:
         while not self._stop.wait(self._poll):
             idle = time.monotonic() - self._last_beat
+            call = None
+            if idle >= self._poll:  # only a main thread that stalls is worth a look at its stack
+                call = describe_blocking_call(sys._current_frames().get(self._watched.ident))
+            if self.board is not None and time.monotonic() - self._last_publish >= self._publish_every - 1e-3:
+                self.board.publish(self._step, self._phase, idle, call)
+                self._last_publish = time.monotonic()
             if idle < self.timeout:
                 continue
-            frame = sys._current_frames().get(self._watched.ident)
-            call = _blocking_call(frame)
             where = f"blocked in {call}" if call else "not inside a torch.distributed call"
             self.report = (
                 f"hang watchdog: rank {self.rank} made no progress for {idle:.0f} s at step {self._step}, "
                 f"phase '{self._phase}', {where}"
             )
+            if self.board is not None:
+                self.report += self._peer_report()
             self.on_hang(self.report)
             return
+
+    def _peer_report(self) -> str:
+        beats = self.board.read_all()
+        self.diagnosis = diagnose(beats, now=time.time(), stale_after=self._stale_after, started=self._started)
+        stopped = self.diagnosis.stopped
+        if stopped:
+            head = f"\nrank(s) {', '.join(map(str, stopped))} stopped making progress; the state of every rank:"
+        else:
+            head = "\nno rank stopped reporting; every rank waits (mismatched collectives?); the state of every rank:"
+        return head + "".join(f"\n  {line}" for line in self.diagnosis.lines)
+
+    def _end_stopped_siblings(self) -> None:
+        """SIGKILL stopped ranks that are, provably, sibling workers on this host (same parent process)."""
+        if self.diagnosis is None:
+            return
+        for beat in self.diagnosis.frozen:
+            if beat.host != socket.gethostname() or beat.pid == os.getpid() or _parent_of(beat.pid) != os.getppid():
+                continue
+            if os.getppid() <= 1:
+                continue
+            try:
+                os.kill(beat.pid, signal.SIGKILL)
+            except OSError:
+                continue
+            print(
+                f"mcore-train: hang watchdog: ended rank {beat.rank} (pid {beat.pid}), which no longer responds",
+                file=sys.stderr,
+                flush=True,
+            )
 
     def _default_on_hang(self, report: str) -> None:
         print(f"mcore-train: {report}\nPython stacks of rank {self.rank}:", file=sys.stderr, flush=True)
         faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
         sys.stderr.flush()
+        self._end_stopped_siblings()
         os._exit(3)
+
+
+def _parent_of(pid: int) -> int | None:
+    """The parent pid of ``pid`` (Linux /proc), or None."""
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    except (OSError, ValueError, IndexError):
+        return None

@@ -30,6 +30,7 @@ from mcore.train.datasets import RunData, build_run_data, microbatch_stream
 from mcore.train.evaluate import evaluate_loss, perplexity
 from mcore.train.fault import HangWatchdog, NonFiniteGuard, StopSignal
 from mcore.train.metrics import MetricsLogger, peak_flops
+from mcore.train.output_paths import CreatedDirs
 from mcore.train.run_log import IntervalSums, StragglerTimes, log_gpu_stats, log_interval
 from mcore.train.runtime import Runtime
 from mcore.train.start import RunStart, build_trainer
@@ -84,10 +85,11 @@ def run_training(
     directory = CheckpointDirectory(config.checkpoint.dir or run_dir / "checkpoints")
     # Inputs first (data files, the checkpoint to start from), so that bad ones fail before any work.
     data = build_run_data(config)
-    with RunStart.open(config, directory=directory, load=load) as start:
+    # CreatedDirs: the directories made here are removed again (when empty) if the start fails.
+    with RunStart.open(config, directory=directory, load=load) as start, CreatedDirs() as made:
         if is_main:
-            run_dir.mkdir(parents=True, exist_ok=True)
-            directory.root.mkdir(parents=True, exist_ok=True)
+            made.make(run_dir)
+            made.make(directory.root)
             directory.remove_stale_temp_dirs()
             say("mcore-train: resolved config\n" + _indent(dump_config(config)))
         runtime.barrier()
@@ -158,7 +160,10 @@ class _TrainingRun:
         self.last_loss: float | None = None
         self.val_loss: float | None = None
         hang = config.train.hang_timeout
-        self.watchdog = HangWatchdog(hang, runtime.rank) if hang > 0 else None
+        self.watchdog = None
+        if hang > 0:  # with peers, heartbeat files say which rank stopped and what the others wait in
+            beats = run_dir / "heartbeat" if runtime.distributed else None
+            self.watchdog = HangWatchdog(hang, runtime.rank, heartbeat_dir=beats, world_size=runtime.world_size)
 
     # ------------------------------------------------------------------------------------------ the run
     def run(self) -> RunResult:

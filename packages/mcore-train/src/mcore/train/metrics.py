@@ -60,7 +60,8 @@ def format_train_line(record: dict[str, Any], total_steps: int) -> str:
     if record.get("tokens_per_s") is not None:
         parts.append(f"{_fmt_count(record['tokens_per_s'])} tok/s")
     if record.get("tflops_per_gpu") is not None:
-        parts.append(f"{record['tflops_per_gpu']:.2f} TFLOP/s/gpu")
+        per = "gpu" if record.get("device", "cuda") == "cuda" else "rank"  # a CPU process is no GPU
+        parts.append(f"{record['tflops_per_gpu']:.2f} TFLOP/s/{per}")
     if record.get("mfu") is not None:
         parts.append(f"MFU {100 * record['mfu']:.1f}%")
     if record.get("step_time_s") is not None:

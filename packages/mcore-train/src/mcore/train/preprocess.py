@@ -29,6 +29,7 @@ from tqdm import tqdm
 
 from mcore.train.data.indexed import IndexedDatasetWriter, bin_path, idx_path, token_dtype_for_vocab
 from mcore.train.errors import UserError
+from mcore.train.output_paths import CreatedDirs, check_output_prefix
 from mcore.train.tokenizer import BYTE_TOKENIZER_NAME, ByteTokenizer, HFTokenizer, Tokenizer, load_tokenizer
 
 _LINE = tuple[int, bytes]  # (1-based line number, raw line)
@@ -132,6 +133,18 @@ def _ordered_bounded_map(pool: Any, fn: Callable, items: Iterable, max_pending: 
         yield pending.popleft().get()
 
 
+def _prepare_output(prefix: str, overwrite: bool) -> CreatedDirs:
+    """Refuse existing outputs (without ``overwrite``) and an unwritable location; make the output folder,
+    which the returned :class:`CreatedDirs` removes again (when empty) if the run fails."""
+    existing = [p for p in (bin_path(prefix), idx_path(prefix)) if os.path.exists(p)]
+    if existing and not overwrite:
+        raise PreprocessError(f"output {existing[0]} already exists; pass --overwrite to replace it")
+    check_output_prefix(prefix, "--output-prefix", PreprocessError)
+    made = CreatedDirs()
+    made.make(Path(prefix).parent)
+    return made
+
+
 def preprocess_jsonl(
     input_path: str | os.PathLike,
     output_prefix: str | os.PathLike,
@@ -160,10 +173,7 @@ def preprocess_jsonl(
     if not source.is_file():
         raise PreprocessError(f"input {str(source)!r} is not a file (expected a JSONL file, one JSON object a line)")
     prefix = os.fspath(output_prefix)
-    existing = [p for p in (bin_path(prefix), idx_path(prefix)) if os.path.exists(p)]
-    if existing and not overwrite:
-        raise PreprocessError(f"output {existing[0]} already exists; pass --overwrite to replace it")
-    Path(prefix).parent.mkdir(parents=True, exist_ok=True)
+    made = _prepare_output(prefix, overwrite)
     eod_id = tokenizer.eod_id if append_eod else None
     dtype = token_dtype_for_vocab(tokenizer.vocab_size)
 
@@ -173,7 +183,7 @@ def preprocess_jsonl(
     bar = tqdm(total=total_bytes, unit="B", unit_scale=True, unit_divisor=1024, desc="preprocess", disable=not progress)
     pool = None
     try:
-        with open(source, "rb") as stream, IndexedDatasetWriter(prefix, dtype) as writer:
+        with made, open(source, "rb") as stream, IndexedDatasetWriter(prefix, dtype) as writer:
             chunks = _read_chunks(stream, chunk_size)
             if workers == 1:
                 results: Iterable[_ChunkResult] = (
@@ -244,6 +254,7 @@ def run_preprocess(args: argparse.Namespace) -> int:
         raise PreprocessError(f"--workers must be >= 1, got {args.workers}")
     if args.chunk_size < 1:
         raise PreprocessError(f"--chunk-size must be >= 1, got {args.chunk_size}")
+    check_output_prefix(args.output_prefix, "--output-prefix", PreprocessError)  # before loading a tokenizer
     if args.tokenizer == BYTE_TOKENIZER_NAME:
         if args.eod_token is not None:
             raise PreprocessError("--eod-token applies to Hugging Face tokenizers; the byte tokenizer's eod is fixed")

@@ -115,6 +115,7 @@ def log_interval(
         "lr": out.lr,
         "tokens_per_s": tokens_per_s,
         "tflops_per_gpu": tflops,
+        "device": runtime.device.type,
         "mfu": mfu(tokens_per_s, flops_per_token, runtime.world_size, peak) if peak else None,
         "step_time_s": elapsed / sums.steps,
         "data_time_s": sums.data_time / sums.steps,
@@ -124,6 +125,8 @@ def log_interval(
         "consumed_samples": trainer.consumed_samples,
         "eta_s": (cfg.train.steps - step) * elapsed / sums.steps,
     }
+    if out.moe:  # this rank's MoE layers, the interval's last micro-batch
+        record.update({key: float(value.item()) for key, value in out.moe.items()})
     logger.log(record, console=format_train_line(record, cfg.train.steps))
     sums.reset(time.perf_counter())
     return loss if math.isfinite(loss) else None

@@ -102,7 +102,12 @@ def init_runtime(config: Config, *, timeout_s: float = 1800.0) -> Runtime:
             owns = True
     try:
         parallel = ParallelConfig(
-            tp=config.parallel.tp, pp=config.parallel.pp, vpp=config.parallel.vpp, dp=config.parallel.dp
+            tp=config.parallel.tp,
+            pp=config.parallel.pp,
+            vpp=config.parallel.vpp,
+            dp=config.parallel.dp,
+            ep=config.parallel.ep,
+            etp=config.parallel.etp,
         ).resolve(world)
     except ValueError as exc:
         raise UserError(f"parallel layout does not fit {world} process(es): {exc}") from None

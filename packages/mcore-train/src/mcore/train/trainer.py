@@ -36,6 +36,7 @@ from mcore.models.stages import build_stage_chunks
 from mcore.models.stages import pipeline_layout as stage_layout
 from mcore.parallel.data_parallel import DistributedDataParallel
 from mcore.parallel.distributed_optimizer import DistributedOptimizer
+from mcore.parallel.expert_parallel import moe_metrics
 from mcore.parallel.finalize import finalize_model_grads
 from mcore.parallel.loss_scaler import DynamicLossScaler
 from mcore.parallel.optimizer import MixedPrecisionOptimizer, StepResult, default_param_groups
@@ -109,6 +110,7 @@ class StepOutput:
     finite: bool | None
     lr: float
     loss_scale: float | None
+    moe: dict[str, torch.Tensor] | None = None  # MoE load statistics (mcore.parallel.moe_metrics); None: dense
 
 
 def microbatch_to_device(batch: Mapping[str, Any], device: torch.device) -> dict[str, Any]:
@@ -225,6 +227,7 @@ class Trainer:
                 use_distributed_optimizer=cfg.parallel.distributed_optimizer,
                 grad_dtype=torch.float32,
                 gradient_accumulation_fusion=cfg.parallel.gradient_accumulation_fusion,
+                expert_dp_group=groups.expert_dp,  # MoE experts: reduced over the expert grid's dp
             )
             for chunk in self.chunks
         ]
@@ -289,6 +292,9 @@ class Trainer:
         lr = self.lr_schedule(self.iteration)
         self.optimizer.set_lr(lr)
         self.optimizer.zero_grad()
+        for module in (m for chunk in self.chunks for m in chunk.modules()):
+            if hasattr(module, "aux_loss_scale"):  # MoE layers: their aux losses' gradient, scaled as the loss is
+                module.aux_loss_scale = self.optimizer.loss_scale / self.num_microbatches
         losses = self.schedule.run(self._forward_step, list(microbatches))
         result: StepResult = self.optimizer.step()
         self.iteration += 1
@@ -300,6 +306,7 @@ class Trainer:
             finite=result.finite if self.skip_nonfinite else None,
             lr=lr,
             loss_scale=result.loss_scale,
+            moe=moe_metrics(self.chunks),
         )
 
     @torch.no_grad()

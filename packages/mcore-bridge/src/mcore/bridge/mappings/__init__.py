@@ -5,10 +5,12 @@ from __future__ import annotations
 from typing import Any
 
 from mcore.bridge.errors import BridgeError
-from mcore.bridge.mappings import llama, mistral, qwen2, qwen3
+from mcore.bridge.mappings import llama, mistral, mixtral, olmoe, qwen2, qwen2_moe, qwen3, qwen3_moe
 from mcore.bridge.mappings.base import FamilyMapping, TensorRule
 
-FAMILIES: dict[str, FamilyMapping] = {m.MAPPING.name: m.MAPPING for m in (llama, qwen2, qwen3, mistral)}
+FAMILIES: dict[str, FamilyMapping] = {
+    m.MAPPING.name: m.MAPPING for m in (llama, qwen2, qwen3, mistral, mixtral, qwen3_moe, qwen2_moe, olmoe)
+}
 
 
 def register_mapping(mapping: FamilyMapping) -> None:

@@ -13,8 +13,11 @@ from typing import Any, Literal
 
 from mcore.bridge.mappings.config_rules import ConfigRule
 
-Op = Literal["copy", "qkv", "gate_up", "vocab"]
-_SOURCES_PER_OP = {"copy": 1, "vocab": 1, "qkv": 3, "gate_up": 2}
+Op = Literal["copy", "qkv", "gate_up", "vocab", "experts", "experts_gate_up"]
+# ``experts`` stacks one HF tensor per expert into [E, ...]; ``experts_gate_up`` stacks each expert's gate and up
+# rows fused ([E, 2F, H]): their patterns use ``{expert}`` and expand to num_experts tensors each.
+_SOURCES_PER_OP = {"copy": 1, "vocab": 1, "qkv": 3, "gate_up": 2, "experts": 1, "experts_gate_up": 2}
+EXPERT_OPS = ("experts", "experts_gate_up")
 
 
 @dataclass(frozen=True)
@@ -30,6 +33,7 @@ class TensorRule:
     op: Op = "copy"
     when: str | None = None
     unless: str | None = None
+    mlp: str | None = None  # per-layer rule only for layers whose MLP part is this ("dense" / "moe")
 
     def __post_init__(self) -> None:
         if self.op not in _SOURCES_PER_OP:
@@ -44,6 +48,11 @@ class TensorRule:
             raise ValueError(
                 f"TensorRule {self.mcore!r}: HF patterns {self.hf} must use {{layer}} exactly when it does"
             )
+
+        if (self.op in EXPERT_OPS) != all("{expert}" in h for h in self.hf) or (
+            self.op not in EXPERT_OPS and any("{expert}" in h for h in self.hf)
+        ):
+            raise ValueError(f"TensorRule {self.mcore!r}: HF patterns use {{expert}} exactly for the expert ops")
 
     @property
     def per_layer(self) -> bool:

@@ -208,8 +208,128 @@ class QwenSlidingWindow(ConfigRule):
         }
 
 
+@dataclass(frozen=True)
+class UseSlidingWindow(ConfigRule):
+    """Qwen3-MoE: ``sliding_window`` applies to every layer only with ``use_sliding_window`` (no per-layer types)."""
+
+    default_window: int | None = 4096
+    hf_keys = ("use_sliding_window", "sliding_window")
+    mcore_fields = ("sliding_window",)
+
+    def to_mcore(self, hf: dict[str, Any]) -> dict[str, Any]:
+        on = bool(hf.get("use_sliding_window", False))
+        return {"sliding_window": hf.get("sliding_window", self.default_window) if on else None}
+
+    def to_hf(self, values: dict[str, Any], original: dict[str, Any] | None) -> dict[str, Any]:
+        window = values["sliding_window"]
+        return {"use_sliding_window": window is not None, "sliding_window": window}
+
+
+@dataclass(frozen=True)
+class MustBe(ConfigRule):
+    """An HF key mcore does not implement beyond one value (OLMoE's ``clip_qkv``: only ``null``): any other value
+    fails the import, naming the key, instead of being carried and silently ignored."""
+
+    key: str
+    value: Any = None
+
+    @property
+    def hf_keys(self) -> tuple[str, ...]:
+        return (self.key,)
+
+    def to_mcore(self, hf: dict[str, Any]) -> dict[str, Any]:
+        if hf.get(self.key, self.value) != self.value:
+            raise BridgeError(f"config.json {self.key}={hf[self.key]!r} is not supported (only {self.value!r})")
+        return {}
+
+    def to_hf(self, values: dict[str, Any], original: dict[str, Any] | None) -> dict[str, Any]:
+        return {self.key: self.value}
+
+
+@dataclass(frozen=True)
+class Renamed(ConfigRule):
+    """An HF key whose meaning is a ``TransformerConfig`` field of another name (Mixtral's ``num_local_experts``)."""
+
+    key: str
+    field: str
+    default: Any = REQUIRED
+
+    @property
+    def hf_keys(self) -> tuple[str, ...]:
+        return (self.key,)
+
+    @property
+    def mcore_fields(self) -> tuple[str, ...]:
+        return (self.field,)
+
+    def to_mcore(self, hf: dict[str, Any]) -> dict[str, Any]:
+        if self.key not in hf and self.default is REQUIRED:
+            raise BridgeError(f"config.json has no {self.key!r}, which this family requires")
+        return {self.field: hf.get(self.key, self.default)}
+
+    def to_hf(self, values: dict[str, Any], original: dict[str, Any] | None) -> dict[str, Any]:
+        return {self.key: values[self.field]}
+
+
+@dataclass(frozen=True)
+class ExpertCount(ConfigRule):
+    """Qwen-MoE's ``num_experts`` (the Hub's spelling); transformers 5 writes it as ``num_local_experts`` and leaves
+    ``num_experts: null``."""
+
+    default: int = 60
+    hf_keys = ("num_experts", "num_local_experts")
+    mcore_fields = ("num_experts",)
+
+    def to_mcore(self, hf: dict[str, Any]) -> dict[str, Any]:
+        count = hf.get("num_experts")
+        return {"num_experts": count if count is not None else hf.get("num_local_experts", self.default)}
+
+    def to_hf(self, values: dict[str, Any], original: dict[str, Any] | None) -> dict[str, Any]:
+        return {"num_experts": values["num_experts"]}
+
+
+@dataclass(frozen=True)
+class RouterAuxLoss(ConfigRule):
+    """HF adds ``router_aux_loss_coef`` times its load-balancing loss only with ``output_router_logits``: the field
+    is the coefficient in effect (0 when the flag is off)."""
+
+    default_coef: float = 0.001
+    hf_keys = ("output_router_logits", "router_aux_loss_coef")
+    mcore_fields = ("router_aux_loss_coef",)
+
+    def to_mcore(self, hf: dict[str, Any]) -> dict[str, Any]:
+        on = bool(hf.get("output_router_logits", False))
+        return {"router_aux_loss_coef": float(hf.get("router_aux_loss_coef", self.default_coef)) if on else 0.0}
+
+    def to_hf(self, values: dict[str, Any], original: dict[str, Any] | None) -> dict[str, Any]:
+        coef = values["router_aux_loss_coef"]
+        return {"output_router_logits": coef > 0, "router_aux_loss_coef": coef if coef > 0 else self.default_coef}
+
+
+@dataclass(frozen=True)
+class SparseLayers(ConfigRule):
+    """Qwen-MoE's choice of MoE layers: layer i is sparse unless it is in ``mlp_only_layers`` or
+    ``(i + 1) % decoder_sparse_step != 0``; written as ``mlp_layer_types`` (None: every layer sparse)."""
+
+    hf_keys = ("decoder_sparse_step", "mlp_only_layers")
+    mcore_fields = ("mlp_layer_types",)
+
+    def to_mcore(self, hf: dict[str, Any]) -> dict[str, Any]:
+        step, dense = hf.get("decoder_sparse_step", 1), set(hf.get("mlp_only_layers") or [])
+        if not isinstance(step, int) or step < 1:
+            raise BridgeError(f"config.json decoder_sparse_step must be a positive int, got {step!r}")
+        n = hf.get("num_hidden_layers") or 0
+        types = ["dense" if i in dense or (i + 1) % step else "moe" for i in range(n)]
+        return {"mlp_layer_types": None if all(t == "moe" for t in types) else types}
+
+    def to_hf(self, values: dict[str, Any], original: dict[str, Any] | None) -> dict[str, Any]:
+        types = values["mlp_layer_types"]
+        dense = [] if types is None else [i for i, t in enumerate(types) if t != "moe"]
+        return {"decoder_sparse_step": 1, "mlp_only_layers": dense}
+
+
 # TransformerConfig fields that Hugging Face has no key for: their default on import, ignored on export.
-MCORE_ONLY_FIELDS = ("make_vocab_size_divisible_by",)
+MCORE_ONLY_FIELDS = ("make_vocab_size_divisible_by", "moe_router")
 
 
 def family_rules(family: str, hf_rules: tuple[ConfigRule, ...]) -> tuple[ConfigRule, ...]:

@@ -20,9 +20,9 @@ from types import MappingProxyType, ModuleType
 from typing import Any
 
 from mcore.models.config import TransformerConfig
-from mcore.models.families import llama, mistral, qwen2, qwen3
+from mcore.models.families import llama, mistral, mixtral, olmoe, qwen2, qwen2_moe, qwen3, qwen3_moe
 
-_FAMILY_MODULES: tuple[ModuleType, ...] = (llama, qwen2, qwen3, mistral)
+_FAMILY_MODULES: tuple[ModuleType, ...] = (llama, qwen2, qwen3, mistral, mixtral, qwen3_moe, qwen2_moe, olmoe)
 
 _FAMILIES: dict[str, MappingProxyType[str, Any]] = {}
 _PRESETS: dict[str, tuple[str, MappingProxyType[str, Any]]] = {}

@@ -17,6 +17,7 @@ from mcore.kernels import apply_rotary, attention
 from mcore.models.config import TransformerConfig
 from mcore.models.layers.kv_cache import KVCache
 from mcore.models.layers.norm import build_norm
+from mcore.models.layers.projection_norm import ProjectionRMSNorm
 from mcore.models.parts.registry import PartContext, PartSpec
 from mcore.models.rope import RopeTables
 from mcore.parallel.init import normal_init
@@ -56,7 +57,12 @@ class SelfAttention(nn.Module):
             init_method=init,
             **common,
         )
-        if config.qk_norm:
+        self.qk_norm_over_projection = config.qk_norm and config.qk_norm_scope == "projection"
+        if self.qk_norm_over_projection:  # OLMoE: one norm over all q features, one over all k features
+            norm_kwargs = dict(tp_group=ctx.tp_group, params_dtype=params_dtype, device=device)
+            self.q_norm = ProjectionRMSNorm(config.q_size, config.rms_norm_eps, **norm_kwargs)
+            self.k_norm = ProjectionRMSNorm(config.kv_size, config.rms_norm_eps, **norm_kwargs)
+        elif config.qk_norm:
             # Each TP rank normalises only its own heads, so these weights get partial gradients under TP.
             norm_kwargs = dict(sequence_parallel=tp_size > 1, params_dtype=params_dtype, device=device)
             self.q_norm = build_norm(config, config.head_dim, **norm_kwargs)
@@ -89,7 +95,10 @@ class SelfAttention(nn.Module):
         s, b = qkv.shape[:2]
         g, d = self.local_groups, self.head_dim
         q, k, v = qkv.view(s, b, g, self.heads_per_group + 2, d).split([self.heads_per_group, 1, 1], dim=3)
-        if self.q_norm is not None:
+        if self.qk_norm_over_projection:
+            q = self.q_norm(q.reshape(s, b, -1)).view(q.shape)
+            k = self.k_norm(k.reshape(s, b, -1)).view(k.shape)
+        elif self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         # Rotating the 5-D views keeps the per-group layout; the rotated q/k come back contiguous, so the
         # head reshapes below are free.
@@ -157,7 +166,9 @@ def attention_parameters(config: TransformerConfig, layer_index: int = 0) -> int
         n += qkv_out
     if config.attention_out_bias:
         n += h
-    if config.qk_norm:
+    if config.qk_norm and config.qk_norm_scope == "projection":
+        n += config.q_size + config.kv_size
+    elif config.qk_norm:
         n += 2 * d * (2 if config.normalization == "layernorm" else 1)
     return n
 

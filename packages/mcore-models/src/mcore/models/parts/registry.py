@@ -32,6 +32,7 @@ class PartContext:
     recompute: str | None = None
     params_dtype: torch.dtype = torch.float32
     device: torch.device | str | None = None
+    groups: Any = None  # the model's ProcessGroups (the moe part takes its ep / etp groups from it)
 
 
 def _no_sequence_flops(config: Any, layer_index: int, seq_len: int) -> float:
@@ -121,4 +122,11 @@ MIXERS = PartRegistry(
     },
 )
 # ``mlp_layer_types`` names; "dense" is the gated MLP of every Llama-family layer.
-MLPS = PartRegistry("mlp", {"dense": "mcore.models.layers.mlp:DENSE_MLP", NO_PART: "mcore.models.layers.block:NO_MLP"})
+MLPS = PartRegistry(
+    "mlp",
+    {
+        "dense": "mcore.models.layers.mlp:DENSE_MLP",
+        NO_PART: "mcore.models.layers.block:NO_MLP",
+        "moe": "mcore.models.layers.moe:MOE_MLP",
+    },
+)

@@ -14,6 +14,7 @@ import uuid
 from pathlib import Path
 
 from mcore.train.checkpoint.format import ITER_DIR_RE, LATEST_FILE, METADATA_FILE, iter_dir_name
+from mcore.train.errors import CheckpointError
 
 
 def _fsync_dir(path: Path) -> None:
@@ -76,15 +77,38 @@ class CheckpointDirectory:
         _fsync_dir(self.root)
 
     def latest(self) -> Path | None:
-        """The checkpoint ``latest`` names, or ``None`` when there is none."""
+        """The checkpoint ``latest`` names, or ``None`` when there is no ``latest`` file.
+
+        Raises :class:`CheckpointError` when ``latest`` exists but cannot be read or names a checkpoint that is
+        missing or incomplete: resuming must never fall back to random weights silently.
+        """
         path = self.root / LATEST_FILE
-        if not path.is_file():
+        if not os.path.lexists(path):
             return None
-        name = path.read_text(encoding="utf-8").strip()
+        try:
+            name = path.read_text(encoding="utf-8").strip()
+        except (OSError, UnicodeDecodeError) as exc:
+            raise CheckpointError(self._broken_latest(f"{path} cannot be read ({exc})")) from None
         target = self.root / name
-        if not ITER_DIR_RE.match(name) or not (target / METADATA_FILE).is_file():
-            return None
+        if not ITER_DIR_RE.match(name):
+            raise CheckpointError(self._broken_latest(f"{path} holds {name[:80]!r}, not a checkpoint name"))
+        if not (target / METADATA_FILE).is_file():
+            state = "is incomplete (no metadata.json)" if target.is_dir() else "does not exist"
+            raise CheckpointError(self._broken_latest(f"{path} names the checkpoint {target}, which {state}"))
         return target
+
+    def _broken_latest(self, problem: str) -> str:
+        complete = [p.name for p in self.checkpoints() if (p / METADATA_FILE).is_file()]
+        found = (
+            f"complete checkpoints in {self.root}: {', '.join(complete)}"
+            if complete
+            else (f"{self.root} holds no complete checkpoint")
+        )
+        resume = f"to resume from one of them, write its name into {self.root / LATEST_FILE}; " if complete else ""
+        return (
+            f"{problem}; {found}. Nothing was started: {resume}to start from random weights on purpose, give a "
+            f"new log.run_dir=DIR (or checkpoint.dir=DIR), or delete {self.root / LATEST_FILE}"
+        )
 
     def checkpoints(self) -> list[Path]:
         """Complete checkpoints, oldest first."""

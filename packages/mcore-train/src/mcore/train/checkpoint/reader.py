@@ -40,14 +40,15 @@ def resolve_checkpoint_dir(path: str | os.PathLike) -> Path:
     """The checkpoint directory that ``path`` names.
 
     ``path`` may be a checkpoint directory (it holds ``metadata.json``), a directory whose ``latest``
-    file names one, or a run directory whose ``checkpoints/latest`` does.
+    file names one, a run directory whose ``checkpoints/latest`` does, or such a ``latest`` file itself.
     """
     p = Path(path)
     if not p.exists():
         raise CheckpointError(f"checkpoint path does not exist: {p}")
     if (p / METADATA_FILE).is_file():
         return p
-    for base in (p, p / "checkpoints"):
+    bases = (p.parent,) if p.is_file() and p.name == LATEST_FILE else (p, p / "checkpoints")
+    for base in bases:
         latest = base / LATEST_FILE
         if latest.is_file():
             name = latest.read_text(encoding="utf-8").strip()

@@ -1,0 +1,105 @@
+"""MoE micro-benchmarks (used by ``moe_throughput.py --micro``): the grouped expert GEMM against a dense GEMM of the
+same FLOPs, and the router / permute / unpermute ops, on one shape's tokens (micro-batch x seq).
+
+Inputs are random but routed for real (a random router over random hidden states), so the per-expert row counts
+are uneven as in training. Each op is timed forward + backward with CUDA events (perf_counter on CPU), median of
+``iters`` after 2 warm-up calls; TFLOP/s counts the three GEMMs of forward + backward (2 x M x N x K each).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+
+def _timer(fn: Callable[[], None], iters: int, cuda: bool) -> float:
+    import torch
+
+    for _ in range(2):
+        fn()
+    times = []
+    for _ in range(iters):
+        if cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(end) / 1e3)
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def _shape_micro(shape: dict[str, Any], iters: int, dry_run: bool) -> dict[str, Any]:
+    import torch
+
+    from mcore.kernels.moe import RouterConfig, grouped_gemm, permute, plan_permutation, route, unpermute
+
+    cuda = torch.cuda.is_available() and not dry_run
+    device, dtype = ("cuda", torch.bfloat16) if cuda else ("cpu", torch.float32)
+    g = torch.Generator(device=device).manual_seed(0)
+    h, f, e, k = shape["hidden"], shape["moe_ffn"], shape["experts"], shape["topk"]
+    tokens = shape["mbs"] * shape["seq"]
+    x = torch.randn(tokens, h, device=device, dtype=dtype, generator=g)
+    router_w = torch.randn(e, h, device=device, generator=g) * h**-0.5
+    cfg = RouterConfig(num_experts=e, topk=k, norm_topk_prob=True)
+    align = 8 if cuda else 1
+    out: dict[str, Any] = {"shape": shape["name"], "tokens": tokens, "device": device, "dtype": str(dtype)}
+
+    def router_step():
+        routing = route(x.float() @ router_w.t(), cfg)
+        plan_permutation(routing.indices, e, align=align)
+
+    out["router_and_plan_ms"] = 1e3 * _timer(router_step, iters, cuda)
+    routing = route(x.float() @ router_w.t(), cfg)
+    plan = plan_permutation(routing.indices, e, align=align)
+    xr = x.clone().requires_grad_(True)
+    rows = permute(xr, plan)
+    out["permute_fwd_bwd_ms"] = 1e3 * _timer(lambda: permute(xr, plan).backward(torch.ones_like(rows)), iters, cuda)
+    y = rows.detach().clone().requires_grad_(True)
+    weights = routing.weights.detach().clone().requires_grad_(True)
+    combined = unpermute(y, weights, plan)
+    probe = torch.ones_like(combined)
+    out["unpermute_fwd_bwd_ms"] = 1e3 * _timer(lambda: unpermute(y, weights, plan).backward(probe), iters, cuda)
+
+    n_rows = plan.num_rows
+    a = rows.detach().clone().requires_grad_(True)
+    w = (torch.randn(e, 2 * f, h, device=device, generator=g) * h**-0.5).to(dtype).requires_grad_(True)
+    dy = torch.randn(n_rows, 2 * f, device=device, dtype=dtype, generator=g)
+    flops = 3 * 2 * tokens * k * h * 2 * f  # the routed rows only (padding rows are zeros)
+    grouped_s = _timer(lambda: grouped_gemm(a, w, plan.offsets).backward(dy), iters, cuda)
+    dense_a = torch.randn(tokens * k, h, device=device, dtype=dtype, generator=g).requires_grad_(True)
+    dense_w = (torch.randn(2 * f, h, device=device, generator=g) * h**-0.5).to(dtype).requires_grad_(True)
+    dense_dy = torch.randn(tokens * k, 2 * f, device=device, dtype=dtype, generator=g)
+    dense_s = _timer(lambda: (dense_a @ dense_w.t()).backward(dense_dy), iters, cuda)
+    out.update(
+        gemm=f"[{tokens * k} routed rows, {h}] x {e} experts [{2 * f}, {h}] (gate_up), fwd + bwd",
+        grouped_gemm_ms=1e3 * grouped_s,
+        grouped_gemm_tflops=flops / grouped_s / 1e12,
+        dense_gemm_ms=1e3 * dense_s,
+        dense_gemm_tflops=flops / dense_s / 1e12,
+        grouped_over_dense=dense_s / grouped_s,
+        tokens_per_expert_max=int(plan.tokens_per_expert.max()),
+        tokens_per_expert_mean=tokens * k / e,
+    )
+    return out
+
+
+def run_micro(shapes: list[dict[str, Any]], *, iters: int, dry_run: bool) -> list[dict[str, Any]]:
+    """One record per shape (see the module docstring)."""
+    records = []
+    for shape in shapes:
+        record = _shape_micro(shape, iters, dry_run)
+        print(
+            f"micro {record['shape']}: grouped GEMM {record['grouped_gemm_tflops']:.1f} TFLOP/s vs dense "
+            f"{record['dense_gemm_tflops']:.1f}; router+plan {record['router_and_plan_ms']:.2f} ms, permute "
+            f"{record['permute_fwd_bwd_ms']:.2f} ms, unpermute {record['unpermute_fwd_bwd_ms']:.2f} ms",
+            flush=True,
+        )
+        records.append(record)
+    return records

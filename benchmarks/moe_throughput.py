@@ -1,0 +1,202 @@
+"""Single-GPU MoE training throughput of mcore-train against the Hugging Face MoE baseline, plus micro-benchmarks.
+
+Runs the real ``mcore-train`` step (``load_config`` -> ``init_runtime`` -> ``Trainer``: the model with its ``moe``
+MLPs, the distributed optimizer at dp=1, the schedule) on the two shapes of ``hf_moe_baseline.py`` (``mixtral2l``:
+Mixtral-8x7B layers x 2; ``qwen3moe4l``: Qwen3-30B-A3B layers x 4; bf16 compute, fp32 master weights and AdamW
+states, seq 4096, micro-batch 2, dropless, no aux loss: the baseline's HF models do not compute one either) on mock
+data, then the baseline eager and with ``torch.compile``, each in its own process. Reported with the baseline's
+keys: tokens/s, TFLOP/s/GPU and MFU on active parameters (6 x active matmul weights + attention, the formula of
+the baseline's docstring; peak 989.4 TFLOP/s), peak memory, first-step time.
+
+``--micro`` (run first, in this process): the expert GEMMs of each shape through ``mcore.kernels.grouped_gemm``
+(forward + both backward GEMMs) against one dense GEMM of the same FLOPs, and the router / permute / unpermute
+ops, each timed with CUDA events (median of ``--iters``). The expert rows are padded to multiples of 8 per expert
+(``moe_router.align=8``: 16-byte rows for the bf16 grouped GEMM's TMA loads; zero rows change no result).
+
+::
+
+    python benchmarks/moe_throughput.py --json-dir DIR                 # one GPU: micro, then both shapes
+    python benchmarks/moe_throughput.py --dry-run --json-dir DIR       # CPU, tiny fp32 shape, no baseline
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from _common import RunSpec, check_spec, child_env, launch_workers, report_launch, run_spec, write_json
+from moe_micro import run_micro
+from train_throughput import ratios, render
+
+HF_MOE_BASELINE = Path(__file__).resolve().parents[2] / "shared" / "bench" / "hf_moe_baseline.py"
+GPU_SHAPES = ("mixtral2l", "qwen3moe4l")
+BASELINES = {"hf": [], "hf-compile": ["--compile"]}
+
+# The baseline's shapes (its SHAPES table), as mcore model sections; "tiny" is the CPU dry run's.
+SHAPES: dict[str, dict[str, Any]] = {
+    "mixtral2l": dict(family="mixtral", hidden=4096, layers=2, heads=32, kv=8, head_dim=128, experts=8, topk=2,
+                      moe_ffn=14336, vocab=32000, seq=4096, mbs=2),
+    "qwen3moe4l": dict(family="qwen3_moe", hidden=2048, layers=4, heads=32, kv=4, head_dim=128, experts=128, topk=8,
+                       moe_ffn=768, dense_ffn=6144, vocab=151936, seq=4096, mbs=2),
+    "tiny": dict(family="qwen3_moe", hidden=64, layers=2, heads=4, kv=2, head_dim=16, experts=8, topk=2, moe_ffn=32,
+                 dense_ffn=96, vocab=259, seq=64, mbs=2),
+}  # fmt: skip
+
+
+def moe_model(shape: dict[str, Any], *, align: int) -> dict[str, Any]:
+    """The ``model`` section of ``shape`` with transformers' defaults of its family for the rest."""
+    mixtral = shape["family"] == "mixtral"
+    return {
+        "model_type": shape["family"],
+        "hidden_size": shape["hidden"],
+        "num_hidden_layers": shape["layers"],
+        "num_attention_heads": shape["heads"],
+        "num_key_value_heads": shape["kv"],
+        "head_dim": shape["head_dim"],
+        "intermediate_size": shape["moe_ffn"] if mixtral else shape["dense_ffn"],
+        "moe_intermediate_size": None if mixtral else shape["moe_ffn"],
+        "num_experts": shape["experts"],
+        "num_experts_per_tok": shape["topk"],
+        "norm_topk_prob": True,
+        "qk_norm": not mixtral,
+        "vocab_size": shape["vocab"],
+        "max_position_embeddings": shape["seq"],
+        "rope_theta": 1000000.0 if mixtral else 10000.0,
+        "rms_norm_eps": 1e-5 if mixtral else 1e-6,
+        "tie_word_embeddings": False,
+        "router_aux_loss_coef": 0.0,
+        "moe_router": {"align": align} if align > 1 else None,
+    }
+
+
+def build_spec(shape_name: str, *, iters: int, warmup: int, dry_run: bool) -> RunSpec:
+    shape = SHAPES[shape_name]
+    overrides = [
+        f"train.device={'cpu' if dry_run else 'cuda'}",
+        f"train.precision={'fp32' if dry_run else 'bf16'}",
+        "parallel.distributed_optimizer=true",
+        f"data.seq_length={shape['seq']}",
+        f"train.micro_batch_size={shape['mbs']}",
+        f"train.global_batch_size={shape['mbs']}",
+        f"train.steps={1 + warmup + iters}",
+        "lr.schedule=constant",
+        "lr.max_lr=1e-4",
+        "lr.min_lr=1e-4",
+        "lr.warmup_steps=0",
+    ]
+    return RunSpec(f"mcore_{shape_name}", 1, overrides, moe_model(shape, align=1 if dry_run else 8), 1 + warmup)
+
+
+def run_ours(args: argparse.Namespace) -> int:
+    """``--only mcore``: measure one shape in this process and write its JSON (the baseline's keys first)."""
+    result, runtime = run_spec(build_spec(args.shape, iters=args.iters, warmup=args.warmup, dry_run=args.dry_run))
+    runtime.shutdown()
+    keys = ("params", "tokens_per_s", "step_s", "tflops_per_gpu", "mfu", "peak_mem_gb", "first_step_s", "gpu", "torch")
+    record = {
+        "impl": "mcore" + ("-dryrun" if args.dry_run else ""),
+        "shape": args.shape,
+        **SHAPES[args.shape],
+        **{k: result[k] for k in keys},
+        "precision": result["precision"],
+        "flops_per_token": result["flops_per_token"],
+        "iters": args.iters,
+        "warmup": args.warmup,
+        "step_times_s": result["step_times_s"],
+        "losses": result["losses"],
+    }
+    write_json(args.json, record)
+    print(json.dumps({k: record[k] for k in ("impl", "shape", "tokens_per_s", "tflops_per_gpu", "mfu", "peak_mem_gb")}))
+    return 0
+
+
+def _runs(args: argparse.Namespace, shape: str, out: Path) -> list[tuple[str, list[str]]]:
+    ours = [str(Path(__file__).resolve()), "--only", "mcore", "--shape", shape, "--iters", str(args.iters)]
+    ours += ["--warmup", str(args.warmup), "--json", str(out / f"mcore_{shape}.json")]
+    runs = [("mcore", ours + (["--dry-run"] if args.dry_run else []))]
+    if args.skip_baseline or args.dry_run:
+        return runs
+    for label, extra in BASELINES.items():
+        argv = [str(args.hf_baseline), "--shape", shape, *extra, "--iters", str(args.iters)]
+        runs.append((label, argv + ["--json", str(out / f"{label}_{shape}.json")]))
+    return runs
+
+
+def orchestrate(args: argparse.Namespace) -> int:
+    """Micro-benchmarks, then per shape ours and the baselines one process each; the summary is rewritten after
+    every run (a device call cut short still returns what finished)."""
+    out: Path = args.json_dir
+    out.mkdir(parents=True, exist_ok=True)
+    shapes = ["tiny"] if args.dry_run else (list(GPU_SHAPES) if args.shape == "all" else [args.shape])
+    skip_baseline = args.skip_baseline or args.dry_run
+    if not skip_baseline and not args.hf_baseline.is_file():
+        raise SystemExit(f"--hf-baseline: {args.hf_baseline} does not exist; pass the path of hf_moe_baseline.py")
+    for shape in shapes:
+        check_spec(build_spec(shape, iters=args.iters, warmup=args.warmup, dry_run=args.dry_run))
+    summary: dict[str, Any] = {"shapes": {}, "failures": []}
+    if not args.skip_micro:
+        summary["micro"] = run_micro([SHAPES[s] | {"name": s} for s in shapes], iters=args.iters, dry_run=args.dry_run)
+        write_json(out / "micro.json", summary["micro"])
+    env = child_env(dry_run=args.dry_run)
+    log = out / "moe_throughput.log"
+    log.unlink(missing_ok=True)
+    for shape in shapes:
+        results: dict[str, dict[str, Any] | None] = {}
+        for label, argv in _runs(args, shape, out):
+            json_path = out / f"{label}_{shape}.json"
+            json_path.unlink(missing_ok=True)
+            print(f"running {label} on {shape}", flush=True)
+            launch = launch_workers(
+                Path(argv[0]), 1, argv[1:], names=[json_path.stem], log_path=log, env=env, timeout_s=args.timeout
+            )
+            report_launch(launch)
+            ok = launch.returncode == 0 and json_path.is_file()
+            results[label] = json.loads(json_path.read_text()) if ok else None
+            if results[label] is None:
+                summary["failures"].append(f"{label} on {shape}: exit {launch.returncode} (log {launch.log})")
+            baseline = "skipped" if skip_baseline else str(args.hf_baseline)
+            summary["shapes"][shape] = {"results": results, "ratios": ratios(results), "baseline": baseline}
+            write_json(out / "summary.json", {**summary, "markdown": render(summary)})
+    print(render(summary), flush=True)
+    for failure in summary["failures"]:
+        print(f"FAILED: {failure}", flush=True)
+    return 1 if summary["failures"] else 0
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--shape", choices=[*GPU_SHAPES, "all", "tiny"], default="all", help="shape(s) to run (all)")
+    ap.add_argument("--iters", type=int, default=None, help="timed steps (8, as the baseline; dry run 3)")
+    ap.add_argument("--warmup", type=int, default=None, help="untimed steps after the first (2; dry run 1)")
+    ap.add_argument("--skip-baseline", action="store_true", help="run mcore only")
+    ap.add_argument("--skip-micro", action="store_true", help="leave out the micro-benchmarks")
+    ap.add_argument("--hf-baseline", type=Path, default=HF_MOE_BASELINE, help="path of hf_moe_baseline.py")
+    ap.add_argument("--json-dir", type=Path, default=None, help="where the JSON files go (default: a temp dir)")
+    ap.add_argument("--json", type=Path, help=argparse.SUPPRESS)
+    ap.add_argument("--only", choices=["mcore"], help=argparse.SUPPRESS)
+    ap.add_argument("--timeout", type=float, default=600.0, help="seconds per run (600)")
+    ap.add_argument("--dry-run", action="store_true", help="CPU, tiny fp32 shape, 3 iterations, no baseline")
+    args = ap.parse_args(argv)
+    args.iters = args.iters if args.iters is not None else (3 if args.dry_run else 8)
+    args.warmup = args.warmup if args.warmup is not None else (1 if args.dry_run else 2)
+    if args.iters < 1 or args.warmup < 0:
+        ap.error(f"--iters must be >= 1 and --warmup >= 0, got {args.iters} and {args.warmup}")
+    if args.only and (args.json is None or args.shape == "all"):
+        ap.error("--only mcore needs --json FILE and one --shape")
+    if args.shape == "tiny" and not (args.dry_run or args.only):
+        ap.error("--shape tiny is the dry-run shape; use --dry-run")
+    if args.json_dir is None and not args.only:
+        args.json_dir = Path(tempfile.mkdtemp(prefix="mcore-moe-throughput-"))
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    return run_ours(args) if args.only else orchestrate(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

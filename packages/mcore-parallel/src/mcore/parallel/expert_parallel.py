@@ -1,0 +1,371 @@
+"""Mixture-of-experts layer with expert parallelism (``ep``) and expert tensor parallelism (``etp``).
+
+Parallel folding (Megatron-Core): attention uses the dense grid tp x cp x dp while the experts use the expert
+grid etp x ep x edp over the same ranks (``grid.py``), so ep is not capped by dp. Each rank routes its own
+tokens; the dispatcher (``expert_dispatch``) moves them to the ranks holding their experts.
+
+* The router's weight is a dense parameter (replicated, reduced over dp like any other).
+* Expert weights carry ``expert_parallel = True``: DDP reduces them over the expert-data-parallel group
+  (scaled by ``1 / dense dp size``, because each replica sums the contributions of every rank of its ep group)
+  and the gradient norm counts each once (``grad_clip``). With etp > 1 they also carry ``tensor_parallel``.
+* The aux-loss-free bias (``expert_bias``, a buffer outside the optimizer) is updated once per step by
+  :func:`update_expert_biases`, which ``finalize_model_grads`` calls.
+* Auxiliary losses (load balancing, z-loss) join the training loss through their gradient: the layer's output
+  carries them (``_AttachAuxLoss``), so they need no path through the pipeline schedule; their values are kept
+  in ``layer.stats`` for logging.
+
+With every group ``None`` the layer is an ordinary single-process MoE.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from mcore.kernels import swiglu
+from mcore.kernels.moe import (
+    RouterConfig,
+    expert_bias_update,
+    grouped_gemm,
+    load_balancing_loss_from_stats,
+    load_balancing_stats,
+    route,
+    tokens_per_expert,
+    z_loss,
+)
+from mcore.parallel.comm import group_rank, group_size, reduce_from_tp_region
+from mcore.parallel.expert_dispatch import DISPATCHERS, AllGatherDispatcher, AllToAllDispatcher
+from mcore.parallel.grid import ProcessGroups
+from mcore.parallel.tensor_parallel import set_tensor_parallel_attributes
+
+__all__ = ["GroupedExperts", "MoEConfig", "MoELayer", "Router", "moe_metrics", "update_expert_biases"]
+
+_AUX_LOSS_TYPES = ("micro_batch", "sequence")
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    """One MoE layer: the router (see ``mcore.kernels.moe.RouterConfig``), the experts and the dispatch.
+
+    ``capacity_factor=None`` is dropless; ``align`` pads each expert's rows (16 for FP8 grouped GEMMs);
+    ``aux_loss_type`` ``"micro_batch"`` or ``"sequence"`` (per sequence, hidden states ``[s, b, h]``).
+    ``expert_bias`` enables aux-loss-free balancing with step ``bias_update_rate``.
+    """
+
+    hidden_size: int
+    num_experts: int
+    topk: int
+    moe_intermediate_size: int
+    score_function: str = "softmax"
+    softmax_before_topk: bool = True
+    norm_topk_prob: bool = False
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
+    expert_bias: bool = False
+    bias_update_rate: float = 1e-3
+    aux_loss_coef: float = 0.0
+    aux_loss_type: str = "micro_batch"
+    z_loss_coef: float = 0.0
+    capacity_factor: float | None = None
+    drop_policy: str = "position"
+    pad_to_capacity: bool = False
+    align: int = 1
+    dispatcher: str = "alltoall"
+
+    def __post_init__(self) -> None:
+        for name in ("hidden_size", "moe_intermediate_size"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"MoEConfig.{name} must be a positive int, got {value!r}")
+        self.router_config()  # validates the routing fields
+        if self.dispatcher not in DISPATCHERS:
+            raise ValueError(f"MoEConfig.dispatcher must be one of {DISPATCHERS}, got {self.dispatcher!r}")
+        if self.dispatcher == "allgather" and self.capacity_factor is not None:
+            raise ValueError("MoEConfig: the allgather dispatcher is dropless; set capacity_factor=None")
+        if self.aux_loss_type not in _AUX_LOSS_TYPES:
+            raise ValueError(f"MoEConfig.aux_loss_type must be one of {_AUX_LOSS_TYPES}, got {self.aux_loss_type!r}")
+        for name in ("aux_loss_coef", "z_loss_coef", "bias_update_rate"):
+            if not getattr(self, name) >= 0:
+                raise ValueError(f"MoEConfig.{name} must be >= 0, got {getattr(self, name)}")
+
+    def router_config(self) -> RouterConfig:
+        return RouterConfig(
+            num_experts=self.num_experts,
+            topk=self.topk,
+            score_function=self.score_function,
+            softmax_before_topk=self.softmax_before_topk,
+            norm_topk_prob=self.norm_topk_prob,
+            n_group=self.n_group,
+            topk_group=self.topk_group,
+            routed_scaling_factor=self.routed_scaling_factor,
+        )
+
+    def check_layout(self, ep: int, etp: int) -> None:
+        """Raise ``ValueError`` naming the valid values when experts or their FFN cannot be split."""
+        if self.num_experts % ep:
+            valid = [d for d in range(1, self.num_experts + 1) if self.num_experts % d == 0]
+            raise ValueError(f"num_experts={self.num_experts} not divisible by ep={ep}; valid ep: {valid}")
+        if self.moe_intermediate_size % etp:
+            f = self.moe_intermediate_size
+            valid = [d for d in (1, 2, 4, 8, 16, 32, 64) if f % d == 0]
+            raise ValueError(f"moe_intermediate_size={f} not divisible by etp={etp}; valid etp: {valid}")
+
+
+def _expert_generators(generator: torch.Generator | None, count: int, first: int) -> list[torch.Generator | None]:
+    """One generator per global expert ``first .. first + count - 1``, from one draw of ``generator``: each rank
+    draws only its own experts, and the same expert gets the same weights at any ep."""
+    if generator is None:
+        return [None] * count
+    base = int(torch.randint(0, 2**62, (1,), generator=generator))
+    return [torch.Generator().manual_seed(base + first + e) for e in range(count)]
+
+
+class Router(nn.Module):
+    """The router's ``[E, H]`` weight (a dense parameter, replicated over every rank)."""
+
+    def __init__(self, hidden_size: int, num_experts: int, *, init_std: float = 0.02, params_dtype=None, device=None):
+        super().__init__()
+        self.init_std = init_std
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden_size, dtype=params_dtype, device=device))
+        set_tensor_parallel_attributes(self.weight, tensor_parallel=False)
+
+    def reset_parameters(self, generator: torch.Generator | None = None) -> None:
+        full = torch.empty(self.weight.shape, dtype=torch.float32).normal_(0.0, self.init_std, generator=generator)
+        with torch.no_grad():
+            self.weight.copy_(full)
+
+
+class GroupedExperts(nn.Module):
+    """``E_local`` SwiGLU experts as two stacked weights, ``[E_local, 2F/etp, H]`` (this etp rank's gate rows, then
+    its up rows) and ``[E_local, H, F/etp]``, run with one grouped GEMM each."""
+
+    def __init__(
+        self,
+        num_local_experts: int,
+        hidden_size: int,
+        ffn_size: int,
+        *,
+        etp: int = 1,
+        etp_rank: int = 0,
+        first_expert: int = 0,
+        init_std: float = 0.02,
+        params_dtype: torch.dtype = torch.float32,
+        device: torch.device | str | None = None,
+    ) -> None:
+        super().__init__()
+        local_ffn = ffn_size // etp
+        self.ffn_size, self.etp, self.etp_rank = ffn_size, etp, etp_rank
+        self.first_expert, self.init_std = first_expert, init_std
+        kw = dict(dtype=params_dtype, device=device)
+        self.gate_up = nn.Parameter(torch.empty(num_local_experts, 2 * local_ffn, hidden_size, **kw))
+        self.down = nn.Parameter(torch.empty(num_local_experts, hidden_size, local_ffn, **kw))
+        # the FFN width is split over etp like a column- then row-parallel pair (the layout checkpoints read)
+        set_tensor_parallel_attributes(
+            self.gate_up, tensor_parallel=etp > 1, partition_dim=1, partition_blocks=(ffn_size, ffn_size)
+        )
+        set_tensor_parallel_attributes(self.down, tensor_parallel=etp > 1, partition_dim=2)
+        for p in (self.gate_up, self.down):
+            p.expert_parallel = True
+
+    @torch.no_grad()
+    def load_full_experts(self, gate_up: torch.Tensor, down: torch.Tensor) -> None:
+        """Copy this rank's slice of its experts' full ``gate_up`` [E_local, 2F, H] and ``down`` [E_local, H, F]."""
+        f, fl = self.ffn_size, self.ffn_size // self.etp
+        cols = slice(self.etp_rank * fl, (self.etp_rank + 1) * fl)
+        self.gate_up.copy_(torch.cat((gate_up[:, :f][:, cols], gate_up[:, f:][:, cols]), dim=1))
+        self.down.copy_(down[:, :, cols])
+
+    def reset_parameters(self, generator: torch.Generator | None = None) -> None:
+        """Normal(0, init_std) full experts, one generator per global expert, sliced for etp."""
+        experts, h = self.gate_up.shape[0], self.gate_up.shape[2]
+        gens = _expert_generators(generator, experts, self.first_expert)
+        f, std = self.ffn_size, self.init_std
+        gate_up = torch.stack([torch.empty(2 * f, h).normal_(0.0, std, generator=g) for g in gens])
+        down = torch.stack([torch.empty(h, f).normal_(0.0, std, generator=g) for g in gens])
+        self.load_full_experts(gate_up, down)
+
+    def forward(self, rows: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+        h = grouped_gemm(rows.to(self.gate_up.dtype), self.gate_up, offsets)
+        return grouped_gemm(swiglu(h), self.down, offsets)
+
+
+class _AttachAuxLoss(torch.autograd.Function):
+    """Identity on ``out``; in backward, ``aux`` receives the gradient ``scale`` (d loss / d aux)."""
+
+    @staticmethod
+    def forward(ctx, out, aux, scale):
+        ctx.scale = scale
+        ctx.aux_meta = (aux.shape, aux.dtype, aux.device)
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx, grad):
+        shape, dtype, device = ctx.aux_meta
+        return grad, torch.full(shape, ctx.scale, dtype=dtype, device=device), None
+
+
+class MoELayer(nn.Module):
+    """Router + dispatcher + grouped experts: ``[..., H] -> [..., H]`` (hidden states ``[s, b, h]`` in mcore).
+
+    ``groups`` supplies ``ep`` / ``etp`` (``None``: one process); ``token_split_group``: ranks that split the same
+    tokens between them (tp under sequence parallelism), over which the aux losses are computed. Weights:
+    ``router.weight`` [E, H],
+    ``experts.gate_up`` / ``experts.down`` this rank's slices; :meth:`load_full_weights` fills them from the full
+    tensors (the same full weights at any layout). ``aux_loss_scale`` multiplies the aux losses' gradient (set
+    it to the main loss's scale, e.g. ``1 / micro-batches``). ``stats`` holds the last forward's detached
+    ``tokens_per_expert``, ``dropped``, ``aux_loss`` and ``z_loss``.
+    """
+
+    def __init__(
+        self,
+        config: MoEConfig,
+        *,
+        groups: ProcessGroups | None = None,
+        init_std: float = 0.02,
+        token_split_group: dist.ProcessGroup | None = None,
+        params_dtype: torch.dtype = torch.float32,
+        device: torch.device | str | None = None,
+    ) -> None:
+        super().__init__()
+        groups = groups or ProcessGroups.single()
+        self.token_split_group = token_split_group
+        ep_group, etp_group = groups.ep, groups.etp
+        self.ep, self.etp = group_size(ep_group), group_size(etp_group)
+        self.ep_rank, self.etp_rank = group_rank(ep_group), group_rank(etp_group)
+        config.check_layout(self.ep, self.etp)
+        self.config = config
+        self.router_config = config.router_config()
+        self.num_local_experts = config.num_experts // self.ep
+        self.router = Router(
+            config.hidden_size, config.num_experts, init_std=init_std, params_dtype=params_dtype, device=device
+        )
+        self.experts = GroupedExperts(
+            self.num_local_experts,
+            config.hidden_size,
+            config.moe_intermediate_size,
+            etp=self.etp,
+            etp_rank=self.etp_rank,
+            first_expert=self.ep_rank * self.num_local_experts,
+            init_std=init_std,
+            params_dtype=params_dtype,
+            device=device,
+        )
+        dispatcher_cls = AllToAllDispatcher if config.dispatcher == "alltoall" else AllGatherDispatcher
+        self.dispatcher = dispatcher_cls(config.num_experts, ep_group, etp_group)
+        if config.expert_bias:
+            self.register_buffer("expert_bias", torch.zeros(config.num_experts, dtype=torch.float32, device=device))
+            # tokens per expert summed over the micro-batches of the step (read by update_expert_biases)
+            self.register_buffer("step_tokens_per_expert", torch.zeros_like(self.expert_bias), persistent=False)
+        else:
+            self.expert_bias = None
+        self.aux_loss_scale = 1.0
+        self.stats: dict[str, torch.Tensor] = {}
+
+    @torch.no_grad()
+    def load_full_weights(self, router: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> None:
+        """Copy this rank's slices of the full ``router`` [E, H], ``gate_up`` [E, 2F, H] (gate rows then up rows,
+        HF's ``gate_up_proj`` layout) and ``down`` [E, H, F]."""
+        e0 = self.ep_rank * self.num_local_experts
+        experts = slice(e0, e0 + self.num_local_experts)
+        self.router.weight.copy_(router)
+        self.experts.load_full_experts(gate_up[experts], down[experts])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        tokens = x.reshape(-1, shape[-1])
+        logits = F.linear(tokens.float(), self.router.weight.float())
+        routing = route(logits, self.router_config, self.expert_bias)
+        cfg = self.config
+        plan_kwargs = dict(align=cfg.align)
+        if cfg.capacity_factor is not None:
+            plan_kwargs.update(
+                capacity_factor=cfg.capacity_factor, drop_policy=cfg.drop_policy, pad_to_capacity=cfg.pad_to_capacity
+            )
+        out, plan = self.dispatcher(tokens, routing, self.experts, **plan_kwargs)
+        out = out.to(x.dtype).view(shape)
+        counts = tokens_per_expert(routing.indices, cfg.num_experts)
+        if self.training and self.expert_bias is not None:
+            self.step_tokens_per_expert += counts
+        aux = self._aux_losses(logits, routing, shape)
+        self.stats = {"tokens_per_expert": counts, "dropped": plan.dropped, **{k: v.detach() for k, v in aux.items()}}
+        coefs = {"aux_loss": cfg.aux_loss_coef, "z_loss": cfg.z_loss_coef}
+        weighted = [coefs[name] * value for name, value in aux.items() if value.requires_grad]
+        if weighted and self.training:
+            out = _AttachAuxLoss.apply(out, sum(weighted), float(self.aux_loss_scale))
+        return out
+
+    def _aux_losses(self, logits, routing, shape) -> dict[str, torch.Tensor]:
+        """The differentiable ``aux_loss`` / ``z_loss`` whose coefficients are set.
+
+        With ``token_split_group`` (the tp ranks splitting one sequence), both are those of the whole group's tokens:
+        the load-balancing sums are all-reduced over it (the probabilities' with an identity backward, so each rank's
+        gradient reaches its own tokens) and the z-loss mean is divided by its size; every rank attaches them.
+        """
+        cfg = self.config
+        out: dict[str, torch.Tensor] = {}
+        split = group_size(self.token_split_group)
+        if cfg.aux_loss_coef:
+            probs, indices, seq = routing.probs, routing.indices, None
+            if cfg.aux_loss_type == "sequence" and len(shape) == 3:
+                s, b = shape[0], shape[1]  # [s, b, h]: regroup the tokens sequence by sequence
+                probs = probs.view(s, b, -1).transpose(0, 1).reshape(s * b, -1)
+                indices = indices.view(s, b, -1).transpose(0, 1).reshape(s * b, -1)
+                seq = s
+            counts, prob_sums = load_balancing_stats(probs, indices, sequence_length=seq)
+            if split > 1:
+                dist.all_reduce(counts, group=self.token_split_group)
+                prob_sums = reduce_from_tp_region(prob_sums, self.token_split_group)
+            tokens = (probs.shape[0] if seq is None else seq) * split
+            out["aux_loss"] = load_balancing_loss_from_stats(counts, prob_sums, tokens, cfg.topk)
+        if cfg.z_loss_coef:
+            out["z_loss"] = z_loss(logits) / split
+        return out
+
+
+@torch.no_grad()
+def update_expert_biases(model_chunks, groups: ProcessGroups | None = None) -> None:
+    """Aux-loss-free balancing, once per step: sum each MoE layer's step token counts over tp x cp and dp (every
+    rank that routed tokens of this pipeline stage), ``b += rate * sign(mean(c) - c)``, reset the counts.
+
+    Every layer's counts travel in one flat tensor (one all-reduce per group). No-op without biases.
+    """
+    chunks = [model_chunks] if isinstance(model_chunks, nn.Module) else list(model_chunks)
+    layers = [m for c in chunks for m in c.modules() if isinstance(m, MoELayer) and m.expert_bias is not None]
+    if not layers:
+        return
+    groups = groups or ProcessGroups.single()
+    flat = torch.cat([m.step_tokens_per_expert for m in layers])
+    for group in (groups.tp_cp, groups.dp):
+        if group_size(group) > 1:
+            dist.all_reduce(flat, group=group)
+    start = 0
+    for m in layers:
+        n = m.config.num_experts
+        expert_bias_update(m.expert_bias, flat[start : start + n], m.config.bias_update_rate)
+        m.step_tokens_per_expert.zero_()
+        start += n
+
+
+@torch.no_grad()
+def moe_metrics(model_chunks) -> dict[str, torch.Tensor] | None:
+    """Load statistics of the MoE layers of ``model_chunks`` (this rank's), from each layer's last forward, as 0-d
+    device tensors: ``moe_max_load`` (the largest tokens-per-expert over its mean, over layers), ``moe_dropped``
+    (choices dropped by capacity, summed over layers), ``moe_aux_loss`` / ``moe_z_loss`` (means over layers, when
+    computed). ``None`` without MoE layers. No host sync."""
+    chunks = [model_chunks] if isinstance(model_chunks, nn.Module) else list(model_chunks)
+    layers = [m for c in chunks for m in c.modules() if isinstance(m, MoELayer) and m.stats]
+    if not layers:
+        return None
+    counts = [m.stats["tokens_per_expert"].float() for m in layers]
+    loads = torch.stack([c.max() / c.mean().clamp(min=1e-9) for c in counts])
+    out = {"moe_max_load": loads.max(), "moe_dropped": torch.stack([m.stats["dropped"] for m in layers]).sum()}
+    for key in ("aux_loss", "z_loss"):
+        values = [m.stats[key] for m in layers if key in m.stats]
+        if values:
+            out[f"moe_{key}"] = torch.stack(values).mean()
+    return out

@@ -1,0 +1,143 @@
+"""What one GPU model does, measured: GEMM, attention and copy rates, NVLink collective curves, host overhead.
+
+A calibration is a JSON file (``mcore-train plan --calibrate`` writes one on the GPU at hand; see
+``measure.py``). Two ship with mcore in ``calibrations/``: ``h200-sxm`` (built from the H200 numbers in
+``docs/performance.md`` and DESIGN.md section 5) and ``h100-sxm`` (derived from it by datasheet ratios; its
+``assumptions`` say which). Curves are lists of ``[x, rate]`` points, interpolated log-log and held flat beyond
+their ends.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from mcore.train.errors import UserError
+
+CALIBRATION_DIR = Path(__file__).parent / "calibrations"
+COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "p2p")
+
+
+def interpolate(points: Sequence[Sequence[float]], x: float) -> float:
+    """Log-log interpolation of ``points`` (``[[x, y], ...]``, x increasing) at ``x``; flat beyond the ends."""
+    if not points:
+        raise ValueError("cannot interpolate an empty curve")
+    if x <= points[0][0]:
+        return float(points[0][1])
+    for (x0, y0), (x1, y1) in zip(points, points[1:], strict=False):
+        if x <= x1:
+            t = (math.log(x) - math.log(x0)) / (math.log(x1) - math.log(x0))
+            return float(math.exp(math.log(y0) + t * (math.log(y1) - math.log(y0))))
+    return float(points[-1][1])
+
+
+def _check_curve(name: str, points: Sequence[Sequence[float]]) -> None:
+    if not points or any(len(p) != 2 or p[0] <= 0 or p[1] <= 0 for p in points):
+        raise ValueError(f"calibration curve {name} must be a non-empty list of [x > 0, rate > 0], got {points!r}")
+    if any(a[0] >= b[0] for a, b in zip(points, points[1:], strict=False)):
+        raise ValueError(f"calibration curve {name} must have increasing x, got {[p[0] for p in points]}")
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """Rates of one GPU model (see the module docstring; units in the field names).
+
+    ``gemm``: precision -> achieved TFLOP/s by the FLOPs of one GEMM (``2 m n k``). ``wgrad_fp32_slowdown``: the
+    weight-gradient GEMM writing fp32 into the gradient buffer (gradient-accumulation fusion) takes this factor
+    longer. ``attention``: document length -> achieved TFLOP/s of causal attention forward + backward (FLOPs of the
+    unmasked half). ``memory_bound_efficiency``: share of ``copy_gbps`` that norms, activations, RoPE, casts and
+    the optimizer reach. ``host_ms_per_layer``: GPU idle per layer and micro-batch while the host launches
+    kernels; ``host_ms_per_step``: the same, once per step. ``nvlink``: collective -> bus bandwidth (GB/s) by
+    message bytes inside one node.
+    """
+
+    name: str
+    memory_gb: float
+    peak_tflops: dict[str, float]
+    gemm: dict[str, list[list[float]]]
+    attention: list[list[float]]
+    copy_gbps: float
+    nvlink: dict[str, list[list[float]]]
+    wgrad_fp32_slowdown: float = 1.0
+    memory_bound_efficiency: float = 0.85
+    host_ms_per_layer: float = 0.0
+    host_ms_per_step: float = 0.0
+    nvlink_latency_us: float = 10.0
+    pcie_gbps: float = 50.0
+    cpu_adam_gparams_per_s: float = 1.0
+    source: str = ""
+    assumptions: list[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if self.memory_gb <= 0 or self.copy_gbps <= 0:
+            raise ValueError(f"calibration {self.name}: memory_gb and copy_gbps must be > 0")
+        if "bf16" not in self.gemm:
+            raise ValueError(f"calibration {self.name}: gemm needs a 'bf16' curve, has {sorted(self.gemm)}")
+        for precision, points in self.gemm.items():
+            _check_curve(f"gemm.{precision}", points)
+        _check_curve("attention", self.attention)
+        for name in ("all_reduce", "p2p"):
+            if name not in self.nvlink:
+                raise ValueError(f"calibration {self.name}: nvlink needs a {name!r} curve, has {sorted(self.nvlink)}")
+        for name, points in self.nvlink.items():
+            if name not in COLLECTIVES:
+                raise ValueError(f"calibration {self.name}: unknown collective {name!r}; known: {COLLECTIVES}")
+            _check_curve(f"nvlink.{name}", points)
+
+    # ------------------------------------------------------------------------------------------ rates
+    def gemm_seconds(self, m: int, n: int, k: int, precision: str = "bf16") -> float:
+        flops = 2.0 * m * n * k
+        curve = self.gemm.get(precision) or self.gemm["bf16"]
+        return flops / (interpolate(curve, flops) * 1e12)
+
+    def attention_seconds(self, causal_flops: float, doc_length: int) -> float:
+        return causal_flops / (interpolate(self.attention, doc_length) * 1e12)
+
+    def memory_seconds(self, nbytes: float) -> float:
+        return nbytes / (self.copy_gbps * 1e9 * self.memory_bound_efficiency)
+
+    def nvlink_busbw(self, collective: str, nbytes: float) -> float:
+        """GB/s; all_gather / reduce_scatter / all_to_all fall back to the all_reduce curve when not measured."""
+        curve = self.nvlink.get(collective) or self.nvlink["all_reduce"]
+        return interpolate(curve, max(nbytes, 1.0))
+
+    # ------------------------------------------------------------------------------------------- files
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(self.to_dict(), indent=1) + "\n", encoding="utf-8")
+
+    @classmethod
+    def from_dict(cls, data: dict) -> Calibration:
+        known = set(cls.__dataclass_fields__)
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise UserError(f"calibration has unknown keys {unknown}; known: {sorted(known)}")
+        try:
+            return cls(**data)
+        except (TypeError, ValueError) as exc:
+            raise UserError(f"invalid calibration: {exc}") from None
+
+
+def shipped_calibrations() -> list[str]:
+    return sorted(p.stem for p in CALIBRATION_DIR.glob("*.json"))
+
+
+def load_calibration(name_or_path: str) -> Calibration:
+    """A shipped calibration by name (``h200-sxm``, ``h100-sxm``) or a calibration JSON file."""
+    path = Path(name_or_path)
+    if not path.suffix:
+        path = CALIBRATION_DIR / f"{name_or_path}.json"
+        if not path.exists():
+            raise UserError(f"unknown calibration {name_or_path!r}; shipped: {shipped_calibrations()} or a JSON file")
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise UserError(f"calibration file not found: {path}") from None
+    except json.JSONDecodeError as exc:
+        raise UserError(f"calibration file {path} is not valid JSON: {exc}") from None
+    return Calibration.from_dict(data)

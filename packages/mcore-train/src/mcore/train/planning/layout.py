@@ -1,0 +1,158 @@
+"""A parallel layout and the run settings the planner varies, with every reason a layout cannot run.
+
+Names follow Megatron-Core where mcore has no field yet: ``cp`` (``--context-parallel-size``), ``ep``
+(``--expert-model-parallel-size``), ``etp`` (``--expert-tensor-parallel-size``), ``dp_shard`` (ZeRO-3, Megatron's
+FSDP), ``optimizer_offload_fraction`` (``--optimizer-offload-fraction``). Attention and dense layers use the grid
+``tp x cp x dp x pp``; experts the grid ``etp x ep x edp x pp`` over the same ranks (parallel folding), so
+``edp = tp * cp * dp / (etp * ep)``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Literal
+
+from mcore.train.planning.shape import ModelShape
+
+Recompute = Literal["none", "selective", "full"]
+SCHEDULES = ("none", "gpipe", "1f1b", "interleaved", "zero-bubble")
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Parallel sizes, batch and memory settings of one run (``global_batch`` in sequences)."""
+
+    tp: int = 1
+    pp: int = 1
+    dp: int = 1
+    vpp: int = 1
+    cp: int = 1
+    ep: int = 1
+    etp: int | None = None
+    micro_batch: int = 1
+    global_batch: int = 1
+    seq_length: int = 4096
+    sequence_parallel: bool = False
+    schedule: str = "auto"
+    recompute: Recompute = "none"
+    distributed_optimizer: bool = False
+    dp_shard: bool = False
+    optimizer_offload_fraction: float = 0.0
+    overlap_grad_reduce: bool = True
+    overlap_param_gather: bool = False
+    tp_comm_overlap: bool = False
+    precision: Literal["bf16", "fp32", "fp8"] = "bf16"
+    pipeline_layout: tuple[int, ...] | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("tp", "pp", "dp", "vpp", "cp", "ep", "micro_batch", "global_batch", "seq_length"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"Layout.{name} must be an int >= 1, got {value!r}")
+        if not 0.0 <= self.optimizer_offload_fraction <= 1.0:
+            raise ValueError(
+                f"Layout.optimizer_offload_fraction must lie in [0, 1], got {self.optimizer_offload_fraction}"
+            )
+        if self.schedule not in ("auto", *SCHEDULES):
+            raise ValueError(f"Layout.schedule must be one of {['auto', *SCHEDULES]}, got {self.schedule!r}")
+
+    @property
+    def world_size(self) -> int:
+        return self.tp * self.cp * self.dp * self.pp
+
+    @property
+    def expert_tp(self) -> int:
+        return self.tp if self.etp is None else self.etp
+
+    @property
+    def expert_dp(self) -> int:
+        return self.tp * self.cp * self.dp // (self.expert_tp * self.ep)
+
+    @property
+    def num_microbatches(self) -> int:
+        return self.global_batch // (self.micro_batch * self.dp)
+
+    @property
+    def schedule_name(self) -> str:
+        if self.pp == 1:
+            return "none"
+        if self.schedule == "auto":
+            return "interleaved" if self.vpp > 1 else "1f1b"
+        return self.schedule
+
+    def replace(self, **changes) -> Layout:
+        return dataclasses.replace(self, **changes)
+
+    def problems(self, shape: ModelShape) -> list[str]:
+        """Why this layout cannot run ``shape`` (empty when it can): each reason names the numbers."""
+        out = []
+        if shape.heads % self.tp or shape.kv_heads % self.tp and self.tp % shape.kv_heads:
+            out.append(f"tp={self.tp} does not divide the {shape.heads} query / {shape.kv_heads} KV heads")
+        if self.sequence_parallel and self.tp == 1:
+            out.append("sequence_parallel needs tp > 1")
+        if self.seq_length % (2 * self.cp) and self.cp > 1:
+            out.append(f"seq_length {self.seq_length} is not a multiple of 2*cp = {2 * self.cp} (CP load balancing)")
+        if self.seq_length % (self.tp * self.cp) and self.sequence_parallel:
+            out.append(f"seq_length {self.seq_length} is not a multiple of tp*cp = {self.tp * self.cp}")
+        per_step = self.micro_batch * self.dp
+        if self.global_batch % per_step:
+            out.append(f"global batch {self.global_batch} is not a multiple of micro_batch x dp = {per_step}")
+        stages = self.pp * self.vpp
+        if self.pipeline_layout is None and shape.layers % stages:
+            out.append(f"{shape.layers} layers do not split evenly over pp x vpp = {stages} virtual stages")
+        if self.pipeline_layout is not None and (
+            len(self.pipeline_layout) != stages or sum(self.pipeline_layout) != shape.layers
+        ):
+            out.append(
+                f"pipeline_layout {list(self.pipeline_layout)} is not {stages} entries summing to {shape.layers}"
+            )
+        if self.vpp > 1 and self.pp == 1:
+            out.append(f"vpp={self.vpp} needs pp > 1")
+        sched = self.schedule_name
+        if sched == "interleaved" and (self.vpp < 2 or self.num_microbatches % self.pp):
+            out.append(f"interleaved 1F1B needs vpp >= 2 and micro-batches ({self.num_microbatches}) divisible by pp")
+        if sched in ("1f1b", "zero-bubble", "gpipe") and self.vpp > 1:
+            out.append(f"schedule {sched} runs one model chunk per rank, got vpp={self.vpp}")
+        if self.ep > 1 and not shape.is_moe:
+            out.append(f"ep={self.ep} needs a MoE model")
+        if shape.is_moe and shape.num_experts % self.ep:
+            out.append(f"ep={self.ep} does not divide the {shape.num_experts} experts")
+        if (self.tp * self.cp * self.dp) % (self.expert_tp * self.ep):
+            out.append(
+                f"etp x ep = {self.expert_tp} x {self.ep} does not divide tp x cp x dp = {self.tp * self.cp * self.dp}"
+            )
+        if self.dp_shard and self.distributed_optimizer:
+            out.append("dp_shard (ZeRO-3) already shards the optimizer: leave distributed_optimizer off")
+        if self.overlap_param_gather and not (self.distributed_optimizer or self.dp_shard):
+            out.append("overlap_param_gather needs the distributed optimizer")
+        return out
+
+    def overrides(self) -> list[str]:
+        """The ``mcore-train`` overrides of this layout (Megatron's names where mcore-train has none yet)."""
+        out = [f"parallel.tp={self.tp}", f"parallel.pp={self.pp}", f"parallel.dp={self.dp}"]
+        if self.vpp > 1:
+            out.append(f"parallel.vpp={self.vpp}")
+        if self.cp > 1:
+            out.append(f"parallel.cp={self.cp}")
+        if self.ep > 1:
+            out.append(f"parallel.ep={self.ep}")
+        if self.etp is not None and self.etp != self.tp:
+            out.append(f"parallel.etp={self.etp}")
+        if self.sequence_parallel:
+            out.append("parallel.sequence_parallel=true")
+        if self.pp > 1:
+            out.append(f"parallel.schedule={self.schedule_name}")
+        if self.pipeline_layout is not None:
+            out.append(f"parallel.pipeline_layout=[{','.join(map(str, self.pipeline_layout))}]")
+        if self.dp_shard:
+            out.append("parallel.dp_shard=true")
+        # spelled out either way: a config that sets them otherwise would contradict the layout
+        out.append(f"parallel.distributed_optimizer={str(self.distributed_optimizer).lower()}")
+        out.append(f"parallel.overlap_param_gather={str(self.overlap_param_gather).lower()}")
+        if self.optimizer_offload_fraction:
+            out.append(f"optim.offload_fraction={self.optimizer_offload_fraction:g}")
+        out += [f"train.micro_batch_size={self.micro_batch}", f"train.global_batch_size={self.global_batch}"]
+        if self.recompute != "none":
+            out.append(f"train.recompute={self.recompute}")
+        return out

@@ -1,0 +1,223 @@
+"""Peak GPU memory of each pipeline rank: states by precision and sharding, activations by schedule.
+
+Per rank (a pipeline stage, the same on every tp / cp / dp rank of it):
+
+- weights: this rank's parameters (its TP / expert slice of its layers, the embedding on the first stage, the
+  output layer on the last) in bf16 (fp32 when training in fp32); under ``dp_shard`` (ZeRO-3) a 1/dp shard plus
+  the two layers gathered at a time (the one running and the one prefetched);
+- gradients: fp32 (DDP's ``main_grad`` buffers), sharded like the weights under ``dp_shard``;
+- optimizer: fp32 master weights (none for fp32 parameters) and AdamW's two moments, divided by dp (expert
+  parameters: by the expert-data-parallel size) under the distributed optimizer or ``dp_shard``, and the part
+  ``optimizer_offload_fraction`` moved to the host taken out;
+- activations: what backward keeps per layer and micro-batch (Korthikanti et al., 2022, adapted to gated MLPs,
+  GQA, MoE dispatch buffers and flash attention, which stores no score matrix) times the micro-batches in flight,
+  counted by replaying the rank's op order of the schedule (``op_order``: 1F1B holds ``pp - rank``, interleaved
+  more, zero bubble keeps the weight-gradient inputs until the deferred W pass), plus one layer's worth of
+  backward workspace;
+- logits on the last stage: the bf16 logits of one micro-batch and their gradient (the fused cross entropy
+  writes a logits-sized gradient and keeps no fp32 copy);
+- then a fragmentation margin on the sum and a fixed runtime allowance (CUDA context, NCCL buffers), which
+  ``torch.cuda.max_memory_allocated`` does not see.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+
+from mcore.parallel.pipeline import GPipe, Interleaved1F1B, NoPipelining, OneFOneB, ZeroBubbleH1, stage_layer_ranges
+from mcore.train.planning.layout import Layout
+from mcore.train.planning.shape import ModelShape
+
+GB = 1e9
+FRAGMENTATION_MARGIN = 0.05
+RUNTIME_OVERHEAD_BYTES = 2.0 * GB
+SCHEDULE_CLASSES = {
+    "none": NoPipelining,
+    "gpipe": GPipe,
+    "1f1b": OneFOneB,
+    "interleaved": Interleaved1F1B,
+    "zero-bubble": ZeroBubbleH1,
+}
+# Share of a micro-batch's activations a zero-bubble B pass leaves for its deferred W pass (the linears' inputs
+# and output gradients, which are most of a layer's saved tensors).
+ZERO_BUBBLE_W_SHARE = 0.75
+
+
+@dataclass(frozen=True)
+class StageMemory:
+    """Estimated bytes of one pipeline rank (``allocated``: what ``max_memory_allocated`` would report)."""
+
+    pp_rank: int
+    layers: int
+    parameters: int
+    weights: float
+    gradients: float
+    optimizer: float
+    activations: float
+    logits: float
+    margin: float
+    overhead: float
+
+    @property
+    def allocated(self) -> float:
+        return self.weights + self.gradients + self.optimizer + self.activations + self.logits
+
+    @property
+    def total(self) -> float:
+        return self.allocated + self.margin + self.overhead
+
+
+def rank_chunks(shape: ModelShape, layout: Layout) -> list[list[tuple[int, int]]]:
+    """Per pipeline rank, the (start, end) layer range of each of its model chunks."""
+    custom = list(layout.pipeline_layout) if layout.pipeline_layout is not None else None
+    return stage_layer_ranges(shape.layers, layout.pp, layout.vpp, custom)
+
+
+def _sharded(lin_weights: int, role: str, tp: int) -> float:
+    return lin_weights if role == "replicated" else lin_weights / tp
+
+
+def layer_parameters_per_rank(shape: ModelShape, index: int, layout: Layout) -> tuple[float, float]:
+    """(dense, expert) parameters of layer ``index`` on one rank."""
+    dense = sum(_sharded(lin.weights, lin.role, layout.tp) for lin in shape.layer_linears(index))
+    dense += shape.layer_norm_and_bias_params(index, layout.tp)
+    expert = 0.0
+    if shape.is_moe_layer(index):
+        per_expert = sum(lin.weights for lin in shape.expert_linears()) / layout.expert_tp
+        expert = per_expert * shape.num_experts / layout.ep
+    return dense, expert
+
+
+def stage_parameters(shape: ModelShape, layout: Layout, rank: int, chunks) -> tuple[float, float]:
+    """(dense, expert) parameters held by pipeline rank ``rank``."""
+    key = (layout.tp, layout.pp, layout.ep, layout.expert_tp)
+    return _stage_parameters(shape, key, rank, tuple(tuple(c) for c in chunks))
+
+
+@lru_cache(maxsize=65536)
+def _stage_parameters(shape: ModelShape, key: tuple[int, int, int, int], rank: int, chunks) -> tuple[float, float]:
+    tp, pp, ep, etp = key
+    layout = Layout(tp=tp, pp=pp, ep=ep, etp=etp)
+    dense = expert = 0.0
+    for start, end in chunks:
+        for i, count in shape.layer_kinds(start, end).items():
+            d, e = layer_parameters_per_rank(shape, i, layout)
+            dense, expert = dense + count * d, expert + count * e
+    embedding = shape.padded_vocab(layout.tp) * shape.hidden / layout.tp
+    if rank == 0:
+        dense += embedding
+    if rank == layout.pp - 1:
+        dense += shape.norm_params()
+        if not shape.tied or layout.pp > 1:
+            dense += embedding
+    return dense, expert
+
+
+def activation_bytes_per_layer(shape: ModelShape, layout: Layout, index: int, dtype_bytes: int = 2) -> float:
+    """Bytes layer ``index`` keeps for backward per micro-batch on one rank."""
+    tokens = layout.seq_length * layout.micro_batch / layout.cp
+    tp = layout.tp
+    rep = shape.hidden / tp if layout.sequence_parallel else shape.hidden
+    if layout.recompute == "full":
+        return dtype_bytes * tokens * rep  # the layer input; the rest is recomputed in backward
+    if shape.is_mla:
+        attn = (2 * shape.score_width() + 2 * shape.attention_width) / tp + shape.kv_lora_rank + shape.q_lora_rank
+    else:
+        attn = (2 * shape.q_size + 2 * shape.kv_size) / tp  # q, k, v and the attention output
+    if layout.recompute == "selective":
+        attn -= shape.attention_width / tp  # the attention output is recomputed
+    per_token = 4 * rep + attn  # + the two norms' inputs and outputs
+    if shape.is_moe_layer(index):
+        rows = shape.top_k * layout.expert_tp / tp  # routed rows per token of this rank (see time_model)
+        routed = rows * (2 * shape.hidden + (3 if shape.gated else 2) * shape.moe_ffn / layout.expert_tp)
+        shared = (3 if shape.gated else 2) * shape.shared_ffn / tp
+        per_token += routed + shared + 4 * shape.num_experts / dtype_bytes  # dispatch buffers, fp32 router probs
+    else:
+        per_token += (3 if shape.gated else 2) * shape.ffn / tp
+    softmax_stats = 4 * tokens * shape.heads / tp  # fp32 log-sum-exp of flash attention
+    return dtype_bytes * tokens * per_token + softmax_stats
+
+
+@lru_cache(maxsize=4096)
+def _live_states(schedule_name: str, pp: int, vpp: int, m: int, rank: int) -> tuple[tuple[float, ...], ...]:
+    """The distinct per-chunk counts of live micro-batch activations right after each forward of ``rank`` (peaks
+    only follow a forward), replaying its op order; zero bubble's B keeps ``ZERO_BUBBLE_W_SHARE`` until the W."""
+    schedule = SCHEDULE_CLASSES[schedule_name]
+    live = [0.0] * vpp
+    states = set()
+    for op in schedule.op_order(pp, rank, vpp, m):
+        if op.kind == "F":
+            live[op.chunk] += 1
+            states.add(tuple(live))
+        elif op.kind == "B":
+            live[op.chunk] -= (1 - ZERO_BUBBLE_W_SHARE) if schedule.splits_backward else 1
+        else:
+            live[op.chunk] -= ZERO_BUBBLE_W_SHARE
+    # a state no larger than another in every chunk can never be the peak
+    ordered = sorted(states, key=sum, reverse=True)
+    kept: list[tuple[float, ...]] = []
+    for state in ordered:
+        if not any(all(a <= b for a, b in zip(state, k, strict=True)) for k in kept):
+            kept.append(state)
+    return tuple(kept)
+
+
+def live_activation_peak(layout: Layout, chunk_bytes: list[float], rank: int) -> float:
+    """Peak bytes of activations held by ``rank`` while its schedule's op order runs (enough micro-batches to
+    reach the steady state; GPipe: all of them)."""
+    m, step = layout.num_microbatches, layout.pp * layout.vpp
+    name = layout.schedule_name
+    cap = m if name == "gpipe" or m <= 2 * step else 2 * step
+    if name == "interleaved":
+        cap = -(-cap // layout.pp) * layout.pp
+    states = _live_states(name, layout.pp, layout.vpp, cap, rank)
+    return max(sum(n * b for n, b in zip(state, chunk_bytes, strict=True)) for state in states)
+
+
+def stage_memory(shape: ModelShape, layout: Layout) -> list[StageMemory]:
+    """Memory of every pipeline rank (see the module docstring)."""
+    param_bytes = 4 if layout.precision == "fp32" else 2
+    master = 0 if layout.precision == "fp32" else 4
+    sharded = layout.distributed_optimizer or layout.dp_shard
+    keep = 1.0 - layout.optimizer_offload_fraction
+    out = []
+    for rank, chunks in enumerate(rank_chunks(shape, layout)):
+        dense, expert = stage_parameters(shape, layout, rank, chunks)
+        n = dense + expert
+        shards = (layout.dp, layout.expert_dp) if sharded else (1, 1)
+        optimizer = (master + 8) * (dense / shards[0] + expert / shards[1]) * keep
+        weights, grads = param_bytes * n, 4 * n
+        if layout.dp_shard:
+            layers = sum(e - s for s, e in chunks) or 1
+            working = 2 * n / layers  # two layers unsharded at a time
+            weights = param_bytes * (dense / layout.dp + expert / layout.expert_dp + working)
+            grads = 4 * (dense / layout.dp + expert / layout.expert_dp + working)
+        per_chunk = [
+            sum(n * activation_bytes_per_layer(shape, layout, i) for i, n in shape.layer_kinds(s, e).items())
+            for s, e in chunks
+        ]
+        acts = live_activation_peak(layout, per_chunk, rank)
+        layer_counts = [e - s for s, e in chunks]
+        if any(layer_counts):
+            acts += max(c / n_ for c, n_ in zip(per_chunk, layer_counts, strict=True) if n_)  # backward workspace
+        logits = 0.0
+        if rank == layout.pp - 1:
+            tokens = layout.seq_length * layout.micro_batch / layout.cp
+            logits = tokens * shape.padded_vocab(layout.tp) / layout.tp * (2 + 2)
+        allocated = weights + grads + optimizer + acts + logits
+        out.append(
+            StageMemory(
+                pp_rank=rank,
+                layers=sum(layer_counts),
+                parameters=round(n),
+                weights=weights,
+                gradients=grads,
+                optimizer=optimizer,
+                activations=acts,
+                logits=logits,
+                margin=FRAGMENTATION_MARGIN * allocated,
+                overhead=RUNTIME_OVERHEAD_BYTES,
+            )
+        )
+    return out

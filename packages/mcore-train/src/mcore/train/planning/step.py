@@ -1,0 +1,148 @@
+"""One training step of a layout: the pipeline replayed, then data-parallel communication and the optimizer."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from mcore.train.planning.cluster import Network
+from mcore.train.planning.layout import Layout
+from mcore.train.planning.memory import SCHEDULE_CLASSES, rank_chunks, stage_parameters
+from mcore.train.planning.pipeline_sim import estimate, run_schedule
+from mcore.train.planning.shape import ModelShape
+from mcore.train.planning.time_model import BUCKET_ELEMENTS, OPTIMIZER_BYTES_PER_PARAM, OpCost, TimeModel
+
+
+@dataclass(frozen=True)
+class StepPrediction:
+    """Predicted seconds of one optimizer step and where they go (``breakdown``: seconds on the slowest rank)."""
+
+    step_s: float
+    tokens_per_step: int
+    world_size: int
+    model_flops_per_token: float
+    peak_flops: float
+    bubble_fraction: float
+    breakdown: dict[str, float]
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens_per_step / self.step_s
+
+    @property
+    def mfu(self) -> float:
+        return self.tokens_per_s * self.model_flops_per_token / (self.world_size * self.peak_flops)
+
+
+def chunk_costs(model: TimeModel, chunks_of_ranks) -> list[list[OpCost]]:
+    """Per rank and chunk: the summed cost of its layers, plus the embedding / output layer where they live."""
+    pp, vpp = model.layout.pp, model.layout.vpp
+    cache: dict[int, OpCost] = {}
+    out = []
+    for rank, chunks in enumerate(chunks_of_ranks):
+        row = []
+        for c, (start, end) in enumerate(chunks):
+            total = OpCost()
+            for i, count in model.shape.layer_kinds(start, end).items():
+                if i not in cache:
+                    cache[i] = model.layer_cost(i)
+                total += cache[i].scaled(count)
+            first, last = rank == 0 and c == 0, rank == pp - 1 and c == vpp - 1
+            if first or last:
+                total += model.head_cost(first, last)
+            row.append(total)
+        out.append(row)
+    return out
+
+
+def _data_parallel(
+    model: TimeModel, dense: float, expert: float, last_backward: float, first_forward: float, first_stage: bool
+) -> dict[str, float]:
+    """Exposed seconds of the gradient reduction and parameter all-gather of one rank (module docstring of
+    ``time_model``)."""
+    lay, net, s = model.layout, model.net, model.shape
+    out = {"dp_grad_comm": 0.0, "dp_param_comm": 0.0}
+    if lay.dp_shard:
+        return out
+    sharded = lay.distributed_optimizer
+    kind = "reduce_scatter" if sharded else "all_reduce"
+    comm = net.collective(kind, model.dp_group, 4 * dense) + net.collective(kind, model.edp_group, 4 * expert)
+    if lay.overlap_grad_reduce:
+        last_elems = max(BUCKET_ELEMENTS, s.padded_vocab(lay.tp) * s.hidden / lay.tp if first_stage else 0)
+        last = net.collective(kind, model.dp_group, 4 * min(last_elems, dense))
+        out["dp_grad_comm"] = max(last, comm - last_backward)
+    else:
+        out["dp_grad_comm"] = comm
+    if sharded:
+        gather = net.collective("all_gather", model.dp_group, model.dtype * dense)
+        gather += net.collective("all_gather", model.edp_group, model.dtype * expert)
+        if lay.overlap_param_gather:
+            one = net.collective("all_gather", model.dp_group, model.dtype * min(BUCKET_ELEMENTS, dense))
+            out["dp_param_comm"] = max(one, gather - first_forward)
+        else:
+            out["dp_param_comm"] = gather
+    return out
+
+
+def _optimizer(model: TimeModel, dense: float, expert: float) -> dict[str, float]:
+    lay, gpu = model.layout, model.gpu
+    sharded = lay.distributed_optimizer or lay.dp_shard
+    local = dense / lay.dp + expert / lay.expert_dp if sharded else dense + expert
+    on_gpu = local * (1 - lay.optimizer_offload_fraction)
+    out = {"optimizer": gpu.memory_seconds(OPTIMIZER_BYTES_PER_PARAM * on_gpu)}
+    off = local * lay.optimizer_offload_fraction
+    if off:  # gradients down, the step on the host, bf16 parameters back up
+        transfer = off * (4 + model.dtype) / (gpu.pcie_gbps * 1e9)
+        out["optimizer_offload"] = off / (gpu.cpu_adam_gparams_per_s * 1e9) + transfer
+    return out
+
+
+def predict_step(shape: ModelShape, layout: Layout, network: Network, exact: bool = True) -> StepPrediction:
+    """Predicted step of ``shape`` under ``layout`` (which must be valid: see ``Layout.problems``); ``exact=False``
+    uses the pipeline's closed form instead of replaying the schedule (``pipeline_sim.estimate``)."""
+    model = TimeModel(shape, layout, network)
+    chunks_of_ranks = rank_chunks(shape, layout)
+    costs = chunk_costs(model, chunks_of_ranks)
+    schedule = SCHEDULE_CLASSES[layout.schedule_name]
+    split = schedule.splits_backward
+
+    def op_time(rank: int, kind: str, chunk: int) -> float:
+        c = costs[rank][chunk]
+        if kind == "F":
+            return c.f
+        if kind == "B":
+            return c.b - c.wgrad if split else c.b
+        return c.wgrad
+
+    act = model.tokens * shape.hidden * model.dtype / (layout.tp if layout.sequence_parallel else 1)
+    transfer = network.p2p(act, model.pp_crosses_node) if layout.pp > 1 else 0.0
+    m = layout.num_microbatches
+    run = (run_schedule if exact or layout.pp == 1 else estimate)(schedule, layout.pp, layout.vpp, m, op_time, transfer)
+    finish, worst = 0.0, None
+    for rank, chunks in enumerate(chunks_of_ranks):
+        dense, expert = stage_parameters(shape, layout, rank, chunks)
+        last_b = sum(c.b for c in costs[rank])
+        first_f = sum(c.f for c in costs[rank])
+        tail = _data_parallel(model, dense, expert, last_b, first_f, rank == 0)
+        tail.update(_optimizer(model, dense, expert))
+        end = run.ends[rank] + sum(tail.values())
+        if end >= finish:
+            finish, worst = end, (rank, tail)
+    rank, tail = worst
+    breakdown: dict[str, float] = {}
+    for c in costs[rank]:
+        for phase in (c.forward, c.backward):
+            for k, v in phase.items():
+                breakdown[k] = breakdown.get(k, 0.0) + v * m
+    breakdown["pipeline_wait"] = max(0.0, run.ends[rank] - run.busy[rank])
+    breakdown.update(tail)
+    breakdown["host_step"] = network.gpu.host_ms_per_step * 1e-3
+    step = finish + breakdown["host_step"]
+    return StepPrediction(
+        step_s=step,
+        tokens_per_step=layout.global_batch * layout.seq_length,
+        world_size=layout.world_size,
+        model_flops_per_token=shape.model_flops_per_token(layout.seq_length),
+        peak_flops=network.gpu.peak_tflops["bf16"] * 1e12,  # MFU is against the dense bf16 peak, as in the docs
+        bubble_fraction=run.bubble_fraction,
+        breakdown=breakdown,
+    )

@@ -1,0 +1,236 @@
+"""Step time of one layout: compute per op from calibrated rates, communication per link, overlap as coded.
+
+Per layer and micro-batch on one rank (tokens = seq x micro-batch / cp):
+
+- GEMMs: every matmul's forward, input-gradient and weight-gradient GEMM at the calibration's rate for its size
+  (the weight-gradient one writing fp32 into the gradient buffer, ``wgrad_fp32_slowdown``); routed experts as
+  ``top_k x tokens`` rows spread over this rank's experts; recompute adds the forward (full) or attention
+  (selective) again to the backward;
+- attention: the causal FLOPs at the calibration's rate for the document length, backward 2.5x the forward;
+- memory-bound ops (norms, residual adds, RoPE, the GLU, casts and layout copies, MoE permutes): their bytes at
+  the calibrated share of copy bandwidth;
+- TP / SP collectives: two per layer in forward and two in backward, on the critical path (mcore does not
+  overlap them; ``tp_comm_overlap`` models Megatron's userbuffer overlap as hiding ``TP_OVERLAP_HIDDEN``);
+- CP ring exchange of K/V overlapped with the attention it feeds; EP all-to-all (dispatch, combine) exposed;
+- ZeRO-3 (``dp_shard``): per layer parameter all-gather (forward and backward) and gradient reduce-scatter,
+  prefetched under the layer's compute (exposed: what exceeds it);
+- host: ``host_ms_per_layer`` the GPU waits for launches.
+
+Per step: the schedule's plans replayed with these per-stage op times and p2p transfer times
+(``pipeline_sim``), then per rank the data-parallel gradient reduction as ``DistributedDataParallel`` runs it:
+bucketed, launched during the last micro-batch's backward when ``overlap_grad_reduce`` (exposed: what exceeds
+that backward, and at least the last bucket, which on the first stage is the embedding's gradient), all of it
+after the backward otherwise; the optimizer; the distributed optimizer's parameter all-gather, after the step
+or, with ``overlap_param_gather``, under the next forward (exposed: what exceeds the first micro-batch's
+forward, at least one bucket).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from mcore.train.planning.calibration import Calibration
+from mcore.train.planning.cluster import Group, Network
+from mcore.train.planning.layout import Layout
+from mcore.train.planning.memory import layer_parameters_per_rank
+from mcore.train.planning.shape import ModelShape
+
+TP_OVERLAP_HIDDEN = 0.8
+BACKWARD_ATTENTION_RATIO = 2.5
+OPTIMIZER_BYTES_PER_PARAM = 34  # fused AdamW pass (30 bytes) + the gradient-norm read (4)
+BUCKET_ELEMENTS = 40_000_000
+
+
+@dataclass
+class OpCost:
+    """Seconds of one layer's (or the head's) forward and backward on one micro-batch, by category."""
+
+    forward: dict[str, float] = field(default_factory=dict)
+    backward: dict[str, float] = field(default_factory=dict)
+    wgrad: float = 0.0  # the weight-gradient GEMMs inside backward (what zero bubble defers)
+
+    def add(self, phase: str, key: str, seconds: float) -> None:
+        d = self.forward if phase == "F" else self.backward
+        d[key] = d.get(key, 0.0) + seconds
+
+    def __iadd__(self, other: OpCost) -> OpCost:
+        for phase, d in (("F", other.forward), ("B", other.backward)):
+            for k, v in d.items():
+                self.add(phase, k, v)
+        self.wgrad += other.wgrad
+        return self
+
+    def scaled(self, factor: float) -> OpCost:
+        """This cost ``factor`` times (``factor`` layers of one kind)."""
+        return OpCost(
+            {k: v * factor for k, v in self.forward.items()},
+            {k: v * factor for k, v in self.backward.items()},
+            self.wgrad * factor,
+        )
+
+    @property
+    def f(self) -> float:
+        return sum(self.forward.values())
+
+    @property
+    def b(self) -> float:
+        return sum(self.backward.values())
+
+
+class TimeModel:
+    """Per-op and per-step times of ``shape`` under ``layout`` on ``network`` (see the module docstring)."""
+
+    def __init__(self, shape: ModelShape, layout: Layout, network: Network) -> None:
+        self.shape, self.layout, self.net = shape, layout, network
+        self.gpu: Calibration = network.gpu
+        self.tokens = layout.seq_length * layout.micro_batch / layout.cp
+        # GEMM curve: fp8 or fp32 when the calibration has one, else bf16's
+        self.precision = layout.precision if layout.precision in self.gpu.gemm else "bf16"
+        self.dtype = 4 if layout.precision == "fp32" else 2
+        # tokens one rank sends into its MoE layers: its sequence-parallel slice, gathered over the expert-TP group
+        self.moe_tokens = self.tokens * layout.expert_tp / layout.tp
+        tp, cp, dp = layout.tp, layout.cp, layout.dp
+        self.tp_group, self.cp_group = Group(tp, 1), Group(cp, tp)
+        self.dp_group = Group(dp, tp * cp)
+        self.ep_group = Group(layout.ep, layout.expert_tp)
+        self.edp_group = Group(layout.expert_dp, layout.expert_tp * layout.ep)
+        per_node = network.cluster.gpus_per_node
+        self.pp_crosses_node = tp * cp * dp >= per_node and layout.pp > 1
+        self.cp_crosses_node = self.cp_group.size > self.cp_group.per_node(per_node)
+
+    # ----------------------------------------------------------------------------------------- pieces
+    def _gemms(self, cost: OpCost, m: float, k: int, n: float, count: float = 1.0) -> None:
+        g = self.gpu
+        m, k, n = max(1, round(m)), max(1, round(k)), max(1, round(n))
+        fwd = g.gemm_seconds(m, n, k, self.precision) * count
+        dgrad = g.gemm_seconds(m, k, n, self.precision) * count
+        wgrad = g.gemm_seconds(n, k, m, self.precision) * count * g.wgrad_fp32_slowdown
+        cost.add("F", "gemm", fwd)
+        cost.add("B", "gemm", dgrad + wgrad)
+        cost.wgrad += wgrad
+
+    def _linears(self, cost: OpCost, linears, rows: float) -> None:
+        tp = self.layout.tp
+        for lin in linears:
+            k = lin.in_features // tp if lin.role == "row" else lin.in_features
+            n = lin.out_features // tp if lin.role == "column" else lin.out_features
+            self._gemms(cost, rows, k, n)
+
+    def _experts(self, cost: OpCost) -> None:
+        s, lay = self.shape, self.layout
+        local = s.num_experts // lay.ep
+        rows = self.moe_tokens * s.top_k * lay.ep / s.num_experts  # per expert, on average (balanced routing)
+        for lin in s.expert_linears():
+            k = lin.in_features // lay.expert_tp if lin.role == "row" else lin.in_features
+            n = lin.out_features // lay.expert_tp if lin.role == "column" else lin.out_features
+            self._gemms(cost, rows, k, n, count=local)
+
+    def _attention(self, cost: OpCost) -> None:
+        s, lay = self.shape, self.layout
+        width = (s.score_width() + s.attention_width) / lay.tp
+        causal_fwd = 2.0 * lay.micro_batch * lay.seq_length**2 * width / 2 / lay.cp
+        total = self.gpu.attention_seconds(causal_fwd * (1 + BACKWARD_ATTENTION_RATIO), lay.seq_length)
+        fwd = total / (1 + BACKWARD_ATTENTION_RATIO)
+        cost.add("F", "attention", fwd)
+        cost.add("B", "attention", total - fwd)
+        if lay.cp > 1:  # ring: cp - 1 K/V blocks in forward, K/V and their gradients in backward
+            kv = self.tokens * 2 * (s.kv_size if not s.is_mla else s.kv_lora_rank * lay.tp) / lay.tp * self.dtype
+            ring = (lay.cp - 1) * self.net.p2p(kv, self.cp_crosses_node)
+            cost.add("F", "cp_comm", max(0.0, ring - fwd))
+            cost.add("B", "cp_comm", max(0.0, 2 * ring - (total - fwd)))
+        if lay.recompute == "selective":
+            cost.add("B", "attention", fwd)
+
+    def _memory_bound(self, cost: OpCost, moe: bool) -> None:
+        s, lay = self.shape, self.layout
+        tp = lay.tp
+        rep = s.hidden / tp if lay.sequence_parallel else s.hidden
+        qkv = (s.q_size + s.kv_size) / tp
+        routed = s.moe_ffn * s.top_k / lay.expert_tp * self.moe_tokens / self.tokens
+        width = routed + s.shared_ffn / tp if moe else s.ffn / tp
+        glu_f, glu_b = (3, 5) if s.gated else (2, 3)
+        fwd = 4 * rep + 6 * rep + 2 * qkv + glu_f * width + 16 * s.hidden / tp
+        bwd = 6 * rep + 6 * rep + 2 * qkv + glu_b * width + 16 * s.hidden / tp
+        if moe:
+            permute = 4 * s.top_k * s.hidden * self.moe_tokens / self.tokens  # permute, unpermute: read and write
+            fwd, bwd = fwd + permute, bwd + permute
+        cost.add("F", "memory", self.gpu.memory_seconds(fwd * self.tokens * self.dtype))
+        cost.add("B", "memory", self.gpu.memory_seconds(bwd * self.tokens * self.dtype))
+
+    def _tp_comm(self, cost: OpCost, collectives: int) -> None:
+        lay = self.layout
+        if lay.tp == 1:
+            return
+        nbytes = self.tokens * self.shape.hidden * self.dtype
+        if lay.sequence_parallel:
+            one = self.net.collective("all_gather", self.tp_group, nbytes)
+            one = (one + self.net.collective("reduce_scatter", self.tp_group, nbytes)) / 2
+        else:
+            one = self.net.collective("all_reduce", self.tp_group, nbytes)
+        exposed = one * (1 - TP_OVERLAP_HIDDEN if lay.tp_comm_overlap else 1.0)
+        cost.add("F", "tp_comm", collectives * exposed)
+        cost.add("B", "tp_comm", collectives * exposed)
+
+    def _ep_comm(self, cost: OpCost) -> None:
+        lay, s = self.layout, self.shape
+        if lay.ep == 1:
+            return
+        nbytes = self.moe_tokens * s.top_k * s.hidden * self.dtype
+        one = self.net.collective("all_to_all", self.ep_group, nbytes)
+        cost.add("F", "ep_comm", 2 * one)
+        cost.add("B", "ep_comm", 2 * one)
+
+    def _zero3(self, cost: OpCost, dense: float, expert: float) -> None:
+        """ZeRO-3: gather this layer's parameters before its forward and again before its backward, reduce-scatter
+        its fp32 gradients after; dense parameters over dp, expert ones over the expert-data-parallel group."""
+        if not self.layout.dp_shard:
+            return
+        gather = sum(
+            self.net.collective("all_gather", group, n * self.dtype)
+            for group, n in ((self.dp_group, dense), (self.edp_group, expert))
+        )
+        scatter = sum(
+            self.net.collective("reduce_scatter", group, n * 4.0)
+            for group, n in ((self.dp_group, dense), (self.edp_group, expert))
+        )
+        cost.add("F", "dp_shard_comm", max(0.0, gather - cost.f))
+        cost.add("B", "dp_shard_comm", max(0.0, gather + scatter - cost.b))
+
+    # ------------------------------------------------------------------------------------------- layer
+    def layer_cost(self, index: int) -> OpCost:
+        """One layer, one micro-batch, one rank."""
+        s, lay = self.shape, self.layout
+        cost = OpCost()
+        self._linears(cost, s.layer_linears(index), self.tokens)
+        moe = s.is_moe_layer(index)
+        if moe:
+            self._experts(cost)
+            self._ep_comm(cost)
+        self._attention(cost)
+        self._memory_bound(cost, moe)
+        self._tp_comm(cost, 2)
+        if lay.recompute == "full":
+            for k, v in list(cost.forward.items()):
+                cost.add("B", k, v)
+        host = self.gpu.host_ms_per_layer * 1e-3
+        cost.add("F", "host", host / 3)
+        cost.add("B", "host", 2 * host / 3)
+        self._zero3(cost, *layer_parameters_per_rank(s, index, lay))
+        return cost
+
+    def head_cost(self, first: bool, last: bool) -> OpCost:
+        """The embedding (first stage) and the output layer with the loss (last stage), one micro-batch."""
+        s, lay = self.shape, self.layout
+        cost = OpCost()
+        vocab = s.padded_vocab(lay.tp) // lay.tp
+        if first:
+            cost.add("F", "memory", self.gpu.memory_seconds(self.tokens * s.hidden * self.dtype * 2))
+            cost.add("B", "memory", self.gpu.memory_seconds(self.tokens * s.hidden * 10))
+            self._tp_comm(cost, 1)
+        if last:
+            self._gemms(cost, self.tokens, s.hidden, vocab)
+            logits = self.tokens * vocab * self.dtype
+            cost.add("F", "memory", self.gpu.memory_seconds(logits + self.tokens * s.hidden * 4))
+            cost.add("B", "memory", self.gpu.memory_seconds(4 * logits))  # cross entropy backward and a copy
+            self._tp_comm(cost, 1)
+        return cost

@@ -1,0 +1,93 @@
+"""The planner against our measurements: every timed configuration of ``docs/performance.md``, from the raw JSON.
+
+Read: the single-GPU throughput runs (``throughput-h200-*/mcore_<shape>.json``: 1b, 8b4l, before and after the
+per-layer-parts refactor) and the two-GPU runs
+(``multi-gpu-*/results.json``: every layout of the table, 8b4l). Not read: the fp32 smoke runs (a host-bound
+model, no speed measurement) and runs of superseded code (``before-fusion-*``). Each case gives the model shape,
+the layout exactly as run, the measured median step time and the measured peak memory per rank
+(``torch.cuda.max_memory_allocated``, compared with the plan's ``allocated``: no runtime allowance or margin).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from mcore.train.planning.cluster import Network
+from mcore.train.planning.layout import Layout
+from mcore.train.planning.memory import GB, stage_memory
+from mcore.train.planning.shape import ModelShape
+from mcore.train.planning.step import predict_step
+
+THROUGHPUT_RUNS = "throughput-h200-"
+MULTI_GPU_RUNS = "multi-gpu-h200-2026-11-30-rerun"
+SCHEDULES = {"none": "none", "1f1b": "1f1b", "interleaved-1f1b": "interleaved", "zb-h1": "zero-bubble"}
+# benchmarks/_common.py's 8b4l: the Llama-3-8B layer shape with 4 layers (the two-GPU runs record only its size)
+SHAPE_8B4L = {"hidden": 4096, "layers": 4, "heads": 32, "kv": 8, "ffn": 14336, "vocab": 128256}
+
+
+@dataclass(frozen=True)
+class Case:
+    """One measured run and what the planner says of it."""
+
+    name: str
+    shape: ModelShape
+    layout: Layout
+    measured_step_s: float
+    measured_peak_gb: tuple[float, ...]  # per pipeline rank (first rank of each stage)
+
+    def predicted(self, network: Network) -> tuple[float, tuple[float, ...]]:
+        """(step seconds, allocated GB per pipeline rank)."""
+        step = predict_step(self.shape, self.layout, network).step_s
+        return step, tuple(s.allocated / GB for s in stage_memory(self.shape, self.layout))
+
+
+def _shape(fields: dict, name: str) -> ModelShape:
+    heads = fields["heads"]
+    return ModelShape(
+        hidden=fields["hidden"], ffn=fields["ffn"], layers=fields["layers"], heads=heads, kv_heads=fields["kv"],
+        head_dim=fields["hidden"] // heads, vocab=fields["vocab"], name=name,
+    )  # fmt: skip
+
+
+def throughput_cases(results: Path) -> list[Case]:
+    """The single-GPU runs (every ``throughput-h200-*`` directory): one micro-batch per step, distributed optimizer
+    at dp=1."""
+    out = []
+    for path in sorted(results.glob(f"{THROUGHPUT_RUNS}*/mcore_*.json")):
+        run = path.parent.name.removeprefix(THROUGHPUT_RUNS)
+        r = json.loads(path.read_text())
+        shape = _shape(r, r["shape"])
+        if shape.total_parameters() != r["params"]:
+            raise ValueError(f"{path}: shape {r['shape']} has {shape.total_parameters()} parameters, run {r['params']}")
+        layout = Layout(micro_batch=r["mbs"], global_batch=r["mbs"], seq_length=r["seq"], distributed_optimizer=True)
+        out.append(Case(f"{r['shape']} (1 GPU, {run})", shape, layout, r["step_s"], (r["peak_mem_gb"],)))
+    return out
+
+
+def multi_gpu_cases(results: Path) -> list[Case]:
+    """The two-GPU table (and its one-GPU references), 8b4l."""
+    data = json.loads((results / MULTI_GPU_RUNS / "results.json").read_text())
+    shape = _shape(SHAPE_8B4L, "8b4l")
+    out = []
+    for name, r in data["configs"].items():
+        if shape.total_parameters() != r["params"]:
+            raise ValueError(f"{name}: 8b4l has {shape.total_parameters()} parameters, the run {r['params']}")
+        lay = r["layout"]
+        custom = r["layers_per_stage"]
+        layout = Layout(
+            tp=lay["tp"], pp=lay["pp"], dp=lay["dp"], vpp=lay["vpp"], micro_batch=r["micro_batch_size"],
+            global_batch=r["global_batch_size"], seq_length=r["seq_length"],
+            sequence_parallel=r["sequence_parallel"], schedule=SCHEDULES[r["schedule"]],
+            distributed_optimizer=r["distributed_optimizer"], overlap_grad_reduce=r["overlap_grad_reduce"],
+            overlap_param_gather=r["overlap_param_gather"], pipeline_layout=tuple(custom) if custom else None,
+        )  # fmt: skip
+        per_rank = r["peak_mem_gb_per_rank"]
+        stages = per_rank[:: max(1, len(per_rank) // lay["pp"])][: lay["pp"]] if lay["pp"] > 1 else per_rank[:1]
+        out.append(Case(f"{name} ({r['world_size']} GPU)", shape, layout, r["step_s"], tuple(stages)))
+    return out
+
+
+def measured_cases(results: Path) -> list[Case]:
+    return throughput_cases(results) + multi_gpu_cases(results)

@@ -1,0 +1,86 @@
+"""grouped_gemm: the loop reference and torch's grouped GEMM against a float64 loop, forward and backward."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mcore.kernels.moe import grouped_gemm
+
+# segments of 5, 0 (an expert without rows), 7 and 4 rows, then 4 rows past offsets[-1] (no expert)
+OFFSETS = [5, 5, 12, 16]
+ROWS, K, M = 20, 8, 16
+
+
+def _float64(x, w, offsets):
+    y = torch.zeros(x.shape[0], w.shape[1], dtype=torch.float64)
+    start = 0
+    for g, end in enumerate(offsets):
+        y[start:end] = x[start:end].double() @ w[g].double().t()
+        start = end
+    return y
+
+
+def _inputs(dtype, device="cpu"):
+    x = torch.randn(ROWS, K, device=device).to(dtype).requires_grad_(True)
+    w = torch.randn(len(OFFSETS), M, K, device=device).to(dtype).requires_grad_(True)
+    return x, w, torch.tensor(OFFSETS, dtype=torch.int32, device=device)
+
+
+def _check(backend, dtype, device="cpu", rtol=1e-5, atol=1e-5):
+    x, w, offsets = _inputs(dtype, device)
+    y = grouped_gemm(x, w, offsets, backend=backend)
+    assert y.dtype == dtype and y.shape == (ROWS, M)
+    x64, w64 = (t.detach().cpu().double().requires_grad_(True) for t in (x, w))
+    want = _float64(x64, w64, OFFSETS)
+    torch.testing.assert_close(y.cpu().double(), want, rtol=rtol, atol=atol * want.abs().max().item())
+    probe = torch.randn(ROWS, M, device=device).to(dtype)
+    (y.float() * probe.float()).sum().backward()
+    (want * probe.cpu().double()).sum().backward()
+    for ours, ref in ((x, x64), (w, w64)):
+        scale = ref.grad.abs().max().item()
+        torch.testing.assert_close(ours.grad.cpu().double(), ref.grad, rtol=rtol, atol=atol * scale)
+    assert torch.all(x.grad[OFFSETS[-1] :] == 0) and torch.all(w.grad[1] == 0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_reference_matches_float64(dtype):
+    tol = 1e-5 if dtype == torch.float32 else 1.6e-2
+    _check("reference", dtype, rtol=tol, atol=tol)
+
+
+def test_torch_grouped_mm_on_cpu_matches_float64():
+    # torch's grouped GEMM also runs on CPU (fp32, 16-byte aligned rows): the same backward code as on CUDA
+    if not hasattr(torch, "_grouped_mm"):
+        pytest.skip("torch._grouped_mm is not in this torch")
+    _check("grouped_mm", torch.float32)
+
+
+def test_default_backend_off_cuda_is_the_reference(spy):
+    calls = spy("mcore.kernels.grouped_gemm", "_reference_forward")
+    x, w, offsets = _inputs(torch.float32)
+    grouped_gemm(x, w, offsets)
+    assert len(calls) == 1
+
+
+def test_bad_inputs():
+    x, w, offsets = _inputs(torch.float32)
+    with pytest.raises(ValueError, match="same K"):
+        grouped_gemm(x[:, :4], w, offsets)
+    with pytest.raises(ValueError, match="offsets must be int32"):
+        grouped_gemm(x, w, offsets.long())
+    with pytest.raises(TypeError, match="share a float16/bfloat16/float32 dtype"):
+        grouped_gemm(x, w.double(), offsets)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_bf16_grouped_mm_matches_float64_without_host_sync():
+    x, w, offsets = _inputs(torch.bfloat16, "cuda")
+    torch.cuda.set_sync_debug_mode("error")  # any device-to-host copy raises
+    try:
+        y = grouped_gemm(x, w, offsets)
+        y.float().sum().backward()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    _check(None, torch.bfloat16, "cuda", rtol=1.6e-2, atol=1.6e-2)

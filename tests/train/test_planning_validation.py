@@ -1,0 +1,61 @@
+"""``mcore-train plan`` against measurements: our H200 runs (docs/performance.md) and Megatron's published table."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from mcore.train.planning.cluster import PRESETS, Network
+from mcore.train.planning.published import MEGATRON_WEAK_SCALING, tuned_layout
+from mcore.train.planning.validation import measured_cases
+
+RESULTS = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
+H200 = Network(PRESETS["h200-node"])
+H100 = Network(PRESETS["dgx-h100"])
+CASES = {case.name: case for case in measured_cases(RESULTS)}
+
+
+def test_every_timed_configuration_of_the_performance_doc_is_a_case():
+    two_gpu = ["tp2", "tp2-sp", "pp2-1f1b", "pp2-vpp2-interleaved", "pp2-zero-bubble", "dp2", "dp2-overlap",
+               "dp2-distopt", "dp2-distopt-overlap", "dp2-distopt-overlap-all"]  # fmt: skip
+    runs = ("2026-11-30", "2026-12-01-parts")
+    expected = {f"{shape} (1 GPU, {run})" for shape in ("1b", "8b4l") for run in runs}
+    expected |= {"single (1 GPU)", "single-half-batch (1 GPU)"}
+    assert set(CASES) == expected | {f"{name} (2 GPU)" for name in two_gpu}
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_step_time_and_peak_memory_within_ten_percent(name):
+    case = CASES[name]
+    step, memory = case.predicted(H200)
+    assert step == pytest.approx(case.measured_step_s, rel=0.10), (step, case.measured_step_s)
+    assert len(memory) == len(case.measured_peak_gb)
+    for predicted, measured in zip(memory, case.measured_peak_gb, strict=True):
+        assert predicted == pytest.approx(measured, rel=0.10), (memory, case.measured_peak_gb)
+
+
+@pytest.fixture(scope="module")
+def megatron():
+    return [(row, *tuned_layout(row, H100)) for row in MEGATRON_WEAK_SCALING]
+
+
+def test_megatron_rows_fit_an_h100_and_keep_the_published_layout(megatron):
+    for row, layout, prediction in megatron:
+        assert (layout.tp, layout.pp, layout.dp, layout.world_size) == (row.tp, row.pp, row.dp, row.gpus)
+        assert layout.global_batch == row.batch and 0 < prediction.mfu < 1
+        # the table's TFLOP/s and MFU use the same model-FLOP count as ours (6 x weights + 12 L h s, full attention)
+        flops = row.shape().model_flops_per_token(4096)
+        assert row.tflops_per_gpu / 989.4 * 100 == pytest.approx(row.mfu_percent, abs=0.6)
+        assert flops > 0
+
+
+def test_megatron_trend_and_offset(megatron):
+    """What docs/scaling.md reports: MFU rises from the smallest to the largest models as published, and the
+    H100 calibration (datasheet ratios from our H200 runs) predicts every row 4 to 16 points above Megatron-Core
+    r0.8.0's measurement; the 5-point target is not met (see docs/scaling.md)."""
+    predicted = [100 * p.mfu for _, _, p in megatron]
+    published = [row.mfu_percent for row, _, _ in megatron]
+    assert min(predicted[-2:]) > predicted[0] and min(published[-2:]) > published[0]
+    gaps = [p - q for p, q in zip(predicted, published, strict=True)]
+    assert all(4 <= g <= 16 for g in gaps), gaps
