@@ -229,9 +229,8 @@ class TrainSection:
 
     ``global_batch_size`` = ``micro_batch_size`` x micro-batches per step x data-parallel size; the number
     of micro-batches is derived. ``precision=auto`` is bf16 (with fp32 master weights) on CUDA and fp32 on
-    CPU; ``fp8`` / ``fp4`` run the linears' GEMMs as the ``fp8`` / ``fp4`` sections say, ``quant=bitnet`` makes
-    them BitNet b1.58 linears (``low_precision.py``).
-    ``stop_at_step`` ends the run early (saving a checkpoint) without changing the LR schedule.
+    CPU; ``fp8``, ``fp4`` and ``quant=bitnet``: see ``low_precision.py``. ``stop_at_step`` ends the run early
+    (saving a checkpoint) without changing the LR schedule.
     ``skip_nonfinite`` makes the optimizer skip steps whose gradient norm is NaN/Inf, at the cost of one host
     synchronization per step; ``None`` (auto) turns it on on CPU and with fp16, off on CUDA with bf16/fp32,
     where a non-finite loss or gradient norm is then caught at the next log interval and stops the run.
