@@ -57,7 +57,7 @@ def test_num_microbatches_follows_dp():
         (["trian.steps=3"], "did you mean 'train'"),
         (["train.steps=abc"], "'train.steps' expects an integer, got 'abc'"),
         (["train.steps=2.5"], "'train.steps' expects an integer, got 2.5"),
-        (["train.precision=fp8"], "'train.precision' must be one of 'auto', 'fp32', 'bf16', 'fp16'"),
+        (["train.precision=fp6"], "'train.precision' must be one of 'auto', 'fp32', 'bf16', 'fp16', 'fp8', 'fp4'"),
         (["checkpoint.async_save=maybe"], "'checkpoint.async_save' expects true or false"),
         (["model=llama3-8"], "unknown model preset 'llama3-8'; did you mean 'llama3-8b'?"),
         (["model=llama3-8b", "parallel.tp=3"], "tensor parallel size 3 must divide num_key_value_heads"),

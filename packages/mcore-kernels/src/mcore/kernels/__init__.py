@@ -14,7 +14,10 @@ from mcore.kernels.activations import geglu, swiglu
 from mcore.kernels.attention import attention
 from mcore.kernels.conv import causal_conv1d
 from mcore.kernels.cross_entropy import cross_entropy
+from mcore.kernels.fp8_gemm import scaled_matmul
 from mcore.kernels.gated_norm import gated_rms_norm
+from mcore.kernels.low_precision_linear import LowPrecisionLinear, Recipe
+from mcore.kernels.microscaling import dequantize_mx, dequantize_nvfp4, quantize_mx, quantize_nvfp4
 from mcore.kernels.moe import (
     expert_bias_update,
     grouped_gemm,
@@ -28,17 +31,22 @@ from mcore.kernels.moe import (
 )
 from mcore.kernels.norms import layer_norm, rms_norm
 from mcore.kernels.optimizer import adamw_step_
+from mcore.kernels.quantization import quantize_fp8, quantize_fp8_pair
 from mcore.kernels.rotary import apply_rotary, rope_cos_sin, rope_inv_freq
 from mcore.kernels.ssd import ssd_scan
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "LowPrecisionLinear",
+    "Recipe",
     "adamw_step_",
     "apply_rotary",
     "attention",
     "causal_conv1d",
     "cross_entropy",
+    "dequantize_mx",
+    "dequantize_nvfp4",
     "expert_bias_update",
     "gated_rms_norm",
     "geglu",
@@ -47,11 +55,16 @@ __all__ = [
     "load_balancing_loss",
     "permute",
     "plan_permutation",
+    "quantize_fp8",
+    "quantize_fp8_pair",
+    "quantize_mx",
+    "quantize_nvfp4",
     "rms_norm",
     "rope_cos_sin",
     "rope_inv_freq",
     "route",
     "ssd_scan",
+    "scaled_matmul",
     "swiglu",
     "tokens_per_expert",
     "unpermute",

@@ -155,8 +155,10 @@ class _LinearWithDeferrableWeightGrad(torch.autograd.Function):
 
 
 def _linear(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, store: WeightGradStore | None
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, store: WeightGradStore | None, low_precision=None
 ) -> torch.Tensor:
+    if low_precision is not None:  # an FP8/FP4 linear installed by mcore.parallel.low_precision
+        return low_precision(x, weight, bias)
     return _LinearWithDeferrableWeightGrad.apply(x, weight, bias, store)
 
 
@@ -184,6 +186,8 @@ class ColumnParallelLinear(nn.Module):
     each block is split separately, so rank ``r`` holds ``[gate_r; up_r]``. With ``gather_output`` the
     output is all-gathered and put back into the full layout (blocks in order).
     """
+
+    low_precision = None  # set by mcore.parallel.low_precision.enable_low_precision
 
     def __init__(
         self,
@@ -245,7 +249,7 @@ class ColumnParallelLinear(nn.Module):
             x = gather_from_sequence_parallel_region(x, self.tp_group)
         else:
             x = copy_to_tp_region(x, self.tp_group)
-        y = _linear(x, self.weight, self.bias, self.weight_grad_store)
+        y = _linear(x, self.weight, self.bias, self.weight_grad_store, self.low_precision)
         if not self.gather_output or self.tp_size == 1:
             return y
         y = gather_from_tp_region(y, self.tp_group)
@@ -270,6 +274,8 @@ class RowParallelLinear(nn.Module):
     over TP (reduce-scattered along dim 0 with sequence parallelism). The bias is replicated and added
     after the reduction; under sequence parallelism it sees a sequence shard, so it carries
     ``sequence_parallel=True`` and ``finalize_model_grads`` all-reduces its gradient over TP."""
+
+    low_precision = None  # set by mcore.parallel.low_precision.enable_low_precision
 
     def __init__(
         self,
@@ -325,7 +331,7 @@ class RowParallelLinear(nn.Module):
         else:
             _check_last_dim(x, self.in_features, "RowParallelLinear", "in_features, input_is_parallel=False")
             x = scatter_to_tp_region(x, self.tp_group)
-        y = _linear(x, self.weight, None, self.weight_grad_store)
+        y = _linear(x, self.weight, None, self.weight_grad_store, self.low_precision)
         if self.sequence_parallel:
             y = reduce_scatter_to_sequence_parallel_region(y, self.tp_group)
         else:

@@ -29,6 +29,7 @@ from mcore.models.families import PRESETS, get_config
 from mcore.train.config_checks import non_negative as _non_negative
 from mcore.train.config_checks import positive as _positive
 from mcore.train.errors import UserError
+from mcore.train.low_precision import BitNetSection, Fp4Section, Fp8Section, KernelsSection
 from mcore.train.lr import LRSchedule
 from mcore.train.output_config import CheckpointSection, LogSection
 from mcore.train.typed_config import RawText, from_dict, set_dotted, to_dict
@@ -228,7 +229,8 @@ class TrainSection:
 
     ``global_batch_size`` = ``micro_batch_size`` x micro-batches per step x data-parallel size; the number
     of micro-batches is derived. ``precision=auto`` is bf16 (with fp32 master weights) on CUDA and fp32 on
-    CPU. ``stop_at_step`` ends the run early (saving a checkpoint) without changing the LR schedule.
+    CPU; ``fp8``, ``fp4`` and ``quant=bitnet``: see ``low_precision.py``. ``stop_at_step`` ends the run early
+    (saving a checkpoint) without changing the LR schedule.
     ``skip_nonfinite`` makes the optimizer skip steps whose gradient norm is NaN/Inf, at the cost of one host
     synchronization per step; ``None`` (auto) turns it on on CPU and with fp16, off on CUDA with bf16/fp32,
     where a non-finite loss or gradient norm is then caught at the next log interval and stops the run.
@@ -241,7 +243,8 @@ class TrainSection:
     global_batch_size: int = 16
     micro_batch_size: int = 8
     seed: int = 1234
-    precision: Literal["auto", "fp32", "bf16", "fp16"] = "auto"
+    precision: Literal["auto", "fp32", "bf16", "fp16", "fp8", "fp4"] = "auto"
+    quant: Literal["none", "bitnet"] = "none"
     device: Literal["auto", "cpu", "cuda"] = "auto"
     eval_interval: int = 100
     eval_steps: int = 8
@@ -261,6 +264,8 @@ class TrainSection:
         for name in ("eval_interval", "eval_steps", "hang_timeout", "sample_tokens"):
             _non_negative("train", name, getattr(self, name))
         _positive("train", "initial_loss_scale", self.initial_loss_scale)
+        if self.quant != "none" and self.precision in ("fp8", "fp4"):
+            raise ValueError(f"train.quant={self.quant} cannot be combined with train.precision={self.precision}")
         if self.global_batch_size % self.micro_batch_size:
             raise ValueError(
                 f"train.global_batch_size ({self.global_batch_size}) must be a multiple of train.micro_batch_size "
@@ -287,6 +292,10 @@ class Config:
     train: TrainSection = field(default_factory=TrainSection)
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
     log: LogSection = field(default_factory=LogSection)
+    fp8: Fp8Section = field(default_factory=Fp8Section)
+    fp4: Fp4Section = field(default_factory=Fp4Section)
+    bitnet: BitNetSection = field(default_factory=BitNetSection)
+    kernels: KernelsSection = field(default_factory=KernelsSection)
 
     def __post_init__(self) -> None:
         try:

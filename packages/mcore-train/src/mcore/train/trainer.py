@@ -54,6 +54,7 @@ from mcore.parallel.sharded_optimizer import FullyShardedOptimizer
 from mcore.train.checkpoint.model_weights import load_model_weights
 from mcore.train.config import Config
 from mcore.train.errors import UserError
+from mcore.train.low_precision import apply_low_precision, base_precision
 from mcore.train.runtime import Runtime
 
 PRECISION_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -146,7 +147,7 @@ class Trainer:
         groups = runtime.groups
         self.groups = groups
         self.precision = resolve_precision(config, self.device)
-        self.params_dtype = PRECISION_DTYPES[self.precision]
+        self.params_dtype = PRECISION_DTYPES[base_precision(self.precision, self.device)]
         self.skip_nonfinite = resolve_skip_nonfinite(config, self.device, self.precision)
         pp, vpp = groups.pp_size, config.parallel.vpp
         self.num_stages = pp * vpp
@@ -163,6 +164,8 @@ class Trainer:
             params_dtype=torch.float32 if config.parallel.dp_shard and with_optimizer else self.params_dtype,
             device=self.device,
         )
+        for chunk in self.chunks:
+            apply_low_precision(config, chunk, groups.tp)
         self.activation_offload = None
         if config.train.activation_offload:
             from mcore.train.activation_offload import attach_activation_offload

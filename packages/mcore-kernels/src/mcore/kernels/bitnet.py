@@ -1,0 +1,86 @@
+"""BitNet b1.58 quantization-aware linears: ternary absmean weights and per-token int8 activations.
+
+As in "The Era of 1-bit LLMs" (Ma et al., 2024) and Hugging Face's online ``AutoBitLinear``:
+
+* weights: ``s = 1 / max(mean(|W|), 1e-5)`` over the whole tensor, ``W_q = clamp(round(W * s), -1, 1) / s``;
+* activations, per token (last dim): ``s = 127 / max(max(|x|), 1e-5)``, ``x_q = clamp(round(x * s), -128, 127) / s``;
+* ``y = x_q W_q^T``; the backward passes the gradient straight through both quantizers (STE):
+  ``dx = dy W_q``, ``dW = dy^T x_q``. The high-precision weight stays the trained parameter.
+
+Math in fp32 (``round`` is half to even, like torch's), the weight's absolute sum in fp64. Under tensor
+parallelism the weight's mean is over the full tensor (``sum_reduce`` adds ``[sum |W|, numel]`` over the
+ranks) and a token's absmax is over its full hidden vector when the input is sharded along it (``max_reduce``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+EPS = 1e-5
+Reduce = Callable[[torch.Tensor], None]
+
+
+def ternary_weight(weight: torch.Tensor, *, sum_reduce: Reduce | None = None) -> torch.Tensor:
+    """``W_q`` (fp32, values in ``{-1, 0, 1} / s``) of ``weight``; ``sum_reduce`` sums over the shards' ranks."""
+    w = weight.float()
+    # the sum in float64, so that summing per shard and then over the ranks gives the same fp32 mean as one
+    # sum over the whole tensor (ternary rounding turns the last bit of the scale into flipped weights)
+    total = w.abs().sum(dtype=torch.float64)
+    stats = torch.stack((total, torch.tensor(float(w.numel()), dtype=torch.float64, device=w.device)))
+    if sum_reduce is not None:
+        sum_reduce(stats)
+    mean = (stats[0] / stats[1]).float()
+    scale = torch.ones((), device=w.device).div(mean.clamp(min=EPS))
+    return (w * scale).round().clamp(-1, 1) / scale
+
+
+def int8_per_token(x: torch.Tensor, *, max_reduce: Reduce | None = None) -> torch.Tensor:
+    """``x_q`` (fp32) with one int8 scale per token (row of the last dim); ``max_reduce`` over the shards' ranks."""
+    xf = x.float()
+    amax = xf.abs().amax(dim=-1, keepdim=True)
+    if max_reduce is not None:
+        max_reduce(amax)
+    scale = torch.full_like(amax, 127.0).div(amax.clamp(min=EPS))
+    return (xf * scale).round().clamp(-128, 127) / scale
+
+
+class BitNetLinearFunction(torch.autograd.Function):
+    """``y = int8_per_token(x) @ ternary_weight(W)^T + b`` with straight-through gradients."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, sum_reduce, max_reduce):
+        x_q = int8_per_token(x, max_reduce=max_reduce)
+        w_q = ternary_weight(weight, sum_reduce=sum_reduce)
+        ctx.save_for_backward(x_q, w_q)
+        ctx.dtypes = (x.dtype, weight.dtype)
+        ctx.has_bias = bias is not None
+        y = (x_q @ w_q.t()).to(x.dtype)
+        return y if bias is None else y + bias
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x_q, w_q = ctx.saved_tensors
+        x_dtype, w_dtype = ctx.dtypes
+        g = grad_out.float()
+        grad_x = (g @ w_q).to(x_dtype) if ctx.needs_input_grad[0] else None
+        grad_w = None
+        if ctx.needs_input_grad[1]:
+            grad_w = (g.reshape(-1, g.shape[-1]).t() @ x_q.reshape(-1, x_q.shape[-1])).to(w_dtype)
+        grad_b = grad_out.reshape(-1, grad_out.shape[-1]).sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        return grad_x, grad_w, grad_b, None, None
+
+
+def bitnet_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    sum_reduce: Reduce | None = None,
+    max_reduce: Reduce | None = None,
+) -> torch.Tensor:
+    """BitNet b1.58 ``F.linear``: ternary weight, int8 per-token activations, straight-through gradients."""
+    if x.shape[-1] != weight.shape[-1]:
+        raise ValueError(f"bitnet_linear: input [..., {x.shape[-1]}] does not match weight {tuple(weight.shape)}")
+    return BitNetLinearFunction.apply(x, weight, bias, sum_reduce, max_reduce)

@@ -1,0 +1,314 @@
+"""Low-precision linear layers: ``y = x W^T + b`` with the three GEMMs in FP8 (or emulated MX/NV FP4).
+
+:class:`LowPrecisionLinear` holds a :class:`Recipe` and its state (the amax histories of delayed scaling) and
+is called like ``F.linear``. The weight is never modified: it is quantized on the fly each forward from the
+high-precision (fp32 master / bf16 model) copy, and its gradient comes back in the weight's dtype.
+
+Per GEMM, operands are quantized along the reduction dimension (see ``quantization.py``):
+
+========  ========================  ==============================  ===============================
+GEMM      A (row-major, along K)    B (row-major, along K)          fp8 formats
+========  ========================  ==============================  ===============================
+forward   x [M, K]                  W [N, K]                        e4m3, e4m3
+dgrad     grad [M, N]               W^T [K, N]                      ``grad_format``, e4m3
+wgrad     grad^T [N, M]             x^T [K, M]                      ``grad_format``, e4m3
+========  ========================  ==============================  ===============================
+
+Recipes: ``tensorwise`` (current scaling; x, W and grad quantized together with their transposes in one
+pass, the fp8 transposes saved for backward), ``delayed`` (tensor-wise, scale from the max of the last
+``amax_history_len`` amaxes), ``rowwise``, ``blockwise`` (A operands 1x128, B operands 128x128: DeepSeek-V3's
+tiles), the emulated ``mxfp8``, ``mxfp4``, ``nvfp4`` (quantize-dequantize, then a high-precision GEMM), and
+``bitnet`` (BitNet b1.58: ternary weights, int8 per-token activations, straight-through gradients; ``bitnet.py``).
+
+Tensor parallelism: a rank holding a shard of a logical tensor must scale it like the whole tensor, or the
+quantized values (and the training run) silently differ from a single process. ``sharded`` names the GEMM
+dimension the layer splits (``"n"``: column-parallel, ``"k"``: row-parallel); ``amax_reduce(t)`` reduces an amax
+in place over the ranks sharing the tensor (a MAX all-reduce over the TP group). Tensor-wise amaxes are reduced
+for every sharded operand, row-wise ones when the reduction dimension is the sharded one; block scales never
+span a shard boundary when the local dimensions are multiples of 128 (checked by :func:`recipe_shape_problem`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from mcore.kernels.bitnet import bitnet_linear
+from mcore.kernels.fp8_gemm import scaled_matmul, shape_rule_violation
+from mcore.kernels.microscaling import MX_BLOCK, NVFP4_BLOCK, fake_quantize
+from mcore.kernels.quantization import E4M3, Quantized, fp8_dtype, quantize_fp8, quantize_fp8_pair
+
+FP8_RECIPES = ("tensorwise", "delayed", "rowwise", "blockwise")
+FP4_RECIPES = ("mxfp4", "nvfp4")
+EMULATED_RECIPES = ("mxfp8",) + FP4_RECIPES
+RECIPES = FP8_RECIPES + EMULATED_RECIPES + ("bitnet",)
+# granularity of the A and B operands of each fp8 recipe
+_GRANULARITY = {
+    "tensorwise": ("tensor", "tensor"),
+    "delayed": ("tensor", "tensor"),
+    "rowwise": ("row", "row"),
+    "blockwise": ("1x128", "128x128"),
+}
+_EMULATED_BLOCK = {"mxfp8": MX_BLOCK, "mxfp4": MX_BLOCK, "nvfp4": NVFP4_BLOCK}
+AmaxReduce = Callable[[torch.Tensor], None]
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """How a linear's GEMMs are quantized.
+
+    ``grad_format``: fp8 format of the gradient operands (``e5m2``: more range, the "hybrid" format; ``e4m3``:
+    more precision). ``amax_history_len`` / ``amax_compute`` (``max`` or ``most_recent``): delayed scaling.
+    ``quantize_grads`` (emulated recipes): also quantize the gradient operands of dgrad and wgrad.
+    """
+
+    name: str = "tensorwise"
+    grad_format: str = "e5m2"
+    amax_history_len: int = 16
+    amax_compute: str = "max"
+    quantize_grads: bool = True
+
+    def __post_init__(self) -> None:
+        if self.name not in RECIPES:
+            raise ValueError(f"Recipe.name must be one of {RECIPES}, got {self.name!r}")
+        fp8_dtype(self.grad_format)  # raises naming the valid formats
+        if self.amax_history_len < 1:
+            raise ValueError(f"Recipe.amax_history_len must be >= 1, got {self.amax_history_len}")
+        if self.amax_compute not in ("max", "most_recent"):
+            raise ValueError(f"Recipe.amax_compute must be 'max' or 'most_recent', got {self.amax_compute!r}")
+
+    @property
+    def emulated(self) -> bool:
+        return self.name in EMULATED_RECIPES
+
+
+def recipe_shape_problem(recipe: Recipe, out_features: int, in_features: int) -> str | None:
+    """Why a linear with local weight ``[out_features, in_features]`` cannot run ``recipe``, or ``None``.
+
+    The rules are the fp8 GEMM kernels' (K and N multiples of 16, of 128 block-wise: the same rules keep block
+    scales inside tensor-parallel shards) and the block size of the emulated formats along K and N.
+    """
+    if recipe.name == "bitnet":
+        return None
+    if recipe.emulated:
+        block = _EMULATED_BLOCK[recipe.name]
+        for name, value in (("in_features (K)", in_features), ("out_features (N)", out_features)):
+            if value % block:
+                return f"{name}={value} must be a multiple of {block} for {recipe.name} blocks"
+        return None
+    return shape_rule_violation(_GRANULARITY[recipe.name][1], None, out_features, in_features)
+
+
+class AmaxHistory:
+    """Delayed scaling state of one operand: the last ``length`` amaxes, on the device (no host sync)."""
+
+    def __init__(self, length: int, compute: str) -> None:
+        self.length, self.compute = length, compute
+        self.history: torch.Tensor | None = None
+        self.count = 0
+
+    def scale_amax(self) -> torch.Tensor | None:
+        """The amax to scale with (max of the window, or the most recent), ``None`` before the first record."""
+        if self.count == 0:
+            return None
+        if self.compute == "max":
+            return self.history.max()
+        return self.history[(self.count - 1) % self.length].clone()
+
+    def record(self, amax: torch.Tensor) -> None:
+        if self.history is None or self.history.device != amax.device:
+            self.history = torch.zeros(self.length, dtype=torch.float32, device=amax.device)
+        self.history[self.count % self.length] = amax.reshape(())
+        self.count += 1
+
+
+class LowPrecisionLinear:
+    """Callable ``(x, weight, bias) -> y`` running ``F.linear``'s GEMMs at the precision of ``recipe``."""
+
+    def __init__(
+        self,
+        recipe: Recipe,
+        *,
+        sharded: str | None = None,
+        amax_reduce: AmaxReduce | None = None,
+        sum_reduce: AmaxReduce | None = None,
+        name: str = "",
+        backend: str | None = None,
+    ) -> None:
+        if sharded not in (None, "n", "k"):
+            raise ValueError(f"LowPrecisionLinear: sharded must be None, 'n' or 'k', got {sharded!r}")
+        self.recipe, self.sharded, self.amax_reduce, self.name, self.backend = (
+            recipe,
+            sharded,
+            amax_reduce,
+            name,
+            backend,
+        )
+        self.sum_reduce = sum_reduce  # BitNet's weight mean over the shards (a SUM all-reduce)
+        self.histories = {op: AmaxHistory(recipe.amax_history_len, recipe.amax_compute) for op in ("x", "w", "g")}
+
+    def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if x.shape[-1] != weight.shape[1]:
+            raise ValueError(
+                f"LowPrecisionLinear {self.name}: input [..., {x.shape[-1]}] does not match weight "
+                f"{tuple(weight.shape)}"
+            )
+        if self.recipe.name == "bitnet":
+            sharded = self.sharded is not None
+            return bitnet_linear(
+                x,
+                weight,
+                bias,
+                sum_reduce=self.sum_reduce if sharded else None,
+                max_reduce=self.amax_reduce if self.sharded == "k" else None,
+            )
+        fn = _EmulatedLinearFunction if self.recipe.emulated else _Fp8LinearFunction
+        return fn.apply(x, weight, bias, self)
+
+    def __repr__(self) -> str:
+        return f"LowPrecisionLinear({self.recipe.name}, sharded={self.sharded}, name={self.name!r})"
+
+    # ------------------------------------------------------------------------------------------ quantizing
+    def _reduce_fn(self, tensor: str, dim: str, granularity: str) -> AmaxReduce | None:
+        """The amax reduction an operand needs under tensor parallelism (see the module docstring)."""
+        if self.sharded is None or self.amax_reduce is None:
+            return None
+        holds_shard = {"x": self.sharded == "k", "w": True, "g": self.sharded == "n"}[tensor]
+        if granularity == "tensor" and holds_shard:
+            return self.amax_reduce
+        if granularity == "row" and dim == self.sharded:
+            return self.amax_reduce
+        return None
+
+    def quantize(self, t: torch.Tensor, tensor: str, dim: str, operand: int, *, transpose: bool = False) -> Quantized:
+        """``t`` (or ``t^T``) quantized as GEMM operand ``operand`` (0: A, 1: B) reducing over ``dim``."""
+        granularity = _GRANULARITY[self.recipe.name][operand]
+        dtype = fp8_dtype(self.recipe.grad_format) if tensor == "g" else E4M3
+        reduce = self._reduce_fn(tensor, dim, granularity)
+        return quantize_fp8(
+            t, dtype, granularity, transpose=transpose, amax_reduce=reduce, backend=self._cast_backend()
+        )
+
+    def quantize_pair(self, t: torch.Tensor, tensor: str, dim: str) -> tuple[Quantized, Quantized]:
+        """Tensor-wise ``t`` and ``t^T`` with one scale (one read of ``t``)."""
+        dtype = fp8_dtype(self.recipe.grad_format) if tensor == "g" else E4M3
+        reduce = self._reduce_fn(tensor, dim, "tensor")
+        if self.recipe.name != "delayed":
+            return quantize_fp8_pair(t, dtype, amax_reduce=reduce, backend=self._cast_backend())
+        # delayed scaling: scale by the history, record this tensor's amax measured in the same pass (one read;
+        # the first use has no history and measures first)
+        history = self.histories[tensor]
+        amax = history.scale_amax()
+        current = torch.zeros((), dtype=torch.float32, device=t.device)
+        pair = quantize_fp8_pair(
+            t,
+            dtype,
+            amax=amax,
+            amax_reduce=reduce if amax is None else None,
+            amax_out=current,
+            backend=self._cast_backend(),
+        )
+        if reduce is not None:
+            reduce(current)
+        history.record(current)
+        return pair
+
+    def _cast_backend(self) -> str | None:
+        return "reference" if self.backend == "reference" else None
+
+    def matmul(self, a: Quantized, b: Quantized, out_dtype: torch.dtype) -> torch.Tensor:
+        return scaled_matmul(a, b, out_dtype=out_dtype, backend="reference" if self.backend == "reference" else None)
+
+
+class _Fp8LinearFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, layer: LowPrecisionLinear):
+        x2 = x.reshape(-1, x.shape[-1])
+        tensorwise = _GRANULARITY[layer.recipe.name][0] == "tensor"
+        if tensorwise:
+            # x and W with their transposes from one read each; backward needs only the fp8 transposes
+            qx, qx_t = layer.quantize_pair(x2, "x", "k")
+            qw, qw_t = layer.quantize_pair(weight, "w", "k")
+            ctx.save_for_backward(qx_t.data, qx_t.scale, qw_t.data, qw_t.scale)
+        else:
+            qx = layer.quantize(x2, "x", "k", 0)
+            qw = layer.quantize(weight, "w", "k", 1)
+            ctx.save_for_backward(x2, weight)
+        ctx.layer, ctx.tensorwise, ctx.has_bias = layer, tensorwise, bias is not None
+        ctx.x_shape, ctx.weight_dtype = x.shape, weight.dtype
+        y = layer.matmul(qx, qw, x.dtype)
+        if bias is not None:
+            y = y + bias
+        return y.reshape(*x.shape[:-1], weight.shape[0])
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        layer: LowPrecisionLinear = ctx.layer
+        g2 = grad_out.reshape(-1, grad_out.shape[-1])
+        if ctx.tensorwise:
+            xt_data, xt_scale, wt_data, wt_scale = ctx.saved_tensors
+            qx_t, qw_t = Quantized(xt_data, xt_scale, "tensor"), Quantized(wt_data, wt_scale, "tensor")
+            qg, qg_t = layer.quantize_pair(g2, "g", "n")
+        else:
+            x2, weight = ctx.saved_tensors
+            qg = layer.quantize(g2, "g", "n", 0)
+            qw_t = layer.quantize(weight, "w", "n", 1, transpose=True)
+            qg_t = layer.quantize(g2, "g", "m", 0, transpose=True)
+            qx_t = layer.quantize(x2, "x", "m", 1, transpose=True)
+        grad_x = grad_w = grad_b = None
+        if ctx.needs_input_grad[0]:
+            grad_x = layer.matmul(qg, qw_t, grad_out.dtype).reshape(ctx.x_shape)
+        if ctx.needs_input_grad[1]:
+            grad_w = layer.matmul(qg_t, qx_t, torch.float32).to(ctx.weight_dtype)
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            grad_b = g2.sum(0)
+        return grad_x, grad_w, grad_b, None
+
+
+def _fake(layer: LowPrecisionLinear, fmt: str, t: torch.Tensor, tensor: str, dim: str, along_rows: bool):
+    """``t`` fake-quantized in blocks along its last dim (``along_rows``) or its first dim; NVFP4's per-tensor
+    amax is reduced over the ranks sharing ``tensor`` like a tensor-wise fp8 amax."""
+    src = t if along_rows else t.t().contiguous()
+    global_amax = None
+    if fmt == "nvfp4":
+        reduce = layer._reduce_fn(tensor, dim, "tensor")
+        if reduce is not None:
+            global_amax = src.abs().amax().to(torch.float32)
+            reduce(global_amax)
+    out = fake_quantize(src, fmt, global_amax)
+    return out if along_rows else out.t()
+
+
+class _EmulatedLinearFunction(torch.autograd.Function):
+    """MXFP8 / MXFP4 / NVFP4 emulation: each operand fake-quantized along its GEMM's reduction dim, GEMMs in the
+    input's dtype."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, layer: LowPrecisionLinear):
+        fmt = layer.recipe.name
+        x2 = x.reshape(-1, x.shape[-1])
+        ctx.save_for_backward(x2, weight)
+        ctx.layer, ctx.fmt, ctx.has_bias, ctx.x_shape = layer, fmt, bias is not None, x.shape
+        y = _fake(layer, fmt, x2, "x", "k", True) @ _fake(layer, fmt, weight, "w", "k", True).to(x.dtype).t()
+        if bias is not None:
+            y = y + bias
+        return y.reshape(*x.shape[:-1], weight.shape[0])
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x2, weight = ctx.saved_tensors
+        layer, fmt = ctx.layer, ctx.fmt
+        quantize_grads = layer.recipe.quantize_grads
+        g2 = grad_out.reshape(-1, grad_out.shape[-1])
+        grad_x = grad_w = grad_b = None
+        if ctx.needs_input_grad[0]:
+            g = _fake(layer, fmt, g2, "g", "n", True) if quantize_grads else g2
+            grad_x = (g @ _fake(layer, fmt, weight, "w", "n", False).to(g2.dtype)).reshape(ctx.x_shape)
+        if ctx.needs_input_grad[1]:
+            g_t = _fake(layer, fmt, g2, "g", "m", False).t() if quantize_grads else g2.t()
+            grad_w = (g_t.float() @ _fake(layer, fmt, x2, "x", "m", False).float()).to(weight.dtype)
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            grad_b = g2.sum(0)
+        return grad_x, grad_w, grad_b, None

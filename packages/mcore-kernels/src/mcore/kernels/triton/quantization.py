@@ -1,0 +1,232 @@
+"""Triton fp8 cast kernels, each reading its input once and writing fp8 in the layout the next GEMM wants.
+
+* ``_cast_kernel``: scaled cast with a given multiplier (one value, or one per output row), writing ``q``,
+  ``q^T`` or both from the same tile (tensor-wise and row-wise scaling, where the amax is known beforehand).
+* ``_block_quant_kernel``: amax, scale and cast of ``1x128`` or ``128x128`` groups in one pass, reading the
+  source transposed when the GEMM needs ``x^T`` (the tile is loaded along x's contiguous dimension and
+  transposed in registers, so the global reads stay coalesced).
+
+Math is fp32; the scale is ``div_rn(fmax, amax)`` (correctly rounded, like torch's division) so that the
+kernels and the torch references give the same bits.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+# The formats' constants (quantization.py has the same; importing it from here would make an import cycle).
+BLOCK = 128
+FP8_MAX = {dtype: float(torch.finfo(dtype).max) for dtype in (torch.float8_e4m3fn, torch.float8_e5m2)}
+
+_CAST_TILE = 64
+_BLOCK_ROWS_1X128 = 16
+# (mantissa bits, exponent of the smallest normal) of each format, for the explicit rounding below.
+_FORMAT_BITS = {torch.float8_e4m3fn: (3, -6), torch.float8_e5m2: (2, -14)}
+# 1.5 * 2^23: adding it to an fp32 value of magnitude < 2^22 rounds that value to an integer (nearest even).
+_RNE_MAGIC = tl.constexpr(12582912.0)
+
+
+@triton.jit
+def _round_to_fp8(v, FMAX: tl.constexpr, MBITS: tl.constexpr, MIN_EXP: tl.constexpr):
+    """``v`` rounded to the fp8 grid (nearest, ties to even) and saturated to ``+-FMAX``, still in fp32.
+
+    Rounding explicitly makes the final cast exact, so the result does not depend on the rounding the
+    cast instruction (or the interpreter, which rounds ties away from zero) applies.
+    """
+    bits = v.to(tl.int32, bitcast=True)
+    exponent = tl.maximum(((bits >> 23) & 0xFF) - 127, MIN_EXP)
+    ulp = ((exponent - MBITS + 127) << 23).to(tl.float32, bitcast=True)
+    inv_ulp = ((MBITS - exponent + 127) << 23).to(tl.float32, bitcast=True)  # exact, unlike GPU division
+    steps = (v * inv_ulp + _RNE_MAGIC) - _RNE_MAGIC
+    saturated = tl.minimum(tl.maximum(steps * ulp, -FMAX), FMAX)
+    return tl.where(v != v, v, saturated)  # NaN stays NaN (min/max would turn it into a bound)
+
+
+@triton.jit
+def _cast_kernel(
+    X,
+    MULT,
+    Y,
+    YT,
+    AMAX_OUT,
+    n_rows,
+    n_cols,
+    stride_xr,
+    stride_xc,
+    FMAX: tl.constexpr,
+    MBITS: tl.constexpr,
+    MIN_EXP: tl.constexpr,
+    MULT_PER: tl.constexpr,  # 0: one multiplier, 1: one per x row, 2: one per x column
+    WRITE_Y: tl.constexpr,
+    WRITE_YT: tl.constexpr,
+    RECORD_AMAX: tl.constexpr,  # also max |x| of the tile into AMAX_OUT (delayed scaling: one read)
+    BLOCK_R: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+):
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    rmask = rows < n_rows
+    cmask = cols < n_cols
+    mask = rmask[:, None] & cmask[None, :]
+    r64 = rows.to(tl.int64)
+    c64 = cols.to(tl.int64)
+    x = tl.load(X + r64[:, None] * stride_xr + c64[None, :] * stride_xc, mask=mask, other=0.0).to(tl.float32)
+    if RECORD_AMAX:
+        tl.atomic_max(AMAX_OUT, tl.max(tl.max(tl.abs(x), axis=1), axis=0))
+    if MULT_PER == 0:
+        m = tl.load(MULT)
+        v = x * m
+    elif MULT_PER == 1:
+        m = tl.load(MULT + rows, mask=rmask, other=1.0)
+        v = x * m[:, None]
+    else:
+        m = tl.load(MULT + cols, mask=cmask, other=1.0)
+        v = x * m[None, :]
+    v = _round_to_fp8(v, FMAX, MBITS, MIN_EXP)
+    if WRITE_Y:
+        tl.store(Y + r64[:, None] * n_cols + c64[None, :], v.to(Y.dtype.element_ty), mask=mask)
+    if WRITE_YT:
+        tl.store(YT + c64[None, :] * n_rows + r64[:, None], v.to(YT.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _block_quant_kernel(
+    X,
+    Y,
+    SCALE,
+    n_rows,
+    n_cols,
+    stride_x0,
+    stride_x1,
+    n_scale_cols,
+    FMAX: tl.constexpr,
+    MBITS: tl.constexpr,
+    MIN_EXP: tl.constexpr,
+    TRANSPOSED: tl.constexpr,  # output (r, c) reads x[c, r]
+    SQUARE: tl.constexpr,  # one scale per BLOCK_R x BLOCK_C tile (128x128) instead of one per row (1x128)
+    BLOCK_R: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+):
+    pid_r = tl.program_id(0)
+    pid_c = tl.program_id(1)
+    rows = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
+    cols = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
+    rmask = rows < n_rows
+    mask = rmask[:, None] & (cols < n_cols)[None, :]
+    r64 = rows.to(tl.int64)
+    c64 = cols.to(tl.int64)
+    if TRANSPOSED:
+        mask_t = (cols < n_cols)[:, None] & rmask[None, :]
+        xt = tl.load(X + c64[:, None] * stride_x0 + r64[None, :] * stride_x1, mask=mask_t, other=0.0)
+        x = tl.trans(xt).to(tl.float32)
+    else:
+        x = tl.load(X + r64[:, None] * stride_x0 + c64[None, :] * stride_x1, mask=mask, other=0.0).to(tl.float32)
+    a = tl.abs(x)
+    if SQUARE:
+        amax = tl.max(tl.max(a, axis=1), axis=0)
+    else:
+        amax = tl.max(a, axis=1)
+    ok = (amax > 0.0) & (amax < float("inf"))
+    zero = amax * 0.0  # a scalar (128x128) or a vector (1x128), like amax
+    mult = tl.where(ok, tl.math.div_rn(zero + FMAX, tl.where(ok, amax, 1.0)), 1.0)
+    scale = tl.math.div_rn(zero + 1.0, mult)
+    if SQUARE:
+        v = x * mult
+        tl.store(SCALE + pid_r * n_scale_cols + pid_c, scale)
+    else:
+        v = x * mult[:, None]
+        tl.store(SCALE + r64 * n_scale_cols + pid_c, scale, mask=rmask)
+    v = _round_to_fp8(v, FMAX, MBITS, MIN_EXP)
+    tl.store(Y + r64[:, None] * n_cols + c64[None, :], v.to(Y.dtype.element_ty), mask=mask)
+
+
+def _launch_cast(x, multiplier, y, yt, mult_per: int, dtype: torch.dtype, amax_out=None) -> None:
+    rows, cols = x.shape
+    if rows == 0 or cols == 0:
+        return
+    grid = (triton.cdiv(rows, _CAST_TILE), triton.cdiv(cols, _CAST_TILE))
+    _cast_kernel[grid](
+        x,
+        multiplier.reshape(-1).contiguous(),
+        y if y is not None else yt,
+        yt if yt is not None else y,
+        amax_out if amax_out is not None else multiplier,
+        rows,
+        cols,
+        x.stride(0),
+        x.stride(1),
+        FMAX=FP8_MAX[dtype],
+        MBITS=_FORMAT_BITS[dtype][0],
+        MIN_EXP=_FORMAT_BITS[dtype][1],
+        MULT_PER=mult_per,
+        WRITE_Y=y is not None,
+        WRITE_YT=yt is not None,
+        RECORD_AMAX=amax_out is not None,
+        BLOCK_R=_CAST_TILE,
+        BLOCK_C=_CAST_TILE,
+        num_warps=4,
+    )
+
+
+def cast_scaled(x: torch.Tensor, multiplier: torch.Tensor, dtype: torch.dtype, *, transpose: bool) -> torch.Tensor:
+    """``cast(clamp(src * multiplier))`` of ``src = x`` or ``x^T``; ``multiplier`` is ``[]`` or one per src row."""
+    per_row = multiplier.dim() == 2  # [rows, 1] for row-wise scaling, [] for tensor-wise
+    mult_per = 0 if not per_row else (2 if transpose else 1)
+    rows, cols = x.shape
+    out = torch.empty((cols, rows) if transpose else (rows, cols), dtype=dtype, device=x.device)
+    if transpose:
+        _launch_cast(x, multiplier.to(torch.float32), None, out, mult_per, dtype)
+    else:
+        _launch_cast(x, multiplier.to(torch.float32), out, None, mult_per, dtype)
+    return out
+
+
+def cast_scaled_pair(
+    x: torch.Tensor, multiplier: torch.Tensor, dtype: torch.dtype, amax_out: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``q`` and ``q^T`` (both contiguous) with one multiplier, from one read of ``x``; with ``amax_out`` (fp32,
+    one element) also ``max |x|`` written there in the same pass."""
+    rows, cols = x.shape
+    out = torch.empty((rows, cols), dtype=dtype, device=x.device)
+    out_t = torch.empty((cols, rows), dtype=dtype, device=x.device)
+    if amax_out is not None:
+        amax_out.zero_()
+    _launch_cast(x, multiplier.to(torch.float32), out, out_t, 0, dtype, amax_out)
+    return out, out_t
+
+
+def quantize_blocks(
+    x: torch.Tensor, dtype: torch.dtype, granularity: str, *, transpose: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(data, scale)`` of ``x`` or ``x^T`` in ``1x128`` or ``128x128`` groups (see ``quantization.py``)."""
+    rows, cols = (x.shape[1], x.shape[0]) if transpose else x.shape
+    square = granularity == "128x128"
+    block_r = BLOCK if square else _BLOCK_ROWS_1X128
+    scale_rows = triton.cdiv(rows, BLOCK) if square else rows
+    scale_cols = triton.cdiv(cols, BLOCK)
+    data = torch.empty((rows, cols), dtype=dtype, device=x.device)
+    scale = torch.empty((scale_rows, scale_cols), dtype=torch.float32, device=x.device)
+    if rows == 0 or cols == 0:
+        return data, scale
+    grid = (triton.cdiv(rows, block_r), scale_cols)
+    _block_quant_kernel[grid](
+        x,
+        data,
+        scale,
+        rows,
+        cols,
+        x.stride(0),
+        x.stride(1),
+        scale_cols,
+        FMAX=FP8_MAX[dtype],
+        MBITS=_FORMAT_BITS[dtype][0],
+        MIN_EXP=_FORMAT_BITS[dtype][1],
+        TRANSPOSED=transpose,
+        SQUARE=square,
+        BLOCK_R=block_r,
+        BLOCK_C=BLOCK,
+        num_warps=8 if square else 4,
+    )
+    return data, scale

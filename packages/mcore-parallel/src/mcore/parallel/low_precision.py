@@ -1,0 +1,135 @@
+"""Turn the tensor-parallel linears of a model into FP8 / FP4 linears, with the amax reductions TP needs.
+
+``enable_low_precision(model, recipe, tp_group=...)`` gives every ``ColumnParallelLinear`` and
+``RowParallelLinear`` under ``model`` a :class:`mcore.kernels.low_precision_linear.LowPrecisionLinear`, except
+
+* the ones whose module name matches a ``keep`` pattern (``fnmatch``: ``"output"``, ``"layers.0.*"``),
+* the ones with a local in- or out-dimension below ``min_features`` (small GEMMs gain nothing from FP8),
+* the ones whose local shape breaks the recipe's rule (K not a multiple of the block, ...): with
+  ``on_mismatch="error"`` this raises one ``ValueError`` naming the layer and the rule; with ``"fallback"`` the
+  layer stays in high precision and the log says why.
+
+The weights are untouched (fp32 masters stay with the optimizer; checkpoints stay in high precision). The
+amax reduction is a MAX all-reduce over ``tp_group`` (BitNet's weight mean a SUM): a column-parallel layer shards
+N, a row-parallel layer K.
+``disable_low_precision`` undoes it.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch.distributed as dist
+from torch import nn
+
+from mcore.kernels.low_precision_linear import LowPrecisionLinear, Recipe, recipe_shape_problem
+from mcore.parallel.comm import group_size
+from mcore.parallel.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+
+__all__ = ["LayerDecision", "Recipe", "disable_low_precision", "enable_low_precision", "tp_reduce"]
+
+logger = logging.getLogger("mcore.parallel")
+MISMATCH_POLICIES = ("error", "fallback")
+BACKENDS = ("mcore", "te")
+
+
+@dataclass(frozen=True)
+class LayerDecision:
+    """What ``enable_low_precision`` did with one linear: ``recipe`` name, or ``None`` and the ``reason``."""
+
+    name: str
+    recipe: str | None
+    reason: str = ""
+
+
+def tp_reduce(tp_group: dist.ProcessGroup | None, op: dist.ReduceOp = dist.ReduceOp.MAX):
+    """In-place all-reduce ``op`` over ``tp_group`` (``None`` when the group has one rank: nothing to reduce)."""
+    if group_size(tp_group) == 1:
+        return None
+
+    def reduce(t):
+        dist.all_reduce(t, op=op, group=tp_group)
+
+    return reduce
+
+
+def _local_shape(module: nn.Module) -> tuple[int, int]:
+    out_features, in_features = module.weight.shape
+    return out_features, in_features
+
+
+def enable_low_precision(
+    model: nn.Module,
+    recipe: Recipe | None,
+    *,
+    backend: str = "mcore",
+    tp_group: dist.ProcessGroup | None = None,
+    keep: Sequence[str] = ("output",),
+    min_features: int = 0,
+    on_mismatch: str = "error",
+    prefix: str = "",
+) -> list[LayerDecision]:
+    """Install ``recipe`` on the TP linears of ``model``; returns one decision per linear (also logged).
+
+    ``backend="te"`` runs them through Transformer Engine instead (``mcore.kernels.te_backend``; ``recipe=None``:
+    TE's high-precision GEMMs), which reduces amaxes over ``tp_group`` itself.
+    """
+    if on_mismatch not in MISMATCH_POLICIES:
+        raise ValueError(f"enable_low_precision: on_mismatch must be one of {MISMATCH_POLICIES}, got {on_mismatch!r}")
+    if backend not in BACKENDS:
+        raise ValueError(f"enable_low_precision: backend must be one of {BACKENDS}, got {backend!r}")
+    if recipe is None and backend != "te":
+        raise ValueError("enable_low_precision: recipe=None (high precision) is only meaningful with backend='te'")
+    reduce, sum_reduce = tp_reduce(tp_group), tp_reduce(tp_group, dist.ReduceOp.SUM)
+    decisions = []
+    for name, module in model.named_modules(prefix=prefix):
+        if not isinstance(module, ColumnParallelLinear | RowParallelLinear):
+            continue
+        out_features, in_features = _local_shape(module)
+        reason = ""
+        if any(fnmatch.fnmatchcase(name, pattern) for pattern in keep):
+            reason = f"matches a keep pattern of {list(keep)}"
+        elif min(out_features, in_features) < min_features:
+            reason = f"local weight [{out_features}, {in_features}] has a dimension below min_features={min_features}"
+        elif recipe is not None:
+            problem = recipe_shape_problem(recipe, out_features, in_features)
+            if problem is not None:
+                message = f"layer {name!r} (local weight [{out_features}, {in_features}]): {problem}"
+                if on_mismatch == "error":
+                    raise ValueError(
+                        f"{message}; keep the layer in high precision with a keep pattern or set the mismatch "
+                        "policy to 'fallback'"
+                    )
+                reason = f"{problem} (fallback)"
+        if reason:
+            module.low_precision = None
+            decisions.append(LayerDecision(name, None, reason))
+            logger.info("low precision: %s stays in high precision: %s", name, reason)
+            continue
+        if backend == "te":
+            from mcore.kernels.te_backend import TELinear
+
+            module.low_precision = TELinear(recipe, amax_group=tp_group, name=name)
+            decisions.append(LayerDecision(name, f"te:{recipe.name if recipe else 'high precision'}"))
+            continue
+        # the GEMM dimension this layer splits: N for column-parallel, K for row-parallel
+        sharded = "n" if isinstance(module, ColumnParallelLinear) else "k"
+        sharded = None if group_size(module.tp_group) == 1 else sharded
+        module.low_precision = LowPrecisionLinear(
+            recipe, sharded=sharded, amax_reduce=reduce, sum_reduce=sum_reduce, name=name
+        )
+        decisions.append(LayerDecision(name, recipe.name))
+    converted = sum(d.recipe is not None for d in decisions)
+    what = f"{backend}:{recipe.name if recipe else 'high precision'}"
+    logger.info("low precision: %d of %d linears use %s", converted, len(decisions), what)
+    return decisions
+
+
+def disable_low_precision(model: nn.Module) -> None:
+    """Put every TP linear under ``model`` back to the high-precision ``F.linear`` path."""
+    for module in model.modules():
+        if isinstance(module, ColumnParallelLinear | RowParallelLinear):
+            module.low_precision = None

@@ -1,0 +1,129 @@
+"""``train.precision: fp8 | fp4``: the config sections and how the trainer applies them to its model chunks.
+
+With ``fp8`` or ``fp4`` the parameters keep the high precision of the device (bf16 on CUDA with fp32 master
+weights, fp32 on CPU) and every tensor-parallel linear not kept by a pattern runs its three GEMMs through
+:class:`mcore.kernels.low_precision_linear.LowPrecisionLinear`. Checkpoints hold the high-precision weights
+only, so a checkpoint trained in FP8 loads at any precision and vice versa.
+
+``keep`` patterns (``fnmatch`` on module names such as ``layers.3.mlp.down``) may use ``{first}`` and
+``{last}`` for the first and last decoder layer: ``["layers.{first}.*", "layers.{last}.*"]`` keeps both in
+high precision. The output layer (``output``; a tied output layer shares the embedding and is never
+quantized) is kept by default. ``train.quant: bitnet`` (with the ``bitnet`` section's patterns) makes the same
+linears BitNet b1.58 linears instead, at any ``train.precision`` but fp8/fp4.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+
+from mcore.parallel.low_precision import LayerDecision, Recipe, enable_low_precision
+from mcore.train.errors import UserError
+
+LOW_PRECISIONS = ("fp8", "fp4")
+
+
+@dataclass
+class _LowPrecisionSection:
+    keep: list[str] = field(default_factory=lambda: ["output"])
+    min_features: int = 0
+    on_mismatch: Literal["error", "fallback"] = "error"
+
+    def __post_init__(self) -> None:
+        if self.min_features < 0:
+            raise ValueError(f"min_features must be >= 0, got {self.min_features}")
+
+
+@dataclass
+class Fp8Section(_LowPrecisionSection):
+    """FP8 training (``train.precision: fp8``).
+
+    ``recipe``: ``tensorwise`` (current scaling), ``delayed`` (tensor-wise from an amax history of
+    ``amax_history_len`` steps, ``amax_compute`` max or most_recent), ``rowwise``, ``blockwise`` (1x128
+    activations and gradients, 128x128 weights) or ``mxfp8`` (emulated). ``grad_format``: e4m3 or e5m2 for
+    the gradient operands (default e5m2 for tensor-wise recipes, e4m3 for row- and block-wise ones).
+    ``keep`` / ``min_features`` / ``on_mismatch``: which linears stay in high precision, and what a linear
+    whose shape does not fit the recipe does (``error`` or ``fallback`` to high precision, logged).
+    """
+
+    recipe: Literal["tensorwise", "delayed", "rowwise", "blockwise", "mxfp8"] = "tensorwise"
+    grad_format: Literal["e4m3", "e5m2"] | None = None
+    amax_history_len: int = 16
+    amax_compute: Literal["max", "most_recent"] = "max"
+
+    def to_recipe(self) -> Recipe:
+        grad = self.grad_format or ("e5m2" if self.recipe in ("tensorwise", "delayed") else "e4m3")
+        history, compute = self.amax_history_len, self.amax_compute
+        return Recipe(self.recipe, grad_format=grad, amax_history_len=history, amax_compute=compute)
+
+
+@dataclass
+class Fp4Section(_LowPrecisionSection):
+    """Emulated FP4 training (``train.precision: fp4``): ``recipe`` mxfp4 (E8M0 scales per 32) or nvfp4 (E4M3
+    scales per 16 under a per-tensor fp32 scale); ``quantize_grads``: also quantize the gradient operands."""
+
+    recipe: Literal["mxfp4", "nvfp4"] = "nvfp4"
+    quantize_grads: bool = True
+
+    def to_recipe(self) -> Recipe:
+        return Recipe(self.recipe, quantize_grads=self.quantize_grads)
+
+
+@dataclass
+class BitNetSection(_LowPrecisionSection):
+    """BitNet b1.58 quantization-aware training (``train.quant: bitnet``): every TP linear not kept runs with
+    ternary absmean weights and int8 per-token activations (straight-through gradients)."""
+
+    def to_recipe(self) -> Recipe:
+        return Recipe("bitnet")
+
+
+@dataclass
+class KernelsSection:
+    """``backend``: ``auto`` (mcore's kernels: Triton on CUDA, torch references elsewhere) or ``te`` (the linears
+    through NVIDIA Transformer Engine, with the fp8 recipe when ``train.precision: fp8``; it must import)."""
+
+    backend: Literal["auto", "te"] = "auto"
+
+
+def base_precision(precision: str, device: torch.device) -> str:
+    """The parameter precision behind ``precision``: fp8/fp4 keep bf16 parameters on CUDA and fp32 on CPU."""
+    if precision in LOW_PRECISIONS:
+        return "bf16" if device.type == "cuda" else "fp32"
+    return precision
+
+
+def expand_patterns(patterns: list[str], num_layers: int) -> list[str]:
+    return [p.replace("{first}", "0").replace("{last}", str(num_layers - 1)) for p in patterns]
+
+
+def apply_low_precision(config, chunk: torch.nn.Module, tp_group) -> list[LayerDecision]:
+    """Install the configured recipe on ``chunk``'s TP linears (nothing unless precision is fp8 or fp4)."""
+    precision = config.train.precision
+    backend = "te" if config.kernels.backend == "te" else "mcore"
+    if config.train.quant == "bitnet":
+        precision, section = "bitnet", config.bitnet
+    elif precision in LOW_PRECISIONS:
+        section = config.fp8 if precision == "fp8" else config.fp4
+    elif backend == "te":
+        try:
+            return enable_low_precision(chunk, None, backend="te", tp_group=tp_group, keep=("output",))
+        except RuntimeError as exc:
+            raise UserError(str(exc)) from None
+    else:
+        return []
+    try:
+        return enable_low_precision(
+            chunk,
+            section.to_recipe(),
+            backend=backend,
+            tp_group=tp_group,
+            keep=expand_patterns(section.keep, config.model.num_hidden_layers),
+            min_features=section.min_features,
+            on_mismatch=section.on_mismatch,
+        )
+    except (ValueError, RuntimeError) as exc:
+        recipe = getattr(section, "recipe", "bitnet")
+        raise UserError(f"{precision}.recipe={recipe}: {exc}") from None

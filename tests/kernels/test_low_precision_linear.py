@@ -1,0 +1,192 @@
+"""FP8 GEMMs against float64 products of the dequantized operands; low-precision linears through autograd."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mcore.kernels.fp8_gemm import scaled_matmul
+from mcore.kernels.low_precision_linear import (
+    EMULATED_RECIPES,
+    FP8_RECIPES,
+    RECIPES,
+    AmaxHistory,
+    LowPrecisionLinear,
+    Recipe,
+    recipe_shape_problem,
+)
+from mcore.kernels.quantization import E4M3, E5M2, quantize_fp8, quantize_fp8_pair
+
+PAIRS = [("tensor", "tensor"), ("row", "row"), ("1x128", "128x128")]
+# relative error (Frobenius) of y, dx, dW against float64 F.linear: fp8 e4m3 ~ 2^-4 per element, averaged down
+TOLERANCE = {"tensorwise": 0.08, "delayed": 0.08, "rowwise": 0.08, "blockwise": 0.08, "mxfp8": 0.08}
+TOLERANCE.update(mxfp4=0.3, nvfp4=0.25)
+
+
+def _operands(m, n, k, gen, device="cpu"):
+    a = torch.randn(m, k, generator=gen).to(device) * torch.logspace(-1, 1, k, device=device)
+    b = torch.randn(n, k, generator=gen).to(device)
+    return a, b
+
+
+@pytest.mark.parametrize("pair", PAIRS)
+def test_reference_gemm_is_the_float64_product_of_the_dequantized_operands(pair):
+    gen = torch.Generator().manual_seed(0)
+    a, b = _operands(40, 136, 256, gen)
+    qa = quantize_fp8(a, E4M3, pair[0])
+    qb = quantize_fp8(b, E5M2, pair[1])
+    out = scaled_matmul(qa, qb, out_dtype=torch.float32)
+    expected = qa.dequantize(torch.float64) @ qb.dequantize(torch.float64).t()
+    torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-6 * expected.abs().max().item())
+    # and the quantization error of the whole product is what fp8 allows
+    assert (out.double() - a.double() @ b.double().t()).norm() / (a.double() @ b.double().t()).norm() < 0.1
+
+
+def test_gemm_rejects_mismatched_operands():
+    a = quantize_fp8(torch.randn(4, 32))
+    with pytest.raises(ValueError, match="must share K"):
+        scaled_matmul(a, quantize_fp8(torch.randn(4, 16)))
+    with pytest.raises(ValueError, match="unsupported scale pair"):
+        scaled_matmul(a, quantize_fp8(torch.randn(4, 32), granularity="row"))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("pair", PAIRS)
+def test_cuda_scaled_mm_equals_the_reference(pair):
+    gen = torch.Generator().manual_seed(0)
+    a, b = _operands(256, 384, 512, gen, "cuda")
+    qa, qb = quantize_fp8(a, E4M3, pair[0]), quantize_fp8(b, E4M3, pair[1])
+    fast = scaled_matmul(qa, qb, out_dtype=torch.bfloat16)
+    ref = scaled_matmul(qa, qb, out_dtype=torch.float32, backend="reference")
+    torch.testing.assert_close(fast.float(), ref, rtol=1.6e-2, atol=1.6e-2 * ref.abs().max().item())
+
+
+def _float64_linear(x, w, b, g):
+    x64, w64 = x.detach().double().requires_grad_(), w.detach().double().requires_grad_()
+    y = torch.nn.functional.linear(x64, w64, None if b is None else b.detach().double())
+    y.backward(g.double())
+    return y.detach(), x64.grad, w64.grad
+
+
+@pytest.mark.parametrize("name", FP8_RECIPES + EMULATED_RECIPES)  # bitnet: test_bitnet.py
+def test_linear_through_autograd_tracks_float64(name):
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(2, 64, 256, generator=gen).requires_grad_()
+    w = (torch.randn(384, 256, generator=gen) * 0.05).requires_grad_()
+    b = torch.randn(384, generator=gen).requires_grad_()
+    g = torch.randn(2, 64, 384, generator=gen)
+    w_before = w.detach().clone()
+    layer = LowPrecisionLinear(Recipe(name))
+    y = layer(x, w, b)
+    y.backward(g)
+    y64, dx64, dw64 = _float64_linear(x, w, b, g)
+    for got, want in ((y, y64), (x.grad, dx64), (w.grad, dw64)):
+        rel = (got.detach().double() - want).norm() / want.norm()
+        assert rel < TOLERANCE[name], (name, rel.item())
+    assert w.grad.dtype == w.dtype and torch.equal(w.detach(), w_before)
+    torch.testing.assert_close(b.grad, g.sum((0, 1)))
+
+
+def test_linear_is_not_the_high_precision_linear():
+    """The recipe really quantizes: the result differs from fp32 by more than rounding noise."""
+    gen = torch.Generator().manual_seed(2)
+    x, w = torch.randn(32, 128, generator=gen), torch.randn(64, 128, generator=gen)
+    exact = x @ w.t()
+    for name in RECIPES:
+        assert (LowPrecisionLinear(Recipe(name))(x, w) - exact).abs().max() > 1e-3, name
+
+
+def test_tensorwise_keeps_only_fp8_tensors_for_backward():
+    x = torch.randn(16, 32, requires_grad=True)
+    w = torch.randn(48, 32, requires_grad=True)
+    y = LowPrecisionLinear(Recipe("tensorwise"))(x, w)
+    saved = [t for t in y.grad_fn.saved_tensors if t.dim() == 2]
+    assert {t.dtype for t in saved} == {E4M3}
+
+
+def test_delayed_history_uses_the_window_max():
+    h = AmaxHistory(length=2, compute="max")
+    assert h.scale_amax() is None  # nothing recorded yet: the caller measures the current amax
+    for recorded, expected in ((3.0, 3.0), (1.0, 3.0), (2.0, 2.0), (0.5, 2.0)):
+        h.record(torch.tensor(recorded))
+        assert h.scale_amax().item() == expected  # the window of the last two: [3], [3, 1], [1, 2], [2, 0.5]
+    recent = AmaxHistory(length=4, compute="most_recent")
+    recent.record(torch.tensor(5.0))
+    recent.record(torch.tensor(1.0))
+    assert recent.scale_amax().item() == 1.0
+
+
+def test_pair_reports_the_amax_of_the_input(interpreter):
+    x = torch.randn(40, 72) * 3
+    for backend in ("reference", "triton"):
+        for amax in (None, torch.tensor(2.0)):
+            out = torch.full((), -1.0)
+            quantize_fp8_pair(x, E4M3, amax=amax, amax_out=out, backend=backend)
+            assert out.item() == x.abs().max().item(), (backend, amax)
+
+
+def test_delayed_scaling_lags_by_one_call():
+    layer = LowPrecisionLinear(Recipe("delayed", amax_history_len=1))
+    w = torch.randn(16, 32)
+    layer(torch.randn(4, 32), w)
+    big = torch.randn(4, 32) * 1000
+    # scaled with the previous (small) amax: the large input saturates, so the output is far off
+    err = (layer(big, w) - big @ w.t()).norm() / (big @ w.t()).norm()
+    assert err > 0.5
+
+
+@pytest.mark.parametrize(
+    "recipe, shape, rule",
+    [
+        ("tensorwise", (64, 40), "K=40 must be a multiple of 16"),
+        ("blockwise", (128, 192), "K=192 must be a multiple of 128"),
+        ("blockwise", (64, 128), "N=64 must be a multiple of 128"),
+        ("nvfp4", (32, 24), "in_features \\(K\\)=24 must be a multiple of 16"),
+        ("mxfp4", (48, 64), "out_features \\(N\\)=48 must be a multiple of 32"),
+    ],
+)
+def test_shape_rules_name_the_dimension(recipe, shape, rule):
+    problem = recipe_shape_problem(Recipe(recipe), *shape)
+    assert problem is not None and __import__("re").search(rule, problem)
+    assert recipe_shape_problem(Recipe(recipe), 256, 256) is None
+
+
+def test_bad_recipe_fields():
+    with pytest.raises(ValueError, match="Recipe.name must be one of"):
+        Recipe("fp8")
+    with pytest.raises(ValueError, match="unknown fp8 format"):
+        Recipe("rowwise", grad_format="e4m4")
+    with pytest.raises(ValueError, match="amax_history_len"):
+        Recipe("delayed", amax_history_len=0)
+    with pytest.raises(ValueError, match="does not match weight"):
+        LowPrecisionLinear(Recipe())(torch.randn(2, 8), torch.randn(4, 16))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("name", ["tensorwise", "delayed", "rowwise", "blockwise"])
+def test_cuda_linear_equals_the_reference_path(name):
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(512, 1024, generator=gen).cuda().bfloat16()
+    w = (torch.randn(768, 1024, generator=gen) * 0.03).cuda().bfloat16()
+    g = torch.randn(512, 768, generator=gen).cuda().bfloat16()
+    outs = []
+    for backend in (None, "reference"):
+        xi, wi = x.clone().requires_grad_(), w.clone().requires_grad_()
+        y = LowPrecisionLinear(Recipe(name), backend=backend)(xi, wi)
+        y.backward(g)
+        outs.append((y.float(), xi.grad.float(), wi.grad.float()))
+    for fast, ref in zip(*outs, strict=True):
+        torch.testing.assert_close(fast, ref, rtol=2e-2, atol=2e-2 * ref.abs().max().item())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_pair_measures_the_amax_while_casting(cuda_triton):
+    x = torch.randn(4096, 1024, device="cuda", dtype=torch.bfloat16) * 3
+    out = torch.zeros((), device="cuda")
+    q, q_t = quantize_fp8_pair(x, E4M3, amax=torch.tensor(2.0, device="cuda"), amax_out=out, backend="triton")
+    assert out.item() == x.float().abs().max().item()
+    ref = quantize_fp8(x, E4M3, amax=torch.tensor(2.0, device="cuda"), backend="reference")
+    assert torch.equal(q.data.float(), ref.data.float()) and torch.equal(q_t.data.float(), ref.data.float().t())

@@ -1,0 +1,137 @@
+"""``train.precision: fp8 | fp4`` in mcore-train: config, the trainer's linears, training, checkpoints, the
+convergence script's dry run."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from mcore.kernels.low_precision_linear import LowPrecisionLinear
+from mcore.parallel.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+from mcore.train.config import load_config
+from mcore.train.errors import UserError
+from mcore.train.runtime import init_runtime
+from mcore.train.trainer import Trainer
+from tests.train.tiny import TINY, train
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _linears(trainer):
+    return {
+        name: m
+        for chunk in trainer.chunks
+        for name, m in chunk.named_modules()
+        if isinstance(m, ColumnParallelLinear | RowParallelLinear)
+    }
+
+
+def test_config_sections_and_their_errors():
+    config = load_config(None, ["train.precision=fp8", "fp8.recipe=rowwise", "fp8.keep=[output, 'layers.{last}.*']"])
+    recipe = config.fp8.to_recipe()
+    assert recipe.name == "rowwise" and recipe.grad_format == "e4m3"  # row-wise default: e4m3 gradients
+    assert load_config(None, ["fp8.recipe=delayed"]).fp8.to_recipe().grad_format == "e5m2"
+    assert load_config(None, ["fp4.recipe=mxfp4", "fp4.quantize_grads=false"]).fp4.to_recipe().quantize_grads is False
+    with pytest.raises(UserError, match="fp8.recipe"):
+        load_config(None, ["fp8.recipe=int8"])
+    with pytest.raises(UserError, match="min_features must be >= 0"):
+        load_config(None, ["fp4.min_features=-1"])
+
+
+def test_trainer_quantizes_the_tp_linears_but_the_kept_ones():
+    config = load_config(None, [*TINY, "train.precision=fp8", "fp8.keep=[output, 'layers.{last}.*']"])
+    trainer = Trainer(config, init_runtime(config))
+    linears = _linears(trainer)
+    last = config.model.num_hidden_layers - 1
+    for name, module in linears.items():
+        if name.startswith(f"layers.{last}.") or name == "output":
+            assert module.low_precision is None, name
+        else:
+            assert isinstance(module.low_precision, LowPrecisionLinear), name
+    assert any(name == "output" for name in linears) and linears["output"].low_precision is None
+    assert {p.dtype for p in trainer.chunks[0].parameters()} == {torch.float32}  # fp32 on CPU: emulation
+    assert trainer.precision == "fp8"
+
+
+def test_a_recipe_that_does_not_fit_names_the_layer_and_the_rule():
+    config = load_config(None, [*TINY, "train.precision=fp8", "fp8.recipe=blockwise"])
+    with pytest.raises(UserError, match=r"fp8.recipe=blockwise: layer 'layers.0.\S+' .*must be a multiple of 128"):
+        Trainer(config, init_runtime(config))
+    fallback = load_config(None, [*TINY, "train.precision=fp8", "fp8.recipe=blockwise", "fp8.on_mismatch=fallback"])
+    assert all(m.low_precision is None for m in _linears(Trainer(fallback, init_runtime(fallback))).values())
+
+
+@pytest.fixture(scope="module")
+def fp32_run(tmp_path_factory):
+    return train(tmp_path_factory.mktemp("fp32"))[0]
+
+
+@pytest.mark.parametrize("precision, recipe", [("fp8", "delayed"), ("fp4", "nvfp4")])
+def test_training_follows_fp32_and_the_checkpoint_resumes_in_fp32(tmp_path, fp32_run, precision, recipe):
+    ref = fp32_run
+    low, out = train(tmp_path / "low", f"train.precision={precision}", f"{precision}.recipe={recipe}")
+    assert low.status == "finished" and "precision " + precision in out
+    assert low.final_loss != ref.final_loss  # the GEMMs really ran quantized
+    assert abs(low.final_loss - ref.final_loss) / ref.final_loss < 0.02
+    # the checkpoint holds high-precision weights only: it resumes at another precision
+    resumed, _ = train(tmp_path / "resumed", "train.steps=14", f"checkpoint.load={low.last_checkpoint}")
+    assert resumed.status == "finished" and resumed.iteration == 14
+
+
+def test_convergence_script_dry_run(tmp_path):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
+    script = ROOT / "benchmarks" / "low_precision_convergence.py"
+    args = ["--dry-run", "--only", "fp8-rowwise", "--out", str(tmp_path)]
+    proc = subprocess.run([sys.executable, str(script), *args], capture_output=True, text=True, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    data = json.loads((tmp_path / "low_precision_convergence.json").read_text())
+    assert set(data["summary"]) == {"baseline", "fp8-rowwise"}
+    assert all(len(curve) == 6 for curve in data["curves"].values())
+    assert data["summary"]["fp8-rowwise"]["precision"] == "fp8"
+    assert data["curves"]["fp8-rowwise"] != data["curves"]["baseline"]
+    assert "fp8-rowwise" in (tmp_path / "low_precision_convergence.md").read_text()
+
+
+def test_bitnet_quant_trains_and_rejects_fp8(tmp_path, fp32_run):
+    result, _ = train(tmp_path / "bitnet", "train.quant=bitnet")
+    assert result.status == "finished" and result.final_loss != fp32_run.final_loss
+    assert result.final_loss < 6.0  # it learns (12 steps from ln(320) = 5.77 at init)
+    config = load_config(None, [*TINY, "train.quant=bitnet"])
+    linears = _linears(Trainer(config, init_runtime(config)))
+    assert all(m.low_precision.recipe.name == "bitnet" for n, m in linears.items() if n != "output")
+    with pytest.raises(UserError, match="train.quant=bitnet cannot be combined with train.precision=fp8"):
+        load_config(None, ["train.quant=bitnet", "train.precision=fp8"])
+
+
+@pytest.mark.skipif(__import__("mcore.kernels.te_backend").kernels.te_backend.te_available(), reason="TE installed")
+def test_te_backend_without_te_is_one_clear_error():
+    for extra in ([], ["train.precision=fp8"]):
+        config = load_config(None, [*TINY, "kernels.backend=te", *extra])
+        with pytest.raises(UserError, match="needs NVIDIA Transformer Engine"):
+            Trainer(config, init_runtime(config))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("recipe", ["tensorwise", "delayed", "rowwise", "blockwise"])
+def test_cuda_fp8_training_follows_bf16(tmp_path, recipe):
+    """The real kernels (Triton casts, torch's scaled_mm) in the demo for 60 steps: within 2% of bf16."""
+    cuda = ["train.device=cuda", "train.steps=60", "log.interval=60", "train.eval_interval=0", "train.sample_tokens=0"]
+    cuda += ["log.plot=false", "log.tensorboard=false", "log.progress_bar=false", "train.hang_timeout=0"]
+
+    def run(name, *extra):
+        config = load_config(None, [*cuda, f"log.run_dir={tmp_path / name}", *extra])
+        from mcore.train.loop import run_training
+
+        return run_training(config, init_runtime(config), stream=__import__("io").StringIO())
+
+    bf16 = run("bf16", "train.precision=bf16")
+    fp8 = run(recipe, "train.precision=fp8", f"fp8.recipe={recipe}")
+    assert fp8.final_loss != bf16.final_loss
+    assert abs(fp8.final_loss - bf16.final_loss) / bf16.final_loss < 0.02
