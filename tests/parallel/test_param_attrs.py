@@ -28,7 +28,20 @@ PROTOCOL = {
 }
 # Objects that carry attributes of the same names without being parameters (checkpoint metadata, resharding
 # targets, modules and part contexts with their own settings).
-NOT_PARAMETERS = {"self", "meta", "saved", "target", "spec", "split", "config", "cfg", "data", "model", "ctx"}
+NOT_PARAMETERS = {
+    "self",
+    "meta",
+    "saved",
+    "target",
+    "spec",
+    "split",
+    "config",
+    "cfg",
+    "data",
+    "model",
+    "ctx",
+    "parallel",
+}
 
 
 def _protocol_uses(path: pathlib.Path) -> list[str]:

@@ -128,10 +128,12 @@ class Plan:
 def layout_of(config: Config, world_size: int) -> Layout:
     """The planner's :class:`Layout` of ``config`` on ``world_size`` ranks (fields mcore-train does not have yet,
     such as ``parallel.cp``, are read when present)."""
-    p = config.parallel
-    cp, ep, etp = getattr(p, "cp", 1) or 1, getattr(p, "ep", 1) or 1, getattr(p, "etp", None)
+    parallel = config.parallel
+    cp, ep, etp = getattr(parallel, "cp", 1) or 1, getattr(parallel, "ep", 1) or 1, getattr(parallel, "etp", None)
     try:
-        resolved = ParallelConfig(tp=p.tp, pp=p.pp, vpp=p.vpp, dp=p.dp).resolve(world_size // cp)
+        resolved = ParallelConfig(tp=parallel.tp, pp=parallel.pp, vpp=parallel.vpp, dp=parallel.dp).resolve(
+            world_size // cp
+        )
     except ValueError as exc:
         raise UserError(f"parallel layout does not fit {world_size} rank(s): {exc}") from None
     precision = "bf16" if config.train.precision == "auto" else config.train.precision
@@ -142,21 +144,21 @@ def layout_of(config: Config, world_size: int) -> Layout:
         tp=resolved.tp,
         pp=resolved.pp,
         dp=resolved.dp,
-        vpp=p.vpp,
+        vpp=parallel.vpp,
         cp=cp,
         ep=ep,
         etp=etp,
         micro_batch=config.train.micro_batch_size,
         global_batch=config.train.global_batch_size,
         seq_length=config.data.seq_length,
-        sequence_parallel=p.sequence_parallel,
+        sequence_parallel=parallel.sequence_parallel,
         schedule=schedule,
         recompute=config.train.recompute,
-        distributed_optimizer=p.distributed_optimizer,
-        dp_shard=bool(getattr(p, "dp_shard", False)),
+        distributed_optimizer=parallel.distributed_optimizer,
+        dp_shard=bool(getattr(parallel, "dp_shard", False)),
         optimizer_offload_fraction=float(getattr(config.optim, "offload_fraction", 0.0) or 0.0),
-        overlap_grad_reduce=p.overlap_grad_reduce,
-        overlap_param_gather=p.overlap_param_gather,
+        overlap_grad_reduce=parallel.overlap_grad_reduce,
+        overlap_param_gather=parallel.overlap_param_gather,
         precision="fp32" if precision == "fp32" else "bf16",
         pipeline_layout=tuple(custom) if custom is not None else None,
     )
