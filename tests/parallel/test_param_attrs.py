@@ -27,7 +27,7 @@ PROTOCOL = {
     "mcore_grad_ready_hook",
 }
 # Objects that carry attributes of the same names without being parameters (checkpoint metadata, resharding
-# targets, modules and part contexts with their own settings).
+# targets, modules and part contexts with their own settings, the parallel config and the planner's layouts).
 NOT_PARAMETERS = {
     "self",
     "meta",
