@@ -41,6 +41,8 @@ NOT_PARAMETERS = {
     "model",
     "ctx",
     "parallel",
+    "layout",
+    "lay",
 }
 
 
