@@ -61,6 +61,9 @@ class _NoSync:
     def parameters(self):
         return self.module.parameters()
 
+    def modules(self):  # finalize_model_grads looks for MoE layers in the chunks
+        return self.module.modules()
+
 
 def _train(fraction, *, fused_step, impl, dtype=torch.float32, ddp=True):
     model, wrapped, opt = _build(fraction, fused_step=fused_step, impl=impl, dtype=dtype, ddp=ddp)
