@@ -163,9 +163,19 @@ def test_bad_recipe_fields():
         LowPrecisionLinear(Recipe())(torch.randn(2, 8), torch.randn(4, 16))
 
 
+# Block-wise FP8 on sm90 fails there today; strict, so the test says when it starts to pass.
+BLOCKWISE_FAILS_ON_SM90 = pytest.mark.xfail(
+    strict=True,
+    reason="measured on an H200 (2026-12-01, torch 2.11, commit 21e1484): torch's block-scaled scaled_mm rejects "
+    "our scale layouts (small shapes: 'scale_b must have shape 4 x 3'; dgrad: an e5m2 operand); open in #19",
+)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("name", ["tensorwise", "delayed", "rowwise", "blockwise"])
+@pytest.mark.parametrize(
+    "name", ["tensorwise", "delayed", "rowwise", pytest.param("blockwise", marks=BLOCKWISE_FAILS_ON_SM90)]
+)
 def test_cuda_linear_equals_the_reference_path(name):
     gen = torch.Generator().manual_seed(3)
     x = torch.randn(512, 1024, generator=gen).cuda().bfloat16()
