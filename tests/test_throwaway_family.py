@@ -3,8 +3,8 @@
 A throwaway family (Ministral, which mcore does not ship) is written as two small modules, one for mcore-models
 and one for mcore-bridge (``tests/helpers/throwaway/``), and registered by a pytest plugin before collection. The
 per-family tests, run in a fresh pytest with only that plugin added, then include it (HF parity, accounting, preset
-validation, generation, config translation and round trip, conversion and verification) and pass; no test table
-was edited for it.
+validation, generation, config translation and round trip, conversion and verification, bad input) and pass; no
+test table was edited for it.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ PER_FAMILY_FILES = [
     "tests/bridge/test_config_translation.py",
     "tests/bridge/test_api.py",
     "tests/bridge/test_verify.py",
+    "tests/bridge/test_bad_input.py",
 ]
 # The cases the throwaway family must get (test function -> parameter id containing the family).
 EXPECTED = {
@@ -41,6 +42,7 @@ EXPECTED = {
     "test_fresh_export_describes_the_same_model_to_transformers",
     "test_load_hf_into_gives_transformers_logits",
     "test_every_family_verifies",
+    "test_every_family_names_a_missing_and_an_extra_tensor",
 }
 
 

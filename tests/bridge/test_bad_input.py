@@ -12,6 +12,7 @@ from safetensors.torch import load_file, save_file
 
 from mcore.bridge.cli import main
 from tests.bridge.factory import save_tiny_hf
+from tests.helpers.families import families
 
 
 @pytest.fixture(scope="module")
@@ -175,3 +176,17 @@ def test_mixed_dtypes_need_an_explicit_dtype(capsys, hf, tmp_path):
     _edit_tensors(hf, widen)
     _fails(capsys, hf, tmp_path / "out", "mixed dtypes ['float32', 'float64']", "pass --dtype")
     assert main(["convert", str(hf), str(tmp_path / "out"), "--no-progress", "--dtype", "fp32"]) == 0
+
+
+@pytest.mark.parametrize("family", families())
+def test_every_family_names_a_missing_and_an_extra_tensor(capsys, tmp_path, family):
+    hf = save_tiny_hf(tmp_path / "hf", family, seed=5, tokenizer=False)
+    capsys.readouterr()  # transformers' save progress is not the converter's output
+    (shard,) = hf.glob("*.safetensors")
+    state = load_file(shard)
+    victim = sorted(n for n in state if ".layers." in n)[-1]
+    save_file({n: t for n, t in state.items() if n != victim}, shard, metadata={"format": "pt"})
+    _fails(capsys, hf, tmp_path / "out", "missing tensor(s)", victim)
+    extra = victim.rsplit(".", 2)[0] + ".unexpected.weight"
+    save_file({**state, extra: torch.rand(4)}, shard, metadata={"format": "pt"})
+    _fails(capsys, hf, tmp_path / "out2", f"no {family} mapping consumes", extra)
