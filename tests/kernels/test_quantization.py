@@ -177,20 +177,9 @@ def test_triton_pair_equals_reference(interpreter):
     assert q_t.data.is_contiguous()
 
 
-# Block-wise FP8 on sm90 fails there today; strict, so the test says when it starts to pass.
-BLOCKWISE_FAILS_ON_SM90 = pytest.mark.xfail(
-    strict=True,
-    reason="measured on an H200 (2026-12-01, torch 2.11, commit 21e1484): torch's block-scaled scaled_mm rejects "
-    "our scale layouts (small shapes: 'scale_b must have shape 4 x 3'; dgrad: an e5m2 operand); open in #19",
-)
-
-
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize(
-    "granularity",
-    [pytest.param(g, marks=BLOCKWISE_FAILS_ON_SM90) if "x" in g else g for g in GRANULARITIES],
-)
+@pytest.mark.parametrize("granularity", GRANULARITIES)
 def test_cuda_kernels_equal_reference(cuda_triton, granularity):
     x = torch.randn(1000, 1536, device="cuda", dtype=torch.bfloat16) * 3
     x[3, 5] = float("nan")

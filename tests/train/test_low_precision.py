@@ -42,6 +42,8 @@ def test_config_sections_and_their_errors():
         load_config(None, ["fp8.recipe=int8"])
     with pytest.raises(UserError, match="min_features must be >= 0"):
         load_config(None, ["fp4.min_features=-1"])
+    with pytest.raises(UserError, match="grad_format=e5m2 does not apply to recipe blockwise"):
+        load_config(None, ["fp8.recipe=blockwise", "fp8.grad_format=e5m2"])
 
 
 def test_trainer_quantizes_the_tp_linears_but_the_kept_ones():
@@ -117,19 +119,9 @@ def test_te_backend_without_te_is_one_clear_error():
             Trainer(config, init_runtime(config))
 
 
-# Block-wise FP8 on sm90 fails there today; strict, so the test says when it starts to pass.
-BLOCKWISE_FAILS_ON_SM90 = pytest.mark.xfail(
-    strict=True,
-    reason="measured on an H200 (2026-12-01, torch 2.11, commit 21e1484): torch's block-scaled scaled_mm rejects "
-    "our scale layouts (small shapes: 'scale_b must have shape 4 x 3'; dgrad: an e5m2 operand); open in #19",
-)
-
-
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize(
-    "recipe", ["tensorwise", "delayed", "rowwise", pytest.param("blockwise", marks=BLOCKWISE_FAILS_ON_SM90)]
-)
+@pytest.mark.parametrize("recipe", ["tensorwise", "delayed", "rowwise", "blockwise"])
 def test_cuda_fp8_training_follows_bf16(tmp_path, recipe):
     """The real kernels (Triton casts, torch's scaled_mm) in the demo for 60 steps: within 2% of bf16."""
     cuda = ["train.device=cuda", "train.steps=60", "log.interval=60", "train.eval_interval=0", "train.sample_tokens=0"]

@@ -1,13 +1,17 @@
 """FP8 GEMM ``a @ b^T`` of two operands quantized along their shared reduction dimension K.
 
 On CUDA: ``torch._scaled_mm`` for tensor-wise and row-wise scales, and ``torch.nn.functional.scaled_mm`` for
-``1x128`` (a) x ``128x128`` (b) block scales, the block-scaled path cuBLAS runs on sm90 (torch >= 2.10).
-Elsewhere (and with ``backend="reference"``) the reference: dequantize both operands to fp32 and multiply.
-Both see the same fp8 values and scales, so on CUDA they differ only by accumulation order.
+the block-scaled pairs cuBLAS runs on sm90 (torch >= 2.10): ``1x128`` x ``128x128`` (DeepSeek-V3's forward and
+input-gradient GEMMs: activation or gradient tiles times weight blocks) and ``1x128`` x ``1x128`` (the weight
+gradient, both operands tiled along the tokens it contracts over). Elsewhere (and with ``backend="reference"``)
+the reference: dequantize both operands to fp32 and multiply. Both see the same fp8 values and scales, so on
+CUDA they differ only by accumulation order.
 
 Shape rules of the CUDA kernels (checked before any launch, with the rule in the message): K and N
 multiples of 16 (tensor- and row-wise); K and N multiples of 128 for block-wise; the row- and block-wise
-kernels write bf16 (other output dtypes are cast from it).
+kernels write bf16 (other output dtypes are cast from it). cuBLAS's block-scaled kernels take e4m3 operands
+only (an e5m2 operand is one clear error here), and want the scales in the layouts :func:`blockwise_scales`
+builds (measured on an H200 with torch 2.11; the rules are torch's ``_scaled_mm_v2`` checks).
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ from mcore.kernels.quantization import BLOCK, Quantized
 
 logger = logging.getLogger("mcore.kernels")
 
-PAIRS = {("tensor", "tensor"), ("row", "row"), ("1x128", "128x128")}
+PAIRS = {("tensor", "tensor"), ("row", "row"), ("1x128", "128x128"), ("1x128", "1x128")}
 CUDA_BACKEND = "scaled_mm"
 
 
@@ -90,20 +94,40 @@ def _choose(a: Quantized, backend: str | None) -> str:
     return CUDA_BACKEND
 
 
+def blockwise_scales(a: Quantized, b: Quantized) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(scale_a, scale_b)`` in the layouts torch's block-scaled ``scaled_mm`` accepts for ``a @ b^T``.
+
+    ``1x128`` scales ``[R, K/128]`` go in as R-major (strides ``(1, R)``); ``128x128`` scales of ``b`` go in as
+    ``[round_up(K/128, 4), N/128]`` with strides ``(1, round_up(K/128, 4))``: each column of K blocks padded to
+    16 bytes (the padding is never read as a scale of real data).
+    """
+    scale_a = a.scale.t().contiguous().t()
+    if b.granularity == "1x128":
+        return scale_a, b.scale.t().contiguous().t()
+    n_blocks, k_blocks = b.scale.shape
+    padded = torch.ones(n_blocks, -(-k_blocks // 4) * 4, dtype=torch.float32, device=b.scale.device)
+    padded[:, :k_blocks] = b.scale
+    return scale_a, padded.t()
+
+
 def _blockwise_cuda(a: Quantized, b: Quantized, out_dtype: torch.dtype) -> torch.Tensor:
     from torch.nn.functional import ScalingType, scaled_mm
 
-    # the layouts cuBLAS accepts: scale_a [M, K/128] M-major (strides (1, M)), scale_b [K/128, N/128] as the
-    # transpose of the contiguous [N/128, K/128]
-    scale_a = a.scale.t().contiguous().t()
-    scale_b = b.scale.t()
+    for name, q in (("a", a), ("b", b)):
+        if q.data.dtype != torch.float8_e4m3fn:
+            raise ValueError(
+                f"scaled_matmul: block-scaled fp8 GEMMs on CUDA take e4m3 operands only (cuBLAS), got {name} in "
+                f"{q.data.dtype}: quantize gradients in e4m3 (Recipe grad_format='e4m3', DeepSeek-V3's choice)"
+            )
+    recipe = {"1x128": ScalingType.BlockWise1x128, "128x128": ScalingType.BlockWise128x128}
+    scale_a, scale_b = blockwise_scales(a, b)
     out = scaled_mm(
         a.data,
         b.data.t(),
         scale_a,
-        ScalingType.BlockWise1x128,
+        recipe[a.granularity],
         scale_b,
-        ScalingType.BlockWise128x128,
+        recipe[b.granularity],
         output_dtype=torch.bfloat16,  # the output dtype measured on sm90; others are cast from it
     )
     return out.to(out_dtype)

@@ -123,7 +123,9 @@ def _block_quant_kernel(
         x = tl.trans(xt).to(tl.float32)
     else:
         x = tl.load(X + r64[:, None] * stride_x0 + c64[None, :] * stride_x1, mask=mask, other=0.0).to(tl.float32)
-    a = tl.abs(x)
+    # NaN counts as an infinite amax, so its group keeps multiplier 1 like the reference (torch's amax propagates
+    # NaN); the GPU's max instruction drops NaN and would scale the rest of the group by the finite values instead
+    a = tl.where(x != x, float("inf"), tl.abs(x))
     if SQUARE:
         amax = tl.max(tl.max(a, axis=1), axis=0)
     else:
