@@ -69,6 +69,21 @@ def test_a_recipe_that_does_not_fit_names_the_layer_and_the_rule():
     assert all(m.low_precision is None for m in _linears(Trainer(fallback, init_runtime(fallback))).values())
 
 
+def test_moe_experts_train_in_fp8_and_follow_fp32(tmp_path):
+    from mcore.kernels.fp8_grouped_gemm import fp8_grouped_gemm
+    from mcore.parallel.expert_parallel import MoELayer
+
+    moe = ["model=mixtral-tiny", "train.steps=8"]
+    config = load_config(None, [*TINY, *moe, "train.precision=fp8", "fp8.recipe=rowwise"])
+    layers = [m for chunk in Trainer(config, init_runtime(config)).chunks for m in chunk.modules()]
+    layers = [m for m in layers if isinstance(m, MoELayer)]
+    assert len(layers) == 2
+    assert all(m.experts.low_precision is fp8_grouped_gemm and m.config.align == 16 for m in layers)
+    ref, _ = train(tmp_path / "fp32", *moe)
+    low, _ = train(tmp_path / "fp8", *moe, "train.precision=fp8", "fp8.recipe=rowwise")
+    assert low.final_loss != ref.final_loss and abs(low.final_loss - ref.final_loss) / ref.final_loss < 0.02
+
+
 @pytest.fixture(scope="module")
 def fp32_run(tmp_path_factory):
     return train(tmp_path_factory.mktemp("fp32"))[0]

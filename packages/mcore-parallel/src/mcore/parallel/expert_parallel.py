@@ -171,6 +171,8 @@ class GroupedExperts(nn.Module):
         set_tensor_parallel_attributes(self.down, tensor_parallel=etp > 1, partition_dim=2)
         for p in (self.gate_up, self.down):
             p.expert_parallel = True
+        # an fp8 grouped GEMM with grouped_gemm's signature, set by mcore.parallel.low_precision (None: bf16)
+        self.low_precision = None
 
     @torch.no_grad()
     def load_full_experts(self, gate_up: torch.Tensor, down: torch.Tensor) -> None:
@@ -190,8 +192,9 @@ class GroupedExperts(nn.Module):
         self.load_full_experts(gate_up, down)
 
     def forward(self, rows: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-        h = grouped_gemm(rows.to(self.gate_up.dtype), self.gate_up, offsets)
-        return grouped_gemm(swiglu(h), self.down, offsets)
+        gemm = self.low_precision or grouped_gemm
+        h = gemm(rows.to(self.gate_up.dtype), self.gate_up, offsets)
+        return gemm(swiglu(h), self.down, offsets)
 
 
 class _AttachAuxLoss(torch.autograd.Function):

@@ -48,6 +48,7 @@ def _round_to_fp8(v, FMAX: tl.constexpr, MBITS: tl.constexpr, MIN_EXP: tl.conste
 def _cast_kernel(
     X,
     MULT,
+    GROUP,
     Y,
     YT,
     AMAX_OUT,
@@ -58,7 +59,7 @@ def _cast_kernel(
     FMAX: tl.constexpr,
     MBITS: tl.constexpr,
     MIN_EXP: tl.constexpr,
-    MULT_PER: tl.constexpr,  # 0: one multiplier, 1: one per x row, 2: one per x column
+    MULT_PER: tl.constexpr,  # 0: one multiplier, 1: one per x row, 2: one per x column, 3: MULT[GROUP[row], col]
     WRITE_Y: tl.constexpr,
     WRITE_YT: tl.constexpr,
     RECORD_AMAX: tl.constexpr,  # also max |x| of the tile into AMAX_OUT (delayed scaling: one read)
@@ -81,9 +82,13 @@ def _cast_kernel(
     elif MULT_PER == 1:
         m = tl.load(MULT + rows, mask=rmask, other=1.0)
         v = x * m[:, None]
-    else:
+    elif MULT_PER == 2:
         m = tl.load(MULT + cols, mask=cmask, other=1.0)
         v = x * m[None, :]
+    else:  # jagged row-wise: one multiplier per (group of the row, column), MULT [groups, n_cols] row-major
+        group = tl.load(GROUP + rows, mask=rmask, other=0).to(tl.int64)
+        m = tl.load(MULT + group[:, None] * n_cols + c64[None, :], mask=mask, other=1.0)
+        v = x * m
     v = _round_to_fp8(v, FMAX, MBITS, MIN_EXP)
     if WRITE_Y:
         tl.store(Y + r64[:, None] * n_cols + c64[None, :], v.to(Y.dtype.element_ty), mask=mask)
@@ -144,7 +149,7 @@ def _block_quant_kernel(
     tl.store(Y + r64[:, None] * n_cols + c64[None, :], v.to(Y.dtype.element_ty), mask=mask)
 
 
-def _launch_cast(x, multiplier, y, yt, mult_per: int, dtype: torch.dtype, amax_out=None) -> None:
+def _launch_cast(x, multiplier, y, yt, mult_per: int, dtype: torch.dtype, amax_out=None, group=None) -> None:
     rows, cols = x.shape
     if rows == 0 or cols == 0:
         return
@@ -152,6 +157,7 @@ def _launch_cast(x, multiplier, y, yt, mult_per: int, dtype: torch.dtype, amax_o
     _cast_kernel[grid](
         x,
         multiplier.reshape(-1).contiguous(),
+        group if group is not None else multiplier,
         y if y is not None else yt,
         yt if yt is not None else y,
         amax_out if amax_out is not None else multiplier,
@@ -182,6 +188,17 @@ def cast_scaled(x: torch.Tensor, multiplier: torch.Tensor, dtype: torch.dtype, *
         _launch_cast(x, multiplier.to(torch.float32), None, out, mult_per, dtype)
     else:
         _launch_cast(x, multiplier.to(torch.float32), out, None, mult_per, dtype)
+    return out
+
+
+def cast_grouped_columns(
+    x: torch.Tensor, multiplier: torch.Tensor, group: torch.Tensor, dtype: torch.dtype
+) -> torch.Tensor:
+    """``cast(clamp(x * multiplier[group[r], c]))`` written transposed (``[cols, rows]``, contiguous): the
+    jagged row-wise scales of the grouped weight gradient (one per expert and column, over that expert's rows)."""
+    rows, cols = x.shape
+    out = torch.empty((cols, rows), dtype=dtype, device=x.device)
+    _launch_cast(x, multiplier.to(torch.float32), None, out, 3, dtype, group=group.to(torch.int32).contiguous())
     return out
 
 
