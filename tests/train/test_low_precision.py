@@ -113,6 +113,8 @@ def test_convergence_script_dry_run(tmp_path):
     assert data["summary"]["fp8-rowwise"]["precision"] == "fp8"
     assert data["curves"]["fp8-rowwise"] != data["curves"]["baseline"]
     assert "fp8-rowwise" in (tmp_path / "low_precision_convergence.md").read_text()
+    assert data["text"]["documents"] > 0 and "standard library" in data["text"]["text"]  # real text, named
+    assert (tmp_path / "low_precision_convergence.png").stat().st_size > 0
 
 
 def test_bitnet_quant_trains_and_rejects_fp8(tmp_path, fp32_run):
