@@ -56,6 +56,7 @@ def _cast_kernel(
     n_cols,
     stride_xr,
     stride_xc,
+    stride_yt,  # row stride of YT (n_rows, or more for 16-byte aligned rows)
     FMAX: tl.constexpr,
     MBITS: tl.constexpr,
     MIN_EXP: tl.constexpr,
@@ -93,7 +94,7 @@ def _cast_kernel(
     if WRITE_Y:
         tl.store(Y + r64[:, None] * n_cols + c64[None, :], v.to(Y.dtype.element_ty), mask=mask)
     if WRITE_YT:
-        tl.store(YT + c64[None, :] * n_rows + r64[:, None], v.to(YT.dtype.element_ty), mask=mask)
+        tl.store(YT + c64[None, :] * stride_yt + r64[:, None], v.to(YT.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -150,6 +151,7 @@ def _block_quant_kernel(
 
 
 def _launch_cast(x, multiplier, y, yt, mult_per: int, dtype: torch.dtype, amax_out=None, group=None) -> None:
+    """``yt`` may be a view with a row stride above its row length (aligned rows)."""
     rows, cols = x.shape
     if rows == 0 or cols == 0:
         return
@@ -165,6 +167,7 @@ def _launch_cast(x, multiplier, y, yt, mult_per: int, dtype: torch.dtype, amax_o
         cols,
         x.stride(0),
         x.stride(1),
+        yt.stride(0) if yt is not None else rows,
         FMAX=FP8_MAX[dtype],
         MBITS=_FORMAT_BITS[dtype][0],
         MIN_EXP=_FORMAT_BITS[dtype][1],
@@ -194,10 +197,11 @@ def cast_scaled(x: torch.Tensor, multiplier: torch.Tensor, dtype: torch.dtype, *
 def cast_grouped_columns(
     x: torch.Tensor, multiplier: torch.Tensor, group: torch.Tensor, dtype: torch.dtype
 ) -> torch.Tensor:
-    """``cast(clamp(x * multiplier[group[r], c]))`` written transposed (``[cols, rows]``, contiguous): the
-    jagged row-wise scales of the grouped weight gradient (one per expert and column, over that expert's rows)."""
+    """``cast(clamp(x * multiplier[group[r], c]))`` written transposed (``[cols, rows]``, each row padded to 16
+    bytes: torch's fp8 grouped GEMM wants aligned rows): the jagged row-wise scales of the grouped weight
+    gradient (one per expert and column, over that expert's rows)."""
     rows, cols = x.shape
-    out = torch.empty((cols, rows), dtype=dtype, device=x.device)
+    out = torch.empty((cols, -(-rows // 16) * 16), dtype=dtype, device=x.device)[:, :rows]
     _launch_cast(x, multiplier.to(torch.float32), None, out, 3, dtype, group=group.to(torch.int32).contiguous())
     return out
 
