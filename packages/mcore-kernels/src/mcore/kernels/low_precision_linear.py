@@ -151,6 +151,7 @@ class LowPrecisionLinear:
         sum_reduce: AmaxReduce | None = None,
         name: str = "",
         backend: str | None = None,
+        row_segments: torch.Tensor | None = None,
     ) -> None:
         if sharded not in (None, "n", "k"):
             raise ValueError(f"LowPrecisionLinear: sharded must be None, 'n' or 'k', got {sharded!r}")
@@ -162,6 +163,7 @@ class LowPrecisionLinear:
             backend,
         )
         self.sum_reduce = sum_reduce  # BitNet's weight mean over the shards (a SUM all-reduce)
+        self.row_segments = row_segments  # BitNet: one weight scale per fused projection (``bitnet.py``)
         self.histories = {op: AmaxHistory(recipe.amax_history_len, recipe.amax_compute) for op in ("x", "w", "g")}
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -178,6 +180,7 @@ class LowPrecisionLinear:
                 bias,
                 sum_reduce=self.sum_reduce if sharded else None,
                 max_reduce=self.amax_reduce if self.sharded == "k" else None,
+                row_segments=self.row_segments,
             )
         fn = _EmulatedLinearFunction if self.recipe.emulated else _Fp8LinearFunction
         return fn.apply(x, weight, bias, self)

@@ -128,8 +128,10 @@ def enable_low_precision(
         # the GEMM dimension this layer splits: N for column-parallel, K for row-parallel
         sharded = "n" if isinstance(module, ColumnParallelLinear) else "k"
         sharded = None if group_size(module.tp_group) == 1 else sharded
+        # a fused weight's projections (q, k, v; gate, up) as row segments: BitNet scales each on its own
+        segments = getattr(module, "weight_row_segments", None)
         module.low_precision = LowPrecisionLinear(
-            recipe, sharded=sharded, amax_reduce=reduce, sum_reduce=sum_reduce, name=name
+            recipe, sharded=sharded, amax_reduce=reduce, sum_reduce=sum_reduce, name=name, row_segments=segments
         )
         decisions.append(LayerDecision(name, recipe.name))
     decisions += _enable_fp8_experts(model, recipe, backend, keep, min_features, on_mismatch, prefix)
