@@ -128,6 +128,16 @@ def test_bitnet_quant_trains_and_rejects_fp8(tmp_path, fp32_run):
         load_config(None, ["train.quant=bitnet", "train.precision=fp8"])
 
 
+def test_bitnet_family_trains_with_per_projection_scales(tmp_path):
+    config = load_config(None, [*TINY, "model=bitnet-tiny", "train.quant=bitnet"])
+    linears = _linears(Trainer(config, init_runtime(config)))
+    qkv = linears["layers.0.attention.qkv"].low_precision
+    assert qkv.recipe.name == "bitnet" and sorted(set(qkv.row_segments.tolist())) == [0, 1, 2]  # q, k, v
+    assert linears["layers.0.mlp.down"].low_precision.row_segments is None
+    result, _ = train(tmp_path / "bitnet", "model=bitnet-tiny", "train.quant=bitnet", "train.steps=6")
+    assert result.status == "finished" and result.final_loss < 5.77  # ln(320) at init
+
+
 @pytest.mark.skipif(__import__("mcore.kernels.te_backend").kernels.te_backend.te_available(), reason="TE installed")
 def test_te_backend_without_te_is_one_clear_error():
     for extra in ([], ["train.precision=fp8"]):
