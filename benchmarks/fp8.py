@@ -89,12 +89,17 @@ def bench_gemms(shapes, device, dtype, iters, warmup) -> list[dict[str, Any]]:
             flops = 2 * gm * gn * gk
             base = timer(lambda a=a, b=b: a @ b.t(), iters, warmup, cuda)
             rows.append(dict(layer=layer, gemm=gemm, impl="bf16", ms=1e3 * base, tflops=flops / base / 1e12))
-            for recipe in GEMM_RECIPES:
-                pair = (_WGRAD_PAIRS if gemm == "wgrad" else _PAIRS)[recipe]
+            for recipe in (*GEMM_RECIPES, "blockwise-triton"):
+                pair = (_WGRAD_PAIRS if gemm == "wgrad" else _PAIRS)[recipe.removesuffix("-triton")]
+                # "blockwise-triton": mcore's Triton block-scaled GEMM (on CPU: the interpreter is too slow, skip)
+                backend = "triton" if recipe.endswith("-triton") else None
+                if backend and not cuda:
+                    continue
                 row = dict(layer=layer, gemm=gemm, impl=recipe)
                 try:
                     qa, qb = quantize_fp8(a, E4M3, pair[0]), quantize_fp8(b, E4M3, pair[1])
-                    t = timer(lambda qa=qa, qb=qb: scaled_matmul(qa, qb, out_dtype=dtype), iters, warmup, cuda)
+                    step = lambda qa=qa, qb=qb, be=backend: scaled_matmul(qa, qb, out_dtype=dtype, backend=be)  # noqa: E731
+                    t = timer(step, iters, warmup, cuda)
                     row.update(ms=1e3 * t, tflops=flops / t / 1e12, speedup=base / t)
                 except (RuntimeError, ValueError) as exc:  # one refused GEMM must not stop the table
                     row["error"] = _first_line(exc)

@@ -42,6 +42,8 @@ CONFIGS: dict[str, list[str]] = {
     "fp8-delayed": ["train.precision=fp8", "fp8.recipe=delayed"],
     "fp8-rowwise": ["train.precision=fp8", "fp8.recipe=rowwise"],
     "fp8-blockwise": ["train.precision=fp8", "fp8.recipe=blockwise"],
+    # e5m2 gradients: cuBLAS's block-scaled GEMMs refuse them, mcore's Triton block-scaled GEMM runs them
+    "fp8-blockwise-e5m2": ["train.precision=fp8", "fp8.recipe=blockwise", "fp8.grad_format=e5m2"],
     "fp8-mxfp8": ["train.precision=fp8", "fp8.recipe=mxfp8"],
     "fp4-mxfp4": ["train.precision=fp4", "fp4.recipe=mxfp4"],
     "fp4-nvfp4": ["train.precision=fp4", "fp4.recipe=nvfp4"],

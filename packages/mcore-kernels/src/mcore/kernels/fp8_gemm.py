@@ -10,8 +10,9 @@ CUDA they differ only by accumulation order.
 Shape rules of the CUDA kernels (checked before any launch, with the rule in the message): K and N
 multiples of 16 (tensor- and row-wise); K and N multiples of 128 for block-wise; the row- and block-wise
 kernels write bf16 (other output dtypes are cast from it). cuBLAS's block-scaled kernels take e4m3 operands
-only (an e5m2 operand is one clear error here), and want the scales in the layouts :func:`blockwise_scales`
-builds (measured on an H200 with torch 2.11; the rules are torch's ``_scaled_mm_v2`` checks).
+only, and want the scales in the layouts :func:`blockwise_scales` builds (measured on an H200 with torch 2.11;
+the rules are torch's ``_scaled_mm_v2`` checks); a block pair with an e5m2 operand (gradients in e5m2) runs our
+Triton block-scaled GEMM (``triton/block_scaled_mm.py``) instead.
 """
 
 from __future__ import annotations
@@ -34,12 +35,19 @@ def scaled_matmul(
 ) -> torch.Tensor:
     """``a [M, K] @ b [N, K]^T -> [M, N]`` in ``out_dtype`` from fp8 operands and their scales.
 
-    ``backend``: ``"scaled_mm"`` (torch's fp8 kernels, CUDA only), ``"reference"`` or ``None`` (by device).
+    ``backend``: ``"scaled_mm"`` (torch's fp8 kernels, CUDA only), ``"triton"`` (our block-scaled GEMM, block
+    pairs only; also under the Triton interpreter), ``"reference"`` or ``None`` (by device: on CUDA torch's
+    kernels, and ours for a block pair with an e5m2 operand, which cuBLAS refuses).
     """
     check_operands(a, b)
-    chosen = _choose(a, backend)
+    chosen = _choose(a, b, backend)
     if chosen == dispatch.REFERENCE:
         return reference_scaled_matmul(a, b, out_dtype)
+    if chosen == dispatch.TRITON:
+        from mcore.kernels.triton.block_scaled_mm import block_scaled_mm
+
+        square = b.granularity == "128x128"
+        return block_scaled_mm(a.data, b.data, a.scale, b.scale, square, out_dtype)
     check_cuda_shapes(a.granularity, a.shape[0], b.shape[0], a.shape[1])
     if a.granularity == "tensor":
         return torch._scaled_mm(a.data, b.data.t(), a.scale, b.scale, out_dtype=out_dtype)
@@ -84,13 +92,23 @@ def check_cuda_shapes(granularity: str, m: int, n: int, k: int) -> None:
         raise ValueError(f"scaled_matmul: {problem} (pad the dimension or keep this GEMM in bf16)")
 
 
-def _choose(a: Quantized, backend: str | None) -> str:
-    if backend is not None and backend not in (CUDA_BACKEND, dispatch.REFERENCE):
-        raise ValueError(f"scaled_matmul: unknown backend {backend!r}; expected {CUDA_BACKEND!r} or 'reference'")
+def _choose(a: Quantized, b: Quantized, backend: str | None) -> str:
+    allowed = (CUDA_BACKEND, dispatch.TRITON, dispatch.REFERENCE)
+    if backend is not None and backend not in allowed:
+        raise ValueError(f"scaled_matmul: unknown backend {backend!r}; expected one of {allowed}")
+    block = a.granularity == "1x128"
+    if backend == dispatch.TRITON:
+        if not block:
+            raise ValueError(f"scaled_matmul: backend 'triton' runs block-scaled pairs only, got {a.granularity!r}")
+        if not (a.data.is_cuda or dispatch.triton_interpreting()):
+            raise ValueError("scaled_matmul: backend 'triton' needs CUDA tensors or TRITON_INTERPRET=1")
+        return dispatch.TRITON
     if backend == dispatch.REFERENCE or (backend is None and not a.data.is_cuda):
         return dispatch.REFERENCE
     if not a.data.is_cuda:
         raise ValueError("scaled_matmul: backend='scaled_mm' needs CUDA tensors (torch's fp8 GEMMs are GPU-only)")
+    if backend is None and block and torch.float8_e5m2 in (a.data.dtype, b.data.dtype):
+        return dispatch.TRITON  # cuBLAS's block-scaled GEMMs take e4m3 only
     return CUDA_BACKEND
 
 
@@ -116,8 +134,8 @@ def _blockwise_cuda(a: Quantized, b: Quantized, out_dtype: torch.dtype) -> torch
     for name, q in (("a", a), ("b", b)):
         if q.data.dtype != torch.float8_e4m3fn:
             raise ValueError(
-                f"scaled_matmul: block-scaled fp8 GEMMs on CUDA take e4m3 operands only (cuBLAS), got {name} in "
-                f"{q.data.dtype}: quantize gradients in e4m3 (Recipe grad_format='e4m3', DeepSeek-V3's choice)"
+                f"scaled_matmul: cuBLAS's block-scaled fp8 GEMMs take e4m3 operands only, got {name} in "
+                f"{q.data.dtype}: use backend='triton' (or None) or quantize gradients in e4m3"
             )
     recipe = {"1x128": ScalingType.BlockWise1x128, "128x128": ScalingType.BlockWise128x128}
     scale_a, scale_b = blockwise_scales(a, b)

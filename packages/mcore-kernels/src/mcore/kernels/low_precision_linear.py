@@ -18,7 +18,7 @@ Recipes: ``tensorwise`` (current scaling; x, W and grad quantized together with 
 pass, the fp8 transposes saved for backward), ``delayed`` (tensor-wise, scale from the max of the last
 ``amax_history_len`` amaxes), ``rowwise``, ``blockwise`` (DeepSeek-V3's tiles: activations and gradients in
 1x128 tiles along the GEMM's reduction dimension, weights in 128x128 blocks; the weight gradient contracts over
-tokens, so both its operands are 1x128 tiles along the tokens; all operands e4m3), the emulated ``mxfp8``,
+tokens, so both its operands are 1x128 tiles along the tokens; e4m3 by default), the emulated ``mxfp8``,
 ``mxfp4``, ``nvfp4`` (quantize-dequantize, then a high-precision GEMM), and ``bitnet`` (BitNet b1.58:
 ternary weights, int8 per-token activations, straight-through gradients; ``bitnet.py``).
 
@@ -55,8 +55,8 @@ _GRANULARITY = {
 }
 _WGRAD_GRANULARITY = {**_GRANULARITY, "blockwise": ("1x128", "1x128")}
 # the gradient format when Recipe.grad_format is None: the "hybrid" e5m2 for tensor-wise scales (one scale over
-# the whole gradient needs the range), e4m3 where finer scales give the range (and cuBLAS's block-scaled GEMMs
-# take e4m3 only)
+# the whole gradient needs the range), e4m3 where finer scales give the range (cuBLAS's block-scaled GEMMs take
+# e4m3 only; with e5m2 block-wise runs our Triton GEMM)
 _DEFAULT_GRAD_FORMAT = {"tensorwise": "e5m2", "delayed": "e5m2"}
 _EMULATED_BLOCK = {"mxfp8": MX_BLOCK, "mxfp4": MX_BLOCK, "nvfp4": NVFP4_BLOCK}
 AmaxReduce = Callable[[torch.Tensor], None]
@@ -67,7 +67,8 @@ class Recipe:
     """How a linear's GEMMs are quantized.
 
     ``grad_format``: fp8 format of the gradient operands (``e5m2``: more range, the "hybrid" format; ``e4m3``:
-    more precision; ``None``: e5m2 for the tensor-wise recipes, e4m3 otherwise; block-wise takes e4m3 only).
+    more precision; ``None``: e5m2 for the tensor-wise recipes, e4m3 otherwise; block-wise e5m2 runs our Triton
+    block-scaled GEMM on CUDA, e4m3 cuBLAS's).
     ``amax_history_len`` / ``amax_compute`` (``max`` or ``most_recent``): delayed scaling.
     ``quantize_grads`` (emulated recipes): also quantize the gradient operands of dgrad and wgrad.
     """
@@ -84,11 +85,6 @@ class Recipe:
         if self.grad_format is None:
             object.__setattr__(self, "grad_format", _DEFAULT_GRAD_FORMAT.get(self.name, "e4m3"))
         fp8_dtype(self.grad_format)  # raises naming the valid formats
-        if self.name == "blockwise" and self.grad_format != "e4m3":
-            raise ValueError(
-                f"Recipe blockwise takes grad_format='e4m3' only (cuBLAS's block-scaled fp8 GEMMs on sm90 accept "
-                f"e4m3 operands only; DeepSeek-V3 uses e4m3 for gradients too), got {self.grad_format!r}"
-            )
         if self.amax_history_len < 1:
             raise ValueError(f"Recipe.amax_history_len must be >= 1, got {self.amax_history_len}")
         if self.amax_compute not in ("max", "most_recent"):

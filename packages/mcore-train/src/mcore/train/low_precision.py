@@ -44,7 +44,7 @@ class Fp8Section(_LowPrecisionSection):
     ``amax_history_len`` steps, ``amax_compute`` max or most_recent), ``rowwise``, ``blockwise`` (1x128
     activations and gradients, 128x128 weights) or ``mxfp8`` (emulated). ``grad_format``: e4m3 or e5m2 for
     the gradient operands (default e5m2 for tensor-wise recipes, e4m3 for row- and block-wise ones; block-wise
-    takes e4m3 only: cuBLAS's block-scaled GEMMs accept e4m3 operands only).
+    with e5m2 runs mcore's Triton block-scaled GEMM on CUDA, as cuBLAS's takes e4m3 only).
     ``keep`` / ``min_features`` / ``on_mismatch``: which linears stay in high precision, and what a linear
     whose shape does not fit the recipe does (``error`` or ``fallback`` to high precision, logged).
     """
@@ -53,11 +53,6 @@ class Fp8Section(_LowPrecisionSection):
     grad_format: Literal["e4m3", "e5m2"] | None = None
     amax_history_len: int = 16
     amax_compute: Literal["max", "most_recent"] = "max"
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if self.recipe == "blockwise" and self.grad_format == "e5m2":
-            raise ValueError("grad_format=e5m2 does not apply to recipe blockwise (e4m3 only); leave it unset")
 
     def to_recipe(self) -> Recipe:
         history, compute = self.amax_history_len, self.amax_compute
