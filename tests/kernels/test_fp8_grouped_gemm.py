@@ -45,11 +45,12 @@ def test_row_groups_name_each_rows_expert():
 def test_jagged_scales_are_the_amax_of_each_experts_rows():
     x, _, offsets = _inputs()
     t = x.detach()
-    data, scale = jagged_transpose_quantize(t, row_groups(offsets, ROWS), len(OFFSETS), "reference")
+    t[OFFSETS[-1] :] = 1e6  # rows of no expert: they must not enter any scale
+    data, scale = jagged_transpose_quantize(t, offsets, row_groups(offsets, ROWS), "reference")
     assert data.shape == (K, ROWS) and data.dtype == E4M3 and scale.shape == (len(OFFSETS) + 1, K)
     start = 0
     for e, end in enumerate([*OFFSETS, ROWS]):
-        if end == start:
+        if end == start or e == len(OFFSETS):
             assert torch.all(scale[e] == 1.0)  # no rows: the all-zero group's scale
             continue
         amax = t[start:end].double().abs().amax(0)
@@ -64,8 +65,9 @@ def test_triton_jagged_cast_equals_the_reference(interpreter):
     x, _, offsets = _inputs(seed=1)
     t = x.detach().to(torch.float16)[:104]  # 104 rows: the transposed rows get padded to 16 bytes
     groups = row_groups(offsets, t.shape[0])
-    ref = jagged_transpose_quantize(t, groups, len(OFFSETS), "reference")
-    tri = jagged_transpose_quantize(t, groups, len(OFFSETS), SCALED_GROUPED_MM)  # the CUDA path's Triton cast
+    t[OFFSETS[-1] :] *= 1000  # rows of no expert: left out of every scale by both
+    ref = jagged_transpose_quantize(t, offsets, groups, "reference")
+    tri = jagged_transpose_quantize(t, offsets, groups, SCALED_GROUPED_MM)  # the CUDA path's Triton kernels
     assert tri[0].shape == (K, 104) and tri[0].stride() == (112, 1)
     assert torch.equal(tri[0].float(), ref[0].float()) and torch.equal(tri[1], ref[1])
 

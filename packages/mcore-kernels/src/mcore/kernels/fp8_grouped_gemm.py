@@ -80,24 +80,26 @@ def row_groups(offsets: torch.Tensor, rows: int) -> torch.Tensor:
     return torch.searchsorted(offsets, torch.arange(rows, device=offsets.device, dtype=offsets.dtype), right=True)
 
 
-def jagged_transpose_quantize(t: torch.Tensor, groups: torch.Tensor, experts: int, backend: str):
+def jagged_transpose_quantize(t: torch.Tensor, offsets: torch.Tensor, groups: torch.Tensor, backend: str):
     """``t^T`` [C, T] in e4m3 with one scale per (expert, column) over that expert's rows of ``t`` [T, C].
 
-    Returns ``(data [C, T], scale [E + 1, C])``; row ``E`` of the scales belongs to the rows of no expert.
+    Returns ``(data [C, T], scale [E + 1, C])``; row ``E`` of the scales belongs to the rows of no expert (scale 1).
     """
-    cols = t.shape[1]
-    index = groups.unsqueeze(1).expand(-1, cols)
-    # max |t| per (expert, column) from a max and a min: no |t| temporary the size of t
-    high = t.new_zeros(experts + 1, cols).scatter_reduce_(0, index, t, "amax")
-    low = t.new_zeros(experts + 1, cols).scatter_reduce_(0, index, t, "amin")
-    multiplier, scale = scale_from_amax(torch.maximum(high, -low), FP8_MAX[E4M3])
+    experts, cols = offsets.shape[0], t.shape[1]
     if backend == dispatch.REFERENCE:
-        data = reference_cast(t, multiplier[groups], E4M3).t().contiguous()
-    else:
-        from mcore.kernels.triton import quantization as tq
+        # max |t| per (expert, column) from a max and a min (no |t| temporary), the rows of no expert left out
+        index = groups.clamp(max=experts).unsqueeze(1).expand(-1, cols)
+        high = t.new_zeros(experts + 1, cols).scatter_reduce_(0, index, t, "amax")
+        low = t.new_zeros(experts + 1, cols).scatter_reduce_(0, index, t, "amin")
+        amax = torch.maximum(high, -low).float()
+        amax[experts] = 0.0
+        multiplier, scale = scale_from_amax(amax, FP8_MAX[E4M3])
+        return reference_cast(t, multiplier[groups], E4M3).t().contiguous(), scale
+    from mcore.kernels.triton import quantization as tq
 
-        data = tq.cast_grouped_columns(t, multiplier, groups, E4M3)
-    return data, scale
+    # one pass over each expert's rows for the amax (the rows are sorted by expert), one cast pass
+    multiplier, scale = scale_from_amax(tq.jagged_column_amax(t, offsets), FP8_MAX[E4M3])
+    return tq.cast_grouped_columns(t, multiplier, groups, E4M3), scale
 
 
 def _row_mask(rows: int, offsets: torch.Tensor) -> torch.Tensor:
@@ -141,8 +143,8 @@ def _grouped_2d_3d(qa: Quantized, qb: Quantized, offsets: torch.Tensor, backend:
 def _weight_grad(dy, x, offsets, experts: int, backend: str) -> torch.Tensor:
     """``dw[e] = dy[rows of e]^T @ x[rows of e]`` with jagged row-wise fp8 operands: [E, N, K]."""
     groups = row_groups(offsets, x.shape[0])
-    dy_t, dy_scale = jagged_transpose_quantize(dy, groups, experts, backend)
-    x_t, x_scale = jagged_transpose_quantize(x, groups, experts, backend)
+    dy_t, dy_scale = jagged_transpose_quantize(dy, offsets, groups, backend)
+    x_t, x_scale = jagged_transpose_quantize(x, offsets, groups, backend)
     if backend == SCALED_GROUPED_MM:
         scale_a, scale_b = dy_scale[:experts].reshape(-1), x_scale[:experts].reshape(-1)
         return torch._scaled_grouped_mm(dy_t, x_t.t(), scale_a, scale_b, offs=offsets, out_dtype=torch.bfloat16)

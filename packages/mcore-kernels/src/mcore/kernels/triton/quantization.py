@@ -253,3 +253,35 @@ def quantize_blocks(
         num_warps=8 if square else 4,
     )
     return data, scale
+
+
+@triton.jit
+def _jagged_column_amax_kernel(X, ENDS, AMAX, n_cols, stride_xr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    """``AMAX[e, c] = max |X[r, c]|`` over expert ``e``'s rows ``[ENDS[e-1], ENDS[e])``: one program per (expert,
+    column block), reading only that expert's rows (the rows are sorted by expert), no atomics."""
+    expert = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    cmask = cols < n_cols
+    start = tl.load(ENDS + expert - 1, mask=expert > 0, other=0)
+    end = tl.load(ENDS + expert)
+    amax = tl.zeros((BLOCK_C,), dtype=tl.float32)
+    for row0 in range(start, end, BLOCK_R):
+        rows = row0 + tl.arange(0, BLOCK_R)
+        mask = (rows < end)[:, None] & cmask[None, :]
+        x = tl.load(X + rows.to(tl.int64)[:, None] * stride_xr + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        amax = tl.maximum(amax, tl.max(tl.where(x != x, float("inf"), tl.abs(x)), axis=0))
+    tl.store(AMAX + expert.to(tl.int64) * n_cols + cols, amax, mask=cmask)
+
+
+def jagged_column_amax(x: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """``[E + 1, C]`` fp32: the column amax of each expert's rows of ``x`` [T, C] (row ``E``, no expert: zeros)."""
+    rows, cols = x.shape
+    experts = offsets.shape[0]
+    out = torch.zeros((experts + 1, cols), dtype=torch.float32, device=x.device)
+    if rows == 0 or cols == 0 or experts == 0:
+        return out
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    grid = (experts, triton.cdiv(cols, 128))
+    _jagged_column_amax_kernel[grid](x, offsets, out, cols, x.stride(0), BLOCK_R=32, BLOCK_C=128, num_warps=4)
+    return out
