@@ -105,6 +105,22 @@ def _config_of(hf_dir: Path):
     return hf_to_mcore(hf, family_for_hf_config(hf, "config.json"), "config.json")
 
 
+def test_cli_writes_a_trained_checkpoint_packed_on_request(tmp_path):
+    from mcore.bridge.cli import main
+
+    plain = save_tiny_hf(tmp_path / "plain", "bitnet")
+    assert main(["convert", str(plain), str(tmp_path / "mcore"), "--no-progress"]) == 0
+    args = ["convert", str(tmp_path / "mcore"), str(tmp_path / "packed"), "--no-progress", "--bitnet-packed", "yes"]
+    assert main(args) == 0
+    state = read_state(tmp_path / "packed")
+    assert state["model.layers.1.self_attn.q_proj.weight"].dtype == torch.uint8
+    assert "model.layers.1.self_attn.q_proj.weight_scale" in state
+    config = json.loads((tmp_path / "packed" / "config.json").read_text())
+    assert config["quantization_config"]["quant_method"] == "bitnet"
+    with pytest.raises(BridgeError, match="--bitnet-packed applies to mcore -> hf"):
+        convert(plain, tmp_path / "x", bitnet_packed=True, progress=False)
+
+
 def test_plain_export_of_a_packed_import_drops_the_quantization_config(tmp_path):
     packed = _packed_hf_dir(tmp_path / "hf")
     config = _config_of(packed)

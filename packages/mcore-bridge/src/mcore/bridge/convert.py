@@ -187,7 +187,12 @@ class McoreToHF:
 
     @classmethod
     def from_checkpoint(
-        cls, path: Path, target_dtype: torch.dtype | None, max_shard_bytes: int, assets: Path | None = None
+        cls,
+        path: Path,
+        target_dtype: torch.dtype | None,
+        max_shard_bytes: int,
+        assets: Path | None = None,
+        bitnet_packed: bool | None = None,
     ) -> McoreToHF:
         reader = CheckpointReader(path)
         where = str(reader.path)
@@ -213,6 +218,7 @@ class McoreToHF:
             target_dtype=target_dtype,
             max_shard_bytes=max_shard_bytes,
             assets=assets if assets is not None else (sidecar if sidecar.is_dir() else None),
+            bitnet_packed=bitnet_packed,
         )
 
     @property
@@ -279,6 +285,7 @@ def convert(
     overwrite: bool = False,
     progress: bool | None = None,
     hf_assets: str | os.PathLike | None = None,
+    bitnet_packed: bool | None = None,
 ) -> ConversionResult:
     """Convert SRC (HF directory, hub id, or mcore checkpoint) into DST, in the direction SRC implies.
 
@@ -290,6 +297,8 @@ def convert(
         progress: show the progress bar (``None``: only on a terminal).
         hf_assets: mcore -> HF only: a directory with the ``config.json`` (extra keys, spelling) and tokenizer files
             to write beside the weights, for a checkpoint that carries none (e.g. one saved by training).
+        bitnet_packed: mcore -> HF of a bitnet model only: write HF's packed ternary weights (``True``) or plain
+            ones (``False``); ``None``: as the HF files the checkpoint was converted from.
 
     Raises:
         BridgeError: for any problem with the input, before DST is touched.
@@ -311,11 +320,13 @@ def convert(
     check_destination(dst, overwrite, [source.path])
     try:
         if source.kind == "hf":
-            if hf_assets is not None:
-                raise BridgeError("--hf-assets applies to mcore -> hf conversions; SRC is a Hugging Face model")
+            if hf_assets is not None or bitnet_packed is not None:
+                what = "--hf-assets" if hf_assets is not None else "--bitnet-packed"
+                raise BridgeError(f"{what} applies to mcore -> hf conversions; SRC is a Hugging Face model")
             job: HFToMcore | McoreToHF = HFToMcore(source.path, target_dtype)
         else:
-            job = McoreToHF.from_checkpoint(source.path, target_dtype, max_shard_bytes, assets_dir(hf_assets))
+            assets = assets_dir(hf_assets)
+            job = McoreToHF.from_checkpoint(source.path, target_dtype, max_shard_bytes, assets, bitnet_packed)
         with staged_directory(dst, overwrite) as staged:
             count = job.write(staged, progress)
     except CheckpointError as exc:
