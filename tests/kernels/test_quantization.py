@@ -189,3 +189,12 @@ def test_cuda_kernels_equal_reference(cuda_triton, granularity):
             tri = quantize_fp8(x, dtype, granularity, transpose=transpose, backend="triton")
             torch.testing.assert_close(tri.data.float(), ref.data.float(), rtol=0, atol=0, equal_nan=True)
             torch.testing.assert_close(tri.scale, ref.scale, rtol=0, atol=0, equal_nan=True)
+
+
+def test_abs_max_is_the_amax_without_the_abs_temporary():
+    from mcore.kernels.quantization import abs_max
+
+    x = torch.randn(40, 72, generator=torch.Generator().manual_seed(9)).to(torch.bfloat16) * 5
+    assert torch.equal(abs_max(x), x.abs().amax()) and torch.equal(abs_max(x.t(), 1), x.t().abs().amax(1, True))
+    x[3, 5] = float("nan")
+    assert abs_max(x).isnan() and abs_max(x, 1)[3].isnan() and not abs_max(x, 1)[4].isnan()
