@@ -80,9 +80,30 @@ def test_cuda_scaled_mm_equals_the_reference(pair, m, n, k):
     gen = torch.Generator().manual_seed(0)
     a, b = _operands(m, n, k, gen, "cuda")
     qa, qb = quantize_fp8(a, E4M3, pair[0]), quantize_fp8(b, E4M3, pair[1])
-    fast = scaled_matmul(qa, qb, out_dtype=torch.bfloat16)
+    fast = scaled_matmul(qa, qb, out_dtype=torch.bfloat16, backend="scaled_mm")  # torch's kernels, no fallback
     ref = scaled_matmul(qa, qb, out_dtype=torch.float32, backend="reference")
     torch.testing.assert_close(fast.float(), ref, rtol=1.6e-2, atol=1.6e-2 * ref.abs().max().item())
+
+
+def test_a_block_pair_torch_refuses_falls_back_to_the_triton_gemm(interpreter, monkeypatch, caplog):
+    import mcore.kernels.fp8_gemm as fp8_gemm
+
+    def refuse(a, b, out_dtype):
+        raise ValueError("Invalid scaling configuration.")
+
+    monkeypatch.setattr(fp8_gemm, "_blockwise_cuda", refuse)
+    monkeypatch.setattr(fp8_gemm, "_CUBLAS_REFUSED", set())
+    monkeypatch.setattr(fp8_gemm, "_choose", lambda a, b, backend: backend or fp8_gemm.CUDA_BACKEND)  # as on CUDA
+    gen = torch.Generator().manual_seed(7)
+    a, b = _operands(128, 128, 256, gen)
+    qa, qb = _stand_in(quantize_fp8(a, E4M3, "1x128")), _stand_in(quantize_fp8(b, E4M3, "1x128"))
+    with caplog.at_level("WARNING", logger="mcore.kernels"):
+        got = scaled_matmul(qa, qb, out_dtype=torch.float32)
+    assert {("1x128", "1x128")} == fp8_gemm._CUBLAS_REFUSED and "using mcore's Triton GEMM" in caplog.text
+    want = scaled_matmul(qa, qb, out_dtype=torch.float32, backend="reference")
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+    with pytest.raises(ValueError, match="Invalid scaling"):
+        scaled_matmul(qa, qb, backend="scaled_mm")  # asked for torch's kernel: no fallback
 
 
 def _stand_in(q):

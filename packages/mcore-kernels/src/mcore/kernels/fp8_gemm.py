@@ -44,17 +44,34 @@ def scaled_matmul(
     if chosen == dispatch.REFERENCE:
         return reference_scaled_matmul(a, b, out_dtype)
     if chosen == dispatch.TRITON:
-        from mcore.kernels.triton.block_scaled_mm import block_scaled_mm
-
-        square = b.granularity == "128x128"
-        return block_scaled_mm(a.data, b.data, a.scale, b.scale, square, out_dtype)
+        return _blockwise_triton(a, b, out_dtype)
     check_cuda_shapes(a.granularity, a.shape[0], b.shape[0], a.shape[1])
     if a.granularity == "tensor":
         return torch._scaled_mm(a.data, b.data.t(), a.scale, b.scale, out_dtype=out_dtype)
     if a.granularity == "row":
         out = torch._scaled_mm(a.data, b.data.t(), a.scale, b.scale.reshape(1, -1), out_dtype=torch.bfloat16)
         return out.to(out_dtype)
-    return _blockwise_cuda(a, b, out_dtype)
+    pair = (a.granularity, b.granularity)
+    if backend is None and pair in _CUBLAS_REFUSED:
+        return _blockwise_triton(a, b, out_dtype)
+    try:
+        return _blockwise_cuda(a, b, out_dtype)
+    except (RuntimeError, ValueError) as exc:  # this torch / cuBLAS lacks the pair: ours runs it, logged once
+        if backend is not None:
+            raise
+        _CUBLAS_REFUSED.add(pair)
+        logger.warning("scaled_matmul: torch refused block pair %s (%s); using mcore's Triton GEMM", pair, exc)
+        return _blockwise_triton(a, b, out_dtype)
+
+
+# block pairs the running torch refused (its CUDA build's cuBLAS lacks them): the Triton GEMM takes them instead
+_CUBLAS_REFUSED: set[tuple[str, str]] = set()
+
+
+def _blockwise_triton(a: Quantized, b: Quantized, out_dtype: torch.dtype) -> torch.Tensor:
+    from mcore.kernels.triton.block_scaled_mm import block_scaled_mm
+
+    return block_scaled_mm(a.data, b.data, a.scale, b.scale, b.granularity == "128x128", out_dtype)
 
 
 def reference_scaled_matmul(a: Quantized, b: Quantized, out_dtype: torch.dtype) -> torch.Tensor:
