@@ -159,12 +159,15 @@ def test_bad_input_shape_and_dtype():
 def test_triton_equals_reference(interpreter, granularity, transpose):
     gen = torch.Generator().manual_seed(3)
     x = (torch.randn(136, 200, generator=gen) * torch.logspace(-2, 2, 200)).to(torch.float16)
+    x[3, 5] = float("nan")  # its group keeps multiplier 1 and scale 1 (the H200 run found a NaN scale here)
     for dtype in (E4M3, E5M2):
         ref = quantize_fp8(x, dtype, granularity, transpose=transpose, backend="reference")
         tri = quantize_fp8(x, dtype, granularity, transpose=transpose, backend="triton")
         assert tri.data.is_contiguous() and tri.data.shape == ref.data.shape
-        assert torch.equal(tri.data.float(), ref.data.float())
-        assert torch.equal(tri.scale, ref.scale)
+        # the interpreter casts a NaN to fp8 as 384 (the GPU keeps NaN: test_cuda_kernels_equal_reference)
+        keep = ~ref.data.float().isnan()
+        assert torch.equal(tri.data.float()[keep], ref.data.float()[keep]) and keep.sum() == x.numel() - 1
+        assert torch.equal(tri.scale, ref.scale) and not tri.scale.isnan().any()
 
 
 def test_triton_pair_equals_reference(interpreter):

@@ -145,7 +145,7 @@ def _weight_grad(dy, x, offsets, experts: int, backend: str) -> torch.Tensor:
     groups = row_groups(offsets, x.shape[0])
     dy_t, dy_scale = jagged_transpose_quantize(dy, offsets, groups, backend)
     x_t, x_scale = jagged_transpose_quantize(x, offsets, groups, backend)
-    if backend == SCALED_GROUPED_MM:
+    if backend == SCALED_GROUPED_MM:  # dy_t [N, T16] and x_t [K, T16]: tokens padded to 16, past offsets[-1]
         scale_a, scale_b = dy_scale[:experts].reshape(-1), x_scale[:experts].reshape(-1)
         return torch._scaled_grouped_mm(dy_t, x_t.t(), scale_a, scale_b, offs=offsets, out_dtype=torch.bfloat16)
     dw = torch.zeros(experts, dy.shape[1], x.shape[1], dtype=torch.float32, device=x.device)

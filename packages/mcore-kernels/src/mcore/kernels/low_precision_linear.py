@@ -278,7 +278,8 @@ class _Fp8LinearFunction(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             grad_x = layer.matmul(qg, qw_t, grad_out.dtype).reshape(ctx.x_shape)
         if ctx.needs_input_grad[1]:
-            grad_w = layer.matmul(qg_t, qx_t, torch.float32).to(ctx.weight_dtype)
+            # straight into the weight's dtype: the kernels accumulate in fp32 whatever they write
+            grad_w = layer.matmul(qg_t, qx_t, ctx.weight_dtype)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_b = g2.sum(0)
         return grad_x, grad_w, grad_b, None

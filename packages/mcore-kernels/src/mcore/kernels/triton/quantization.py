@@ -137,7 +137,7 @@ def _block_quant_kernel(
     else:
         amax = tl.max(a, axis=1)
     ok = (amax > 0.0) & (amax < float("inf"))
-    zero = amax * 0.0  # a scalar (128x128) or a vector (1x128), like amax
+    zero = tl.zeros_like(amax)  # a scalar (128x128) or a vector (1x128), like amax (amax * 0 is NaN for inf)
     mult = tl.where(ok, tl.math.div_rn(zero + FMAX, tl.where(ok, amax, 1.0)), 1.0)
     scale = tl.math.div_rn(zero + 1.0, mult)
     if SQUARE:
@@ -197,11 +197,13 @@ def cast_scaled(x: torch.Tensor, multiplier: torch.Tensor, dtype: torch.dtype, *
 def cast_grouped_columns(
     x: torch.Tensor, multiplier: torch.Tensor, group: torch.Tensor, dtype: torch.dtype
 ) -> torch.Tensor:
-    """``cast(clamp(x * multiplier[group[r], c]))`` written transposed (``[cols, rows]``, each row padded to 16
-    bytes: torch's fp8 grouped GEMM wants aligned rows): the jagged row-wise scales of the grouped weight
-    gradient (one per expert and column, over that expert's rows)."""
+    """``cast(clamp(x * multiplier[group[r], c]))`` written transposed: ``[cols, round_up(rows, 16)]``, the
+    padding columns zero (torch's fp8 grouped GEMM wants K, here the tokens, a multiple of 16): the jagged
+    row-wise scales of the grouped weight gradient (one per expert and column, over that expert's rows)."""
     rows, cols = x.shape
-    out = torch.empty((cols, -(-rows // 16) * 16), dtype=dtype, device=x.device)[:, :rows]
+    padded = -(-rows // 16) * 16  # torch's grouped kernel wants the token count (the GEMM's K) a multiple of 16
+    out = torch.empty((cols, padded), dtype=dtype, device=x.device)
+    out[:, rows:] = 0  # past offsets[-1]: never read, but defined
     _launch_cast(x, multiplier.to(torch.float32), None, out, 3, dtype, group=group.to(torch.int32).contiguous())
     return out
 
