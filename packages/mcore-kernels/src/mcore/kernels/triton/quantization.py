@@ -1,7 +1,9 @@
 """Triton fp8 cast kernels, each reading its input once and writing fp8 in the layout the next GEMM wants.
 
-* ``_cast_kernel``: scaled cast with a given multiplier (one value, or one per output row), writing ``q``,
-  ``q^T`` or both from the same tile (tensor-wise and row-wise scaling, where the amax is known beforehand).
+* ``_tiled_cast_kernel``: scaled cast with a given multiplier (one value, or one per output row) writing ``q`` or
+  ``q^T`` (tensor-wise and row-wise scaling, where the amax is known beforehand), tiled like the block kernel.
+* ``_cast_kernel``: ``q`` and ``q^T`` from the same tile (tensor-wise pairs), or the jagged row-wise cast of the
+  grouped weight gradient (one multiplier per expert and column).
 * ``_block_quant_kernel``: amax, scale and cast of ``1x128`` or ``128x128`` groups in one pass, reading the
   source transposed when the GEMM needs ``x^T`` (the tile is loaded along x's contiguous dimension and
   transposed in registers, so the global reads stay coalesced).
@@ -60,7 +62,7 @@ def _cast_kernel(
     FMAX: tl.constexpr,
     MBITS: tl.constexpr,
     MIN_EXP: tl.constexpr,
-    MULT_PER: tl.constexpr,  # 0: one multiplier, 1: one per x row, 2: one per x column, 3: MULT[GROUP[row], col]
+    MULT_PER: tl.constexpr,  # 0: one multiplier, 3: MULT[GROUP[row], col] (jagged row-wise)
     WRITE_Y: tl.constexpr,
     WRITE_YT: tl.constexpr,
     RECORD_AMAX: tl.constexpr,  # also max |x| of the tile into AMAX_OUT (delayed scaling: one read)
@@ -80,12 +82,6 @@ def _cast_kernel(
     if MULT_PER == 0:
         m = tl.load(MULT)
         v = x * m
-    elif MULT_PER == 1:
-        m = tl.load(MULT + rows, mask=rmask, other=1.0)
-        v = x * m[:, None]
-    elif MULT_PER == 2:
-        m = tl.load(MULT + cols, mask=cmask, other=1.0)
-        v = x * m[None, :]
     else:  # jagged row-wise: one multiplier per (group of the row, column), MULT [groups, n_cols] row-major
         group = tl.load(GROUP + rows, mask=rmask, other=0).to(tl.int64)
         m = tl.load(MULT + group[:, None] * n_cols + c64[None, :], mask=mask, other=1.0)
@@ -150,6 +146,45 @@ def _block_quant_kernel(
     tl.store(Y + r64[:, None] * n_cols + c64[None, :], v.to(Y.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def _tiled_cast_kernel(
+    X,
+    MULT,
+    Y,
+    n_rows,
+    n_cols,
+    stride_x0,
+    stride_x1,
+    FMAX: tl.constexpr,
+    MBITS: tl.constexpr,
+    MIN_EXP: tl.constexpr,
+    PER_ROW: tl.constexpr,  # one multiplier per output row (else one in all)
+    TRANSPOSED: tl.constexpr,  # output (r, c) reads x[c, r]
+    BLOCK_R: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+):
+    """A scaled cast with a given multiplier, tiled like ``_block_quant_kernel`` (16 x 128 output tiles; the
+    transposed source tile loaded along x's contiguous dimension and transposed in registers)."""
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    rmask = rows < n_rows
+    mask = rmask[:, None] & (cols < n_cols)[None, :]
+    r64 = rows.to(tl.int64)
+    c64 = cols.to(tl.int64)
+    if TRANSPOSED:
+        mask_t = (cols < n_cols)[:, None] & rmask[None, :]
+        xt = tl.load(X + c64[:, None] * stride_x0 + r64[None, :] * stride_x1, mask=mask_t, other=0.0)
+        x = tl.trans(xt).to(tl.float32)
+    else:
+        x = tl.load(X + r64[:, None] * stride_x0 + c64[None, :] * stride_x1, mask=mask, other=0.0).to(tl.float32)
+    if PER_ROW:
+        v = x * tl.load(MULT + rows, mask=rmask, other=1.0)[:, None]
+    else:
+        v = x * tl.load(MULT)
+    v = _round_to_fp8(v, FMAX, MBITS, MIN_EXP)
+    tl.store(Y + r64[:, None] * n_cols + c64[None, :], v.to(Y.dtype.element_ty), mask=mask)
+
+
 def _launch_cast(x, multiplier, y, yt, mult_per: int, dtype: torch.dtype, amax_out=None, group=None) -> None:
     """``yt`` may be a view with a row stride above its row length (aligned rows)."""
     rows, cols = x.shape
@@ -183,14 +218,28 @@ def _launch_cast(x, multiplier, y, yt, mult_per: int, dtype: torch.dtype, amax_o
 
 def cast_scaled(x: torch.Tensor, multiplier: torch.Tensor, dtype: torch.dtype, *, transpose: bool) -> torch.Tensor:
     """``cast(clamp(src * multiplier))`` of ``src = x`` or ``x^T``; ``multiplier`` is ``[]`` or one per src row."""
-    per_row = multiplier.dim() == 2  # [rows, 1] for row-wise scaling, [] for tensor-wise
-    mult_per = 0 if not per_row else (2 if transpose else 1)
-    rows, cols = x.shape
-    out = torch.empty((cols, rows) if transpose else (rows, cols), dtype=dtype, device=x.device)
-    if transpose:
-        _launch_cast(x, multiplier.to(torch.float32), None, out, mult_per, dtype)
-    else:
-        _launch_cast(x, multiplier.to(torch.float32), out, None, mult_per, dtype)
+    rows, cols = (x.shape[1], x.shape[0]) if transpose else x.shape
+    out = torch.empty((rows, cols), dtype=dtype, device=x.device)
+    if rows == 0 or cols == 0:
+        return out
+    grid = (triton.cdiv(rows, _BLOCK_ROWS_1X128), triton.cdiv(cols, BLOCK))
+    _tiled_cast_kernel[grid](
+        x,
+        multiplier.to(torch.float32).reshape(-1).contiguous(),
+        out,
+        rows,
+        cols,
+        x.stride(0),
+        x.stride(1),
+        FMAX=FP8_MAX[dtype],
+        MBITS=_FORMAT_BITS[dtype][0],
+        MIN_EXP=_FORMAT_BITS[dtype][1],
+        PER_ROW=multiplier.dim() == 2,  # [rows, 1] for row-wise scaling, [] for tensor-wise
+        TRANSPOSED=transpose,
+        BLOCK_R=_BLOCK_ROWS_1X128,
+        BLOCK_C=BLOCK,
+        num_warps=4,
+    )
     return out
 
 
