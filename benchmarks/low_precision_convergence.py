@@ -30,6 +30,7 @@ import argparse
 import json
 import statistics
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -145,7 +146,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.text == "stdlib":
         from real_text import build_corpus
 
-        data_path, args.text_info = build_corpus(args.out / "text", int(args.text_mb * 2**20))
+        # the tokenized text (tens of MB) goes to a temporary directory, not beside the results
+        text_dir = Path(tempfile.mkdtemp(prefix="mcore-text-"))
+        data_path, args.text_info = build_corpus(text_dir, int(args.text_mb * 2**20))
     for name in args.names:
         if name in results:
             continue
