@@ -12,6 +12,9 @@ from mcore.kernels.attention_layout import AttentionLayout
 from mcore.kernels.triton.flash_schedule import build_blocks
 
 CU = [0, 7, 40, 45, 57, 80]  # 5 documents over 2 rows of 40, crossing 16-token blocks, a boundary at 40
+# Documents of at most 16 tokens (the interpreter's key block; x8 on the GPU: at most 128): dQ is stored by the
+# dK/dV kernel, the dQ kernel does not run.
+SHORT_CU = [0, 7, 16, 20, 32, 40, 45, 57, 64, 80]
 
 CASES = {
     "causal_mha": dict(s=40, n_kv=4),
@@ -24,6 +27,9 @@ CASES = {
     "sinks": dict(s=24, n_kv=2, sinks=True),
     "window_documents_sinks": dict(s=40, n_kv=2, window_size=6, cu_seqlens=CU, sinks=True, softmax_scale=0.3),
     "mla_head_dims": dict(s=40, n_kv=4, d_qk=24, d_v=16, cu_seqlens=CU),
+    "short_documents": dict(s=40, n_kv=2, cu_seqlens=SHORT_CU),
+    "short_documents_window_sinks": dict(s=40, n_kv=1, window_size=5, cu_seqlens=SHORT_CU, sinks=True),
+    "short_documents_bidirectional_mla": dict(s=40, n_kv=2, causal=False, d_qk=24, d_v=16, cu_seqlens=SHORT_CU),
 }
 
 
@@ -113,6 +119,42 @@ def test_triton_vs_float64(case_name, interpreter):
     assert _rel(lse, ref_lse) < 1e-6
     for name, got, want in zip(["q", "k", "v", "sinks"], leaves, ref_leaves):
         assert _rel(got.grad, want.grad) < 1e-5, name
+
+
+@pytest.mark.parametrize("deterministic", [True, False])
+def test_short_documents_store_dq_in_the_kv_kernel(deterministic, interpreter, spy, forbid):
+    """Every document fits in one key block: the dK/dV kernel writes dQ (no dQ kernel, no atomics)."""
+    from mcore.kernels.triton.flash_backward_kernels import DQ_STORE
+
+    calls = spy("mcore.kernels.triton.flash_backward", "launch_kv")
+    forbid("mcore.kernels.triton.flash_backward", "launch_dq")
+    case = CASES["short_documents_window_sinks"]
+    out, lse, ref_out, ref_lse, leaves, ref_leaves = _run_case(case, interpreter, torch.float32, deterministic, True)
+    assert [call[0][-1] for call in calls] == [DQ_STORE]
+    for name, got, want in zip(["q", "k", "v", "sinks"], leaves, ref_leaves):
+        assert _rel(got.grad, want.grad) < 1e-5, name
+
+
+def test_fused_dq_needs_one_key_block_per_query():
+    from mcore.kernels.triton.flash_configs import fused_dq_possible
+
+    short = AttentionLayout.from_documents(2, 40, 40, causal=True, bounds=SHORT_CU)
+    assert fused_dq_possible(short, 16) and not fused_dq_possible(short, 8)  # a 12-token document needs 16
+    assert not fused_dq_possible(AttentionLayout.from_documents(2, 40, 40, causal=True, bounds=CU), 16)
+    assert fused_dq_possible(AttentionLayout.from_documents(2, 16, 16, causal=False), 16)
+    *_, ring = _ring_layouts()  # queries paired with two key segments, positions shifted: not fusable
+    assert not fused_dq_possible(ring, 64)
+    cross = AttentionLayout(1, 8, 12, False, None, ((0, 0, 8, 0, 0, 12, 0),))
+    assert not fused_dq_possible(cross, 16)
+
+
+def test_bad_tile_configs():
+    from mcore.kernels.triton.flash_configs import FlashConfig
+
+    with pytest.raises(ValueError, match=r"block_n must be a power of two >= 16, got 48"):
+        FlashConfig(64, 48, 4, 2)
+    with pytest.raises(ValueError, match=r"num_stages must be an int >= 1, got 0"):
+        FlashConfig(64, 64, 4, 0)
 
 
 def test_deterministic_backward_is_bitwise_repeatable(interpreter):

@@ -16,46 +16,42 @@ differ from the v head dim (MLA: 192 / 128); both are padded to powers of two in
 
 from __future__ import annotations
 
-import dataclasses
-import functools
-
 import torch
 import triton
 import triton.language as tl
 
 from mcore.kernels.attention_layout import AttentionLayout
 from mcore.kernels.dispatch import triton_interpreting
+from mcore.kernels.triton.flash_configs import FlashConfig, kernel_configs, longest_segment
 from mcore.kernels.triton.flash_schedule import device_blocks
 
 LOG2E = 1.4426950408889634
 
 
-@dataclasses.dataclass(frozen=True)
-class FlashConfig:
-    """Tile sizes of one kernel launch (rows of the program's own block x rows of the other side)."""
-
-    block_m: int
-    block_n: int
-    num_warps: int
-    num_stages: int
-
-
-@functools.cache
-def forward_config(head_dim_qk: int, head_dim_v: int, interpreting: bool) -> FlashConfig:
-    """Forward tiles per head dim. 128 x 64 with 8 warps is the FA2 choice for D <= 128 on sm90; wider heads
-    halve the key block so K, V and the accumulator stay within shared memory and registers."""
-    if interpreting:
-        return FlashConfig(16, 16, 1, 1)
-    widest = max(head_dim_qk, head_dim_v)
-    if widest <= 64:
-        return FlashConfig(128, 64, 4, 3)
-    if widest <= 128:
-        return FlashConfig(128, 64, 8, 3)
-    return FlashConfig(128, 32, 8, 2)
-
-
 def _pad_dim(d: int) -> int:
     return max(16, triton.next_power_of_2(d))
+
+
+def forward_config(head_dim_qk: int, head_dim_v: int, layout: AttentionLayout) -> FlashConfig:
+    """The forward's tiles from :mod:`.flash_configs` (per head dim and longest document)."""
+    return kernel_configs(head_dim_qk, head_dim_v, longest_segment(layout), triton_interpreting()).forward
+
+
+@triton.jit
+def _load_rows(ptrs, rows_valid, offs_d, D, ROWS_MASKED: tl.constexpr, EVEN_D: tl.constexpr):
+    """A [rows, D] tile; masks the compiler cannot drop are left out where the caller knows they hold
+    (interior blocks: every row valid; a head dim that is a power of two: every column valid)."""
+    if ROWS_MASKED:
+        if EVEN_D:
+            tile = tl.load(ptrs, mask=rows_valid[:, None], other=0.0)
+        else:
+            tile = tl.load(ptrs, mask=rows_valid[:, None] & (offs_d < D)[None, :], other=0.0)
+    else:
+        if EVEN_D:
+            tile = tl.load(ptrs)
+        else:
+            tile = tl.load(ptrs, mask=(offs_d < D)[None, :], other=0.0)
+    return tile
 
 
 @triton.jit
@@ -83,15 +79,12 @@ def _fwd_block(
     CAUSAL: tl.constexpr,
     HAS_WINDOW: tl.constexpr,
     PRECISION: tl.constexpr,
+    EVEN_D: tl.constexpr,
 ):
     kn = key + offs_n
     k_valid = kn < k_len
-    kt = tl.load(
-        k_base + kn[None, :] * stride_ks + offs_dqk[:, None],
-        mask=k_valid[None, :] & (offs_dqk < D_QK)[:, None],
-        other=0.0,
-    )
-    scores = tl.dot(q, kt, input_precision=PRECISION) * scale_log2
+    k = _load_rows(k_base + kn[:, None] * stride_ks + offs_dqk[None, :], k_valid, offs_dqk, D_QK, MASKED, EVEN_D)
+    scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
     if MASKED:
         k_rows_pos = k_pos + kn
         allowed = k_valid[None, :]
@@ -106,11 +99,7 @@ def _fwd_block(
     p = tl.exp2(scores - m_shift[:, None])
     alpha = tl.exp2(m_i - m_shift)
     l_i = l_i * alpha + tl.sum(p, 1)
-    v = tl.load(
-        v_base + kn[:, None] * stride_vs + offs_dv[None, :],
-        mask=k_valid[:, None] & (offs_dv < D_V)[None, :],
-        other=0.0,
-    )
+    v = _load_rows(v_base + kn[:, None] * stride_vs + offs_dv[None, :], k_valid, offs_dv, D_V, MASKED, EVEN_D)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
     return acc, m_new, l_i
 
@@ -140,6 +129,7 @@ def _fwd_kernel(
     stride_ob, stride_os, stride_oh,
     q_len_row, n_heads, group, scale_log2, window, D_QK, D_V,
     CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr, PRECISION: tl.constexpr,
+    EVEN_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):  # fmt: skip
     head = tl.program_id(0)
@@ -159,11 +149,8 @@ def _fwd_kernel(
     offs_dv = tl.arange(0, BLOCK_DV)
     m_valid = offs_m < q_rows
     q_tokens = (q_start + offs_m).to(tl.int64)
-    q = tl.load(
-        Q + row * stride_qb + head * stride_qh + q_tokens[:, None] * stride_qs + offs_dqk[None, :],
-        mask=m_valid[:, None] & (offs_dqk < D_QK)[None, :],
-        other=0.0,
-    )
+    q_ptrs = Q + row * stride_qb + head * stride_qh + q_tokens[:, None] * stride_qs + offs_dqk[None, :]
+    q = _load_rows(q_ptrs, m_valid, offs_dqk, D_QK, True, EVEN_D)
     q_rows_pos = q_first + offs_m
     k_head = K + row * stride_kb + kv_head * stride_kh
     v_head = V + row * stride_vb + kv_head * stride_vh
@@ -185,17 +172,17 @@ def _fwd_kernel(
         for key in range(lo, head_hi, BLOCK_N):
             acc, m_i, l_i = _fwd_block(
                 acc, m_i, l_i, q, k_base, v_base, key, k_len, k_pos, q_rows_pos, stride_ks, stride_vs,
-                offs_n, offs_dqk, offs_dv, D_QK, D_V, scale_log2, window, True, CAUSAL, HAS_WINDOW, PRECISION,
+                offs_n, offs_dqk, offs_dv, D_QK, D_V, scale_log2, window, True, CAUSAL, HAS_WINDOW, PRECISION, EVEN_D,
             )  # fmt: skip
         for key in range(mid_lo, mid_hi, BLOCK_N):
             acc, m_i, l_i = _fwd_block(
                 acc, m_i, l_i, q, k_base, v_base, key, k_len, k_pos, q_rows_pos, stride_ks, stride_vs,
-                offs_n, offs_dqk, offs_dv, D_QK, D_V, scale_log2, window, False, CAUSAL, HAS_WINDOW, PRECISION,
+                offs_n, offs_dqk, offs_dv, D_QK, D_V, scale_log2, window, False, CAUSAL, HAS_WINDOW, PRECISION, EVEN_D,
             )  # fmt: skip
         for key in range(tl.maximum(mid_hi, head_hi), hi, BLOCK_N):
             acc, m_i, l_i = _fwd_block(
                 acc, m_i, l_i, q, k_base, v_base, key, k_len, k_pos, q_rows_pos, stride_ks, stride_vs,
-                offs_n, offs_dqk, offs_dv, D_QK, D_V, scale_log2, window, True, CAUSAL, HAS_WINDOW, PRECISION,
+                offs_n, offs_dqk, offs_dv, D_QK, D_V, scale_log2, window, True, CAUSAL, HAS_WINDOW, PRECISION, EVEN_D,
             )  # fmt: skip
 
     if HAS_SINKS:
@@ -216,6 +203,11 @@ def _fwd_kernel(
     tl.store(LSE + (row * q_len_row + q_tokens) * n_heads + head, lse, mask=m_valid)
 
 
+def even_dims(d_qk: int, d_v: int) -> bool:
+    """Both head dims are their padded block width: no column masks in the kernels."""
+    return _pad_dim(d_qk) == d_qk and _pad_dim(d_v) == d_v
+
+
 def precision_for(dtype: torch.dtype) -> str:
     """fp32/fp64 inputs (tests) multiply exactly; bf16/fp16 use the tensor cores' native products."""
     return "ieee" if dtype in (torch.float32, torch.float64) else "tf32"
@@ -228,11 +220,13 @@ def flash_forward(
     layout: AttentionLayout,
     softmax_scale: float,
     sinks: torch.Tensor | None,
+    config: FlashConfig | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(out [b, s, Hq, Dv], lse [b, s, Hq] fp32)`` of attention over ``layout``; inputs need a unit last stride."""
+    """``(out [b, s, Hq, Dv], lse [b, s, Hq] fp32)`` of attention over ``layout``; inputs need a unit last stride.
+    ``config`` overrides the tiles of :mod:`.flash_configs` (the benchmark's sweep)."""
     b, s, n_heads, d_qk = q.shape
     d_v = v.shape[-1]
-    config = forward_config(d_qk, d_v, triton_interpreting())
+    config = config or forward_config(d_qk, d_v, layout)
     blocks, segments = device_blocks(layout, "q", config.block_m, q.device)
     covered = layout.covers_all("q")
     alloc = torch.empty if covered else torch.zeros
@@ -251,7 +245,7 @@ def flash_forward(
         out.stride(0), out.stride(1), out.stride(2),
         s, n_heads, n_heads // k.shape[2], softmax_scale * LOG2E, layout.window_size or 0, d_qk, d_v,
         CAUSAL=layout.causal, HAS_WINDOW=layout.window_size is not None, HAS_SINKS=sinks is not None,
-        PRECISION=precision_for(q.dtype), BLOCK_M=config.block_m, BLOCK_N=config.block_n,
+        PRECISION=precision_for(q.dtype), EVEN_D=even_dims(d_qk, d_v), BLOCK_M=config.block_m, BLOCK_N=config.block_n,
         BLOCK_DQK=_pad_dim(d_qk), BLOCK_DV=_pad_dim(d_v), num_warps=config.num_warps, num_stages=config.num_stages,
     )  # fmt: skip
     return out, lse
