@@ -268,11 +268,12 @@ def _run_sweep(args, shape, cases, reps, report, out_dir: Path) -> None:
         sweep_cases = cases[:1]
     else:
         sweep_cases = [c for name in attention_sweep.SWEEP_ORDER for c in cases if c[0] == name]
-        if args.jobs > 0:
-            start = time.perf_counter()
-            report["precompile_errors"] = attention_sweep.precompile(sweep_cases, shape, args.jobs)
-            report["precompile_s"] = round(time.perf_counter() - start, 1)
-            print(f"precompiled in {report['precompile_s']} s; errors: {report['precompile_errors']}", flush=True)
+    jobs = args.jobs if args.jobs is not None else (0 if args.dry_run else 8)
+    if jobs > 0:
+        start = time.perf_counter()
+        report["precompile_errors"] = attention_sweep.precompile(sweep_cases, shape, jobs, args.dry_run)
+        report["precompile_s"] = round(time.perf_counter() - start, 1)
+        print(f"precompiled in {report['precompile_s']} s; errors: {report['precompile_errors']}", flush=True)
     flops = {c[0]: fwd_flops(c[1], c[2], shape.heads, c[4], c[5], c[3].get("window_size")) for c in cases}
     for case in sweep_cases:
         start = time.perf_counter()
@@ -292,7 +293,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dry-run", action="store_true", help="CPU, tiny shapes, ours under the interpreter")
     parser.add_argument("--sweep", action="store_true", help="first time our kernels at candidate tile configs")
     parser.add_argument("--only-sweep", action="store_true", help="the sweep without the comparison table")
-    parser.add_argument("--jobs", type=int, default=8, help="processes compiling the sweep's kernels first")
+    parser.add_argument(
+        "--jobs", type=int, default=None, help="processes compiling the sweep's kernels first (8; dry run: 0)"
+    )
     parser.add_argument("--reps", type=int, default=None)
     args = parser.parse_args(argv)
     if not args.dry_run and not torch.cuda.is_available():

@@ -236,22 +236,26 @@ def _compile_task(case, shape, kind: str, tiles) -> str | None:
     """In a pool process: run one candidate once so that Triton compiles it into the on-disk cache."""
     from mcore.kernels.triton.flash_configs import FlashConfig
 
+    on_cuda = shape.device == "cuda"
     if _WORKER_DATA.get("case") != case[0]:
         _WORKER_DATA.clear()
-        torch.cuda.empty_cache()
+        if on_cuda:
+            torch.cuda.empty_cache()
         _WORKER_DATA.update(case=case[0], data=prepare(case, shape, with_reference=False))
     try:
         run_candidate(_WORKER_DATA["data"], kind, FlashConfig(*tiles))
-        torch.cuda.synchronize()
+        if on_cuda:
+            torch.cuda.synchronize()
     except Exception as exc:
         return f"{case[0]} {kind} {tiles}: {type(exc).__name__}: {str(exc)[:120]}"
     return None
 
 
-def precompile(cases, shape, jobs: int) -> list[str]:
-    """Compile every candidate of every case in ``jobs`` processes (Triton caches compiled kernels on disk)."""
+def precompile(cases, shape, jobs: int, dry: bool = False) -> list[str]:
+    """Compile every candidate of every case in ``jobs`` processes (Triton caches compiled kernels on disk);
+    returns one line per candidate that failed."""
     tasks = [
-        (case, kind, tiles) for case in cases for kind, configs in candidates(case, False).items() for tiles in configs
+        (case, kind, tiles) for case in cases for kind, configs in candidates(case, dry).items() for tiles in configs
     ]
     context = multiprocessing.get_context("spawn")
     with concurrent.futures.ProcessPoolExecutor(max_workers=jobs, mp_context=context) as pool:
