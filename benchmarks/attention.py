@@ -296,6 +296,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--jobs", type=int, default=None, help="processes compiling the sweep's kernels first (8; dry run: 0)"
     )
+    parser.add_argument("--cases", default=None, help="comma-separated case names to run (default: all)")
     parser.add_argument("--reps", type=int, default=None)
     args = parser.parse_args(argv)
     if not args.dry_run and not torch.cuda.is_available():
@@ -308,6 +309,13 @@ def main(argv: list[str] | None = None) -> int:
         shape, cases, reps = Shape(4, 2, torch.float32, "cpu"), DRY_CASES, args.reps or 1
     else:
         shape, cases, reps = Shape(32, 8, torch.bfloat16, "cuda"), GPU_CASES, args.reps or 10
+    if args.cases:
+        wanted = [name.strip() for name in args.cases.split(",")]
+        unknown = sorted(set(wanted) - {c[0] for c in cases})
+        if unknown:
+            print(f"--cases: unknown {unknown}; known: {[c[0] for c in cases]}", file=sys.stderr)
+            return 2
+        cases = [c for c in cases if c[0] in wanted]
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     report = {

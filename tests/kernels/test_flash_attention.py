@@ -278,13 +278,15 @@ def test_gpu_triton_vs_float64(case_name, dtype, cuda_triton):
             assert _rel(got.grad.cpu(), want.grad) < 3e-2, name
 
 
+@pytest.mark.parametrize("one_loop", [True, False], ids=["one_loop", "three_loops"])
 @pytest.mark.parametrize("tiles", [(32, 16), (16, 32)], ids=["tall", "wide"])
-def test_unequal_tile_shapes(tiles, interpreter, monkeypatch):
-    """The GPU tiles differ between the two sides (128 x 64); the clipping of ranges must not assume squares."""
+def test_unequal_tile_shapes(tiles, one_loop, interpreter, monkeypatch):
+    """The GPU tiles differ between the two sides (128 x 64); the clipping of ranges must not assume squares.
+    Both loop structures (one loop masking its edge blocks, or edge/interior/diagonal loops) give the same."""
     from mcore.kernels.triton import flash_attention as fa
     from mcore.kernels.triton import flash_backward as fb
 
-    config = fa.FlashConfig(*tiles, 1, 1)
+    config = fa.FlashConfig(*tiles, 1, 1, one_loop)
     monkeypatch.setattr(fa, "forward_config", lambda *args: config)
     monkeypatch.setattr(fb, "backward_configs", lambda *args: (config, config))
     case = dict(CASES["window_documents_sinks"], s=40)

@@ -7,25 +7,20 @@ Backends (``backend=`` keyword or ``MCORE_KERNELS_BACKEND``):
 - ``sdpa``, ``flex``, ``reference``: torch's fused SDPA, FlexAttention and a plain-torch reference
   (:mod:`mcore.kernels.attention_torch`). SDPA can express neither sinks nor a returned log-sum-exp.
 
-Default choice on CUDA, from one H200 (2026-12-01, bf16, Hq 32, Hkv 8, D 128, forward + backward, 16,384
-tokens per call, TFLOP/s on the causal work; issue #18's table):
+Default choice on CUDA, from one H200 (``benchmarks/attention.py``, bf16, Hq 32, Hkv 8, D 128, forward +
+backward, 16,384 tokens per call, effective TFLOP/s on the causal work as issue #18 counts them; the table and
+its commit are in ``docs/performance.md`` and ``benchmarks/results/``):
 
-============================  ======  ======================  =================
-case                          SDPA    FlexAttention compiled  torch varlen_attn
-============================  ======  ======================  =================
-1 document x 16384            541     381                     316
-4 x 4096 / 32 x 512 / 128x128 n/a     334 / 140 / 46          263 / 110 / 39
-============================  ======  ======================  =================
+- one plain causal (or full) document, no sinks, no returned LSE -> ``sdpa``: torch's fused kernel is the
+  fastest measured there (1 x 16384: SDPA 532 vs ours 219 on 2026-12-01; MLA's 192/128 head dims: 495 vs 115,
+  SDPA takes a v head dim different from q's);
+- packed documents, a window, sinks or a returned LSE in bf16/fp16 -> ``triton``: its tiles follow the documents
+  (4 x 4096 / 32 x 512 / 128 x 128: ours 199 / 116 / 51 vs compiled FlexAttention 334 / 140 / 46 and
+  ``varlen_attn`` 277 / 128 / 48, before this session's backward work), and only it has sinks and the LSE;
+- fp32/fp64 with those features -> ``flex``.
 
-so: one plain causal (or full) document, no sinks, no LSE, v head dim equal to q's -> ``sdpa`` (fastest
-there); documents, windows, sinks, a returned LSE or a different v head dim in bf16/fp16 -> ``triton``,
-whose tiles follow the documents where FlexAttention falls to 46 TFLOP/s on 128-token documents
-(``benchmarks/attention.py`` measures ours beside the three on the same cases, each called as mcore calls it, the
-block mask included; H200, 2026-12-01, commit ``caebd24``, fwd+bwd TFLOP/s, ours with its deterministic backward
-/ our ``flex`` backend: 1 x 16384 219 / 201, 4 x 4096 199 / 77, 32 x 512 116 / 42, 128 x 128 51 / 10.5;
-``docs/performance.md``); fp32/fp64 with those features -> ``flex``. Elsewhere (CPU): ``sdpa`` for plain
-attention and ``reference`` otherwise (the interpreter is for tests, eager flex has no CPU backward). The
-choice is logged once per case class.
+Elsewhere (CPU): ``sdpa`` for plain attention and ``reference`` otherwise (the interpreter is for tests, eager
+flex has no CPU backward). The choice is logged once per case class.
 """
 
 from __future__ import annotations
@@ -107,7 +102,7 @@ def attention(
     if sinks is not None:
         check_sinks(sinks, q, n_heads)
 
-    plain = window_size is None and cu_seqlens is None and sinks is None and v.shape[-1] == q.shape[-1]
+    plain = window_size is None and cu_seqlens is None and sinks is None
     name = _select_backend(q, k, v, sinks, backend, plain=plain, return_lse=return_lse)
     if name == SDPA and (sinks is not None or return_lse):
         what = "add sinks to the softmax denominator" if sinks is not None else "return the log-sum-exp"

@@ -29,7 +29,8 @@ LOG2E = 1.4426950408889634
 
 
 def _pad_dim(d: int) -> int:
-    return max(16, triton.next_power_of_2(d))
+    """The power of two >= 16 a head dim is padded to in the kernels (plain Python: called on every launch)."""
+    return max(16, 1 << (d - 1).bit_length())
 
 
 def forward_config(head_dim_qk: int, head_dim_v: int, layout: AttentionLayout) -> FlashConfig:
@@ -55,6 +56,17 @@ def _load_rows(ptrs, rows_valid, offs_d, D, ROWS_MASKED: tl.constexpr, EVEN_D: t
 
 
 @triton.jit
+def _allowed(q_pos, k_pos, valid, window, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr):
+    """The causal/window rule on broadcast position tiles (either orientation: [q, k] or [k, q])."""
+    allowed = valid
+    if CAUSAL:
+        allowed = allowed & (k_pos <= q_pos)
+    if HAS_WINDOW:
+        allowed = allowed & (k_pos > q_pos - window)
+    return allowed
+
+
+@triton.jit
 def _fwd_block(
     acc,
     m_i,
@@ -75,6 +87,7 @@ def _fwd_block(
     D_V,
     scale_log2,
     window,
+    edge,
     MASKED: tl.constexpr,
     CAUSAL: tl.constexpr,
     HAS_WINDOW: tl.constexpr,
@@ -83,23 +96,23 @@ def _fwd_block(
 ):
     kn = key + offs_n
     k_valid = kn < k_len
-    k = _load_rows(k_base + kn[:, None] * stride_ks + offs_dqk[None, :], k_valid, offs_dqk, D_QK, MASKED, EVEN_D)
+    k = _load_rows(k_base + kn[:, None] * stride_ks + offs_dqk[None, :], k_valid, offs_dqk, D_QK, MASKED > 0, EVEN_D)
     scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
-    if MASKED:
-        k_rows_pos = k_pos + kn
-        allowed = k_valid[None, :]
-        if CAUSAL:
-            allowed = allowed & (k_rows_pos[None, :] <= q_rows_pos[:, None])
-        if HAS_WINDOW:
-            allowed = allowed & (k_rows_pos[None, :] > q_rows_pos[:, None] - window)
+    # MASKED: 0 an interior block (no masks), 1 an edge block, 2 either (one loop): masked where `edge` says.
+    if MASKED == 1:
+        allowed = _allowed(q_rows_pos[:, None], (k_pos + kn)[None, :], k_valid[None, :], window, CAUSAL, HAS_WINDOW)
         scores = tl.where(allowed, scores, float("-inf"))
+    if MASKED == 2:  # noqa: SIM102 (a constexpr test, then a runtime one: Triton needs them apart)
+        if edge:
+            allowed = _allowed(q_rows_pos[:, None], (k_pos + kn)[None, :], k_valid[None, :], window, CAUSAL, HAS_WINDOW)
+            scores = tl.where(allowed, scores, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(scores, 1))
     # A row that has seen no key yet keeps m = -inf; shift it by 0 so that exp2 gives 0, not NaN.
     m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
     p = tl.exp2(scores - m_shift[:, None])
     alpha = tl.exp2(m_i - m_shift)
     l_i = l_i * alpha + tl.sum(p, 1)
-    v = _load_rows(v_base + kn[:, None] * stride_vs + offs_dv[None, :], k_valid, offs_dv, D_V, MASKED, EVEN_D)
+    v = _load_rows(v_base + kn[:, None] * stride_vs + offs_dv[None, :], k_valid, offs_dv, D_V, MASKED > 0, EVEN_D)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
     return acc, m_new, l_i
 
@@ -129,7 +142,7 @@ def _fwd_kernel(
     stride_ob, stride_os, stride_oh,
     q_len_row, n_heads, group, scale_log2, window, D_QK, D_V,
     CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr, PRECISION: tl.constexpr,
-    EVEN_D: tl.constexpr,
+    EVEN_D: tl.constexpr, ONE_LOOP: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):  # fmt: skip
     head = tl.program_id(0)
@@ -169,21 +182,32 @@ def _fwd_kernel(
         head_hi = tl.minimum(mid_lo, hi)
         k_base = k_head + k_start.to(tl.int64) * stride_ks
         v_base = v_head + k_start.to(tl.int64) * stride_vs
-        for key in range(lo, head_hi, BLOCK_N):
-            acc, m_i, l_i = _fwd_block(
-                acc, m_i, l_i, q, k_base, v_base, key, k_len, k_pos, q_rows_pos, stride_ks, stride_vs,
-                offs_n, offs_dqk, offs_dv, D_QK, D_V, scale_log2, window, True, CAUSAL, HAS_WINDOW, PRECISION, EVEN_D,
-            )  # fmt: skip
-        for key in range(mid_lo, mid_hi, BLOCK_N):
-            acc, m_i, l_i = _fwd_block(
-                acc, m_i, l_i, q, k_base, v_base, key, k_len, k_pos, q_rows_pos, stride_ks, stride_vs,
-                offs_n, offs_dqk, offs_dv, D_QK, D_V, scale_log2, window, False, CAUSAL, HAS_WINDOW, PRECISION, EVEN_D,
-            )  # fmt: skip
-        for key in range(tl.maximum(mid_hi, head_hi), hi, BLOCK_N):
-            acc, m_i, l_i = _fwd_block(
-                acc, m_i, l_i, q, k_base, v_base, key, k_len, k_pos, q_rows_pos, stride_ks, stride_vs,
-                offs_n, offs_dqk, offs_dv, D_QK, D_V, scale_log2, window, True, CAUSAL, HAS_WINDOW, PRECISION, EVEN_D,
-            )  # fmt: skip
+        if ONE_LOOP:  # one loop, masks only on edge blocks: fewer live registers than three loops
+            for key in range(lo, hi, BLOCK_N):
+                acc, m_i, l_i = _fwd_block(
+                    acc, m_i, l_i, q, k_base, v_base, key, k_len, k_pos, q_rows_pos, stride_ks, stride_vs,
+                    offs_n, offs_dqk, offs_dv, D_QK, D_V, scale_log2, window, (key < mid_lo) | (key >= mid_hi),
+                    2, CAUSAL, HAS_WINDOW, PRECISION, EVEN_D,
+                )  # fmt: skip
+        else:
+            for key in range(lo, head_hi, BLOCK_N):
+                acc, m_i, l_i = _fwd_block(
+                    acc, m_i, l_i, q, k_base, v_base, key, k_len, k_pos, q_rows_pos, stride_ks, stride_vs,
+                    offs_n, offs_dqk, offs_dv, D_QK, D_V, scale_log2, window, True, 1, CAUSAL, HAS_WINDOW,
+                    PRECISION, EVEN_D,
+                )  # fmt: skip
+            for key in range(mid_lo, mid_hi, BLOCK_N):
+                acc, m_i, l_i = _fwd_block(
+                    acc, m_i, l_i, q, k_base, v_base, key, k_len, k_pos, q_rows_pos, stride_ks, stride_vs,
+                    offs_n, offs_dqk, offs_dv, D_QK, D_V, scale_log2, window, False, 0, CAUSAL, HAS_WINDOW,
+                    PRECISION, EVEN_D,
+                )  # fmt: skip
+            for key in range(tl.maximum(mid_hi, head_hi), hi, BLOCK_N):
+                acc, m_i, l_i = _fwd_block(
+                    acc, m_i, l_i, q, k_base, v_base, key, k_len, k_pos, q_rows_pos, stride_ks, stride_vs,
+                    offs_n, offs_dqk, offs_dv, D_QK, D_V, scale_log2, window, True, 1, CAUSAL, HAS_WINDOW,
+                    PRECISION, EVEN_D,
+                )  # fmt: skip
 
     if HAS_SINKS:
         sink = tl.load(SINKS + head).to(tl.float32) * 1.4426950408889634
@@ -245,7 +269,8 @@ def flash_forward(
         out.stride(0), out.stride(1), out.stride(2),
         s, n_heads, n_heads // k.shape[2], softmax_scale * LOG2E, layout.window_size or 0, d_qk, d_v,
         CAUSAL=layout.causal, HAS_WINDOW=layout.window_size is not None, HAS_SINKS=sinks is not None,
-        PRECISION=precision_for(q.dtype), EVEN_D=even_dims(d_qk, d_v), BLOCK_M=config.block_m, BLOCK_N=config.block_n,
+        PRECISION=precision_for(q.dtype), EVEN_D=even_dims(d_qk, d_v), ONE_LOOP=config.one_loop,
+        BLOCK_M=config.block_m, BLOCK_N=config.block_n,
         BLOCK_DQK=_pad_dim(d_qk), BLOCK_DV=_pad_dim(d_v), num_warps=config.num_warps, num_stages=config.num_stages,
     )  # fmt: skip
     return out, lse

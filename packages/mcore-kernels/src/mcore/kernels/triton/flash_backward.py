@@ -96,7 +96,7 @@ def launch_kv(q, k, v, dout, lse2, delta, dq, dk, dv, layout, softmax_scale, con
     constants, scalars = _common(q, k, v, layout, softmax_scale)
     _bwd_kv_kernel[(k.shape[2], blocks.shape[0])](
         q, k, v, dout, lse2, delta, dq, dk, dv, blocks, segments, *_strides(q, k, v, dout, dq, dk, dv), *scalars,
-        DQ_MODE=mode, BLOCK_M=config.block_n, BLOCK_N=config.block_m,
+        DQ_MODE=mode, ONE_LOOP=config.one_loop, BLOCK_M=config.block_n, BLOCK_N=config.block_m,
         num_warps=config.num_warps, num_stages=config.num_stages, **constants,
     )  # fmt: skip
 
@@ -109,7 +109,7 @@ def launch_dq(q, k, v, dout, lse2, delta, dq, layout, softmax_scale, config: Fla
     constants, scalars = _common(q, k, v, layout, softmax_scale)
     _bwd_q_kernel[(q.shape[2], blocks.shape[0])](
         q, k, v, dout, lse2, delta, dq, blocks, segments, *_strides(q, k, v, dout, dq), *scalars,
-        BLOCK_M=config.block_m, BLOCK_N=config.block_n,
+        ONE_LOOP=config.one_loop, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
         num_warps=config.num_warps, num_stages=config.num_stages, **constants,
     )  # fmt: skip
 

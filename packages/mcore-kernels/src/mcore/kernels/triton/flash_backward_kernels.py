@@ -4,8 +4,10 @@ Statistics layout: the preprocess writes ``lse2 = lse * log2(e)`` (``+inf`` on r
 their probabilities are 0) and ``delta`` head-major, ``[b, Hq, s]`` fp32, so the inner loops read them as
 contiguous vectors instead of one float every ``Hq`` (the forward's ``[b, s, Hq]`` lse is the op's contract).
 
-In every loop the interior blocks (all rows valid, no causal/window mask) load without masks; only the blocks
-at a window's edge, on the causal diagonal and at a segment's ragged end pay for them.
+Blocks at a window's edge, on the causal diagonal and at a segment's ragged end are masked; interior blocks (all
+rows valid, all pairs allowed) are not. ``ONE_LOOP`` walks a segment's blocks in one loop and masks where a block
+needs it (``MASKED=2`` with a runtime ``edge``); otherwise three loops (edge, interior, diagonal; ``MASKED`` 1/0/1)
+whose interior loads carry no masks at all, but which the sm90 compile keeps more registers live for.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from mcore.kernels.triton.flash_attention import _load_rows, _visible_keys
+from mcore.kernels.triton.flash_attention import _allowed, _load_rows, _visible_keys
 
 # dQ in the dK/dV kernel: not at all (the dQ kernel runs), by fp32 atomics, or stored (single-block documents).
 DQ_SEPARATE, DQ_ATOMIC, DQ_STORE = 0, 1, 2
@@ -74,26 +76,28 @@ def _load_stats(LSE2, DELTA, stat_base, rows, rows_valid, MASKED: tl.constexpr):
 @triton.jit
 def _bwd_kv_block(
     dk, dv, k, v, q_base, do_base, stat_base, LSE2, DELTA, dq_base, query, q_len, q_pos, k_rows_pos, k_valid,
-    stride_qs, stride_ds, stride_dqs, offs_m, offs_dqk, offs_dv, D_QK, D_V, scale, scale_log2, window,
+    stride_qs, stride_ds, stride_dqs, offs_m, offs_dqk, offs_dv, D_QK, D_V, scale, scale_log2, window, edge,
     MASKED: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, DQ_MODE: tl.constexpr,
     PRECISION: tl.constexpr, EVEN_D: tl.constexpr,
 ):  # fmt: skip
     qm = query + offs_m
     q_valid = qm < q_len
     qm64 = qm.to(tl.int64)
-    q = _load_rows(q_base + qm64[:, None] * stride_qs + offs_dqk[None, :], q_valid, offs_dqk, D_QK, MASKED, EVEN_D)
-    do = _load_rows(do_base + qm64[:, None] * stride_ds + offs_dv[None, :], q_valid, offs_dv, D_V, MASKED, EVEN_D)
-    lse2, delta = _load_stats(LSE2, DELTA, stat_base, qm64, q_valid, MASKED)
+    q_ptrs = q_base + qm64[:, None] * stride_qs + offs_dqk[None, :]
+    q = _load_rows(q_ptrs, q_valid, offs_dqk, D_QK, MASKED > 0, EVEN_D)
+    do = _load_rows(do_base + qm64[:, None] * stride_ds + offs_dv[None, :], q_valid, offs_dv, D_V, MASKED > 0, EVEN_D)
+    lse2, delta = _load_stats(LSE2, DELTA, stat_base, qm64, q_valid, MASKED > 0)
     scores_t = tl.dot(k, tl.trans(q), input_precision=PRECISION) * scale_log2
     p_t = tl.exp2(scores_t - lse2[None, :])
-    if MASKED:
-        q_rows_pos = q_pos + qm
-        allowed = q_valid[None, :] & k_valid[:, None]
-        if CAUSAL:
-            allowed = allowed & (k_rows_pos[:, None] <= q_rows_pos[None, :])
-        if HAS_WINDOW:
-            allowed = allowed & (k_rows_pos[:, None] > q_rows_pos[None, :] - window)
+    if MASKED == 1:
+        valid = q_valid[None, :] & k_valid[:, None]
+        allowed = _allowed((q_pos + qm)[None, :], k_rows_pos[:, None], valid, window, CAUSAL, HAS_WINDOW)
         p_t = tl.where(allowed, p_t, 0.0)
+    if MASKED == 2:  # noqa: SIM102 (a constexpr test, then a runtime one: Triton needs them apart)
+        if edge:
+            valid = q_valid[None, :] & k_valid[:, None]
+            allowed = _allowed((q_pos + qm)[None, :], k_rows_pos[:, None], valid, window, CAUSAL, HAS_WINDOW)
+            p_t = tl.where(allowed, p_t, 0.0)
     dv += tl.dot(p_t.to(do.dtype), do, input_precision=PRECISION)
     dp_t = tl.dot(v, tl.trans(do), input_precision=PRECISION)
     ds_t = p_t * (dp_t - delta[None, :])
@@ -114,7 +118,7 @@ def _bwd_kv_segment(
     dk, dv, k, v, q_base, do_base, stat_base, LSE2, DELTA, dq_base, q_len, q_pos, k_first, k_rows, k_rows_pos,
     k_valid, stride_qs, stride_ds, stride_dqs, offs_m, offs_dqk, offs_dv, D_QK, D_V, scale, scale_log2, window,
     CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, DQ_MODE: tl.constexpr, PRECISION: tl.constexpr,
-    EVEN_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    EVEN_D: tl.constexpr, ONE_LOOP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
     """One key block against one query segment: the window-edge, interior and diagonal stretches."""
     k_last = k_first + k_rows - 1
@@ -124,24 +128,33 @@ def _bwd_kv_segment(
     mid_lo = lo + tl.cdiv(tl.maximum(full_lo - lo, 0), BLOCK_M) * BLOCK_M
     mid_hi = mid_lo + (tl.maximum(full_hi - mid_lo, 0) // BLOCK_M) * BLOCK_M
     head_hi = tl.minimum(mid_lo, hi)
-    for query in range(lo, head_hi, BLOCK_M):
-        dk, dv = _bwd_kv_block(
-            dk, dv, k, v, q_base, do_base, stat_base, LSE2, DELTA, dq_base, query, q_len, q_pos, k_rows_pos,
-            k_valid, stride_qs, stride_ds, stride_dqs, offs_m, offs_dqk, offs_dv, D_QK, D_V, scale,
-            scale_log2, window, True, CAUSAL, HAS_WINDOW, DQ_MODE, PRECISION, EVEN_D,
-        )  # fmt: skip
-    for query in range(mid_lo, mid_hi, BLOCK_M):
-        dk, dv = _bwd_kv_block(
-            dk, dv, k, v, q_base, do_base, stat_base, LSE2, DELTA, dq_base, query, q_len, q_pos, k_rows_pos,
-            k_valid, stride_qs, stride_ds, stride_dqs, offs_m, offs_dqk, offs_dv, D_QK, D_V, scale,
-            scale_log2, window, False, CAUSAL, HAS_WINDOW, DQ_MODE, PRECISION, EVEN_D,
-        )  # fmt: skip
-    for query in range(tl.maximum(mid_hi, head_hi), hi, BLOCK_M):
-        dk, dv = _bwd_kv_block(
-            dk, dv, k, v, q_base, do_base, stat_base, LSE2, DELTA, dq_base, query, q_len, q_pos, k_rows_pos,
-            k_valid, stride_qs, stride_ds, stride_dqs, offs_m, offs_dqk, offs_dv, D_QK, D_V, scale,
-            scale_log2, window, True, CAUSAL, HAS_WINDOW, DQ_MODE, PRECISION, EVEN_D,
-        )  # fmt: skip
+    if ONE_LOOP:
+        for query in range(lo, hi, BLOCK_M):
+            dk, dv = _bwd_kv_block(
+                dk, dv, k, v, q_base, do_base, stat_base, LSE2, DELTA, dq_base, query, q_len, q_pos, k_rows_pos,
+                k_valid, stride_qs, stride_ds, stride_dqs, offs_m, offs_dqk, offs_dv, D_QK, D_V, scale,
+                scale_log2, window, (query < mid_lo) | (query >= mid_hi), 2, CAUSAL, HAS_WINDOW, DQ_MODE, PRECISION,
+                EVEN_D,
+            )  # fmt: skip
+    else:
+        for query in range(lo, head_hi, BLOCK_M):
+            dk, dv = _bwd_kv_block(
+                dk, dv, k, v, q_base, do_base, stat_base, LSE2, DELTA, dq_base, query, q_len, q_pos, k_rows_pos,
+                k_valid, stride_qs, stride_ds, stride_dqs, offs_m, offs_dqk, offs_dv, D_QK, D_V, scale,
+                scale_log2, window, True, 1, CAUSAL, HAS_WINDOW, DQ_MODE, PRECISION, EVEN_D,
+            )  # fmt: skip
+        for query in range(mid_lo, mid_hi, BLOCK_M):
+            dk, dv = _bwd_kv_block(
+                dk, dv, k, v, q_base, do_base, stat_base, LSE2, DELTA, dq_base, query, q_len, q_pos, k_rows_pos,
+                k_valid, stride_qs, stride_ds, stride_dqs, offs_m, offs_dqk, offs_dv, D_QK, D_V, scale,
+                scale_log2, window, False, 0, CAUSAL, HAS_WINDOW, DQ_MODE, PRECISION, EVEN_D,
+            )  # fmt: skip
+        for query in range(tl.maximum(mid_hi, head_hi), hi, BLOCK_M):
+            dk, dv = _bwd_kv_block(
+                dk, dv, k, v, q_base, do_base, stat_base, LSE2, DELTA, dq_base, query, q_len, q_pos, k_rows_pos,
+                k_valid, stride_qs, stride_ds, stride_dqs, offs_m, offs_dqk, offs_dv, D_QK, D_V, scale,
+                scale_log2, window, True, 1, CAUSAL, HAS_WINDOW, DQ_MODE, PRECISION, EVEN_D,
+            )  # fmt: skip
     return dk, dv
 
 
@@ -153,7 +166,7 @@ def _bwd_kv_kernel(
     stride_dkb, stride_dks, stride_dkh, stride_dvb, stride_dvs, stride_dvh,
     q_len_row, n_heads, group, scale, scale_log2, window, D_QK, D_V,
     CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, DQ_MODE: tl.constexpr, PRECISION: tl.constexpr,
-    EVEN_D: tl.constexpr,
+    EVEN_D: tl.constexpr, ONE_LOOP: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):  # fmt: skip
     kv_head = tl.program_id(0)
@@ -192,7 +205,7 @@ def _bwd_kv_kernel(
                 DQ + row * stride_dqb + head * stride_dqh + q_start * stride_dqs,
                 q_len, q_pos, k_first, k_rows, k_rows_pos, k_valid, stride_qs, stride_ds, stride_dqs,
                 offs_m, offs_dqk, offs_dv, D_QK, D_V, scale, scale_log2, window,
-                CAUSAL, HAS_WINDOW, DQ_MODE, PRECISION, EVEN_D, BLOCK_M, BLOCK_N,
+                CAUSAL, HAS_WINDOW, DQ_MODE, PRECISION, EVEN_D, ONE_LOOP, BLOCK_M, BLOCK_N,
             )  # fmt: skip
     kmask = k_valid[:, None] & (offs_dqk < D_QK)[None, :]
     vmask = k_valid[:, None] & (offs_dv < D_V)[None, :]
@@ -205,27 +218,67 @@ def _bwd_kv_kernel(
 @triton.jit
 def _bwd_q_block(
     dq, q, do, lse2, delta, k_base, v_base, key, k_len, k_pos, q_rows_pos, stride_ks, stride_vs,
-    offs_n, offs_dqk, offs_dv, D_QK, D_V, scale_log2, window,
+    offs_n, offs_dqk, offs_dv, D_QK, D_V, scale_log2, window, edge,
     MASKED: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, PRECISION: tl.constexpr,
     EVEN_D: tl.constexpr,
 ):  # fmt: skip
     kn = key + offs_n
     k_valid = kn < k_len
-    k = _load_rows(k_base + kn[:, None] * stride_ks + offs_dqk[None, :], k_valid, offs_dqk, D_QK, MASKED, EVEN_D)
-    v = _load_rows(v_base + kn[:, None] * stride_vs + offs_dv[None, :], k_valid, offs_dv, D_V, MASKED, EVEN_D)
+    k = _load_rows(k_base + kn[:, None] * stride_ks + offs_dqk[None, :], k_valid, offs_dqk, D_QK, MASKED > 0, EVEN_D)
+    v = _load_rows(v_base + kn[:, None] * stride_vs + offs_dv[None, :], k_valid, offs_dv, D_V, MASKED > 0, EVEN_D)
     scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
     p = tl.exp2(scores - lse2[:, None])
-    if MASKED:
-        k_rows_pos = k_pos + kn
-        allowed = k_valid[None, :]
-        if CAUSAL:
-            allowed = allowed & (k_rows_pos[None, :] <= q_rows_pos[:, None])
-        if HAS_WINDOW:
-            allowed = allowed & (k_rows_pos[None, :] > q_rows_pos[:, None] - window)
-        p = tl.where(allowed, p, 0.0)
+    if MASKED == 1:
+        p = tl.where(_allowed(q_rows_pos[:, None], (k_pos + kn)[None, :], k_valid[None, :], window, CAUSAL,
+                              HAS_WINDOW), p, 0.0)  # fmt: skip
+    if MASKED == 2:  # noqa: SIM102 (a constexpr test, then a runtime one: Triton needs them apart)
+        if edge:
+            allowed = _allowed(q_rows_pos[:, None], (k_pos + kn)[None, :], k_valid[None, :], window, CAUSAL, HAS_WINDOW)
+            p = tl.where(allowed, p, 0.0)
     dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
     ds = p * (dp - delta[:, None])
     return dq + tl.dot(ds.to(k.dtype), k, input_precision=PRECISION)
+
+
+@triton.jit
+def _bwd_q_segment(
+    dq, q, do, lse2, delta, k_base, v_base, k_len, k_pos, q_first, q_last, q_rows_pos, stride_ks, stride_vs,
+    offs_n, offs_dqk, offs_dv, D_QK, D_V, scale_log2, window,
+    CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, PRECISION: tl.constexpr, EVEN_D: tl.constexpr,
+    ONE_LOOP: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    """One query block against one key segment: the window-edge, interior and diagonal stretches."""
+    lo, hi, full_lo, full_hi = _visible_keys(q_first, q_last, k_len, k_pos, window, CAUSAL, HAS_WINDOW)
+    mid_lo = lo + tl.cdiv(tl.maximum(full_lo - lo, 0), BLOCK_N) * BLOCK_N
+    mid_hi = mid_lo + (tl.maximum(full_hi - mid_lo, 0) // BLOCK_N) * BLOCK_N
+    head_hi = tl.minimum(mid_lo, hi)
+    if ONE_LOOP:
+        for key in range(lo, hi, BLOCK_N):
+            dq = _bwd_q_block(
+                dq, q, do, lse2, delta, k_base, v_base, key, k_len, k_pos, q_rows_pos, stride_ks, stride_vs,
+                offs_n, offs_dqk, offs_dv, D_QK, D_V, scale_log2, window, (key < mid_lo) | (key >= mid_hi), 2,
+                CAUSAL, HAS_WINDOW, PRECISION, EVEN_D,
+            )  # fmt: skip
+    else:
+        for key in range(lo, head_hi, BLOCK_N):
+            dq = _bwd_q_block(
+                dq, q, do, lse2, delta, k_base, v_base, key, k_len, k_pos, q_rows_pos, stride_ks, stride_vs,
+                offs_n, offs_dqk, offs_dv, D_QK, D_V, scale_log2, window, True, 1, CAUSAL, HAS_WINDOW,
+                PRECISION, EVEN_D,
+            )  # fmt: skip
+        for key in range(mid_lo, mid_hi, BLOCK_N):
+            dq = _bwd_q_block(
+                dq, q, do, lse2, delta, k_base, v_base, key, k_len, k_pos, q_rows_pos, stride_ks, stride_vs,
+                offs_n, offs_dqk, offs_dv, D_QK, D_V, scale_log2, window, False, 0, CAUSAL, HAS_WINDOW,
+                PRECISION, EVEN_D,
+            )  # fmt: skip
+        for key in range(tl.maximum(mid_hi, head_hi), hi, BLOCK_N):
+            dq = _bwd_q_block(
+                dq, q, do, lse2, delta, k_base, v_base, key, k_len, k_pos, q_rows_pos, stride_ks, stride_vs,
+                offs_n, offs_dqk, offs_dv, D_QK, D_V, scale_log2, window, True, 1, CAUSAL, HAS_WINDOW,
+                PRECISION, EVEN_D,
+            )  # fmt: skip
+    return dq
 
 
 @triton.jit
@@ -235,6 +288,7 @@ def _bwd_q_kernel(
     stride_db, stride_ds, stride_dh, stride_dqb, stride_dqs, stride_dqh,
     q_len_row, n_heads, group, scale, scale_log2, window, D_QK, D_V,
     CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, PRECISION: tl.constexpr, EVEN_D: tl.constexpr,
+    ONE_LOOP: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):  # fmt: skip
     head = tl.program_id(0)
@@ -266,30 +320,11 @@ def _bwd_q_kernel(
         k_start = tl.load(SEGS + seg * 3).to(tl.int64)
         k_len = tl.load(SEGS + seg * 3 + 1)
         k_pos = tl.load(SEGS + seg * 3 + 2)
-        lo, hi, full_lo, full_hi = _visible_keys(q_first, q_last, k_len, k_pos, window, CAUSAL, HAS_WINDOW)
-        mid_lo = lo + tl.cdiv(tl.maximum(full_lo - lo, 0), BLOCK_N) * BLOCK_N
-        mid_hi = mid_lo + (tl.maximum(full_hi - mid_lo, 0) // BLOCK_N) * BLOCK_N
-        head_hi = tl.minimum(mid_lo, hi)
-        k_base = k_head + k_start * stride_ks
-        v_base = v_head + k_start * stride_vs
-        for key in range(lo, head_hi, BLOCK_N):
-            dq = _bwd_q_block(
-                dq, q, do, lse2, delta, k_base, v_base, key, k_len, k_pos, q_rows_pos, stride_ks, stride_vs,
-                offs_n, offs_dqk, offs_dv, D_QK, D_V, scale_log2, window, True, CAUSAL, HAS_WINDOW, PRECISION,
-                EVEN_D,
-            )  # fmt: skip
-        for key in range(mid_lo, mid_hi, BLOCK_N):
-            dq = _bwd_q_block(
-                dq, q, do, lse2, delta, k_base, v_base, key, k_len, k_pos, q_rows_pos, stride_ks, stride_vs,
-                offs_n, offs_dqk, offs_dv, D_QK, D_V, scale_log2, window, False, CAUSAL, HAS_WINDOW, PRECISION,
-                EVEN_D,
-            )  # fmt: skip
-        for key in range(tl.maximum(mid_hi, head_hi), hi, BLOCK_N):
-            dq = _bwd_q_block(
-                dq, q, do, lse2, delta, k_base, v_base, key, k_len, k_pos, q_rows_pos, stride_ks, stride_vs,
-                offs_n, offs_dqk, offs_dv, D_QK, D_V, scale_log2, window, True, CAUSAL, HAS_WINDOW, PRECISION,
-                EVEN_D,
-            )  # fmt: skip
+        dq = _bwd_q_segment(
+            dq, q, do, lse2, delta, k_head + k_start * stride_ks, v_head + k_start * stride_vs, k_len, k_pos,
+            q_first, q_last, q_rows_pos, stride_ks, stride_vs, offs_n, offs_dqk, offs_dv, D_QK, D_V, scale_log2,
+            window, CAUSAL, HAS_WINDOW, PRECISION, EVEN_D, ONE_LOOP, BLOCK_N,
+        )  # fmt: skip
     qmask = m_valid[:, None] & (offs_dqk < D_QK)[None, :]
     dq_ptrs = DQ + row * stride_dqb + head * stride_dqh + q_tokens[:, None] * stride_dqs + offs_dqk[None, :]
     tl.store(dq_ptrs, (dq * scale).to(DQ.dtype.element_ty), mask=qmask)

@@ -30,8 +30,13 @@ class FlashConfig:
     block_n: int
     num_warps: int
     num_stages: int
+    # One loop over a segment's blocks with the mask applied where a block needs it, instead of three loops
+    # (window edge, interior, diagonal): sm90 compiles of the three-loop form spill registers (ptxas, Triton 3.9).
+    one_loop: bool = True
 
     def __post_init__(self) -> None:
+        if not isinstance(self.one_loop, bool):
+            raise TypeError(f"FlashConfig: one_loop must be a bool, got {self.one_loop!r}")
         for name in ("block_m", "block_n", "num_warps", "num_stages"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
@@ -60,7 +65,7 @@ _TABLE: dict[tuple[int, int | None], KernelConfigs] = {
     (64, 128): KernelConfigs(_C(64, 64, 4, 2), _C(128, 32, 4, 2), _C(64, 64, 4, 2)),
     (64, 1024): KernelConfigs(_C(128, 64, 4, 3), _C(128, 32, 4, 3), _C(128, 32, 4, 3)),
     (64, None): KernelConfigs(_C(128, 64, 4, 3), _C(128, 32, 4, 3), _C(128, 32, 4, 3)),
-    (128, 128): KernelConfigs(_C(64, 64, 4, 2), _C(128, 32, 4, 2), _C(64, 64, 4, 2)),
+    (128, 128): KernelConfigs(_C(64, 64, 4, 2), _C(128, 32, 4, 3), _C(64, 64, 4, 3)),
     (128, 1024): KernelConfigs(_C(128, 64, 8, 3), _C(128, 32, 4, 3), _C(128, 32, 4, 3)),
     (128, None): KernelConfigs(_C(128, 64, 8, 3), _C(128, 32, 4, 3), _C(128, 32, 4, 3)),
     (256, 128): KernelConfigs(_C(64, 32, 4, 2), _C(64, 32, 4, 1), _C(64, 32, 4, 1)),
@@ -79,6 +84,7 @@ def _bucket(value: int, buckets: tuple) -> int | None:
     return buckets[-1]
 
 
+@functools.lru_cache(maxsize=256)
 def longest_segment(layout: AttentionLayout) -> int:
     """The longest key segment of any pair: what the length buckets are keyed by."""
     return max((pair[5] for pair in layout.pairs), default=0)
@@ -93,6 +99,7 @@ def kernel_configs(head_dim_qk: int, head_dim_v: int, longest: int, interpreting
     return _TABLE[(dim, _bucket(longest, LENGTH_BUCKETS))]
 
 
+@functools.lru_cache(maxsize=256)
 def fused_dq_possible(layout: AttentionLayout, key_block: int) -> bool:
     """Whether the dK/dV kernel can write dQ itself: every query segment is paired with exactly one key
     segment, that segment is the same document (same start, length and positions: every query then sees at
