@@ -88,28 +88,40 @@ def _common(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: Attention
     return constants, (*scalars, layout.window_size or 0, d_qk, d_v)
 
 
+def gqa_pack(config: FlashConfig, group: int, tile_rows: int) -> int:
+    """How many query heads of a GQA group share a tile's rows: the group if ``pack_gqa`` and it divides the tile
+    (a power of two), else 1 (a tile per head)."""
+    if config.pack_gqa and group > 1 and not group & (group - 1) and tile_rows % group == 0:
+        return group
+    return 1
+
+
 def launch_kv(q, k, v, dout, lse2, delta, dq, dk, dv, layout, softmax_scale, config: FlashConfig, mode: int) -> None:
-    """The dK/dV kernel (and dQ by ``mode``); ``config.block_m`` key rows per program."""
+    """The dK/dV kernel (and dQ by ``mode``); ``config.block_m`` key rows per program, ``config.block_n`` query
+    rows (of one head, or of the GQA group's heads packed) per step."""
     blocks, segments = device_blocks(layout, "k", config.block_m, q.device)
     if not blocks.shape[0]:
         return
     constants, scalars = _common(q, k, v, layout, softmax_scale)
+    pack = gqa_pack(config, q.shape[2] // k.shape[2], config.block_n)
     _bwd_kv_kernel[(k.shape[2], blocks.shape[0])](
         q, k, v, dout, lse2, delta, dq, dk, dv, blocks, segments, *_strides(q, k, v, dout, dq, dk, dv), *scalars,
-        DQ_MODE=mode, ONE_LOOP=config.one_loop, BLOCK_M=config.block_n, BLOCK_N=config.block_m,
+        DQ_MODE=mode, ONE_LOOP=config.one_loop, PACK=pack, BLOCK_M=config.block_n, BLOCK_N=config.block_m,
         num_warps=config.num_warps, num_stages=config.num_stages, **constants,
     )  # fmt: skip
 
 
 def launch_dq(q, k, v, dout, lse2, delta, dq, layout, softmax_scale, config: FlashConfig) -> None:
-    """The separate, deterministic dQ kernel; ``config.block_m`` query rows per program."""
-    blocks, segments = device_blocks(layout, "q", config.block_m, q.device)
+    """The separate, deterministic dQ kernel; ``config.block_m`` query rows (of one head, or of the GQA group's
+    heads packed) per program."""
+    pack = gqa_pack(config, q.shape[2] // k.shape[2], config.block_m)
+    blocks, segments = device_blocks(layout, "q", config.block_m // pack, q.device)
     if not blocks.shape[0]:
         return
     constants, scalars = _common(q, k, v, layout, softmax_scale)
-    _bwd_q_kernel[(q.shape[2], blocks.shape[0])](
+    _bwd_q_kernel[(q.shape[2] // pack, blocks.shape[0])](
         q, k, v, dout, lse2, delta, dq, blocks, segments, *_strides(q, k, v, dout, dq), *scalars,
-        ONE_LOOP=config.one_loop, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
+        ONE_LOOP=config.one_loop, PACK=pack, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
         num_warps=config.num_warps, num_stages=config.num_stages, **constants,
     )  # fmt: skip
 

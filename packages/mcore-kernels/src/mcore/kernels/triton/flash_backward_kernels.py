@@ -76,17 +76,20 @@ def _load_stats(LSE2, DELTA, stat_base, rows, rows_valid, MASKED: tl.constexpr):
 @triton.jit
 def _bwd_kv_block(
     dk, dv, k, v, q_base, do_base, stat_base, LSE2, DELTA, dq_base, query, q_len, q_pos, k_rows_pos, k_valid,
-    stride_qs, stride_ds, stride_dqs, offs_m, offs_dqk, offs_dv, D_QK, D_V, scale, scale_log2, window, edge,
-    MASKED: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, DQ_MODE: tl.constexpr,
-    PRECISION: tl.constexpr, EVEN_D: tl.constexpr,
+    stride_qs, stride_ds, stride_dqs, pack_row, q_off, do_off, dq_off, stat_off, offs_dqk, offs_dv, D_QK, D_V,
+    scale, scale_log2, window, edge, MASKED: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
+    DQ_MODE: tl.constexpr, PRECISION: tl.constexpr, EVEN_D: tl.constexpr,
 ):  # fmt: skip
-    qm = query + offs_m
+    # Tile row r is query `query + pack_row[r]` of the head whose rows start `q_off[r]` after the base (the GQA
+    # heads packed into one tile, or all one head: offsets 0).
+    qm = query + pack_row
     q_valid = qm < q_len
     qm64 = qm.to(tl.int64)
-    q_ptrs = q_base + qm64[:, None] * stride_qs + offs_dqk[None, :]
+    q_ptrs = q_base + (qm64 * stride_qs + q_off)[:, None] + offs_dqk[None, :]
     q = _load_rows(q_ptrs, q_valid, offs_dqk, D_QK, MASKED > 0, EVEN_D)
-    do = _load_rows(do_base + qm64[:, None] * stride_ds + offs_dv[None, :], q_valid, offs_dv, D_V, MASKED > 0, EVEN_D)
-    lse2, delta = _load_stats(LSE2, DELTA, stat_base, qm64, q_valid, MASKED > 0)
+    do_ptrs = do_base + (qm64 * stride_ds + do_off)[:, None] + offs_dv[None, :]
+    do = _load_rows(do_ptrs, q_valid, offs_dv, D_V, MASKED > 0, EVEN_D)
+    lse2, delta = _load_stats(LSE2, DELTA, stat_base + stat_off, qm64, q_valid, MASKED > 0)
     scores_t = tl.dot(k, tl.trans(q), input_precision=PRECISION) * scale_log2
     p_t = tl.exp2(scores_t - lse2[None, :])
     if MASKED == 1:
@@ -104,7 +107,7 @@ def _bwd_kv_block(
     dk += tl.dot(ds_t.to(q.dtype), q, input_precision=PRECISION)
     if DQ_MODE != 0:
         dq = tl.dot(tl.trans(ds_t).to(k.dtype), k, input_precision=PRECISION) * scale
-        dq_ptrs = dq_base + qm64[:, None] * stride_dqs + offs_dqk[None, :]
+        dq_ptrs = dq_base + (qm64 * stride_dqs + dq_off)[:, None] + offs_dqk[None, :]
         dq_mask = q_valid[:, None] & (offs_dqk < D_QK)[None, :]
         if DQ_MODE == 1:
             tl.atomic_add(dq_ptrs, dq, mask=dq_mask)
@@ -116,9 +119,9 @@ def _bwd_kv_block(
 @triton.jit
 def _bwd_kv_segment(
     dk, dv, k, v, q_base, do_base, stat_base, LSE2, DELTA, dq_base, q_len, q_pos, k_first, k_rows, k_rows_pos,
-    k_valid, stride_qs, stride_ds, stride_dqs, offs_m, offs_dqk, offs_dv, D_QK, D_V, scale, scale_log2, window,
-    CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, DQ_MODE: tl.constexpr, PRECISION: tl.constexpr,
-    EVEN_D: tl.constexpr, ONE_LOOP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    k_valid, stride_qs, stride_ds, stride_dqs, pack_row, q_off, do_off, dq_off, stat_off, offs_dqk, offs_dv, D_QK,
+    D_V, scale, scale_log2, window, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, DQ_MODE: tl.constexpr,
+    PRECISION: tl.constexpr, EVEN_D: tl.constexpr, ONE_LOOP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
     """One key block against one query segment: the window-edge, interior and diagonal stretches."""
     k_last = k_first + k_rows - 1
@@ -132,28 +135,28 @@ def _bwd_kv_segment(
         for query in range(lo, hi, BLOCK_M):
             dk, dv = _bwd_kv_block(
                 dk, dv, k, v, q_base, do_base, stat_base, LSE2, DELTA, dq_base, query, q_len, q_pos, k_rows_pos,
-                k_valid, stride_qs, stride_ds, stride_dqs, offs_m, offs_dqk, offs_dv, D_QK, D_V, scale,
-                scale_log2, window, (query < mid_lo) | (query >= mid_hi), 2, CAUSAL, HAS_WINDOW, DQ_MODE, PRECISION,
-                EVEN_D,
+                k_valid, stride_qs, stride_ds, stride_dqs, pack_row, q_off, do_off, dq_off, stat_off, offs_dqk, offs_dv,
+                D_QK, D_V, scale, scale_log2, window, (query < mid_lo) | (query >= mid_hi), 2, CAUSAL, HAS_WINDOW,
+                DQ_MODE, PRECISION, EVEN_D,
             )  # fmt: skip
     else:
         for query in range(lo, head_hi, BLOCK_M):
             dk, dv = _bwd_kv_block(
                 dk, dv, k, v, q_base, do_base, stat_base, LSE2, DELTA, dq_base, query, q_len, q_pos, k_rows_pos,
-                k_valid, stride_qs, stride_ds, stride_dqs, offs_m, offs_dqk, offs_dv, D_QK, D_V, scale,
-                scale_log2, window, True, 1, CAUSAL, HAS_WINDOW, DQ_MODE, PRECISION, EVEN_D,
+                k_valid, stride_qs, stride_ds, stride_dqs, pack_row, q_off, do_off, dq_off, stat_off, offs_dqk, offs_dv,
+                D_QK, D_V, scale, scale_log2, window, True, 1, CAUSAL, HAS_WINDOW, DQ_MODE, PRECISION, EVEN_D,
             )  # fmt: skip
         for query in range(mid_lo, mid_hi, BLOCK_M):
             dk, dv = _bwd_kv_block(
                 dk, dv, k, v, q_base, do_base, stat_base, LSE2, DELTA, dq_base, query, q_len, q_pos, k_rows_pos,
-                k_valid, stride_qs, stride_ds, stride_dqs, offs_m, offs_dqk, offs_dv, D_QK, D_V, scale,
-                scale_log2, window, False, 0, CAUSAL, HAS_WINDOW, DQ_MODE, PRECISION, EVEN_D,
+                k_valid, stride_qs, stride_ds, stride_dqs, pack_row, q_off, do_off, dq_off, stat_off, offs_dqk, offs_dv,
+                D_QK, D_V, scale, scale_log2, window, False, 0, CAUSAL, HAS_WINDOW, DQ_MODE, PRECISION, EVEN_D,
             )  # fmt: skip
         for query in range(tl.maximum(mid_hi, head_hi), hi, BLOCK_M):
             dk, dv = _bwd_kv_block(
                 dk, dv, k, v, q_base, do_base, stat_base, LSE2, DELTA, dq_base, query, q_len, q_pos, k_rows_pos,
-                k_valid, stride_qs, stride_ds, stride_dqs, offs_m, offs_dqk, offs_dv, D_QK, D_V, scale,
-                scale_log2, window, True, 1, CAUSAL, HAS_WINDOW, DQ_MODE, PRECISION, EVEN_D,
+                k_valid, stride_qs, stride_ds, stride_dqs, pack_row, q_off, do_off, dq_off, stat_off, offs_dqk, offs_dv,
+                D_QK, D_V, scale, scale_log2, window, True, 1, CAUSAL, HAS_WINDOW, DQ_MODE, PRECISION, EVEN_D,
             )  # fmt: skip
     return dk, dv
 
@@ -166,7 +169,7 @@ def _bwd_kv_kernel(
     stride_dkb, stride_dks, stride_dkh, stride_dvb, stride_dvs, stride_dvh,
     q_len_row, n_heads, group, scale, scale_log2, window, D_QK, D_V,
     CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, DQ_MODE: tl.constexpr, PRECISION: tl.constexpr,
-    EVEN_D: tl.constexpr, ONE_LOOP: tl.constexpr,
+    EVEN_D: tl.constexpr, ONE_LOOP: tl.constexpr, PACK: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):  # fmt: skip
     kv_head = tl.program_id(0)
@@ -190,8 +193,15 @@ def _bwd_kv_kernel(
     k_rows_pos = k_first + offs_n
     dk = tl.zeros([BLOCK_N, BLOCK_DQK], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_DV], tl.float32)
+    # PACK > 1: a tile's rows are BLOCK_M // PACK queries x PACK heads of the group (one bigger product per step).
+    pack_row = offs_m // PACK
+    pack_head = (offs_m % PACK).to(tl.int64)
+    q_off = pack_head * stride_qh
+    do_off = pack_head * stride_dh
+    dq_off = pack_head * stride_dqh
+    stat_off = pack_head * q_len_row
     # The group's query heads share this K/V block: it stays in registers, dK/dV sum over them in place.
-    for g in range(0, group):
+    for g in range(0, group, PACK):
         head = kv_head * group + g
         for seg in range(seg_lo, seg_hi):
             q_start = tl.load(SEGS + seg * 3).to(tl.int64)
@@ -204,8 +214,8 @@ def _bwd_kv_kernel(
                 (row * n_heads + head) * q_len_row + q_start, LSE2, DELTA,
                 DQ + row * stride_dqb + head * stride_dqh + q_start * stride_dqs,
                 q_len, q_pos, k_first, k_rows, k_rows_pos, k_valid, stride_qs, stride_ds, stride_dqs,
-                offs_m, offs_dqk, offs_dv, D_QK, D_V, scale, scale_log2, window,
-                CAUSAL, HAS_WINDOW, DQ_MODE, PRECISION, EVEN_D, ONE_LOOP, BLOCK_M, BLOCK_N,
+                pack_row, q_off, do_off, dq_off, stat_off, offs_dqk, offs_dv, D_QK, D_V, scale, scale_log2, window,
+                CAUSAL, HAS_WINDOW, DQ_MODE, PRECISION, EVEN_D, ONE_LOOP, BLOCK_M // PACK, BLOCK_N,
             )  # fmt: skip
     kmask = k_valid[:, None] & (offs_dqk < D_QK)[None, :]
     vmask = k_valid[:, None] & (offs_dv < D_V)[None, :]
@@ -288,10 +298,10 @@ def _bwd_q_kernel(
     stride_db, stride_ds, stride_dh, stride_dqb, stride_dqs, stride_dqh,
     q_len_row, n_heads, group, scale, scale_log2, window, D_QK, D_V,
     CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, PRECISION: tl.constexpr, EVEN_D: tl.constexpr,
-    ONE_LOOP: tl.constexpr,
+    ONE_LOOP: tl.constexpr, PACK: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):  # fmt: skip
-    head = tl.program_id(0)
+    head = tl.program_id(0) * PACK  # the first of PACK heads (of one GQA group) whose rows share the tile
     block = tl.program_id(1)
     kv_head = head // group
     row = tl.load(BLOCKS + block * 6).to(tl.int64)
@@ -305,14 +315,19 @@ def _bwd_q_kernel(
     offs_n = tl.arange(0, BLOCK_N)
     offs_dqk = tl.arange(0, BLOCK_DQK)
     offs_dv = tl.arange(0, BLOCK_DV)
-    m_valid = offs_m < q_rows
-    q_tokens = (q_start + offs_m).to(tl.int64)
-    q_ptrs = Q + row * stride_qb + head * stride_qh + q_tokens[:, None] * stride_qs + offs_dqk[None, :]
-    q = _load_rows(q_ptrs, m_valid, offs_dqk, D_QK, True, EVEN_D)
-    do_ptrs = DO + row * stride_db + head * stride_dh + q_tokens[:, None] * stride_ds + offs_dv[None, :]
-    do = _load_rows(do_ptrs, m_valid, offs_dv, D_V, True, EVEN_D)
-    lse2, delta = _load_stats(LSE2, DELTA, (row * n_heads + head) * q_len_row, q_tokens, m_valid, True)
-    q_rows_pos = q_first + offs_m
+    pack_row = offs_m // PACK  # tile row r: query pack_row[r] of the block, head head + r % PACK
+    pack_head = (offs_m % PACK).to(tl.int64)
+    m_valid = pack_row < q_rows
+    q_tokens = (q_start + pack_row).to(tl.int64)
+    q_rows_off = q_tokens * stride_qs + pack_head * stride_qh
+    q = _load_rows(Q + row * stride_qb + head * stride_qh + q_rows_off[:, None] + offs_dqk[None, :], m_valid,
+                   offs_dqk, D_QK, True, EVEN_D)  # fmt: skip
+    do_rows_off = q_tokens * stride_ds + pack_head * stride_dh
+    do = _load_rows(DO + row * stride_db + head * stride_dh + do_rows_off[:, None] + offs_dv[None, :], m_valid,
+                    offs_dv, D_V, True, EVEN_D)  # fmt: skip
+    stat_base = (row * n_heads + head) * q_len_row + pack_head * q_len_row
+    lse2, delta = _load_stats(LSE2, DELTA, stat_base, q_tokens, m_valid, True)
+    q_rows_pos = q_first + pack_row
     k_head = K + row * stride_kb + kv_head * stride_kh
     v_head = V + row * stride_vb + kv_head * stride_vh
     dq = tl.zeros([BLOCK_M, BLOCK_DQK], tl.float32)
@@ -326,5 +341,6 @@ def _bwd_q_kernel(
             window, CAUSAL, HAS_WINDOW, PRECISION, EVEN_D, ONE_LOOP, BLOCK_N,
         )  # fmt: skip
     qmask = m_valid[:, None] & (offs_dqk < D_QK)[None, :]
-    dq_ptrs = DQ + row * stride_dqb + head * stride_dqh + q_tokens[:, None] * stride_dqs + offs_dqk[None, :]
+    dq_rows_off = q_tokens * stride_dqs + pack_head * stride_dqh
+    dq_ptrs = DQ + row * stride_dqb + head * stride_dqh + dq_rows_off[:, None] + offs_dqk[None, :]
     tl.store(dq_ptrs, (dq * scale).to(DQ.dtype.element_ty), mask=qmask)

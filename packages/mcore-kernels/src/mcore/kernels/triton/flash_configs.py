@@ -33,10 +33,14 @@ class FlashConfig:
     # One loop over a segment's blocks with the mask applied where a block needs it, instead of three loops
     # (window edge, interior, diagonal): sm90 compiles of the three-loop form spill registers (ptxas, Triton 3.9).
     one_loop: bool = True
+    # Backward kernels: a tile's rows are (query, head) pairs over the GQA group's heads, which share K/V, instead
+    # of one head's queries: bigger products per K/V tile and, in the dQ kernel, K/V read once per group.
+    pack_gqa: bool = False
 
     def __post_init__(self) -> None:
-        if not isinstance(self.one_loop, bool):
-            raise TypeError(f"FlashConfig: one_loop must be a bool, got {self.one_loop!r}")
+        for name in ("one_loop", "pack_gqa"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"FlashConfig: {name} must be a bool, got {getattr(self, name)!r}")
         for name in ("block_m", "block_n", "num_warps", "num_stages"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
