@@ -24,11 +24,11 @@ import torch
 # queries. Screened on the CPU with ptxas for sm90 (Triton 3.9, one loop): kv with 64 keys and 8 warps holds dK/dV
 # in registers without spilling; 128 keys, or 4 warps, spill 100-800 bytes (kept: they may still win, e.g. the
 # 128-key block that stores dQ for 128-token documents). ``False`` rows are last session's three-loop kernels;
-# ``True, True`` rows pack the GQA group's 4 heads into the backward tiles' rows.
+# ``True, True`` rows pack the GQA group's 4 heads into the tiles' rows.
 P = (True, True)
 D128 = {
-    "fwd": [(128, 64, 8, 3), (128, 64, 8, 3, False), (128, 128, 8, 3), (128, 128, 8, 2), (128, 64, 8, 2),
-            (64, 64, 4, 3), (64, 64, 4, 2)],
+    "fwd": [(128, 64, 8, 3), (128, 64, 8, 3, *P), (128, 64, 8, 3, False), (128, 128, 8, 3), (128, 128, 8, 2),
+            (128, 64, 8, 2), (64, 64, 4, 3), (64, 64, 4, 3, *P), (64, 64, 4, 2)],
     "kv": [(64, 32, 8, 3), (64, 32, 8, 3, *P), (64, 64, 8, 3), (64, 64, 8, 3, *P), (64, 64, 8, 2), (64, 32, 8, 2),
            (64, 32, 8, 4), (64, 16, 8, 3), (128, 32, 8, 3), (128, 32, 8, 3, *P), (128, 16, 8, 3),
            (64, 64, 8, 2, False)],
@@ -37,12 +37,12 @@ D128 = {
     "kv-atomic": [(64, 32, 8, 3), (64, 64, 8, 2)],
 }  # fmt: skip
 WINDOW = {
-    "fwd": [(128, 64, 8, 3), (64, 64, 4, 3), (128, 128, 8, 3), (64, 64, 4, 2)],
+    "fwd": [(128, 64, 8, 3), (128, 64, 8, 3, *P), (64, 64, 4, 3), (64, 64, 4, 3, *P), (128, 128, 8, 3)],
     "kv": [(64, 32, 8, 3), (64, 32, 8, 3, *P), (64, 64, 8, 3), (64, 16, 8, 3)],
     "dq": [(128, 64, 8, 2), (128, 64, 8, 2, *P), (64, 64, 4, 3), (64, 64, 8, 3)],
 }
 MLA = {  # q/k head dim 192 is padded to 256 inside the kernels
-    "fwd": [(128, 32, 8, 2), (128, 64, 8, 2), (64, 32, 4, 3), (64, 64, 4, 2)],
+    "fwd": [(128, 32, 8, 2), (128, 64, 8, 2), (128, 64, 8, 2, *P), (64, 32, 4, 3), (64, 64, 4, 2)],
     "kv": [(64, 32, 8, 1), (64, 32, 8, 2), (32, 32, 4, 2), (64, 32, 8, 2, *P)],
     "dq": [(64, 32, 8, 1), (64, 32, 8, 2), (64, 64, 8, 1), (64, 32, 8, 2, *P)],
 }

@@ -137,15 +137,20 @@ def test_short_documents_store_dq_in_the_kv_kernel(deterministic, interpreter, s
 
 @pytest.mark.parametrize("case_name", ["window_documents_sinks", "short_documents_window_sinks"])
 def test_packed_gqa_heads(case_name, interpreter, monkeypatch):
-    """Backward tiles whose rows are (query, head) pairs of a GQA group (groups of 2 and 4 here; the second case
-    also stores dQ from the dK/dV kernel) give the same gradients as one head per tile."""
+    """Tiles whose rows are (query, head) pairs of a GQA group (groups of 2 and 4 here; the second case also
+    stores dQ from the dK/dV kernel) give the same outputs, LSE and gradients as one head per tile."""
+    from mcore.kernels.triton import flash_attention as fa
     from mcore.kernels.triton import flash_backward as fb
 
     config = fb.FlashConfig(16, 16, 1, 1, True, True)
     assert fb.gqa_pack(config, 4, 16) == 4 and fb.gqa_pack(config, 3, 16) == 1 and fb.gqa_pack(config, 32, 16) == 1
+    monkeypatch.setattr(fa, "forward_config", lambda *args: config)
     monkeypatch.setattr(fb, "backward_configs", lambda *args: (config, config))
     for deterministic in (True, False):
-        *_, leaves, ref_leaves = _run_case(CASES[case_name], interpreter, torch.float32, deterministic, True)
+        out, lse, ref_out, ref_lse, leaves, ref_leaves = _run_case(
+            CASES[case_name], interpreter, torch.float32, deterministic, True
+        )
+        assert _rel(out, ref_out) < 1e-5 and _rel(lse, ref_lse) < 1e-6
         for name, got, want in zip(["q", "k", "v", "sinks"], leaves, ref_leaves):
             assert _rel(got.grad, want.grad) < 1e-5, (name, deterministic)
 

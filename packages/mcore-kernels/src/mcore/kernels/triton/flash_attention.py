@@ -22,7 +22,7 @@ import triton.language as tl
 
 from mcore.kernels.attention_layout import AttentionLayout
 from mcore.kernels.dispatch import triton_interpreting
-from mcore.kernels.triton.flash_configs import FlashConfig, kernel_configs, longest_segment
+from mcore.kernels.triton.flash_configs import FlashConfig, gqa_pack, kernel_configs, longest_segment
 from mcore.kernels.triton.flash_schedule import device_blocks
 
 LOG2E = 1.4426950408889634
@@ -142,10 +142,10 @@ def _fwd_kernel(
     stride_ob, stride_os, stride_oh,
     q_len_row, n_heads, group, scale_log2, window, D_QK, D_V,
     CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr, PRECISION: tl.constexpr,
-    EVEN_D: tl.constexpr, ONE_LOOP: tl.constexpr,
+    EVEN_D: tl.constexpr, ONE_LOOP: tl.constexpr, PACK: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):  # fmt: skip
-    head = tl.program_id(0)
+    head = tl.program_id(0) * PACK  # the first of PACK heads (of one GQA group) whose rows share the tile
     block = tl.program_id(1)
     kv_head = head // group
     row = tl.load(BLOCKS + block * 6).to(tl.int64)
@@ -160,11 +160,14 @@ def _fwd_kernel(
     offs_n = tl.arange(0, BLOCK_N)
     offs_dqk = tl.arange(0, BLOCK_DQK)
     offs_dv = tl.arange(0, BLOCK_DV)
-    m_valid = offs_m < q_rows
-    q_tokens = (q_start + offs_m).to(tl.int64)
-    q_ptrs = Q + row * stride_qb + head * stride_qh + q_tokens[:, None] * stride_qs + offs_dqk[None, :]
-    q = _load_rows(q_ptrs, m_valid, offs_dqk, D_QK, True, EVEN_D)
-    q_rows_pos = q_first + offs_m
+    pack_row = offs_m // PACK  # tile row r: query pack_row[r] of the block, head `head + r % PACK`
+    pack_head = offs_m % PACK
+    m_valid = pack_row < q_rows
+    q_tokens = (q_start + pack_row).to(tl.int64)
+    q_rows_off = q_tokens * stride_qs + pack_head.to(tl.int64) * stride_qh
+    q = _load_rows(Q + row * stride_qb + head * stride_qh + q_rows_off[:, None] + offs_dqk[None, :], m_valid,
+                   offs_dqk, D_QK, True, EVEN_D)  # fmt: skip
+    q_rows_pos = q_first + pack_row
     k_head = K + row * stride_kb + kv_head * stride_kh
     v_head = V + row * stride_vb + kv_head * stride_vh
 
@@ -210,7 +213,7 @@ def _fwd_kernel(
                 )  # fmt: skip
 
     if HAS_SINKS:
-        sink = tl.load(SINKS + head).to(tl.float32) * 1.4426950408889634
+        sink = tl.load(SINKS + head + pack_head).to(tl.float32) * 1.4426950408889634
         m_fin = tl.maximum(m_i, sink)
         alpha = tl.exp2(m_i - m_fin)
         l_i = l_i * alpha + tl.exp2(sink - m_fin)
@@ -219,12 +222,13 @@ def _fwd_kernel(
     empty = l_i == 0.0
     out = acc / tl.where(empty, 1.0, l_i)[:, None]
     lse = tl.where(empty, float("-inf"), (m_i + tl.log2(tl.where(empty, 1.0, l_i))) * 0.6931471805599453)
+    out_rows_off = q_tokens * stride_os + pack_head.to(tl.int64) * stride_oh
     tl.store(
-        OUT + row * stride_ob + head * stride_oh + q_tokens[:, None] * stride_os + offs_dv[None, :],
+        OUT + row * stride_ob + head * stride_oh + out_rows_off[:, None] + offs_dv[None, :],
         out.to(OUT.dtype.element_ty),
         mask=m_valid[:, None] & (offs_dv < D_V)[None, :],
     )
-    tl.store(LSE + (row * q_len_row + q_tokens) * n_heads + head, lse, mask=m_valid)
+    tl.store(LSE + (row * q_len_row + q_tokens) * n_heads + head + pack_head, lse, mask=m_valid)
 
 
 def even_dims(d_qk: int, d_v: int) -> bool:
@@ -251,7 +255,8 @@ def flash_forward(
     b, s, n_heads, d_qk = q.shape
     d_v = v.shape[-1]
     config = config or forward_config(d_qk, d_v, layout)
-    blocks, segments = device_blocks(layout, "q", config.block_m, q.device)
+    pack = gqa_pack(config, n_heads // k.shape[2], config.block_m)
+    blocks, segments = device_blocks(layout, "q", config.block_m // pack, q.device)
     covered = layout.covers_all("q")
     alloc = torch.empty if covered else torch.zeros
     out = alloc(b, s, n_heads, d_v, device=q.device, dtype=q.dtype)
@@ -260,7 +265,7 @@ def flash_forward(
         lse.copy_(sinks.float().expand_as(lse)) if sinks is not None else lse.fill_(float("-inf"))
     if blocks.shape[0] == 0:
         return out, lse
-    grid = (n_heads, blocks.shape[0])
+    grid = (n_heads // pack, blocks.shape[0])
     _fwd_kernel[grid](
         q, k, v, out, lse, sinks if sinks is not None else lse, blocks, segments,
         q.stride(0), q.stride(1), q.stride(2),
@@ -270,7 +275,7 @@ def flash_forward(
         s, n_heads, n_heads // k.shape[2], softmax_scale * LOG2E, layout.window_size or 0, d_qk, d_v,
         CAUSAL=layout.causal, HAS_WINDOW=layout.window_size is not None, HAS_SINKS=sinks is not None,
         PRECISION=precision_for(q.dtype), EVEN_D=even_dims(d_qk, d_v), ONE_LOOP=config.one_loop,
-        BLOCK_M=config.block_m, BLOCK_N=config.block_n,
+        PACK=pack, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
         BLOCK_DQK=_pad_dim(d_qk), BLOCK_DV=_pad_dim(d_v), num_warps=config.num_warps, num_stages=config.num_stages,
     )  # fmt: skip
     return out, lse

@@ -37,6 +37,7 @@ from mcore.kernels.triton.flash_configs import (
     FlashConfig,
     KernelConfigs,
     fused_dq_possible,
+    gqa_pack,
     kernel_configs,
     longest_segment,
 )
@@ -86,14 +87,6 @@ def _common(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: Attention
     n_heads, n_kv = q.shape[2], k.shape[2]
     scalars = (q.shape[1], n_heads, n_heads // n_kv, softmax_scale, softmax_scale * LOG2E)
     return constants, (*scalars, layout.window_size or 0, d_qk, d_v)
-
-
-def gqa_pack(config: FlashConfig, group: int, tile_rows: int) -> int:
-    """How many query heads of a GQA group share a tile's rows: the group if ``pack_gqa`` and it divides the tile
-    (a power of two), else 1 (a tile per head)."""
-    if config.pack_gqa and group > 1 and not group & (group - 1) and tile_rows % group == 0:
-        return group
-    return 1
 
 
 def launch_kv(q, k, v, dout, lse2, delta, dq, dk, dv, layout, softmax_scale, config: FlashConfig, mode: int) -> None:

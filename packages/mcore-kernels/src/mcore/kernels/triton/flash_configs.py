@@ -33,8 +33,8 @@ class FlashConfig:
     # One loop over a segment's blocks with the mask applied where a block needs it, instead of three loops
     # (window edge, interior, diagonal): sm90 compiles of the three-loop form spill registers (ptxas, Triton 3.9).
     one_loop: bool = True
-    # Backward kernels: a tile's rows are (query, head) pairs over the GQA group's heads, which share K/V, instead
-    # of one head's queries: bigger products per K/V tile and, in the dQ kernel, K/V read once per group.
+    # A tile's rows are (query, head) pairs over the GQA group's heads, which share K/V, instead of one head's
+    # queries: K/V read once per group (forward, dQ) and bigger products per K/V tile (dK/dV).
     pack_gqa: bool = False
 
     def __post_init__(self) -> None:
@@ -101,6 +101,14 @@ def kernel_configs(head_dim_qk: int, head_dim_v: int, longest: int, interpreting
         return _INTERPRETER
     dim = _bucket(max(head_dim_qk, head_dim_v), DIM_BUCKETS)
     return _TABLE[(dim, _bucket(longest, LENGTH_BUCKETS))]
+
+
+def gqa_pack(config: FlashConfig, group: int, tile_rows: int) -> int:
+    """How many query heads of a GQA group share a tile's rows: the group if ``pack_gqa`` and it divides the tile
+    (a power of two), else 1 (a tile per head)."""
+    if config.pack_gqa and group > 1 and not group & (group - 1) and tile_rows % group == 0:
+        return group
+    return 1
 
 
 @functools.lru_cache(maxsize=256)
