@@ -168,6 +168,22 @@ def test_fused_dq_needs_one_key_block_per_query():
     assert not fused_dq_possible(cross, 16)
 
 
+def test_table_keys_by_head_dim_and_visible_span():
+    from mcore.kernels.triton.flash_configs import _TABLE, kernel_configs, longest_key_span
+
+    docs = AttentionLayout.from_documents(1, 16384, 16384, causal=True, bounds=docs_bounds(4096))
+    window = AttentionLayout.from_documents(1, 16384, 16384, causal=True, window_size=128, bounds=docs_bounds(4096))
+    assert longest_key_span(docs) == 4096 and longest_key_span(window) == 128
+    assert kernel_configs(128, 128, 4096, False) == _TABLE[(128, None)]
+    assert kernel_configs(128, 128, 128, False) == _TABLE[(128, 128)]
+    assert kernel_configs(64, 64, 512, False) == _TABLE[(64, 1024)]
+    assert kernel_configs(192, 128, 16384, False) == _TABLE[(256, None)]
+
+
+def docs_bounds(length, tokens=16384):
+    return list(range(0, tokens + 1, length))
+
+
 def test_bad_tile_configs():
     from mcore.kernels.triton.flash_configs import FlashConfig
 

@@ -22,7 +22,7 @@ import triton.language as tl
 
 from mcore.kernels.attention_layout import AttentionLayout
 from mcore.kernels.dispatch import triton_interpreting
-from mcore.kernels.triton.flash_configs import FlashConfig, gqa_pack, kernel_configs, longest_segment
+from mcore.kernels.triton.flash_configs import FlashConfig, gqa_pack, kernel_configs, longest_key_span
 from mcore.kernels.triton.flash_schedule import device_blocks
 
 LOG2E = 1.4426950408889634
@@ -35,7 +35,7 @@ def _pad_dim(d: int) -> int:
 
 def forward_config(head_dim_qk: int, head_dim_v: int, layout: AttentionLayout) -> FlashConfig:
     """The forward's tiles from :mod:`.flash_configs` (per head dim and longest document)."""
-    return kernel_configs(head_dim_qk, head_dim_v, longest_segment(layout), triton_interpreting()).forward
+    return kernel_configs(head_dim_qk, head_dim_v, longest_key_span(layout), triton_interpreting()).forward
 
 
 @triton.jit

@@ -39,14 +39,14 @@ from mcore.kernels.triton.flash_configs import (
     fused_dq_possible,
     gqa_pack,
     kernel_configs,
-    longest_segment,
+    longest_key_span,
 )
 from mcore.kernels.triton.flash_schedule import device_blocks
 
 
 def backward_configs(head_dim_qk: int, head_dim_v: int, layout: AttentionLayout) -> tuple[FlashConfig, FlashConfig]:
     """(dK/dV, dQ) tiles from :mod:`.flash_configs` (per head dim and longest document)."""
-    configs = kernel_configs(head_dim_qk, head_dim_v, longest_segment(layout), triton_interpreting())
+    configs = kernel_configs(head_dim_qk, head_dim_v, longest_key_span(layout), triton_interpreting())
     return configs.kv, configs.dq
 
 

@@ -11,7 +11,7 @@ key block of the dK/dV kernel, that kernel also writes dQ (each query then sees 
 program: exact, no atomics) and the separate dQ kernel does not run; ``fused_dq_possible`` decides it.
 
 Values: chosen by ``benchmarks/attention.py --sweep`` on one H200 (Triton 3.6, bf16, Hq 32, Hkv 8); the
-measurements they come from are in ``benchmarks/results/`` (see ``MEASURED`` below).
+measurements they come from are in the comment above the table.
 """
 
 from __future__ import annotations
@@ -61,24 +61,40 @@ class KernelConfigs:
 
 
 _C = FlashConfig
-# widest head dim <= 64 / <= 128 / wider (MLA 192 is padded to 256 inside the kernels), then the longest
-# document: <= 128 tokens (one tile), <= 1024, longer.
+# widest head dim <= 64 / <= 128 / wider (MLA 192 is padded to 256 inside the kernels), then the longest key
+# span a query can see (the longest document, or the window if shorter): <= 128 tokens (one tile), <= 1024, longer.
 DIM_BUCKETS = (64, 128, 256)
 LENGTH_BUCKETS = (128, 1024, None)
+# Measured: H200, Triton 3.6, torch 2.11, bf16, Hq 32, Hkv 8, 16,384 tokens per call, each kernel alone
+# (``benchmarks/attention.py --only-sweep`` at commit 5be4d1b, 2026-12-01; JSON kept beside the lead's results):
+#
+#   case (bucket)          forward (m, n, warps, stages)  dK/dV (keys, queries, ...)          dQ
+#   128 x 128  (128, 128)  (64, 64, 4, 3)   0.178 ms      (128, 32, 8, 3) 0.405, stores dQ     -
+#              others      (128,128,8,3) 0.236 (64,64,4,2) 0.181  (32,64,4,3) 0.365 + dQ 0.224 (64,32,4,3)
+#   32 x 512   (128, 1024) (64, 64, 4, 3)   0.272         (128, 32, 8, 3) 0.573               (64, 32, 4, 3) 0.347
+#              others      (128,128,8,3) 0.319            (64,64,8,3) 0.875, (32,64,4,3) 0.778  (128,32,4,3) 0.366
+#   4 x 4096   (128, None) (128, 128, 8, 3) 1.234         (128, 32, 8, 3) 3.129               (128, 64, 8, 3) 1.518
+#   1 x 16384  (128, None) (128, 128, 8, 3) 4.488         (128, 32, 8, 3) 11.92               (128, 64, 8, 3) 5.588
+#              others      (128,64,8,3) 4.588             (64,64,8,3) 19.9, old (64,64,8,2) 19.3  old 6.558
+#   window 128 (128, 128)  (64, 64, 4, 3)   0.223         (128, 32, 8, 3) 0.508               (128, 32, 8, 3) 0.372
+#   MLA 1x16k  (256, None) (128, 64, 8, 2)  7.253         (64, 32, 8, 2) 31.32                (128, 32, 8, 2) 12.75
+#
+# dK/dV with 128 keys spills registers on sm90 (ptxas) and is still the fastest everywhere: half the Q/dO reloads
+# of 64 keys. dQ by fp32 atomics in the dK/dV kernel: 70-76 ms on 1 x 16384 (vs 5.6 ms for the dQ kernel).
+# Head dim 64 and MLA's shorter buckets are not measured: they follow the nearest measured choice.
 _TABLE: dict[tuple[int, int | None], KernelConfigs] = {
-    (64, 128): KernelConfigs(_C(64, 64, 4, 2), _C(128, 32, 8, 3), _C(64, 64, 4, 2)),
-    (64, 1024): KernelConfigs(_C(128, 64, 4, 3), _C(128, 32, 8, 3), _C(128, 64, 8, 2)),
-    (64, None): KernelConfigs(_C(128, 64, 4, 3), _C(128, 32, 8, 3), _C(128, 64, 8, 2)),
-    (128, 128): KernelConfigs(_C(64, 64, 4, 2), _C(128, 32, 8, 3), _C(128, 64, 8, 2)),
-    (128, 1024): KernelConfigs(_C(128, 64, 8, 3), _C(64, 32, 8, 3), _C(128, 64, 8, 2)),
-    (128, None): KernelConfigs(_C(128, 64, 8, 3), _C(64, 32, 8, 3), _C(128, 64, 8, 2)),
-    (256, 128): KernelConfigs(_C(64, 32, 4, 2), _C(64, 32, 4, 1), _C(64, 32, 4, 1)),
-    (256, 1024): KernelConfigs(_C(128, 32, 8, 2), _C(64, 32, 8, 1), _C(64, 32, 8, 1)),
-    (256, None): KernelConfigs(_C(128, 32, 8, 2), _C(64, 32, 8, 1), _C(64, 32, 8, 1)),
+    (64, 128): KernelConfigs(_C(64, 64, 4, 3), _C(128, 32, 8, 3), _C(64, 32, 4, 3)),
+    (64, 1024): KernelConfigs(_C(64, 64, 4, 3), _C(128, 32, 8, 3), _C(64, 32, 4, 3)),
+    (64, None): KernelConfigs(_C(128, 128, 8, 3), _C(128, 32, 8, 3), _C(128, 64, 8, 3)),
+    (128, 128): KernelConfigs(_C(64, 64, 4, 3), _C(128, 32, 8, 3), _C(64, 32, 4, 3)),
+    (128, 1024): KernelConfigs(_C(64, 64, 4, 3), _C(128, 32, 8, 3), _C(64, 32, 4, 3)),
+    (128, None): KernelConfigs(_C(128, 128, 8, 3), _C(128, 32, 8, 3), _C(128, 64, 8, 3)),
+    (256, 128): KernelConfigs(_C(128, 64, 8, 2), _C(64, 32, 8, 2), _C(128, 32, 8, 2)),
+    (256, 1024): KernelConfigs(_C(128, 64, 8, 2), _C(64, 32, 8, 2), _C(128, 32, 8, 2)),
+    (256, None): KernelConfigs(_C(128, 64, 8, 2), _C(64, 32, 8, 2), _C(128, 32, 8, 2)),
 }
 _INTERPRETER = KernelConfigs(_C(16, 16, 1, 1), _C(16, 16, 1, 1), _C(16, 16, 1, 1))
-# Where the table's values were measured (filled from the sweep's JSON when it is run).
-MEASURED = "defaults before the 2026-12-01 sweep: FA2/Triton-tutorial tile shapes, not yet measured"
+MEASURED = "H200 sweep at 5be4d1b, 2026-12-01 (table above)"
 
 
 def _bucket(value: int, buckets: tuple) -> int | None:
@@ -89,9 +105,11 @@ def _bucket(value: int, buckets: tuple) -> int | None:
 
 
 @functools.lru_cache(maxsize=256)
-def longest_segment(layout: AttentionLayout) -> int:
-    """The longest key segment of any pair: what the length buckets are keyed by."""
-    return max((pair[5] for pair in layout.pairs), default=0)
+def longest_key_span(layout: AttentionLayout) -> int:
+    """The longest key span a query of the layout can see: the longest key segment of any pair, or the window
+    if it is shorter (a 128-token window over 4096-token documents runs best on the short-document tiles)."""
+    longest = max((pair[5] for pair in layout.pairs), default=0)
+    return longest if layout.window_size is None else min(longest, layout.window_size)
 
 
 @functools.cache
