@@ -8,15 +8,28 @@ Backends (``backend=`` keyword or ``MCORE_KERNELS_BACKEND``):
   (:mod:`mcore.kernels.attention_torch`). SDPA can express neither sinks nor a returned log-sum-exp.
 
 Default choice on CUDA, from one H200 (``benchmarks/attention.py``, bf16, Hq 32, Hkv 8, D 128, forward +
-backward, 16,384 tokens per call, effective TFLOP/s on the causal work as issue #18 counts them; the table and
-its commit are in ``docs/performance.md`` and ``benchmarks/results/``):
+backward, 16,384 tokens per call, effective TFLOP/s on the causal work as issue #18 counts them; ours from its
+kernel sweep at commit 5be4d1b, 2026-12-01; SDPA and MLA from the same benchmark the session before, FlexAttention
+and varlen_attn from issue #18's table):
 
-- one plain causal (or full) document, no sinks, no returned LSE -> ``sdpa``: torch's fused kernel is the
-  fastest measured there (1 x 16384: SDPA 532 vs ours 219 on 2026-12-01; MLA's 192/128 head dims: 495 vs 115,
-  SDPA takes a v head dim different from q's);
+=====================  ============  ========  ======================  =================
+case                   ours (triton) SDPA      FlexAttention compiled  torch varlen_attn
+=====================  ============  ========  ======================  =================
+1 x 16384              355           532       381                     316
+4 x 4096               325           n/a       334                     277
+32 x 512               189           n/a       140                     128
+128 x 128              91            n/a       46                      48
+4 x 4096, window 128   98 (+sinks)   n/a       n/a                     n/a
+1 x 16384 MLA 192/128  188           495       138                     n/a
+=====================  ============  ========  ======================  =================
+
+so:
+
+- one plain causal (or full) document, no sinks, no returned LSE -> ``sdpa``, the fastest there (also with
+  MLA's v head dim different from q's, which SDPA takes);
 - packed documents, a window, sinks or a returned LSE in bf16/fp16 -> ``triton``: its tiles follow the documents
-  (4 x 4096 / 32 x 512 / 128 x 128: ours 199 / 116 / 51 vs compiled FlexAttention 334 / 140 / 46 and
-  ``varlen_attn`` 277 / 128 / 48, before this session's backward work), and only it has sinks and the LSE;
+  and only it has sinks and the LSE (on 4 x 4096 it is level with compiled FlexAttention, which builds its block
+  mask per layout and compiles per shape);
 - fp32/fp64 with those features -> ``flex``.
 
 Elsewhere (CPU): ``sdpa`` for plain attention and ``reference`` otherwise (the interpreter is for tests, eager
@@ -144,9 +157,9 @@ def _select_backend(
         return dispatch.choose("attention", *tensors, backend=backend, extra=(SDPA, FLEX))
     if q.device.type == "cuda":
         if plain and not return_lse:
-            name, why = SDPA, "one plain document: SDPA's fused kernel is the fastest measured"
+            name, why = SDPA, "one plain document: SDPA's fused kernel is the fastest measured (532 vs ours 355)"
         elif q.dtype in _TENSOR_CORE_DTYPES and dispatch.triton_available():
-            name, why = dispatch.TRITON, "documents/window/sinks/LSE/v head dim: our kernel visits only their tiles"
+            name, why = dispatch.TRITON, "documents/window/sinks/LSE: our kernel visits only their tiles"
         else:
             name, why = FLEX, f"{q.dtype} with documents/window/sinks/LSE: compiled FlexAttention"
     elif plain and not return_lse:
