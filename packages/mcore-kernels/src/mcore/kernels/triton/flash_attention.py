@@ -2,16 +2,20 @@
 
 The forward keeps, per query row, a running max ``m``, a running sum ``l`` and an fp32 accumulator, in
 base-2 exponent units (``exp2`` with the scale pre-multiplied by ``log2(e)``), over the key blocks of the
-segments its block is paired with (:mod:`.flash_schedule`). Each segment's blocks run in three stretches:
-the blocks at the window's lower edge (masked), the blocks every row of the block sees whole (no mask
-arithmetic at all), and the diagonal blocks of the causal rule (masked). Learned sinks (GPT-OSS) join the
-denominator after the loop: ``l += exp(sink - m)``. The natural-log ``lse = log(sum exp(scores) [+ e^sink])``
-is stored per (token, head) in fp32 so that partial results over disjoint key sets merge exactly and the
-backward (:mod:`.flash_backward`) recomputes the probabilities without storing them.
+segments its block is paired with (:mod:`.flash_schedule`). A segment's blocks are of three kinds: at the
+window's lower edge (masked), seen whole by every row of the block (no mask arithmetic at all), and on the
+causal diagonal (masked); by default one loop visits them all and masks only the edge kinds (three loops, one
+per kind, keep more registers live on sm90; ``FlashConfig.one_loop=False`` selects them).
+
+Learned sinks (GPT-OSS) join the denominator after the loop: ``l += exp(sink - m)``. The natural-log ``lse =
+log(sum exp(scores) [+ e^sink])`` is stored per (token, head) in fp32 so that partial results over disjoint
+key sets merge exactly and the backward (:mod:`.flash_backward`) recomputes the probabilities without storing
+them.
 
 GQA: the program of query head ``h`` reads key/value head ``h // group``; the grid puts the heads of one
-query block next to each other so that a group's programs share K/V tiles through L2. The q/k head dim may
-differ from the v head dim (MLA: 192 / 128); both are padded to powers of two inside the kernel only.
+query block next to each other so that a group's programs share K/V tiles through L2; with
+``FlashConfig.pack_gqa`` one program takes the whole group, its tile rows being (query, head) pairs. The q/k
+head dim may differ from the v head dim (MLA: 192 / 128); both are padded to powers of two inside the kernel only.
 """
 
 from __future__ import annotations
