@@ -55,7 +55,8 @@ class CPBatches:
         from mcore.parallel.cp_groups import build_cp_groups
 
         a2a = parallel.cp_a2a_size if parallel.cp_comm_type == "a2a+p2p" else 1
-        return cls(parallel.cp, groups.cp_rank, build_cp_groups(groups, a2a), parallel.cp_comm_type, cp_granule(parallel))
+        cp_groups = build_cp_groups(groups, a2a)
+        return cls(parallel.cp, groups.cp_rank, cp_groups, parallel.cp_comm_type, cp_granule(parallel))
 
     def shard(self, batch: Mapping[str, Any]) -> dict[str, Any]:
         """This rank's part of a collated micro-batch (``tokens``, ``labels``, ``loss_mask`` ``[b, s]``, optional

@@ -169,8 +169,8 @@ def check_context_parallel(parallel: ParallelSection, model: TransformerConfig, 
     mixers = sorted({model.mixer_type(i) for i in range(model.num_hidden_layers)} - set(CP_MIXERS))
     if mixers:
         raise ValueError(
-            f"parallel.cp={cp}: layers with token mixer(s) {mixers} cannot run context-parallel (only {list(CP_MIXERS)} "
-            "can); use parallel.cp=1"
+            f"parallel.cp={cp}: layers with token mixer(s) {mixers} cannot run context-parallel (only "
+            f"{list(CP_MIXERS)} can); use parallel.cp=1"
         )
     if parallel.ep > 1:
         raise ValueError(f"parallel.cp={cp} with parallel.ep={parallel.ep} is not supported yet; use ep=1 or cp=1")
