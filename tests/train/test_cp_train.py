@@ -7,7 +7,7 @@ single-process run's within 1e-5 (fp32, CPU), and two runs' final weights equal 
   tokens per document, so odd lengths are padded per document to a multiple of 2 x cp) and a sliding window;
 - cp4 (p2p, packed and not) and a2a+p2p as 2 x 2 (packed with a window, and not);
 - cp2 x tp2 with sequence parallelism, cp2 x pp2 (1F1B: fixed activation shapes unpacked, exchanged shapes packed),
-  cp2 x dp2 with the distributed optimizer;
+  cp2 x dp2 with the distributed optimizer, and with ``dp_shard`` (FSDP2 over the dp x cp ranks);
 - checkpoints: a run stopped at step 2 at cp2 x dp2 resumes at cp1 x dp4, and one stopped at cp1 x dp4 resumes at
   cp4: both give the straight single-process curve.
 
@@ -58,6 +58,7 @@ CASES = {
     "cp2_pp2": ("plain", [*CP2, "parallel.pp=2"]),
     "cp2_pp2_packed": ("packed", [*CP2, "parallel.pp=2"]),
     "cp2_dp2_distopt_packed": ("packed", [*CP2, "parallel.distributed_optimizer=true"]),
+    "cp2_dp2_dp_shard_packed": ("packed", [*CP2, "parallel.dp_shard=true"]),  # FSDP2 over dp x cp
 }
 SAVED = ("cp2_tp2_sp_packed", "cp2_dp2_distopt_packed")  # final weights compared too
 RESUMES = {"cp2_to_cp1": (CP2, []), "cp1_to_cp4": ([], CP4)}  # (first two steps, last two steps)
@@ -155,7 +156,7 @@ def test_cp_keys_and_world_size():
                 "data.seq_length=36",
             ],
             r"data.seq_length \(36\) must be a multiple of lcm\(2 x cp, cp x tp\) = 8",
-        ),  # fmt: skip
+        ),
         (["parallel.cp=4", "parallel.cp_comm_type=a2a"], r"model.num_key_value_heads=2 / parallel.tp=1 = 2 .*by 4"),
         (["parallel.cp=2", "parallel.tp=2", "parallel.cp_comm_type=a2a"], "use cp_comm_type p2p or all_gather"),
         (["parallel.cp=4", "parallel.cp_comm_type=a2a+p2p"], r"needs parallel.cp_a2a_size.*one of \[2\]"),

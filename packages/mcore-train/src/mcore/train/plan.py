@@ -131,8 +131,8 @@ def layout_of(config: Config, world_size: int) -> Layout:
     parallel = config.parallel
     cp, ep, etp = getattr(parallel, "cp", 1) or 1, getattr(parallel, "ep", 1) or 1, getattr(parallel, "etp", None)
     try:
-        resolved = ParallelConfig(tp=parallel.tp, pp=parallel.pp, vpp=parallel.vpp, dp=parallel.dp).resolve(
-            world_size // cp
+        resolved = ParallelConfig(tp=parallel.tp, pp=parallel.pp, vpp=parallel.vpp, dp=parallel.dp, cp=cp).resolve(
+            world_size
         )
     except ValueError as exc:
         raise UserError(f"parallel layout does not fit {world_size} rank(s): {exc}") from None
