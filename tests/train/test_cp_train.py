@@ -33,6 +33,8 @@ STEPS = [
     "train.micro_batch_size=2",
     "checkpoint.save_at_end=false",
     "optim.eps=1e-6",
+    "train.eval_interval=4",  # one evaluation, at the end: its loss is compared too
+    "train.eval_steps=1",
 ]
 PACKED = ["data.mock=true", "data.packing=true"]
 WINDOW = ["model.sliding_window=6"]
@@ -40,7 +42,7 @@ REFERENCES = {"plain": [], "window": WINDOW, "packed": PACKED, "packed_window": 
 CP2, CP4 = ["parallel.cp=2"], ["parallel.cp=4"]
 # name: (single-process reference, overrides of the 4-rank run)
 CASES = {
-    "cp2_p2p": ("plain", CP2),
+    "cp2_p2p": ("plain", [*CP2, "train.sample_tokens=4"]),  # and the end-of-run sample (generation without CP)
     "cp2_p2p_packed": ("packed", CP2),
     "cp2_p2p_packed_window": ("packed_window", CP2),
     "cp2_all_gather": ("window", [*CP2, "parallel.cp_comm_type=all_gather"]),
@@ -73,9 +75,9 @@ def _run(base, name, *extra):
 def _four_rank_cases(rank: int, world_size: int, base):
     out = {}
     for name, (_, extra) in CASES.items():
-        _, log = _run(base, name, *REFERENCES[CASES[name][0]], *extra)
+        result, log = _run(base, name, *REFERENCES[CASES[name][0]], *extra)
         out[name] = train_records(base / name) if rank == 0 else None
-        out[f"{name}/log"] = log
+        out[f"{name}/log"], out[f"{name}/val"], out[f"{name}/sample"] = log, result.val_loss, result.sample
     for name, (first, second) in RESUMES.items():
         train(base / name, *STEPS, *first, "train.stop_at_step=2")
         _, log = train(base / name, *STEPS, *second)
@@ -89,8 +91,9 @@ def results(tmp_path_factory):
     base = tmp_path_factory.mktemp("cp_train")
     singles = {}
     for name, extra in REFERENCES.items():
-        _run(base, name, *extra)
+        result, _ = _run(base, name, *extra)
         singles[name] = train_records(base / name)
+        singles[f"{name}/val"] = result.val_loss
     return base, singles, run_workers(4, _four_rank_cases, base)[0]
 
 
@@ -104,8 +107,12 @@ def _assert_same_curve(got, want, name):
 @pytest.mark.parametrize("name", list(CASES))
 def test_cp_run_equals_the_single_process_run(results, name):
     _, singles, four = results
-    _assert_same_curve(four[name], singles[CASES[name][0]], name)
+    reference = CASES[name][0]
+    _assert_same_curve(four[name], singles[reference], name)
+    assert four[f"{name}/val"] == pytest.approx(singles[f"{reference}/val"], rel=REL, abs=0), name
     assert f"x cp {2 if 'cp2' in name else 4} x" in four[f"{name}/log"]
+    if name == "cp2_p2p":
+        assert four[f"{name}/sample"]
 
 
 @pytest.mark.parametrize("name", SAVED)
