@@ -8,6 +8,8 @@ single-process run's within 1e-5 (fp32, CPU), and two runs' final weights equal 
 - cp4 (p2p, packed and not) and a2a+p2p as 2 x 2 (packed with a window, and not);
 - cp2 x tp2 with sequence parallelism, cp2 x pp2 (1F1B: fixed activation shapes unpacked, exchanged shapes packed),
   cp2 x dp2 with the distributed optimizer, and with ``dp_shard`` (FSDP2 over the dp x cp ranks);
+- dynamic CP (``parallel.cp_dynamic``) over the 4 ranks at cp2 x dp2 and cp4: each document placed by its length,
+  the losses of static CP;
 - checkpoints: a run stopped at step 2 at cp2 x dp2 resumes at cp1 x dp4, and one stopped at cp1 x dp4 resumes at
   cp4: both give the straight single-process curve.
 
@@ -38,7 +40,16 @@ STEPS = [
 ]
 PACKED = ["data.mock=true", "data.packing=true"]
 WINDOW = ["model.sliding_window=6"]
-REFERENCES = {"plain": [], "window": WINDOW, "packed": PACKED, "packed_window": PACKED + WINDOW}
+# the embedded corpus packed into 64-token rows: documents of 1 to 64 tokens, so dynamic CP places some whole on
+# one rank and the others over 2 (at most seq_length / cp = 32 tokens per rank)
+PACKED64 = ["data.packing=true", "data.seq_length=64"]
+REFERENCES = {
+    "plain": [],
+    "window": WINDOW,
+    "packed": PACKED,
+    "packed_window": PACKED + WINDOW,
+    "packed64": PACKED64,
+}
 CP2, CP4 = ["parallel.cp=2"], ["parallel.cp=4"]
 # name: (single-process reference, overrides of the 4-rank run)
 CASES = {
@@ -61,6 +72,9 @@ CASES = {
     "cp2_pp2_packed": ("packed", [*CP2, "parallel.pp=2"]),
     "cp2_dp2_distopt_packed": ("packed", [*CP2, "parallel.distributed_optimizer=true"]),
     "cp2_dp2_dp_shard_packed": ("packed", [*CP2, "parallel.dp_shard=true"]),  # FSDP2 over dp x cp
+    "cp2_p2p_packed64": ("packed64", CP2),
+    "cp2_dynamic_packed64": ("packed64", [*CP2, "parallel.cp_dynamic=true"]),
+    "cp4_dynamic_packed64": ("packed64", [*CP4, "parallel.cp_dynamic=true"]),
 }
 SAVED = ("cp2_tp2_sp_packed", "cp2_dp2_distopt_packed")  # final weights compared too
 RESUMES = {"cp2_to_cp1": (CP2, []), "cp1_to_cp4": ([], CP4)}  # (first two steps, last two steps)
@@ -78,12 +92,30 @@ def _four_rank_cases(rank: int, world_size: int, base):
         result, log = _run(base, name, *REFERENCES[CASES[name][0]], *extra)
         out[name] = train_records(base / name) if rank == 0 else None
         out[f"{name}/log"], out[f"{name}/val"], out[f"{name}/sample"] = log, result.val_loss, result.sample
+    out["dynamic_sizes"] = _dynamic_group_sizes()
     for name, (first, second) in RESUMES.items():
         train(base / name, *STEPS, *first, "train.stop_at_step=2")
         _, log = train(base / name, *STEPS, *second)
         out[name] = train_records(base / name) if rank == 0 else None
         out[f"{name}/log"] = log
     return out
+
+
+def _dynamic_group_sizes() -> list[int]:
+    """The CP size dynamic CP gives each document of the first global batch of ``cp2_dynamic_packed64``."""
+    from mcore.train.datasets import build_run_data, microbatch_stream
+    from mcore.train.runtime import init_runtime
+    from mcore.train.trainer import Trainer
+
+    config = load_config(None, [*TINY, *STEPS, *PACKED64, *CP2, "parallel.cp_dynamic=true"])
+    runtime = init_runtime(config)
+    trainer = Trainer(config, runtime)
+    g = runtime.groups
+    stream = microbatch_stream(
+        build_run_data(config).train, config, consumed_samples=0, dp_rank=g.dp_rank, dp_size=g.dp_size
+    )
+    trainer.train_step([next(stream) for _ in range(trainer.num_microbatches)])
+    return [size for _, size in trainer.dynamic_cp.last_placement.groups]
 
 
 @pytest.fixture(scope="module")
@@ -113,6 +145,15 @@ def test_cp_run_equals_the_single_process_run(results, name):
     assert f"x cp {2 if 'cp2' in name else 4} x" in four[f"{name}/log"]
     if name == "cp2_p2p":
         assert four[f"{name}/sample"]
+
+
+def test_dynamic_cp_places_documents_by_length_and_equals_static_cp(results):
+    _, _, four = results
+    sizes = four["dynamic_sizes"]
+    assert 1 in sizes and 2 in sizes, sizes  # short documents whole on one rank, long ones over two
+    static, dynamic = four["cp2_p2p_packed64"], four["cp2_dynamic_packed64"]
+    for step in static:
+        assert dynamic[step]["loss"] == pytest.approx(static[step]["loss"], rel=REL, abs=0), step
 
 
 @pytest.mark.parametrize("name", SAVED)
@@ -173,6 +214,11 @@ def test_cp_keys_and_world_size():
         (["parallel.cp=2", "parallel.cp_comm_type=ring"], "cp_comm_type"),
         (["parallel.cp=0"], "parallel.cp must be > 0"),
         (["model=mamba2-tiny", "parallel.cp=2"], r"token mixer\(s\) \['mamba2'\] cannot run context-parallel"),
+        (["parallel.cp_dynamic=true"], r"cp_dynamic=true needs parallel.cp > 1"),
+        (["parallel.cp=2", "parallel.tp=2", "parallel.cp_dynamic=true"], r"needs tp = pp = 1 \(got tp=2, pp=1\)"),
+        (["parallel.cp=2", "parallel.cp_comm_type=a2a", "parallel.cp_dynamic=true"], "cp_comm_type=p2p"),
+        (["parallel.cp=2", "parallel.dp_shard=true", "parallel.cp_dynamic=true"], "no dp_shard"),
+        (["model=mixtral-tiny", "parallel.cp=2", "parallel.cp_dynamic=true"], "does not run MoE models yet"),
     ],
 )
 def test_bad_cp_layouts_are_refused_naming_the_key(extra, match):

@@ -117,6 +117,7 @@ KEY_HELP: dict[str, str] = {
     "parallel.cp": "context-parallel size (each sequence split into 2 x cp chunks over cp ranks)",
     "parallel.cp_comm_type": "how attention spans the CP ranks: p2p (K/V ring), all_gather, a2a (Ulysses), a2a+p2p",
     "parallel.cp_a2a_size": "with cp_comm_type=a2a+p2p: ranks per a2a group (divides cp; a ring across the groups)",
+    "parallel.cp_dynamic": "dynamic CP: each document of the global batch gets the CP size its length needs (tp=pp=1)",
     "fp4.keep": "name patterns of linears kept in high precision ({first}/{last}: the first/last layer's)",
     "fp4.min_features": "linears with fewer input or output features stay in high precision",
     "fp4.on_mismatch": "a linear whose shape does not fit the recipe: error, or fallback to high precision",

@@ -46,7 +46,9 @@ class ParallelSection:
     around a ring, overlapped with the blocks), ``all_gather`` (K/V gathered), ``a2a`` (Ulysses: heads traded for
     sequence; the KV heads per TP rank must divide by cp) or ``a2a+p2p`` (a2a inside groups of ``cp_a2a_size``
     consecutive CP ranks, a ring across the groups). The world is tp x cp x pp x dp; weights are replicated over
-    cp, gradients reduced over the dp x cp group.
+    cp, gradients reduced over the dp x cp group. ``cp_dynamic`` (dynamic CP, see ``mcore.train.dynamic_cp``):
+    the training steps give each document of the global batch the CP group its length needs, out of all dp x cp
+    ranks (tp = pp = 1, p2p); the losses are static CP's.
     """
 
     tp: int = 1
@@ -72,6 +74,7 @@ class ParallelSection:
     cp: int = 1
     cp_comm_type: Literal["p2p", "all_gather", "a2a", "a2a+p2p"] = "p2p"
     cp_a2a_size: int | None = None
+    cp_dynamic: bool = False
 
     def __post_init__(self) -> None:
         for name in ("tp", "pp", "vpp", "bucket_size", "ep", "cp"):
@@ -124,6 +127,8 @@ class ParallelSection:
     def _check_context_parallel(self) -> None:
         if self.cp_comm_type not in CP_COMM_TYPES:  # typed loading checks it too; direct construction does not
             raise ValueError(f"parallel.cp_comm_type must be one of {list(CP_COMM_TYPES)}, got {self.cp_comm_type!r}")
+        if self.cp_dynamic:
+            self._check_dynamic_cp()
         size = self.cp_a2a_size
         if self.cp_comm_type != "a2a+p2p":
             if size is not None:
@@ -139,6 +144,20 @@ class ParallelSection:
                 f"parallel.cp_comm_type=a2a+p2p needs parallel.cp_a2a_size, the a2a group size, a divisor of "
                 f"parallel.cp={self.cp} between 2 and cp-1 ({valid}); got {size}"
             )
+
+    def _check_dynamic_cp(self) -> None:
+        problems = [
+            msg
+            for bad, msg in (
+                (self.cp == 1, "parallel.cp > 1 (the static CP size: at most seq_length / cp tokens per rank)"),
+                (self.tp != 1 or self.pp != 1, f"tp = pp = 1 (got tp={self.tp}, pp={self.pp})"),
+                (self.cp_comm_type != "p2p", f"cp_comm_type=p2p (got {self.cp_comm_type})"),
+                (self.dp_shard, "no dp_shard (its groups run the DDP buffers' no_sync)"),
+            )
+            if bad
+        ]
+        if problems:
+            raise ValueError(f"parallel.cp_dynamic=true needs {'; '.join(problems)}")
 
     def world_size(self) -> int | None:
         """tp * cp * pp * dp, or ``None`` while dp is still to be derived."""
@@ -174,6 +193,8 @@ def check_context_parallel(parallel: ParallelSection, model: TransformerConfig, 
         )
     if parallel.ep > 1:
         raise ValueError(f"parallel.cp={cp} with parallel.ep={parallel.ep} is not supported yet; use ep=1 or cp=1")
+    if parallel.cp_dynamic and model.num_experts is not None:
+        raise ValueError("parallel.cp_dynamic=true does not run MoE models yet (their aux losses); use static CP")
     if parallel.cp_comm_type in ("a2a", "a2a+p2p"):
         size = cp if parallel.cp_comm_type == "a2a" else parallel.cp_a2a_size
         heads = {"num_attention_heads": model.num_attention_heads, "num_key_value_heads": model.num_key_value_heads}

@@ -182,6 +182,11 @@ class Trainer:
         self.num_microbatches = config.num_microbatches(groups.dp_size)
         # parallel.cp: every micro-batch is cut into this rank's CP shard before the schedule runs it
         self.context_parallel = CPBatches.build(config.parallel, groups)
+        self.dynamic_cp = None  # parallel.cp_dynamic: training steps place each document by its length
+        if config.parallel.cp_dynamic and with_optimizer:
+            from mcore.train.dynamic_cp import DynamicCP
+
+            self.dynamic_cp = DynamicCP(config, groups, self.device)
         self.optimizer: MixedPrecisionOptimizer | None = None
         self.ddp_chunks: list[DistributedDataParallel] = []
         if with_optimizer:
@@ -304,15 +309,10 @@ class Trainer:
         for module in (m for chunk in self.chunks for m in chunk.modules()):
             if hasattr(module, "aux_loss_scale"):  # MoE layers: their aux losses' gradient, scaled as the loss is
                 module.aux_loss_scale = self.optimizer.loss_scale / self.num_microbatches
-        losses = self.schedule.run(self._forward_step, self._local_microbatches(microbatches))
+        loss = self._forward_backward(microbatches)
         result: StepResult = self.optimizer.step()
         self.iteration += 1
         self.consumed_samples += self.config.train.global_batch_size
-        loss = torch.stack(losses).mean() if losses else torch.zeros((), device=self.device)
-        if self.context_parallel is not None:  # the shards' losses add up to cp x the micro-batch mean
-            loss = loss.detach().clone()
-            dist.all_reduce(loss, group=self.groups.cp)
-            loss /= self.groups.cp_size
         return StepOutput(
             loss=loss,
             grad_norm=result.grad_norm,
@@ -321,6 +321,21 @@ class Trainer:
             loss_scale=result.loss_scale,
             moe=moe_metrics(self.chunks),
         )
+
+    def _forward_backward(self, microbatches: Sequence[Mapping[str, Any]]) -> torch.Tensor:
+        """The step's forward and backward passes, gradients reduced; returns the mean micro-batch loss of this
+        rank's data-parallel replica (0 off the last pipeline stage)."""
+        if self.dynamic_cp is not None:
+            loss = self.dynamic_cp.forward_backward(microbatches, self.ddp_chunks[0], self.optimizer.scale_loss)
+            self._finalize_grads()
+            return loss
+        losses = self.schedule.run(self._forward_step, self._local_microbatches(microbatches))
+        loss = torch.stack(losses).mean() if losses else torch.zeros((), device=self.device)
+        if self.context_parallel is not None:  # the shards' losses add up to cp x the micro-batch mean
+            loss = loss.detach().clone()
+            dist.all_reduce(loss, group=self.groups.cp)
+            loss /= self.groups.cp_size
+        return loss
 
     @torch.no_grad()
     def evaluate(self, batches: Iterable[Sequence[Mapping[str, Any]]]) -> torch.Tensor:
