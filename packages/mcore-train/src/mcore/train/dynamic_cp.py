@@ -6,8 +6,9 @@ else whole rows), each padded to a multiple of ``2 x W``, are placed by
 :func:`mcore.parallel.dynamic_cp.plan_dynamic`: a document of ``n`` tokens gets the smallest power-of-two group
 whose ranks hold at most ``seq_length / cp`` of its tokens each (a static-CP rank's share of one sequence), more
 when its attention alone would outweigh a rank's fair share; short documents run whole on one rank, long ones
-over an aligned group with the p2p ring. Every rank then runs its documents in the global order (so the
-collectives of overlapping groups come in the same order everywhere), forward and backward one by one.
+over an aligned group with the p2p ring. Every rank then runs the documents of each of its groups as one packed
+row (one forward and backward per group), the groups in one global order (size, first rank), so that the
+collectives of overlapping groups come in the same order everywhere.
 
 The loss is static CP's: the mean over the micro-batches of each micro-batch's mean token loss. A document of
 micro-batch ``m`` (``count_m`` tokens in the loss) adds ``W / (M x dp) x`` (its token-loss sum) ``/ count_m``
@@ -76,22 +77,27 @@ class DynamicCP:
     ) -> torch.Tensor:
         """Run this rank's documents of the global batch (every dp rank's ``microbatches``) and backward them
         into ``module``'s gradient buffers (not reduced: call ``finalize_model_grads`` next); returns the step's
-        loss (the same on every rank)."""
+        loss (the same on every rank).
+
+        The documents of one group run as one packed row (one forward and backward per group); groups are taken
+        in one global order, (size, first rank), so that overlapping groups' collectives never wait on each other.
+        """
         batches = self._global_batch(microbatches)
-        counts = [float(b["loss_mask"].sum()) for b in batches]
+        counts = [max(float(b["loss_mask"].sum()), 1.0) for b in batches]
         docs = [doc for i, batch in enumerate(batches) for doc in self._documents(i, batch)]
-        placement = plan_dynamic(
-            [d.tensors["tokens"].numel() for d in docs], self.world, self.tokens_per_rank, self.cost
-        )
+        lengths = [d.tensors["tokens"].numel() for d in docs]
+        placement = plan_dynamic(lengths, self.world, self.tokens_per_rank, self.cost)
         self.last_placement = placement  # (first rank, CP size) of each document: for logs and tests
+        by_group: dict[tuple[int, int], list[_Document]] = {}
+        for index, first, size, _ in local_sequences(placement, self.rank):
+            by_group.setdefault((size, first), []).append(docs[index])
         weight = self.world / len(batches)  # W / (M x dp): DDP averages the pool's gradients
         total = torch.zeros((), dtype=torch.float64, device=self.device)
         with module.no_sync():
-            for index, first, size, cp_rank in local_sequences(placement, self.rank):
-                token_loss = self._document_loss(module, docs[index].tensors, first, size, cp_rank)
-                share = token_loss / max(counts[docs[index].microbatch], 1.0)
-                scale_loss(share * weight).backward()
-                total += share.detach().double()
+            for (size, first), members in sorted(by_group.items()):
+                loss = self._group_loss(module, members, counts, first, size)
+                scale_loss(loss * weight).backward()
+                total += loss.detach().double()
         dist.all_reduce(total)
         return (total / len(batches)).float()
 
@@ -121,16 +127,24 @@ class DynamicCP:
             out.append(_Document(index, tensors))
         return out
 
-    def _document_loss(self, module, tensors, first: int, size: int, cp_rank: int) -> torch.Tensor:
-        """The sum of this rank's token losses of one document (all of it at size 1, its CP shard otherwise)."""
-        n = tensors["tokens"].numel()
-        local = {k: t[None] for k, t in tensors.items()}
+    def _group_loss(self, module, docs: list[_Document], counts: list[float], first: int, size: int) -> torch.Tensor:
+        """Sum over this rank's tokens of the documents of one group (whole at size 1, CP shards otherwise) of
+        each token's loss over its micro-batch's loss-token count."""
+        row = {k: torch.cat([d.tensors[k] for d in docs])[None] for k in _KEYS}
+        row["loss_mask"] = row["loss_mask"] * torch.cat(
+            [torch.full_like(d.tensors["loss_mask"], 1.0 / counts[d.microbatch]) for d in docs]
+        )
+        lengths = [d.tensors["tokens"].numel() for d in docs]
+        bounds = [0]
+        for n in lengths:
+            bounds.append(bounds[-1] + n)
         kwargs: dict[str, Any] = {}
         if size == 1:
-            kwargs["position_ids"] = torch.arange(n, device=self.device)[None]
+            kwargs["cu_seqlens"] = torch.tensor(bounds, dtype=torch.int32, device=self.device)
+            kwargs["position_ids"] = torch.cat([torch.arange(n, device=self.device) for n in lengths])[None]
         else:
-            sharding = CPSharding(1, n, size)
-            local = {k: sharding.shard(t, cp_rank) for k, t in local.items()}
+            sharding = CPSharding(1, bounds[-1], size, tuple(bounds))
+            row = {k: sharding.shard(t, self.rank - first) for k, t in row.items()}
             kwargs["context_parallel"] = CPContext(sharding, CPGroups(self.blocks[(first, size)]), "p2p")
-        out = module(local["tokens"], labels=local["labels"], **kwargs)
-        return (out * local["loss_mask"]).sum()
+        out = module(row["tokens"], labels=row["labels"], **kwargs)
+        return (out * row["loss_mask"]).sum()
