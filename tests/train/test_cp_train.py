@@ -6,8 +6,9 @@ single-process run's within 1e-5 (fp32, CPU), and two runs' final weights equal 
 - cp2 (x dp2) with each ``cp_comm_type`` (p2p, all_gather, a2a), without and with packed documents (mock data: 1 to 15
   tokens per document, so odd lengths are padded per document to a multiple of 2 x cp) and a sliding window;
 - cp4 (p2p, packed and not) and a2a+p2p as 2 x 2 (packed with a window, and not);
-- cp2 x tp2 with sequence parallelism, cp2 x pp2 (1F1B: fixed activation shapes unpacked, exchanged shapes packed),
-  cp2 x dp2 with the distributed optimizer, and with ``dp_shard`` (FSDP2 over the dp x cp ranks);
+- an MoE model (mixtral-tiny) at cp2; cp2 x tp2 with sequence parallelism; cp2 x pp2 (1F1B: fixed activation
+  shapes unpacked, exchanged shapes packed) and cp2 x pp2 x vpp2 (interleaved) with full recompute; cp2 x dp2 with
+  the distributed optimizer, and with ``dp_shard`` (FSDP2 over the dp x cp ranks);
 - dynamic CP (``parallel.cp_dynamic``) over the 4 ranks at cp2 x dp2 and cp4: each document placed by its length,
   the losses of static CP;
 - checkpoints: a run stopped at step 2 at cp2 x dp2 resumes at cp1 x dp4, and one stopped at cp1 x dp4 resumes at
@@ -49,6 +50,8 @@ REFERENCES = {
     "packed": PACKED,
     "packed_window": PACKED + WINDOW,
     "packed64": PACKED64,
+    "moe": ["model=mixtral-tiny"],
+    "packed_4layers": [*PACKED, "model.num_hidden_layers=4"],
 }
 CP2, CP4 = ["parallel.cp=2"], ["parallel.cp=4"]
 # name: (single-process reference, overrides of the 4-rank run)
@@ -70,9 +73,14 @@ CASES = {
     "cp2_tp2_sp_packed": ("packed", [*CP2, "parallel.tp=2", "parallel.sequence_parallel=true"]),
     "cp2_pp2": ("plain", [*CP2, "parallel.pp=2"]),
     "cp2_pp2_packed": ("packed", [*CP2, "parallel.pp=2"]),
+    "cp2_pp2_vpp2_recompute_full_packed": (
+        "packed_4layers",
+        [*CP2, "parallel.pp=2", "parallel.vpp=2", "train.recompute=full"],
+    ),
     "cp2_dp2_distopt_packed": ("packed", [*CP2, "parallel.distributed_optimizer=true"]),
     "cp2_dp2_dp_shard_packed": ("packed", [*CP2, "parallel.dp_shard=true"]),  # FSDP2 over dp x cp
     "cp2_p2p_packed64": ("packed64", CP2),
+    "cp2_moe": ("moe", CP2),  # mixtral-tiny: no aux loss
     "cp2_dynamic_packed64": ("packed64", [*CP2, "parallel.cp_dynamic=true"]),
     "cp4_dynamic_packed64": ("packed64", [*CP4, "parallel.cp_dynamic=true"]),
 }
@@ -219,6 +227,7 @@ def test_cp_keys_and_world_size():
         (["parallel.cp=2", "parallel.cp_comm_type=a2a", "parallel.cp_dynamic=true"], "cp_comm_type=p2p"),
         (["parallel.cp=2", "parallel.dp_shard=true", "parallel.cp_dynamic=true"], "no dp_shard"),
         (["model=mixtral-tiny", "parallel.cp=2", "parallel.cp_dynamic=true"], "does not run MoE models yet"),
+        (["model=mixtral-tiny", "model.router_aux_loss_coef=0.01", "parallel.cp=2"], "MoE aux losses"),
     ],
 )
 def test_bad_cp_layouts_are_refused_naming_the_key(extra, match):
