@@ -49,6 +49,6 @@ def test_llama3_128k_example_runs_context_parallel_and_plans(capsys):
     assert plan.dp == 1 and plan.tokens_per_step == 8 * 131072
     code = main(["plan", "--config", str(EXAMPLES / "llama3-8b-128k.yaml"), "--world-size", "16"])
     out = capsys.readouterr().out
-    assert code == 0 and "16 rank(s)" in out, out
+    assert code == 0 and "16 rank(s) = tp 2 x cp 8 x pp 1 x dp 1" in out, out
     with pytest.raises(Exception, match="not divisible by tp\\*pp\\*cp = 16"):  # 12 GPUs cannot hold tp 2 x cp 8
         make_plan(config, 12, gpu_memory_gb=80.0)

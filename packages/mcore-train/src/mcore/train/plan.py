@@ -119,6 +119,7 @@ class Plan:
     prediction: StepPrediction | None = None
     calibration: str | None = None
     modes: tuple[MemoryMode, ...] = field(default=())
+    cp: int = 1
 
     @property
     def worst(self) -> StageMemory:
@@ -221,6 +222,7 @@ def make_plan(config: Config, world_size: int, gpu_memory_gb: float, network: Ne
         pp=layout.pp,
         dp=layout.dp,
         vpp=layout.vpp,
+        cp=layout.cp,
         precision=layout.precision,
         total_parameters=parameter_counts(config.model).total,
         flops_per_step=shape.model_flops_per_token(layout.seq_length) * layout.global_batch * layout.seq_length,
