@@ -1,6 +1,6 @@
 """``parallel.cp=2`` on two CUDA GPUs through the real launcher (NCCL, our Triton attention blocks in the ring):
-the per-step losses and gradient norms of cp2 runs (p2p and a2a, packed documents and not) equal one GPU's
-(skipped with fewer than two GPUs)."""
+the per-step losses and gradient norms of cp2 runs (p2p and a2a, packed documents and not, dynamic CP) equal one
+GPU's (skipped with fewer than two GPUs)."""
 
 from __future__ import annotations
 
@@ -30,12 +30,20 @@ def _run(run_dir, nproc, *extra):
 
 
 @pytest.mark.parametrize("precision", sorted(PRECISION))
-@pytest.mark.parametrize("comm_type,data", [("p2p", []), ("p2p", ["data.mock=true", "data.packing=true"]),
-                                            ("a2a", ["data.mock=true", "data.packing=true"])])  # fmt: skip
+@pytest.mark.parametrize(
+    "comm_type,data",
+    [
+        ("p2p", []),
+        ("p2p", ["data.mock=true", "data.packing=true"]),
+        ("a2a", ["data.mock=true", "data.packing=true"]),
+        ("p2p", ["data.packing=true", "data.seq_length=64", "parallel.cp_dynamic=true"]),  # dynamic CP
+    ],
+)
 def test_cp2_on_two_gpus_trains_like_one_gpu(tmp_path, precision, comm_type, data):
-    common = [f"train.precision={precision}", *data]
+    common = [f"train.precision={precision}", *(o for o in data if not o.startswith("parallel."))]
+    layout = ["parallel.cp=2", f"parallel.cp_comm_type={comm_type}", *(o for o in data if o.startswith("parallel."))]
     _, single = _run(tmp_path / "single", 1, *common)
-    out, got = _run(tmp_path / "cp2", 2, *common, "parallel.cp=2", f"parallel.cp_comm_type={comm_type}")
+    out, got = _run(tmp_path / "cp2", 2, *common, *layout)
     assert "world 2 = tp 1 x cp 2 x pp 1 x dp 1" in out
     assert sorted(got) == sorted(single) == [1, 2, 3, 4]
     for step in single:

@@ -245,3 +245,17 @@ def test_layout_is_refused_when_the_world_does_not_divide():
 
     with pytest.raises(ValueError, match="not divisible by tp\\*pp\\*cp = 4"):
         ParallelConfig(tp=2, cp=2).resolve(6)
+
+
+def test_attention_sinks_are_refused_under_cp():
+    from mcore.train.parallel_config import ParallelSection, check_context_parallel
+
+    class WithSinks:  # a model config with GPT-OSS's field (the gptoss branch adds it to TransformerConfig)
+        attention_sinks = True
+
+        def __getattr__(self, name):
+            return getattr(_config().model, name)
+
+    with pytest.raises(ValueError, match="model.attention_sinks=true is not supported yet"):
+        check_context_parallel(ParallelSection(cp=2), WithSinks(), 32)
+    check_context_parallel(ParallelSection(cp=2), _config().model, 32)
