@@ -66,7 +66,8 @@ _C = FlashConfig
 DIM_BUCKETS = (64, 128, 256)
 LENGTH_BUCKETS = (128, 1024, None)
 # Measured: H200, Triton 3.6, torch 2.11, bf16, Hq 32, Hkv 8, 16,384 tokens per call, each kernel alone
-# (``benchmarks/attention.py --only-sweep`` at commit 5be4d1b, 2026-12-01; JSON kept beside the lead's results):
+# (``benchmarks/attention.py --only-sweep`` at commit 5be4d1b, 2026-12-01; the JSON is in
+# benchmarks/results/attention-sweep-h200-2026-12-01):
 #
 #   case (bucket)          forward (m, n, warps, stages)  dK/dV (keys, queries, ...)          dQ
 #   128 x 128  (128, 128)  (64, 64, 4, 3)   0.178 ms      (128, 32, 8, 3) 0.405, stores dQ     -
