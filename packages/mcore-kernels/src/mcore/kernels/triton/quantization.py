@@ -2,8 +2,9 @@
 
 * ``_tiled_cast_kernel``: scaled cast with a given multiplier (one value, or one per output row) writing ``q`` or
   ``q^T`` (tensor-wise and row-wise scaling, where the amax is known beforehand), tiled like the block kernel.
-* ``_cast_kernel``: ``q`` and ``q^T`` from the same tile (tensor-wise pairs), or the jagged row-wise cast of the
-  grouped weight gradient (one multiplier per expert and column).
+* ``_cast_kernel``: ``q`` and ``q^T`` from the same tile (tensor-wise pairs), measuring the amax in the same pass
+  when asked (delayed scaling). ``_tiled_cast_kernel`` also casts the grouped weight gradient's operands with
+  jagged row-wise scales (one multiplier per expert and column).
 * ``_block_quant_kernel``: amax, scale and cast of ``1x128`` or ``128x128`` groups in one pass, reading the
   source transposed when the GEMM needs ``x^T`` (the tile is loaded along x's contiguous dimension and
   transposed in registers, so the global reads stay coalesced).
@@ -50,7 +51,6 @@ def _round_to_fp8(v, FMAX: tl.constexpr, MBITS: tl.constexpr, MIN_EXP: tl.conste
 def _cast_kernel(
     X,
     MULT,
-    GROUP,
     Y,
     YT,
     AMAX_OUT,
@@ -58,11 +58,9 @@ def _cast_kernel(
     n_cols,
     stride_xr,
     stride_xc,
-    stride_yt,  # row stride of YT (n_rows, or more for 16-byte aligned rows)
     FMAX: tl.constexpr,
     MBITS: tl.constexpr,
     MIN_EXP: tl.constexpr,
-    MULT_PER: tl.constexpr,  # 0: one multiplier, 3: MULT[GROUP[row], col] (jagged row-wise)
     WRITE_Y: tl.constexpr,
     WRITE_YT: tl.constexpr,
     RECORD_AMAX: tl.constexpr,  # also max |x| of the tile into AMAX_OUT (delayed scaling: one read)
@@ -79,18 +77,11 @@ def _cast_kernel(
     x = tl.load(X + r64[:, None] * stride_xr + c64[None, :] * stride_xc, mask=mask, other=0.0).to(tl.float32)
     if RECORD_AMAX:
         tl.atomic_max(AMAX_OUT, tl.max(tl.max(tl.abs(x), axis=1), axis=0))
-    if MULT_PER == 0:
-        m = tl.load(MULT)
-        v = x * m
-    else:  # jagged row-wise: one multiplier per (group of the row, column), MULT [groups, n_cols] row-major
-        group = tl.load(GROUP + rows, mask=rmask, other=0).to(tl.int64)
-        m = tl.load(MULT + group[:, None] * n_cols + c64[None, :], mask=mask, other=1.0)
-        v = x * m
-    v = _round_to_fp8(v, FMAX, MBITS, MIN_EXP)
+    v = _round_to_fp8(x * tl.load(MULT), FMAX, MBITS, MIN_EXP)
     if WRITE_Y:
         tl.store(Y + r64[:, None] * n_cols + c64[None, :], v.to(Y.dtype.element_ty), mask=mask)
     if WRITE_YT:
-        tl.store(YT + c64[None, :] * stride_yt + r64[:, None], v.to(YT.dtype.element_ty), mask=mask)
+        tl.store(YT + c64[None, :] * n_rows + r64[:, None], v.to(YT.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -150,15 +141,17 @@ def _block_quant_kernel(
 def _tiled_cast_kernel(
     X,
     MULT,
+    GROUP,
     Y,
     n_rows,
     n_cols,
     stride_x0,
     stride_x1,
+    stride_y,
     FMAX: tl.constexpr,
     MBITS: tl.constexpr,
     MIN_EXP: tl.constexpr,
-    PER_ROW: tl.constexpr,  # one multiplier per output row (else one in all)
+    MULT_MODE: tl.constexpr,  # 0: one multiplier, 1: one per output row, 2: MULT[GROUP[out col], out row]
     TRANSPOSED: tl.constexpr,  # output (r, c) reads x[c, r]
     BLOCK_R: tl.constexpr,
     BLOCK_C: tl.constexpr,
@@ -177,16 +170,19 @@ def _tiled_cast_kernel(
         x = tl.trans(xt).to(tl.float32)
     else:
         x = tl.load(X + r64[:, None] * stride_x0 + c64[None, :] * stride_x1, mask=mask, other=0.0).to(tl.float32)
-    if PER_ROW:
-        v = x * tl.load(MULT + rows, mask=rmask, other=1.0)[:, None]
-    else:
+    if MULT_MODE == 0:
         v = x * tl.load(MULT)
+    elif MULT_MODE == 1:
+        v = x * tl.load(MULT + rows, mask=rmask, other=1.0)[:, None]
+    else:  # jagged: the group of each source row (an output column), MULT [groups, n_rows] row-major
+        group = tl.load(GROUP + cols, mask=cols < n_cols, other=0).to(tl.int64)
+        v = x * tl.load(MULT + group[None, :] * n_rows + r64[:, None], mask=mask, other=1.0)
     v = _round_to_fp8(v, FMAX, MBITS, MIN_EXP)
-    tl.store(Y + r64[:, None] * n_cols + c64[None, :], v.to(Y.dtype.element_ty), mask=mask)
+    tl.store(Y + r64[:, None] * stride_y + c64[None, :], v.to(Y.dtype.element_ty), mask=mask)
 
 
-def _launch_cast(x, multiplier, y, yt, mult_per: int, dtype: torch.dtype, amax_out=None, group=None) -> None:
-    """``yt`` may be a view with a row stride above its row length (aligned rows)."""
+def _launch_cast(x, multiplier, y, yt, dtype: torch.dtype, amax_out=None) -> None:
+    """``q`` into ``y`` and / or ``q^T`` into ``yt`` (contiguous) with one multiplier, from one read of ``x``."""
     rows, cols = x.shape
     if rows == 0 or cols == 0:
         return
@@ -194,7 +190,6 @@ def _launch_cast(x, multiplier, y, yt, mult_per: int, dtype: torch.dtype, amax_o
     _cast_kernel[grid](
         x,
         multiplier.reshape(-1).contiguous(),
-        group if group is not None else multiplier,
         y if y is not None else yt,
         yt if yt is not None else y,
         amax_out if amax_out is not None else multiplier,
@@ -202,11 +197,9 @@ def _launch_cast(x, multiplier, y, yt, mult_per: int, dtype: torch.dtype, amax_o
         cols,
         x.stride(0),
         x.stride(1),
-        yt.stride(0) if yt is not None else rows,
         FMAX=FP8_MAX[dtype],
         MBITS=_FORMAT_BITS[dtype][0],
         MIN_EXP=_FORMAT_BITS[dtype][1],
-        MULT_PER=mult_per,
         WRITE_Y=y is not None,
         WRITE_YT=yt is not None,
         RECORD_AMAX=amax_out is not None,
@@ -220,27 +213,37 @@ def cast_scaled(x: torch.Tensor, multiplier: torch.Tensor, dtype: torch.dtype, *
     """``cast(clamp(src * multiplier))`` of ``src = x`` or ``x^T``; ``multiplier`` is ``[]`` or one per src row."""
     rows, cols = (x.shape[1], x.shape[0]) if transpose else x.shape
     out = torch.empty((rows, cols), dtype=dtype, device=x.device)
+    # [rows, 1] for row-wise scaling, [] for tensor-wise
+    _launch_tiled_cast(x, multiplier, None, out, 1 if multiplier.dim() == 2 else 0, transpose)
+    return out
+
+
+def _launch_tiled_cast(x, multiplier, group, out, mode: int, transpose: bool) -> None:
+    """``out`` (``[rows, cols]``, any row stride) = the cast of ``x`` or ``x^T``; see ``_tiled_cast_kernel``."""
+    rows, cols = out.shape
     if rows == 0 or cols == 0:
-        return out
+        return
+    multiplier = multiplier.to(torch.float32).reshape(-1).contiguous()
     grid = (triton.cdiv(rows, _BLOCK_ROWS_1X128), triton.cdiv(cols, BLOCK))
     _tiled_cast_kernel[grid](
         x,
-        multiplier.to(torch.float32).reshape(-1).contiguous(),
+        multiplier,
+        group if group is not None else multiplier,
         out,
         rows,
         cols,
         x.stride(0),
         x.stride(1),
-        FMAX=FP8_MAX[dtype],
-        MBITS=_FORMAT_BITS[dtype][0],
-        MIN_EXP=_FORMAT_BITS[dtype][1],
-        PER_ROW=multiplier.dim() == 2,  # [rows, 1] for row-wise scaling, [] for tensor-wise
+        out.stride(0),
+        FMAX=FP8_MAX[out.dtype],
+        MBITS=_FORMAT_BITS[out.dtype][0],
+        MIN_EXP=_FORMAT_BITS[out.dtype][1],
+        MULT_MODE=mode,
         TRANSPOSED=transpose,
         BLOCK_R=_BLOCK_ROWS_1X128,
         BLOCK_C=BLOCK,
         num_warps=4,
     )
-    return out
 
 
 def cast_grouped_columns(
@@ -253,7 +256,7 @@ def cast_grouped_columns(
     padded = -(-rows // 16) * 16  # torch's grouped kernel wants the token count (the GEMM's K) a multiple of 16
     out = torch.empty((cols, padded), dtype=dtype, device=x.device)
     out[:, rows:] = 0  # past offsets[-1]: never read, but defined
-    _launch_cast(x, multiplier.to(torch.float32), None, out, 3, dtype, group=group.to(torch.int32).contiguous())
+    _launch_tiled_cast(x, multiplier, group.to(torch.int32).contiguous(), out[:, :rows], 2, transpose=True)
     return out
 
 
@@ -267,7 +270,7 @@ def cast_scaled_pair(
     out_t = torch.empty((cols, rows), dtype=dtype, device=x.device)
     if amax_out is not None:
         amax_out.zero_()
-    _launch_cast(x, multiplier.to(torch.float32), out, out_t, 0, dtype, amax_out)
+    _launch_cast(x, multiplier.to(torch.float32), out, out_t, dtype, amax_out)
     return out, out_t
 
 
