@@ -8,6 +8,10 @@ data, then the baseline eager and with ``torch.compile``, each in its own proces
 keys: tokens/s, TFLOP/s/GPU and MFU on active parameters (6 x active matmul weights + attention, the formula of
 the baseline's docstring; peak 989.4 TFLOP/s), peak memory, first-step time.
 
+``--profile-steps N`` (default 1 on the GPU): N more steps after the timed ones run under the CUDA profiler; the
+record gets ``profile`` (``step_profile``'s breakdown) and ``time_breakdown`` (``moe_profile``: router, permute,
+unpermute, grouped GEMMs, expert activation, attention, other GEMMs, optimizer, rest, idle; ms and %).
+
 ``--micro`` (run first, in this process): the expert GEMMs of each shape through ``mcore.kernels.grouped_gemm``
 (forward + both backward GEMMs) against one dense GEMM of the same FLOPs, and the router / permute / unpermute
 ops, each timed with CUDA events (median of ``--iters``). The expert rows are padded to multiples of 8 per expert
@@ -30,6 +34,7 @@ from typing import Any
 
 from _common import RunSpec, check_spec, child_env, launch_workers, report_launch, run_spec, write_json
 from moe_micro import run_micro
+from moe_profile import moe_time_breakdown, render_moe_breakdowns
 from train_throughput import ratios, render
 
 HF_MOE_BASELINE = Path(__file__).resolve().parents[2] / "shared" / "bench" / "hf_moe_baseline.py"
@@ -73,7 +78,7 @@ def moe_model(shape: dict[str, Any], *, align: int) -> dict[str, Any]:
     }
 
 
-def build_spec(shape_name: str, *, iters: int, warmup: int, dry_run: bool) -> RunSpec:
+def build_spec(shape_name: str, *, iters: int, warmup: int, dry_run: bool, profile_steps: int = 0) -> RunSpec:
     shape = SHAPES[shape_name]
     overrides = [
         f"train.device={'cpu' if dry_run else 'cuda'}",
@@ -82,18 +87,22 @@ def build_spec(shape_name: str, *, iters: int, warmup: int, dry_run: bool) -> Ru
         f"data.seq_length={shape['seq']}",
         f"train.micro_batch_size={shape['mbs']}",
         f"train.global_batch_size={shape['mbs']}",
-        f"train.steps={1 + warmup + iters}",
+        f"train.steps={1 + warmup + iters + profile_steps}",
         "lr.schedule=constant",
         "lr.max_lr=1e-4",
         "lr.min_lr=1e-4",
         "lr.warmup_steps=0",
     ]
-    return RunSpec(f"mcore_{shape_name}", 1, overrides, moe_model(shape, align=1 if dry_run else 8), 1 + warmup)
+    model = moe_model(shape, align=1 if dry_run else 8)
+    return RunSpec(f"mcore_{shape_name}", 1, overrides, model, 1 + warmup, profile_steps=profile_steps)
 
 
 def run_ours(args: argparse.Namespace) -> int:
     """``--only mcore``: measure one shape in this process and write its JSON (the baseline's keys first)."""
-    result, runtime = run_spec(build_spec(args.shape, iters=args.iters, warmup=args.warmup, dry_run=args.dry_run))
+    spec = build_spec(
+        args.shape, iters=args.iters, warmup=args.warmup, dry_run=args.dry_run, profile_steps=args.profile_steps
+    )
+    result, runtime = run_spec(spec)
     runtime.shutdown()
     keys = ("params", "tokens_per_s", "step_s", "tflops_per_gpu", "mfu", "peak_mem_gb", "first_step_s", "gpu", "torch")
     record = {
@@ -108,6 +117,9 @@ def run_ours(args: argparse.Namespace) -> int:
         "step_times_s": result["step_times_s"],
         "losses": result["losses"],
     }
+    if result["profile"]:
+        record["profile"] = result["profile"][0]
+        record["time_breakdown"] = moe_time_breakdown(result["profile"][0])
     write_json(args.json, record)
     print(json.dumps({k: record[k] for k in ("impl", "shape", "tokens_per_s", "tflops_per_gpu", "mfu", "peak_mem_gb")}))
     return 0
@@ -115,7 +127,8 @@ def run_ours(args: argparse.Namespace) -> int:
 
 def _runs(args: argparse.Namespace, shape: str, out: Path) -> list[tuple[str, list[str]]]:
     ours = [str(Path(__file__).resolve()), "--only", "mcore", "--shape", shape, "--iters", str(args.iters)]
-    ours += ["--warmup", str(args.warmup), "--json", str(out / f"mcore_{shape}.json")]
+    ours += ["--warmup", str(args.warmup), "--profile-steps", str(args.profile_steps)]
+    ours += ["--json", str(out / f"mcore_{shape}.json")]
     runs = [("mcore", ours + (["--dry-run"] if args.dry_run else []))]
     if args.skip_baseline or args.dry_run:
         return runs
@@ -159,11 +172,22 @@ def orchestrate(args: argparse.Namespace) -> int:
                 summary["failures"].append(f"{label} on {shape}: exit {launch.returncode} (log {launch.log})")
             baseline = "skipped" if skip_baseline else str(args.hf_baseline)
             summary["shapes"][shape] = {"results": results, "ratios": ratios(results), "baseline": baseline}
-            write_json(out / "summary.json", {**summary, "markdown": render(summary)})
-    print(render(summary), flush=True)
+            write_json(out / "summary.json", {**summary, "markdown": _render(summary)})
+    print(_render(summary), flush=True)
     for failure in summary["failures"]:
         print(f"FAILED: {failure}", flush=True)
     return 1 if summary["failures"] else 0
+
+
+def _render(summary: dict[str, Any]) -> str:
+    """The throughput table and ratios, then the time breakdown of each shape that was profiled."""
+    breakdowns = {
+        shape: entry["results"]["mcore"]["time_breakdown"]
+        for shape, entry in summary["shapes"].items()
+        if (entry["results"].get("mcore") or {}).get("time_breakdown")
+    }
+    profiled = render_moe_breakdowns(breakdowns)
+    return render(summary) + ("\n\n" + profiled if profiled else "")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -179,9 +203,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--only", choices=["mcore"], help=argparse.SUPPRESS)
     ap.add_argument("--timeout", type=float, default=600.0, help="seconds per run (600)")
     ap.add_argument("--dry-run", action="store_true", help="CPU, tiny fp32 shape, 3 iterations, no baseline")
+    ap.add_argument(
+        "--profile-steps", type=int, default=None, help="steps after the timed ones under the CUDA profiler (1; dry 0)"
+    )
     args = ap.parse_args(argv)
     args.iters = args.iters if args.iters is not None else (3 if args.dry_run else 8)
     args.warmup = args.warmup if args.warmup is not None else (1 if args.dry_run else 2)
+    args.profile_steps = args.profile_steps if args.profile_steps is not None else (0 if args.dry_run else 1)
+    if args.profile_steps < 0 or (args.dry_run and args.profile_steps):
+        ap.error(f"--profile-steps must be >= 0 and needs a GPU (0 in dry runs), got {args.profile_steps}")
     if args.iters < 1 or args.warmup < 0:
         ap.error(f"--iters must be >= 1 and --warmup >= 0, got {args.iters} and {args.warmup}")
     if args.only and (args.json is None or args.shape == "all"):

@@ -74,3 +74,16 @@ def test_flops_match_the_baseline_formula(dry_run):
     tiny = moe_throughput.SHAPES["tiny"]
     want = 6 * baseline.active_matmul_weights(tiny) + baseline.attention_flops_per_token(tiny)
     assert record["flops_per_token"] == pytest.approx(want, rel=1e-9)
+
+
+def test_profile_steps_run_after_the_timed_ones():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import moe_throughput
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    spec = moe_throughput.build_spec("mixtral2l", iters=8, warmup=2, dry_run=False, profile_steps=2)
+    assert spec.profile_steps == 2 and "train.steps=13" in spec.overrides
+    assert moe_throughput.parse_args(["--json-dir", "/tmp/x"]).profile_steps == 1
+    with pytest.raises(SystemExit):
+        moe_throughput.parse_args(["--dry-run", "--profile-steps", "1"])

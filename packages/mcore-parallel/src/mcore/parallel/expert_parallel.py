@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.profiler import record_function
 
 from mcore.kernels import swiglu
 from mcore.kernels.moe import (
@@ -278,8 +279,9 @@ class MoELayer(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         tokens = x.reshape(-1, shape[-1])
-        logits = F.linear(tokens.float(), self.router.weight.float())
-        routing = route(logits, self.router_config, self.expert_bias)
+        with record_function("mcore.moe.router"):
+            logits = F.linear(tokens.float(), self.router.weight.float())
+            routing = route(logits, self.router_config, self.expert_bias)
         cfg = self.config
         plan_kwargs = dict(align=cfg.align)
         if cfg.capacity_factor is not None:
@@ -288,10 +290,11 @@ class MoELayer(nn.Module):
             )
         out, plan = self.dispatcher(tokens, routing, self.experts, **plan_kwargs)
         out = out.to(x.dtype).view(shape)
-        counts = tokens_per_expert(routing.indices, cfg.num_experts)
-        if self.training and self.expert_bias is not None:
-            self.step_tokens_per_expert += counts
-        aux = self._aux_losses(logits, routing, shape)
+        with record_function("mcore.moe.router"):
+            counts = tokens_per_expert(routing.indices, cfg.num_experts)
+            if self.training and self.expert_bias is not None:
+                self.step_tokens_per_expert += counts
+            aux = self._aux_losses(logits, routing, shape)
         self.stats = {"tokens_per_expert": counts, "dropped": plan.dropped, **{k: v.detach() for k, v in aux.items()}}
         coefs = {"aux_loss": cfg.aux_loss_coef, "z_loss": cfg.z_loss_coef}
         weighted = [coefs[name] * value for name, value in aux.items() if value.requires_grad]
