@@ -78,7 +78,18 @@ def moe_model(shape: dict[str, Any], *, align: int) -> dict[str, Any]:
     }
 
 
-def build_spec(shape_name: str, *, iters: int, warmup: int, dry_run: bool, profile_steps: int = 0) -> RunSpec:
+# ``--fsdp``: the same step with FSDP2 (fp32 parameters that are the master weights, bf16 compute, fp32 gradients:
+# HF's policy and its 16 bytes per parameter; the distributed optimizer at dp=1 holds 18: bf16 weights besides them)
+FSDP_OVERRIDES = [
+    "parallel.dp_shard=true",
+    "parallel.distributed_optimizer=false",
+    "parallel.overlap_param_gather=false",
+]
+
+
+def build_spec(
+    shape_name: str, *, iters: int, warmup: int, dry_run: bool, profile_steps: int = 0, fsdp: bool = False
+) -> RunSpec:
     shape = SHAPES[shape_name]
     overrides = [
         f"train.device={'cpu' if dry_run else 'cuda'}",
@@ -93,20 +104,28 @@ def build_spec(shape_name: str, *, iters: int, warmup: int, dry_run: bool, profi
         "lr.min_lr=1e-4",
         "lr.warmup_steps=0",
     ]
+    if fsdp:
+        overrides = [o for o in overrides if not o.startswith("parallel.distributed_optimizer")] + FSDP_OVERRIDES
     model = moe_model(shape, align=1 if dry_run else 8)
-    return RunSpec(f"mcore_{shape_name}", 1, overrides, model, 1 + warmup, profile_steps=profile_steps)
+    name = f"mcore{'-fsdp' if fsdp else ''}_{shape_name}"
+    return RunSpec(name, 1, overrides, model, 1 + warmup, profile_steps=profile_steps)
 
 
 def run_ours(args: argparse.Namespace) -> int:
     """``--only mcore``: measure one shape in this process and write its JSON (the baseline's keys first)."""
     spec = build_spec(
-        args.shape, iters=args.iters, warmup=args.warmup, dry_run=args.dry_run, profile_steps=args.profile_steps
+        args.shape,
+        iters=args.iters,
+        warmup=args.warmup,
+        dry_run=args.dry_run,
+        profile_steps=args.profile_steps,
+        fsdp=args.fsdp,
     )
     result, runtime = run_spec(spec)
     runtime.shutdown()
     keys = ("params", "tokens_per_s", "step_s", "tflops_per_gpu", "mfu", "peak_mem_gb", "first_step_s", "gpu", "torch")
     record = {
-        "impl": "mcore" + ("-dryrun" if args.dry_run else ""),
+        "impl": "mcore" + ("-fsdp" if args.fsdp else "") + ("-dryrun" if args.dry_run else ""),
         "shape": args.shape,
         **SHAPES[args.shape],
         **{k: result[k] for k in keys},
@@ -130,6 +149,9 @@ def _runs(args: argparse.Namespace, shape: str, out: Path) -> list[tuple[str, li
     ours += ["--warmup", str(args.warmup), "--profile-steps", str(args.profile_steps)]
     ours += ["--json", str(out / f"mcore_{shape}.json")]
     runs = [("mcore", ours + (["--dry-run"] if args.dry_run else []))]
+    if args.fsdp:
+        fsdp = [a.replace(f"mcore_{shape}.json", f"mcore-fsdp_{shape}.json") for a in runs[0][1]]
+        runs.append(("mcore-fsdp", fsdp + ["--fsdp"]))
     if args.skip_baseline or args.dry_run:
         return runs
     for label, extra in BASELINES.items():
@@ -171,7 +193,10 @@ def orchestrate(args: argparse.Namespace) -> int:
             if results[label] is None:
                 summary["failures"].append(f"{label} on {shape}: exit {launch.returncode} (log {launch.log})")
             baseline = "skipped" if skip_baseline else str(args.hf_baseline)
-            summary["shapes"][shape] = {"results": results, "ratios": ratios(results), "baseline": baseline}
+            entry = {"results": results, "ratios": ratios(results), "baseline": baseline}
+            if args.fsdp:
+                entry["ratios_fsdp"] = ratios({**results, "mcore": results.get("mcore-fsdp")})
+            summary["shapes"][shape] = entry
             write_json(out / "summary.json", {**summary, "markdown": _render(summary)})
     print(_render(summary), flush=True)
     for failure in summary["failures"]:
@@ -203,6 +228,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--only", choices=["mcore"], help=argparse.SUPPRESS)
     ap.add_argument("--timeout", type=float, default=600.0, help="seconds per run (600)")
     ap.add_argument("--dry-run", action="store_true", help="CPU, tiny fp32 shape, 3 iterations, no baseline")
+    ap.add_argument("--fsdp", action="store_true", help="also run ours with FSDP2 (parallel.dp_shard=true)")
     ap.add_argument(
         "--profile-steps", type=int, default=None, help="steps after the timed ones under the CUDA profiler (1; dry 0)"
     )

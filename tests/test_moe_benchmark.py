@@ -87,3 +87,17 @@ def test_profile_steps_run_after_the_timed_ones():
     assert moe_throughput.parse_args(["--json-dir", "/tmp/x"]).profile_steps == 1
     with pytest.raises(SystemExit):
         moe_throughput.parse_args(["--dry-run", "--profile-steps", "1"])
+
+
+def test_fsdp_variant_swaps_the_optimizer_layout():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import moe_throughput
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    spec = moe_throughput.build_spec("mixtral2l", iters=1, warmup=0, dry_run=False, fsdp=True)
+    assert spec.name == "mcore-fsdp_mixtral2l" and "parallel.dp_shard=true" in spec.overrides
+    assert "parallel.distributed_optimizer=true" not in spec.overrides
+    args = moe_throughput.parse_args(["--fsdp", "--json-dir", "/tmp/x", "--shape", "mixtral2l"])
+    labels = [label for label, _ in moe_throughput._runs(args, "mixtral2l", Path("/tmp/x"))]
+    assert labels == ["mcore", "mcore-fsdp", "hf", "hf-compile"]
