@@ -11,15 +11,21 @@ Backends:
 Both share one autograd function with a hand-written backward: ``dx = dy @ w[g]`` (a grouped GEMM of the same
 kind) and ``dw[g] = dy[rows of g].T @ x[rows of g]`` (the 2-D x 2-D grouped form). Rows at or past
 ``offsets[-1]`` belong to no expert: their output is zero and they get no gradient.
+
+:func:`grouped_gemm_of_activation` is ``grouped_gemm(activation(h), w, offsets)`` that keeps ``h`` for backward
+and recomputes ``activation(h)`` there instead of keeping it: for an MoE's SwiGLU experts the activation output is
+``rows x F`` (half of ``h``), one elementwise pass to recompute, and it is live only inside the backward.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 
 from mcore.kernels import dispatch
 
-__all__ = ["GROUPED_MM", "grouped_gemm"]
+__all__ = ["GROUPED_MM", "grouped_gemm", "grouped_gemm_of_activation"]
 
 GROUPED_MM = "grouped_mm"
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -130,3 +136,44 @@ class _GroupedGemm(torch.autograd.Function):
         backward_fn = _grouped_mm_backward if ctx.backend == GROUPED_MM else _reference_backward
         dx, dw = backward_fn(dy, x, w, offsets, need_dx, need_dw)
         return dx, dw, None, None
+
+
+def grouped_gemm_of_activation(
+    h: torch.Tensor,
+    w: torch.Tensor,
+    offsets: torch.Tensor,
+    activation: Callable[[torch.Tensor], torch.Tensor],
+    *,
+    backend: str | None = None,
+) -> torch.Tensor:
+    """``grouped_gemm(activation(h), w, offsets)`` (same shapes and backends) saving ``h``, not the activation's
+    output: backward recomputes it. ``activation`` is any differentiable ``[N, *] -> [N, K]`` row-wise function
+    (e.g. :func:`mcore.kernels.swiglu`); its own backward gives ``h``'s gradient."""
+    if not isinstance(h, torch.Tensor) or h.dim() != 2:
+        raise ValueError(f"grouped_gemm_of_activation: h must be a 2-D [rows, *] tensor, got {getattr(h, 'shape', h)}")
+    with torch.no_grad():
+        a = activation(h)
+    _check(a, w, offsets)
+    return _GroupedGemmOfActivation.apply(h, w, offsets, activation, _choose(a, w, backend), a)
+
+
+class _GroupedGemmOfActivation(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, h, w, offsets, activation, backend, a):
+        ctx.save_for_backward(h, w, offsets)
+        ctx.activation, ctx.backend = activation, backend
+        if backend == GROUPED_MM:
+            return _grouped_mm_forward(a, w, offsets)
+        return _reference_forward(a, w, offsets)
+
+    @staticmethod
+    def backward(ctx, dy):
+        h, w, offsets = ctx.saved_tensors
+        need_dh, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        with torch.enable_grad():
+            h_leaf = h.detach().requires_grad_(need_dh)
+            a = ctx.activation(h_leaf)  # the recompute: one elementwise pass over h
+        backward_fn = _grouped_mm_backward if ctx.backend == GROUPED_MM else _reference_backward
+        da, dw = backward_fn(dy, a.detach(), w, offsets, need_dh, need_dw)
+        dh = torch.autograd.grad(a, h_leaf, da)[0] if need_dh else None
+        return dh, dw, None, None, None, None

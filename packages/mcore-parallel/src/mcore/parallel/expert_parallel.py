@@ -32,6 +32,7 @@ from mcore.kernels.moe import (
     RouterConfig,
     expert_bias_update,
     grouped_gemm,
+    grouped_gemm_of_activation,
     load_balancing_loss_from_stats,
     load_balancing_stats,
     route,
@@ -192,7 +193,30 @@ class GroupedExperts(nn.Module):
 
     def forward(self, rows: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
         h = grouped_gemm(rows.to(self.gate_up.dtype), self.gate_up, offsets)
-        return grouped_gemm(swiglu(h), self.down, offsets)
+        # the SwiGLU output ([rows, F/etp], half of h) is recomputed in backward rather than kept
+        return grouped_gemm_of_activation(h, self.down, offsets, swiglu)
+
+
+class _RouterLogits(torch.autograd.Function):
+    """fp32 ``x @ w.T`` from ``x`` in the model's dtype, saving ``x`` as it is (not its fp32 copy: tokens x hidden x 4
+    bytes per layer) and upcasting it again in backward; the same numbers as ``F.linear(x.float(), w.float())``."""
+
+    @staticmethod
+    def forward(ctx, x, weight):
+        ctx.save_for_backward(x, weight)
+        return F.linear(x.float(), weight.float())
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        dx = grad.matmul(weight.float()).to(x.dtype) if ctx.needs_input_grad[0] else None
+        dw = grad.t().matmul(x.float()).to(weight.dtype) if ctx.needs_input_grad[1] else None
+        return dx, dw
+
+
+def router_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """The router's fp32 logits ``[T, E]`` of tokens ``x`` [T, H] (any float dtype) and ``weight`` [E, H]."""
+    return _RouterLogits.apply(x, weight)
 
 
 class _AttachAuxLoss(torch.autograd.Function):
@@ -280,7 +304,7 @@ class MoELayer(nn.Module):
         shape = x.shape
         tokens = x.reshape(-1, shape[-1])
         with record_function("mcore.moe.router"):
-            logits = F.linear(tokens.float(), self.router.weight.float())
+            logits = router_logits(tokens, self.router.weight)
             routing = route(logits, self.router_config, self.expert_bias)
         cfg = self.config
         plan_kwargs = dict(align=cfg.align)
