@@ -60,12 +60,17 @@ def _shape_micro(shape: dict[str, Any], iters: int, dry_run: bool) -> dict[str, 
     plan = plan_permutation(routing.indices, e, align=align)
     xr = x.clone().requires_grad_(True)
     rows = permute(xr, plan)
-    out["permute_fwd_bwd_ms"] = 1e3 * _timer(lambda: permute(xr, plan).backward(torch.ones_like(rows)), iters, cuda)
     y = rows.detach().clone().requires_grad_(True)
     weights = routing.weights.detach().clone().requires_grad_(True)
-    combined = unpermute(y, weights, plan)
-    probe = torch.ones_like(combined)
-    out["unpermute_fwd_bwd_ms"] = 1e3 * _timer(lambda: unpermute(y, weights, plan).backward(probe), iters, cuda)
+    probe = torch.ones_like(x)
+    # the default backend (Triton on CUDA), then the pure-torch reference it replaced
+    for suffix, backend in (("", None), ("_reference", "reference")):
+        out[f"permute_fwd_bwd_ms{suffix}"] = 1e3 * _timer(
+            lambda b=backend: permute(xr, plan, backend=b).backward(torch.ones_like(rows)), iters, cuda
+        )
+        out[f"unpermute_fwd_bwd_ms{suffix}"] = 1e3 * _timer(
+            lambda b=backend: unpermute(y, weights, plan, backend=b).backward(probe), iters, cuda
+        )
 
     n_rows = plan.num_rows
     a = rows.detach().clone().requires_grad_(True)
