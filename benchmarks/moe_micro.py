@@ -92,7 +92,31 @@ def _shape_micro(shape: dict[str, Any], iters: int, dry_run: bool) -> dict[str, 
         tokens_per_expert_max=int(plan.tokens_per_expert.max()),
         tokens_per_expert_mean=tokens * k / e,
     )
+    if cuda and hasattr(torch, "_grouped_mm"):
+        out["grouped_gemm_layouts_tflops"] = _layouts(a.detach(), w.detach(), dy, plan.offsets, tokens * k, iters)
     return out
+
+
+def _layouts(x, w, dy, offsets, routed_rows: int, iters: int) -> dict[str, float]:
+    """TFLOP/s of each of the three expert GEMMs through ``torch._grouped_mm`` with the weight stored [E, N, K]
+    (nn.Linear's, ours) or [E, K, N], and the weight gradient from ``dy^T x`` or ``(x^T dy)^T``: which operand
+    layouts hit the fast kernel."""
+    import torch
+
+    n, k_dim = w.shape[1], w.shape[2]
+    flops = 2 * routed_rows * n * k_dim
+    w_kn = w.transpose(-2, -1).contiguous()  # [E, K, N]
+    dy_t = dy.t().contiguous()
+    cases = {
+        "fwd_w_enk": lambda: torch._grouped_mm(x, w.transpose(-2, -1), offs=offsets),
+        "fwd_w_ekn": lambda: torch._grouped_mm(x, w_kn, offs=offsets),
+        "dgrad_w_enk": lambda: torch._grouped_mm(dy, w, offs=offsets),
+        "dgrad_w_ekn": lambda: torch._grouped_mm(dy, w_kn.transpose(-2, -1), offs=offsets),
+        "wgrad_dyT_x": lambda: torch._grouped_mm(dy.t(), x, offs=offsets),
+        "wgrad_dyT_contiguous_x": lambda: torch._grouped_mm(dy_t, x, offs=offsets),
+        "wgrad_xT_dy": lambda: torch._grouped_mm(x.t(), dy, offs=offsets),
+    }
+    return {name: flops / _timer(fn, iters, True) / 1e12 for name, fn in cases.items()}
 
 
 def run_micro(shapes: list[dict[str, Any]], *, iters: int, dry_run: bool) -> list[dict[str, Any]]:
