@@ -266,11 +266,14 @@ class Config:
                 "parallel.dp_shard (FSDP) does not reduce expert parameters over the expert grid yet; with "
                 f"parallel.ep={ep} / parallel.etp={etp} use parallel.distributed_optimizer=true instead"
             )
-        if folded and (ck.save_at_end or ck.save_interval or ck.load):
-            # checkpoints gather shards over tp and pp only: expert shards spread over ep would be lost
+        own_etp = etp is not None and etp != self.parallel.tp
+        if own_etp and (ck.save_at_end or ck.save_interval or ck.load):
+            # checkpoints gather experts over ep (checkpoint/experts.py) and slices over tp: an expert-TP group other
+            # than the TP group holds FFN slices on ranks the TP shard files do not follow
             raise ValueError(
-                f"checkpoints of expert-parallel layouts (parallel.ep={ep}, parallel.etp={etp}) are not supported "
-                "yet; set checkpoint.save_at_end=false, checkpoint.save_interval=0 and no checkpoint.load, or ep=1"
+                f"checkpoints with parallel.etp={etp} != parallel.tp={self.parallel.tp} are not supported yet; "
+                "leave parallel.etp unset (= tp; any parallel.ep saves and loads), or set "
+                "checkpoint.save_at_end=false, checkpoint.save_interval=0 and no checkpoint.load"
             )
 
     @property
