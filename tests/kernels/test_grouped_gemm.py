@@ -27,9 +27,9 @@ def _inputs(dtype, device="cpu"):
     return x, w, torch.tensor(OFFSETS, dtype=torch.int32, device=device)
 
 
-def _check(backend, dtype, device="cpu", rtol=1e-5, atol=1e-5):
+def _check(backend, dtype, device="cpu", rtol=1e-5, atol=1e-5, tail_rows=None):
     x, w, offsets = _inputs(dtype, device)
-    y = grouped_gemm(x, w, offsets, backend=backend)
+    y = grouped_gemm(x, w, offsets, backend=backend, tail_rows=tail_rows)
     assert y.dtype == dtype and y.shape == (ROWS, M)
     x64, w64 = (t.detach().cpu().double().requires_grad_(True) for t in (x, w))
     want = _float64(x64, w64, OFFSETS)
@@ -54,6 +54,16 @@ def test_torch_grouped_mm_on_cpu_matches_float64():
     if not hasattr(torch, "_grouped_mm"):
         pytest.skip("torch._grouped_mm is not in this torch")
     _check("grouped_mm", torch.float32)
+
+
+@pytest.mark.parametrize("tail_rows", [4, 7])
+def test_tail_rows_hint_still_zeroes_the_unused_rows(tail_rows):
+    # the plan says at most tail_rows last rows lie past offsets[-1] (here exactly 4): only those are cleared
+    if not hasattr(torch, "_grouped_mm"):
+        pytest.skip("torch._grouped_mm is not in this torch")
+    _check("grouped_mm", torch.float32, tail_rows=tail_rows)
+    with pytest.raises(ValueError, match="tail_rows must be an int >= 0"):
+        grouped_gemm(*_inputs(torch.float32), tail_rows=-1)
 
 
 def test_default_backend_off_cuda_is_the_reference(spy):
@@ -84,6 +94,7 @@ def test_cuda_bf16_grouped_mm_matches_float64_without_host_sync():
     finally:
         torch.cuda.set_sync_debug_mode("default")
     _check(None, torch.bfloat16, "cuda", rtol=1.6e-2, atol=1.6e-2)
+    _check(None, torch.bfloat16, "cuda", rtol=1.6e-2, atol=1.6e-2, tail_rows=4)  # only the last 4 rows cleared
 
 
 @pytest.mark.parametrize("backend", ["reference", "grouped_mm"])

@@ -95,7 +95,7 @@ def test_moe_through_plan_matches_float64_loop(case, backend):
 def test_dropless_rows_are_expert_contiguous_in_token_order():
     indices, _ = _routing()
     plan = plan_permutation(indices, E)
-    assert plan.num_rows == T * K
+    assert plan.num_rows == T * K and plan.max_unused_tail == 0
     flat = indices.reshape(-1)
     want = [c for e in range(E) for c in range(T * K) if flat[c] == e]
     assert plan.choice_of_slot.tolist() == want
@@ -106,7 +106,8 @@ def test_dropless_rows_are_expert_contiguous_in_token_order():
 def test_alignment_pads_each_segment():
     indices, _ = _routing()
     plan = plan_permutation(indices, E, align=4)
-    assert plan.num_rows == T * K + E * 3
+    assert plan.num_rows == T * K + E * 3 and plan.max_unused_tail == E * 3
+    assert int(plan.offsets[-1]) >= plan.num_rows - plan.max_unused_tail
     sizes = torch.diff(plan.offsets, prepend=plan.offsets.new_zeros(1))
     counts = torch.bincount(indices.reshape(-1), minlength=E)
     assert torch.equal(sizes.long(), (counts + 3) // 4 * 4)
@@ -117,7 +118,8 @@ def test_pad_to_capacity_has_static_segments():
     cap = capacity(T, K, E, 0.8)
     assert cap == math.ceil(T * K * 0.8 / E)
     plan = plan_permutation(indices, E, capacity_factor=0.8, pad_to_capacity=True)
-    assert plan.num_rows == E * cap
+    assert plan.num_rows == E * cap and plan.max_unused_tail == 0
+    assert plan_permutation(indices, E, capacity_factor=0.8).max_unused_tail is None  # dropping: unknown
     assert plan.offsets.tolist() == [cap * (e + 1) for e in range(E)]
 
 

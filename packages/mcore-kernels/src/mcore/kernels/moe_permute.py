@@ -40,7 +40,10 @@ class PermutePlan:
     * ``slot_of_choice`` [T, k] int64: its row in the permuted buffer, ``-1`` when dropped;
     * ``choice_of_slot`` [rows] int64: the flat choice index ``t * k + j`` a row holds, ``-1`` for padding;
     * ``offsets`` [E] int32: end row of each expert's segment (cumulative; ``grouped_gemm``'s ``offs``);
-    * ``tokens_per_expert`` [E] int64: choices kept per expert; ``dropped`` 0-d int64: choices dropped.
+    * ``tokens_per_expert`` [E] int64: choices kept per expert; ``dropped`` 0-d int64: choices dropped;
+    * ``max_unused_tail``: how many last rows at most lie past ``offsets[-1]`` (known without a sync: dropless
+      ``E * (align - 1)``, padded capacity 0), ``None`` when any may (capacity dropping); ``grouped_gemm``'s
+      ``tail_rows``.
     """
 
     slot_of_choice: torch.Tensor
@@ -48,6 +51,7 @@ class PermutePlan:
     offsets: torch.Tensor
     tokens_per_expert: torch.Tensor
     dropped: torch.Tensor
+    max_unused_tail: int | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -122,6 +126,7 @@ def plan_permutation(
         offsets=ends.to(torch.int32),
         tokens_per_expert=kept_counts,
         dropped=counts.sum() - kept_counts.sum(),
+        max_unused_tail=rows - n if capacity_factor is None else (0 if pad_to_capacity else None),
     )
 
 

@@ -36,8 +36,9 @@ __all__ = ["DISPATCHERS", "AllGatherDispatcher", "AllToAllDispatcher"]
 
 DISPATCHERS = ("alltoall", "allgather")
 
-# experts(rows [N, H], offsets [E_local] int32) -> [N, H]
-ExpertsFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+# experts(rows [N, H], offsets [E_local] int32, tail_rows=None) -> [N, H]; ``tail_rows``: at most that many last
+# rows lie past offsets[-1] (None: unknown)
+ExpertsFn = Callable[..., torch.Tensor]
 
 
 @dataclass
@@ -118,8 +119,10 @@ class AllToAllDispatcher:
         with record_function("mcore.moe.permute"):
             plan = plan_permutation(routing.indices, self.num_experts, weights=routing.weights, **plan_kwargs)
             rows, local_offsets, state = self.dispatch(permute(x, plan), plan.offsets)
+        # received rows (ep/etp > 1) fill their segments exactly; the local plan's tail is known from its shape
+        tail = plan.max_unused_tail if state.order is None else 0
         with record_function("mcore.moe.experts"):
-            y = experts(rows, local_offsets)
+            y = experts(rows, local_offsets, tail_rows=tail)
         with record_function("mcore.moe.unpermute"):
             return unpermute(self.combine(y, state), routing.weights, plan), plan
 

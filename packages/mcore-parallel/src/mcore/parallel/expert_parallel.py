@@ -191,10 +191,12 @@ class GroupedExperts(nn.Module):
         down = torch.stack([torch.empty(h, f).normal_(0.0, std, generator=g) for g in gens])
         self.load_full_experts(gate_up, down)
 
-    def forward(self, rows: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-        h = grouped_gemm(rows.to(self.gate_up.dtype), self.gate_up, offsets)
+    def forward(self, rows: torch.Tensor, offsets: torch.Tensor, tail_rows: int | None = None) -> torch.Tensor:
+        """``tail_rows``: at most that many last rows lie past ``offsets[-1]`` (``None``: unknown), see
+        ``grouped_gemm``."""
+        h = grouped_gemm(rows.to(self.gate_up.dtype), self.gate_up, offsets, tail_rows=tail_rows)
         # the SwiGLU output ([rows, F/etp], half of h) is recomputed in backward rather than kept
-        return grouped_gemm_of_activation(h, self.down, offsets, swiglu)
+        return grouped_gemm_of_activation(h, self.down, offsets, swiglu, tail_rows=tail_rows)
 
 
 class _RouterLogits(torch.autograd.Function):

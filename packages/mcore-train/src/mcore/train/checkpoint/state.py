@@ -206,10 +206,14 @@ class CheckpointSaver:
         opt_state, params = state["optimizer"], state["model"]
         writer = g.dp_rank == 0
         # a fully sharded (dp_shard) parameter is all-gathered over dp here, on every rank (collective); an expert-
-        # parallel one over ep (collective too), so that the file holds every expert whatever the ep
-        whole = {n: gather_experts(full_tensor(p.detach()), p, g) for n, p in params.items()}
-        model = {n: t.to("cpu", copy=True) for n, t in whole.items()} if writer else {}
-        optim = {}
+        # parallel one over ep (collective too), so that the file holds every expert whatever the ep. One tensor at a
+        # time: the device holds at most one gathered copy beside the live state.
+        model, optim = {}, {}
+        for n, p in params.items():
+            whole = gather_experts(full_tensor(p.detach()), p, g)
+            if writer:
+                model[n] = whole.to("cpu", copy=True)
+            del whole
         for key, tensor in opt_state["tensors"].items():
             name = key.rsplit("/", 1)[0]
             if name in params:
