@@ -101,3 +101,20 @@ def test_fsdp_variant_swaps_the_optimizer_layout():
     args = moe_throughput.parse_args(["--fsdp", "--json-dir", "/tmp/x", "--shape", "mixtral2l"])
     labels = [label for label, _ in moe_throughput._runs(args, "mixtral2l", Path("/tmp/x"))]
     assert labels == ["mcore", "mcore-fsdp", "hf", "hf-compile"]
+
+
+def test_memory_breakdown_dry_run(tmp_path):
+    out = tmp_path / "memory.json"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
+    script = ROOT / "benchmarks" / "moe_memory.py"
+    proc = subprocess.run(
+        [sys.executable, str(script), "--dry-run", "--steps", "2", "--json", str(out)],
+        capture_output=True,
+        text=True,
+        env=env,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    record = json.loads(out.read_text())
+    assert record["shape"] == "tiny" and record["layout"] == "zero1" and record["params"] > 0
+    assert len(record["steps"]) == 3 and record["peak_gb"] is None  # after the build, then 2 steps; CPU: no CUDA
+    assert set(record["steps"][1]) >= {"start_gb", "forward_backward_peak_gb", "optimizer_peak_gb", "end_gb"}
