@@ -8,8 +8,8 @@
   pass per token: ``dout`` is read once, each kept slot's row of ``y`` once, and ``dy`` written once per slot
   (every slot belongs to at most one choice, so there are no atomics; rows no choice owns stay zero).
 
-Gathers work in blocks of ``BLOCK_H`` hidden columns (grid: rows x column blocks); offsets are int64 (``rows x
-hidden`` can pass 2**31). Math is fp32 in registers; results take the input's dtype (``dw`` fp32).
+Gathers work in tiles of ``BLOCK_R`` rows x ``BLOCK_H`` hidden columns (grid: row tiles x column blocks); offsets
+are int64 (``rows x hidden`` can pass 2**31). Math is fp32 in registers; results take the input's dtype (``dw`` fp32).
 """
 
 from __future__ import annotations
@@ -21,84 +21,118 @@ import triton.language as tl
 from mcore.kernels.triton._common import next_power_of_2
 
 MAX_BLOCK_H = 1024
+TILE = 4096  # elements per program: 8 KB of bf16 in flight per load (2 KB rows alone are too short for bandwidth)
 
 
 @triton.jit
-def _permute_fwd_kernel(X, ROWS, CHOICE_OF_SLOT, H, K: tl.constexpr, BLOCK_H: tl.constexpr):
-    slot = tl.program_id(0).to(tl.int64)
+def _permute_fwd_kernel(
+    X, ROWS, CHOICE_OF_SLOT, N_ROWS, H, K: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr
+):
+    slots = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-    in_row = cols < H
-    choice = tl.load(CHOICE_OF_SLOT + slot)
-    token = tl.maximum(choice, 0) // K
-    # "this column, and the slot holds a choice" as one comparison (a scalar & vector mask trips the interpreter)
-    values = tl.load(X + token * H + cols, mask=cols < tl.where(choice >= 0, H, 0), other=0.0)
-    tl.store(ROWS + slot * H + cols, values, mask=in_row)
+    in_rows = slots < N_ROWS
+    choice = tl.load(CHOICE_OF_SLOT + slots, mask=in_rows, other=-1)
+    tokens = tl.maximum(choice, 0) // K
+    in_cols = cols[None, :] < H
+    values = tl.load(X + tokens[:, None] * H + cols[None, :], mask=(choice >= 0)[:, None] & in_cols, other=0.0)
+    tl.store(ROWS + slots.to(tl.int64)[:, None] * H + cols[None, :], values, mask=in_rows[:, None] & in_cols)
 
 
 @triton.jit
-def _permute_bwd_kernel(DROWS, DX, SLOT_OF_CHOICE, H, K: tl.constexpr, BLOCK_H: tl.constexpr):
-    token = tl.program_id(0).to(tl.int64)
+def _permute_bwd_kernel(
+    DROWS, DX, SLOT_OF_CHOICE, N_TOKENS, H, K: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr
+):
+    tokens = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-    in_row = cols < H
-    acc = tl.zeros([BLOCK_H], dtype=tl.float32)
+    in_rows = tokens < N_TOKENS
+    in_cols = cols[None, :] < H
+    acc = tl.zeros([BLOCK_R, BLOCK_H], dtype=tl.float32)
     for j in tl.static_range(K):
-        slot = tl.load(SLOT_OF_CHOICE + token * K + j)
-        row = tl.load(DROWS + tl.maximum(slot, 0) * H + cols, mask=cols < tl.where(slot >= 0, H, 0), other=0.0)
+        slot = tl.load(SLOT_OF_CHOICE + tokens.to(tl.int64) * K + j, mask=in_rows, other=-1)
+        row = tl.load(
+            DROWS + tl.maximum(slot, 0)[:, None] * H + cols[None, :], mask=(slot >= 0)[:, None] & in_cols, other=0.0
+        )
         acc += row.to(tl.float32)
-    tl.store(DX + token * H + cols, acc.to(DX.dtype.element_ty), mask=in_row)
+    out = DX + tokens.to(tl.int64)[:, None] * H + cols[None, :]
+    tl.store(out, acc.to(DX.dtype.element_ty), mask=in_rows[:, None] & in_cols)
 
 
 @triton.jit
-def _unpermute_fwd_kernel(Y, W, OUT, SLOT_OF_CHOICE, H, K: tl.constexpr, BLOCK_H: tl.constexpr):
-    token = tl.program_id(0).to(tl.int64)
+def _unpermute_fwd_kernel(
+    Y, W, OUT, SLOT_OF_CHOICE, N_TOKENS, H, K: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr
+):
+    tokens = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-    in_row = cols < H
-    acc = tl.zeros([BLOCK_H], dtype=tl.float32)
+    in_rows = tokens < N_TOKENS
+    in_cols = cols[None, :] < H
+    acc = tl.zeros([BLOCK_R, BLOCK_H], dtype=tl.float32)
     for j in tl.static_range(K):
-        slot = tl.load(SLOT_OF_CHOICE + token * K + j)
-        weight = tl.load(W + token * K + j).to(tl.float32)
-        row = tl.load(Y + tl.maximum(slot, 0) * H + cols, mask=cols < tl.where(slot >= 0, H, 0), other=0.0)
-        acc += row.to(tl.float32) * weight
-    tl.store(OUT + token * H + cols, acc.to(OUT.dtype.element_ty), mask=in_row)
+        choice = tokens.to(tl.int64) * K + j
+        slot = tl.load(SLOT_OF_CHOICE + choice, mask=in_rows, other=-1)
+        weight = tl.load(W + choice, mask=in_rows, other=0.0).to(tl.float32)
+        row = tl.load(
+            Y + tl.maximum(slot, 0)[:, None] * H + cols[None, :], mask=(slot >= 0)[:, None] & in_cols, other=0.0
+        )
+        acc += row.to(tl.float32) * weight[:, None]
+    out = OUT + tokens.to(tl.int64)[:, None] * H + cols[None, :]
+    tl.store(out, acc.to(OUT.dtype.element_ty), mask=in_rows[:, None] & in_cols)
 
 
 @triton.jit
 def _unpermute_bwd_kernel(
-    DOUT, Y, W, DY, DW, SLOT_OF_CHOICE, H, K: tl.constexpr, K_POW2: tl.constexpr, BLOCK_H: tl.constexpr
+    DOUT,
+    Y,
+    W,
+    DY,
+    DW,
+    SLOT_OF_CHOICE,
+    N_TOKENS,
+    H,
+    K: tl.constexpr,
+    K_POW2: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_H: tl.constexpr,
 ):
-    token = tl.program_id(0).to(tl.int64)
+    tokens = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    in_rows = tokens < N_TOKENS
+    base = tokens.to(tl.int64)
     choices = tl.arange(0, K_POW2)
-    dots = tl.zeros([K_POW2], dtype=tl.float32)
+    dots = tl.zeros([BLOCK_R, K_POW2], dtype=tl.float32)
     for start in range(0, H, BLOCK_H):
         cols = start + tl.arange(0, BLOCK_H)
-        in_row = cols < H
-        dout = tl.load(DOUT + token * H + cols, mask=in_row, other=0.0).to(tl.float32)
+        in_cols = cols[None, :] < H
+        dout = tl.load(DOUT + base[:, None] * H + cols[None, :], mask=in_rows[:, None] & in_cols, other=0.0)
+        dout = dout.to(tl.float32)
         for j in tl.static_range(K):
-            slot = tl.load(SLOT_OF_CHOICE + token * K + j)
-            kept = cols < tl.where(slot >= 0, H, 0)
-            weight = tl.load(W + token * K + j).to(tl.float32)
-            row = tl.maximum(slot, 0) * H + cols
-            tl.store(DY + row, (dout * weight).to(DY.dtype.element_ty), mask=kept)
-            y = tl.load(Y + row, mask=kept, other=0.0).to(tl.float32)
-            dots += tl.where(choices == j, tl.sum(y * dout, axis=0), 0.0)
-    tl.store(DW + token * K + choices, dots, mask=choices < K)
+            slot = tl.load(SLOT_OF_CHOICE + base * K + j, mask=in_rows, other=-1)
+            weight = tl.load(W + base * K + j, mask=in_rows, other=0.0).to(tl.float32)
+            kept = (slot >= 0)[:, None] & in_cols
+            rows = tl.maximum(slot, 0)[:, None] * H + cols[None, :]
+            tl.store(DY + rows, (dout * weight[:, None]).to(DY.dtype.element_ty), mask=kept)
+            y = tl.load(Y + rows, mask=kept, other=0.0).to(tl.float32)
+            dots += tl.where(choices[None, :] == j, tl.sum(y * dout, axis=1)[:, None], 0.0)
+    tl.store(DW + base[:, None] * K + choices[None, :], dots, mask=in_rows[:, None] & (choices[None, :] < K))
 
 
-def _block_h(h: int) -> int:
-    return min(MAX_BLOCK_H, next_power_of_2(h))
+def _blocks(h: int, rows: int) -> tuple[int, int]:
+    """(BLOCK_R, BLOCK_H): up to MAX_BLOCK_H columns, and rows enough for a tile of ``TILE`` elements."""
+    block_h = min(MAX_BLOCK_H, next_power_of_2(h))
+    return max(1, min(TILE // block_h, next_power_of_2(rows))), block_h
 
 
-def _warps(block_h: int) -> int:
-    return 4 if block_h >= 512 else 2
+def _warps(block_r: int, block_h: int) -> int:
+    return 8 if block_r * block_h >= 4096 else 4
 
 
 def permute_forward(x: torch.Tensor, choice_of_slot: torch.Tensor, k: int) -> torch.Tensor:
     rows, h = choice_of_slot.shape[0], x.shape[1]
     out = torch.empty(rows, h, dtype=x.dtype, device=x.device)
-    block = _block_h(h)
+    br, bh = _blocks(h, rows)
     if rows:
-        grid = (rows, triton.cdiv(h, block))
-        _permute_fwd_kernel[grid](x.contiguous(), out, choice_of_slot, h, K=k, BLOCK_H=block, num_warps=_warps(block))
+        grid = (triton.cdiv(rows, br), triton.cdiv(h, bh))
+        _permute_fwd_kernel[grid](
+            x.contiguous(), out, choice_of_slot, rows, h, K=k, BLOCK_R=br, BLOCK_H=bh, num_warps=_warps(br, bh)
+        )
     return out
 
 
@@ -106,11 +140,11 @@ def permute_backward(drows: torch.Tensor, slot_of_choice: torch.Tensor) -> torch
     tokens, k = slot_of_choice.shape
     h = drows.shape[1]
     dx = torch.empty(tokens, h, dtype=drows.dtype, device=drows.device)
-    block = _block_h(h)
+    br, bh = _blocks(h, tokens)
     if tokens:
-        grid = (tokens, triton.cdiv(h, block))
+        grid = (triton.cdiv(tokens, br), triton.cdiv(h, bh))
         _permute_bwd_kernel[grid](
-            drows.contiguous(), dx, slot_of_choice, h, K=k, BLOCK_H=block, num_warps=_warps(block)
+            drows.contiguous(), dx, slot_of_choice, tokens, h, K=k, BLOCK_R=br, BLOCK_H=bh, num_warps=_warps(br, bh)
         )
     return dx
 
@@ -119,11 +153,20 @@ def unpermute_forward(y: torch.Tensor, weights: torch.Tensor, slot_of_choice: to
     tokens, k = slot_of_choice.shape
     h = y.shape[1]
     out = torch.empty(tokens, h, dtype=y.dtype, device=y.device)
-    block = _block_h(h)
+    br, bh = _blocks(h, tokens)
     if tokens:
-        grid = (tokens, triton.cdiv(h, block))
+        grid = (triton.cdiv(tokens, br), triton.cdiv(h, bh))
         _unpermute_fwd_kernel[grid](
-            y.contiguous(), weights.contiguous(), out, slot_of_choice, h, K=k, BLOCK_H=block, num_warps=_warps(block)
+            y.contiguous(),
+            weights.contiguous(),
+            out,
+            slot_of_choice,
+            tokens,
+            h,
+            K=k,
+            BLOCK_R=br,
+            BLOCK_H=bh,
+            num_warps=_warps(br, bh),
         )
     return out
 
@@ -136,19 +179,21 @@ def unpermute_backward(
     h = y.shape[1]
     dy = torch.zeros_like(y)  # rows no kept choice owns (padding, dropped) get no store
     dw = torch.empty(tokens, k, dtype=torch.float32, device=y.device)
-    block = _block_h(h)
+    br, bh = _blocks(h, tokens)
     if tokens:
-        _unpermute_bwd_kernel[(tokens,)](
+        _unpermute_bwd_kernel[(triton.cdiv(tokens, br),)](
             dout.contiguous(),
             y.contiguous(),
             weights.contiguous(),
             dy,
             dw,
             slot_of_choice,
+            tokens,
             h,
             K=k,
             K_POW2=next_power_of_2(k),
-            BLOCK_H=block,
-            num_warps=_warps(block),
+            BLOCK_R=br,
+            BLOCK_H=bh,
+            num_warps=_warps(br, bh),
         )
     return dy, dw
