@@ -207,12 +207,21 @@ def orchestrate(args: argparse.Namespace) -> int:
 def _render(summary: dict[str, Any]) -> str:
     """The throughput table and ratios, then the time breakdown of each shape that was profiled."""
     breakdowns = {
-        shape: entry["results"]["mcore"]["time_breakdown"]
+        f"{shape} {label}": res["time_breakdown"]
         for shape, entry in summary["shapes"].items()
-        if (entry["results"].get("mcore") or {}).get("time_breakdown")
+        for label, res in entry["results"].items()
+        if (res or {}).get("time_breakdown")
     }
+    lines = [render(summary)]
+    for shape, entry in summary["shapes"].items():
+        r = entry.get("ratios_fsdp")
+        if r and r["tokens_per_s_vs_hf"] is not None:
+            lines.append(
+                f"- {shape} with FSDP2: tokens/s vs HF-eager {r['tokens_per_s_vs_hf']:.3f}, peak memory vs HF-eager "
+                f"{r['peak_mem_vs_hf']:.3f}"
+            )
     profiled = render_moe_breakdowns(breakdowns)
-    return render(summary) + ("\n\n" + profiled if profiled else "")
+    return "\n".join(lines) + ("\n\n" + profiled if profiled else "")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

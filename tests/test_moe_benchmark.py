@@ -118,3 +118,22 @@ def test_memory_breakdown_dry_run(tmp_path):
     assert record["shape"] == "tiny" and record["layout"] == "zero1" and record["params"] > 0
     assert len(record["steps"]) == 3 and record["peak_gb"] is None  # after the build, then 2 steps; CPU: no CUDA
     assert set(record["steps"][1]) >= {"start_gb", "forward_backward_peak_gb", "optimizer_peak_gb", "end_gb"}
+
+
+def test_summary_renders_every_profiled_run_and_the_fsdp_ratios():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import moe_throughput
+        from moe_profile import moe_time_breakdown
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    b = moe_time_breakdown({"step_window_ms": 10.0, "idle_ms": 1.0, "categories_ms": {"moe experts: gemm": 9.0}})
+    run = {"impl": "mcore", "tokens_per_s": 2.0, "step_s": 1.0, "tflops_per_gpu": 1.0, "mfu": 0.1, "peak_mem_gb": 1.0}
+    run |= {"first_step_s": 1.0, "time_breakdown": b}
+    hf = {**run, "impl": "hf-transformers", "tokens_per_s": 1.0, "peak_mem_gb": 2.0}
+    results = {"mcore": run, "mcore-fsdp": {**run, "impl": "mcore-fsdp"}, "hf": hf}
+    entry = {"results": results, "ratios": moe_throughput.ratios(results)}
+    entry["ratios_fsdp"] = moe_throughput.ratios({**results, "mcore": results["mcore-fsdp"]})
+    text = moe_throughput._render({"shapes": {"s": entry}, "failures": []})
+    assert "| part | s mcore | s mcore-fsdp |" in text and "| grouped GEMMs | 9.00 (90.0%) |" in text
+    assert "s with FSDP2: tokens/s vs HF-eager 2.000, peak memory vs HF-eager 0.500" in text
