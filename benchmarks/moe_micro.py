@@ -94,6 +94,40 @@ def _shape_micro(shape: dict[str, Any], iters: int, dry_run: bool) -> dict[str, 
     )
     if cuda and hasattr(torch, "_grouped_mm"):
         out["grouped_gemm_layouts_tflops"] = _layouts(a.detach(), w.detach(), dy, plan.offsets, tokens * k, iters)
+        out.update(_with_main_grad(a.detach(), w.detach(), dy, plan.offsets, flops, iters))
+    return out
+
+
+def _with_main_grad(x, w, dy, offsets, flops: float, iters: int) -> dict[str, float]:
+    """The gate_up GEMMs forward + backward with the weight gradient landing in an fp32 ``main_grad`` as training
+    does: grouped (bf16 weight gradient, then added) against one cuBLAS GEMM per expert from host offsets (one
+    sync per layer) whose weight gradient accumulates in fp32 inside the GEMM (``addmm(out_dtype=float32)``)."""
+    import torch
+
+    main_grad = torch.zeros(w.shape, dtype=torch.float32, device=w.device)
+    ends = offsets.tolist()
+    starts = [0, *ends[:-1]]
+
+    def grouped():
+        torch._grouped_mm(x, w.transpose(-2, -1), offs=offsets)
+        torch._grouped_mm(dy, w, offs=offsets)
+        main_grad.add_(torch._grouped_mm(dy.t(), x, offs=offsets))
+
+    def per_expert():
+        for g, (lo, hi) in enumerate(zip(starts, ends)):
+            torch.mm(x[lo:hi], w[g].t())
+            torch.mm(dy[lo:hi], w[g])
+            torch.addmm(main_grad[g], dy[lo:hi].t(), x[lo:hi], out_dtype=torch.float32, out=main_grad[g])
+
+    out = {}
+    for name, fn in (("grouped", grouped), ("per_expert_mm", per_expert)):
+        try:
+            seconds = _timer(fn, iters, True)
+        except (RuntimeError, TypeError) as exc:  # e.g. a torch without addmm's out_dtype
+            out[f"{name}_with_main_grad_error"] = repr(exc)[:200]
+            continue
+        out[f"{name}_with_main_grad_ms"] = 1e3 * seconds
+        out[f"{name}_with_main_grad_tflops"] = flops / seconds / 1e12
     return out
 
 
