@@ -52,9 +52,12 @@ SHAPES: dict[str, dict[str, Any]] = {
 }  # fmt: skip
 
 
-def moe_model(shape: dict[str, Any], *, align: int) -> dict[str, Any]:
+def moe_model(shape: dict[str, Any], *, align: int, expert_gemm: str = "grouped") -> dict[str, Any]:
     """The ``model`` section of ``shape`` with transformers' defaults of its family for the rest."""
     mixtral = shape["family"] == "mixtral"
+    router: dict[str, Any] = {"align": align} if align > 1 else {}
+    if expert_gemm != "grouped":
+        router["expert_gemm"] = expert_gemm
     return {
         "model_type": shape["family"],
         "hidden_size": shape["hidden"],
@@ -74,7 +77,7 @@ def moe_model(shape: dict[str, Any], *, align: int) -> dict[str, Any]:
         "rms_norm_eps": 1e-5 if mixtral else 1e-6,
         "tie_word_embeddings": False,
         "router_aux_loss_coef": 0.0,
-        "moe_router": {"align": align} if align > 1 else None,
+        "moe_router": router or None,
     }
 
 
@@ -88,7 +91,14 @@ FSDP_OVERRIDES = [
 
 
 def build_spec(
-    shape_name: str, *, iters: int, warmup: int, dry_run: bool, profile_steps: int = 0, fsdp: bool = False
+    shape_name: str,
+    *,
+    iters: int,
+    warmup: int,
+    dry_run: bool,
+    profile_steps: int = 0,
+    fsdp: bool = False,
+    expert_gemm: str = "grouped",
 ) -> RunSpec:
     shape = SHAPES[shape_name]
     overrides = [
@@ -106,7 +116,7 @@ def build_spec(
     ]
     if fsdp:
         overrides = [o for o in overrides if not o.startswith("parallel.distributed_optimizer")] + FSDP_OVERRIDES
-    model = moe_model(shape, align=1 if dry_run else 8)
+    model = moe_model(shape, align=1 if dry_run else 8, expert_gemm=expert_gemm)
     name = f"mcore{'-fsdp' if fsdp else ''}_{shape_name}"
     return RunSpec(name, 1, overrides, model, 1 + warmup, profile_steps=profile_steps)
 
@@ -120,6 +130,7 @@ def run_ours(args: argparse.Namespace) -> int:
         dry_run=args.dry_run,
         profile_steps=args.profile_steps,
         fsdp=args.fsdp,
+        expert_gemm=args.expert_gemm,
     )
     result, runtime = run_spec(spec)
     runtime.shutdown()
@@ -130,6 +141,7 @@ def run_ours(args: argparse.Namespace) -> int:
         **SHAPES[args.shape],
         **{k: result[k] for k in keys},
         "precision": result["precision"],
+        "expert_gemm": args.expert_gemm,
         "flops_per_token": result["flops_per_token"],
         "iters": args.iters,
         "warmup": args.warmup,
@@ -146,7 +158,14 @@ def run_ours(args: argparse.Namespace) -> int:
 
 def _runs(args: argparse.Namespace, shape: str, out: Path) -> list[tuple[str, list[str]]]:
     ours = [str(Path(__file__).resolve()), "--only", "mcore", "--shape", shape, "--iters", str(args.iters)]
-    ours += ["--warmup", str(args.warmup), "--profile-steps", str(args.profile_steps)]
+    ours += [
+        "--warmup",
+        str(args.warmup),
+        "--profile-steps",
+        str(args.profile_steps),
+        "--expert-gemm",
+        args.expert_gemm,
+    ]
     ours += ["--json", str(out / f"mcore_{shape}.json")]
     runs = [("mcore", ours + (["--dry-run"] if args.dry_run else []))]
     if args.fsdp:
@@ -238,6 +257,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--timeout", type=float, default=600.0, help="seconds per run (600)")
     ap.add_argument("--dry-run", action="store_true", help="CPU, tiny fp32 shape, 3 iterations, no baseline")
     ap.add_argument("--fsdp", action="store_true", help="also run ours with FSDP2 (parallel.dp_shard=true)")
+    ap.add_argument(
+        "--expert-gemm", choices=["grouped", "per_expert"], default="grouped", help="moe_router.expert_gemm (grouped)"
+    )
     ap.add_argument(
         "--profile-steps", type=int, default=None, help="steps after the timed ones under the CUDA profiler (1; dry 0)"
     )

@@ -84,6 +84,9 @@ def test_profile_steps_run_after_the_timed_ones():
         sys.path.remove(str(ROOT / "benchmarks"))
     spec = moe_throughput.build_spec("mixtral2l", iters=8, warmup=2, dry_run=False, profile_steps=2)
     assert spec.profile_steps == 2 and "train.steps=13" in spec.overrides
+    assert spec.model["moe_router"] == {"align": 8}
+    per_expert = moe_throughput.build_spec("mixtral2l", iters=1, warmup=0, dry_run=False, expert_gemm="per_expert")
+    assert per_expert.model["moe_router"] == {"align": 8, "expert_gemm": "per_expert"}
     assert moe_throughput.parse_args(["--json-dir", "/tmp/x"]).profile_steps == 1
     with pytest.raises(SystemExit):
         moe_throughput.parse_args(["--dry-run", "--profile-steps", "1"])

@@ -107,3 +107,15 @@ def test_moe_examples_load(name, experts, tp):
     config = load_config(EXAMPLES / name)
     assert config.model.num_experts == experts and config.parallel.tp == tp
     assert config.model.mlp_type(0) == "moe" and config.model.router_aux_loss_coef > 0
+
+
+def test_per_expert_gemm_trains_like_grouped(tmp_path):
+    from tests.train.tiny import train, train_records
+
+    losses = {}
+    for gemm in ("grouped", "per_expert"):
+        train(tmp_path / gemm, *MOE, f"model.moe_router={{expert_gemm: {gemm}}}")
+        losses[gemm] = [r["loss"] for _, r in sorted(train_records(tmp_path / gemm).items())]
+    assert len(losses["grouped"]) == 4
+    for a, b in zip(losses["per_expert"], losses["grouped"]):
+        assert abs(a - b) <= 1e-5 * abs(b), losses

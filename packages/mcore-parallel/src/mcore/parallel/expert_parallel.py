@@ -41,12 +41,14 @@ from mcore.kernels.moe import (
 )
 from mcore.parallel.comm import group_rank, group_size, reduce_from_tp_region
 from mcore.parallel.expert_dispatch import DISPATCHERS, AllGatherDispatcher, AllToAllDispatcher
+from mcore.parallel.expert_gemm import expert_bounds, per_expert_linear, per_expert_linear_of_activation
 from mcore.parallel.grid import ProcessGroups
 from mcore.parallel.tensor_parallel import set_tensor_parallel_attributes
 
 __all__ = ["GroupedExperts", "MoEConfig", "MoELayer", "Router", "moe_metrics", "update_expert_biases"]
 
 _AUX_LOSS_TYPES = ("micro_batch", "sequence")
+EXPERT_GEMMS = ("grouped", "per_expert")
 
 
 @dataclass(frozen=True)
@@ -55,7 +57,9 @@ class MoEConfig:
 
     ``capacity_factor=None`` is dropless; ``align`` pads each expert's rows (16 for FP8 grouped GEMMs);
     ``aux_loss_type`` ``"micro_batch"`` or ``"sequence"`` (per sequence, hidden states ``[s, b, h]``).
-    ``expert_bias`` enables aux-loss-free balancing with step ``bias_update_rate``.
+    ``expert_bias`` enables aux-loss-free balancing with step ``bias_update_rate``. ``expert_gemm``: ``"grouped"``
+    (``torch._grouped_mm``, no host sync) or ``"per_expert"`` (one cuBLAS GEMM per expert, fp32 weight gradients
+    straight into ``main_grad``; one host sync per layer; for a few large experts, see ``expert_gemm.py``).
     """
 
     hidden_size: int
@@ -78,6 +82,7 @@ class MoEConfig:
     pad_to_capacity: bool = False
     align: int = 1
     dispatcher: str = "alltoall"
+    expert_gemm: str = "grouped"
 
     def __post_init__(self) -> None:
         for name in ("hidden_size", "moe_intermediate_size"):
@@ -85,6 +90,8 @@ class MoEConfig:
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"MoEConfig.{name} must be a positive int, got {value!r}")
         self.router_config()  # validates the routing fields
+        if self.expert_gemm not in EXPERT_GEMMS:
+            raise ValueError(f"MoEConfig.expert_gemm must be one of {EXPERT_GEMMS}, got {self.expert_gemm!r}")
         if self.dispatcher not in DISPATCHERS:
             raise ValueError(f"MoEConfig.dispatcher must be one of {DISPATCHERS}, got {self.dispatcher!r}")
         if self.dispatcher == "allgather" and self.capacity_factor is not None:
@@ -158,9 +165,11 @@ class GroupedExperts(nn.Module):
         init_std: float = 0.02,
         params_dtype: torch.dtype = torch.float32,
         device: torch.device | str | None = None,
+        gemm: str = "grouped",
     ) -> None:
         super().__init__()
         local_ffn = ffn_size // etp
+        self.gemm = gemm
         self.ffn_size, self.etp, self.etp_rank = ffn_size, etp, etp_rank
         self.first_expert, self.init_std = first_expert, init_std
         kw = dict(dtype=params_dtype, device=device)
@@ -194,7 +203,12 @@ class GroupedExperts(nn.Module):
     def forward(self, rows: torch.Tensor, offsets: torch.Tensor, tail_rows: int | None = None) -> torch.Tensor:
         """``tail_rows``: at most that many last rows lie past ``offsets[-1]`` (``None``: unknown), see
         ``grouped_gemm``."""
-        h = grouped_gemm(rows.to(self.gate_up.dtype), self.gate_up, offsets, tail_rows=tail_rows)
+        rows = rows.to(self.gate_up.dtype)
+        if self.gemm == "per_expert":
+            bounds = expert_bounds(offsets)  # the host sync of this mode (see expert_gemm.py)
+            h = per_expert_linear(rows, self.gate_up, bounds)
+            return per_expert_linear_of_activation(h, self.down, bounds, swiglu)
+        h = grouped_gemm(rows, self.gate_up, offsets, tail_rows=tail_rows)
         # the SwiGLU output ([rows, F/etp], half of h) is recomputed in backward rather than kept
         return grouped_gemm_of_activation(h, self.down, offsets, swiglu, tail_rows=tail_rows)
 
@@ -281,6 +295,7 @@ class MoELayer(nn.Module):
             init_std=init_std,
             params_dtype=params_dtype,
             device=device,
+            gemm=config.expert_gemm,
         )
         dispatcher_cls = AllToAllDispatcher if config.dispatcher == "alltoall" else AllGatherDispatcher
         self.dispatcher = dispatcher_cls(config.num_experts, ep_group, etp_group)
