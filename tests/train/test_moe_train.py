@@ -29,6 +29,11 @@ def _losses(rank: int, world: int, run_root: str) -> dict:
         run_dir = f"{run_root}/ep{ep}"
         train(run_dir, *MOE, f"parallel.ep={ep}")
         out[ep] = [r["loss"] for _, r in sorted(train_records(run_dir).items())]
+    # the per-expert GEMMs on each ep rank's local experts (offsets of the received rows)
+    run_dir = f"{run_root}/ep2-per-expert"
+    router = "{z_loss_coef: 0.001, expert_bias: true, bias_update_rate: 0.01, expert_gemm: per_expert}"
+    train(run_dir, *MOE, "parallel.ep=2", f"model.moe_router={router}")
+    out["ep2-per-expert"] = [r["loss"] for _, r in sorted(train_records(run_dir).items())]
     return out
 
 
@@ -79,6 +84,8 @@ def test_dropless_losses_do_not_depend_on_ep(tmp_path):
     assert len(losses[1]) == 4 and losses[1][0] > losses[1][-1]
     for a, b in zip(losses[1], losses[2]):
         assert abs(a - b) <= 1e-5 * abs(a), (losses[1], losses[2])
+    for a, b in zip(losses["ep2-per-expert"], losses[2], strict=True):
+        assert abs(a - b) <= 1e-5 * abs(b), (losses["ep2-per-expert"], losses[2])
 
 
 @pytest.mark.parametrize(
