@@ -38,9 +38,13 @@ def _roundtrip(rank: int, world: int, root: str) -> dict:
 
     for ep in (1, 2):
         train(f"{root}/ep{ep}", *COMMON, f"parallel.ep={ep}", "checkpoint.save_at_end=true")
+    # expert TP over both ranks while tp = 1: the FFN slices are gathered over etp at save
+    train(f"{root}/etp2", *COMMON, "parallel.etp=2", "checkpoint.save_at_end=true")
     saved = f"{root}/ep2/checkpoints/latest"
     _resave([*COMMON, "parallel.ep=1"], saved, f"{root}/as_ep1")
     _resave([*COMMON, "parallel.ep=2"], f"{root}/as_ep1/latest", f"{root}/as_ep2")
+    _resave([*COMMON, "parallel.etp=2"], f"{root}/as_ep1/latest", f"{root}/as_etp2")
+    _resave([*COMMON, "parallel.ep=2"], f"{root}/etp2/checkpoints/latest", f"{root}/etp2_as_ep2")
     # resume the ep=2 checkpoint at ep=1 and at ep=2 for two more steps
     losses = {}
     for ep in (1, 2):
@@ -72,7 +76,7 @@ def test_ep2_to_ep1_and_back_is_bit_exact(roundtrip):
     saved = _tensors(root / "ep2" / "checkpoints" / "latest")
     experts = [k for k in saved if k.endswith("experts.gate_up") or "experts.gate_up/" in k]
     assert experts and all(saved[k].shape[0] == 4 for k in experts)  # all 4 experts of mixtral-tiny
-    for again in ("as_ep1", "as_ep2"):
+    for again in ("as_ep1", "as_ep2", "as_etp2"):
         other = _tensors(root / again / "latest")
         assert sorted(other) == sorted(saved)
         for key, tensor in saved.items():
@@ -94,3 +98,16 @@ def test_resume_at_another_ep_continues_the_same(roundtrip):
     assert len(losses[1]) == len(losses[2]) == 2  # steps 4 and 5
     for a, b in zip(losses[1], losses[2]):
         assert abs(a - b) <= 1e-5 * abs(b), losses
+
+
+def test_etp_checkpoint_is_unsplit_and_loads_at_ep(roundtrip):
+    root, _ = roundtrip
+    etp2 = _tensors(root / "etp2" / "checkpoints" / "latest")
+    ep1 = _tensors(root / "ep1" / "checkpoints" / "latest")
+    assert sorted(etp2) == sorted(ep1)  # the FFN gathered over etp: one file, the ep=1 run's shapes
+    for key in ep1:
+        if key.startswith("model:"):
+            torch.testing.assert_close(etp2[key], ep1[key], rtol=1e-4, atol=1e-5, msg=key)
+    again = _tensors(root / "etp2_as_ep2" / "latest")  # loaded at ep=2 (etp 1), saved again: the same
+    for key, tensor in etp2.items():
+        assert torch.equal(again[key], tensor), key

@@ -95,10 +95,7 @@ def test_dropless_losses_do_not_depend_on_ep(tmp_path):
         (["parallel.etp=5"], r"moe_intermediate_size=96 not divisible by etp=5; valid etp: \[1, 2, 4, 8, 16, 32\]"),
         (["model=llama-tiny", "parallel.ep=2"], "need an MoE model"),
         (["model.moe_router={capacity: 1.0}"], r"unknown keys \['capacity'\]; valid keys"),
-        (
-            ["parallel.tp=2", "parallel.etp=1", "checkpoint.save_at_end=true"],
-            r"checkpoints with parallel.etp=1 != parallel.tp=2 are not supported yet; leave parallel.etp unset",
-        ),
+        (["parallel.ep=2", "parallel.dp_shard=true"], "does not reduce expert parameters over the expert grid"),
     ],
 )
 def test_bad_expert_layouts_name_valid_values(overrides, match):

@@ -259,22 +259,13 @@ class Config:
             moe_layer_config(self.model).check_layout(ep, self.parallel.tp if etp is None else etp)
         except ValueError as exc:
             raise ValueError(f"parallel.ep / parallel.etp: {exc}") from None
-        ck = self.checkpoint
         folded = ep > 1 or (etp is not None and etp != self.parallel.tp)
         if folded and self.parallel.dp_shard:
             raise ValueError(
                 "parallel.dp_shard (FSDP) does not reduce expert parameters over the expert grid yet; with "
                 f"parallel.ep={ep} / parallel.etp={etp} use parallel.distributed_optimizer=true instead"
             )
-        own_etp = etp is not None and etp != self.parallel.tp
-        if own_etp and (ck.save_at_end or ck.save_interval or ck.load):
-            # checkpoints gather experts over ep (checkpoint/experts.py) and slices over tp: an expert-TP group other
-            # than the TP group holds FFN slices on ranks the TP shard files do not follow
-            raise ValueError(
-                f"checkpoints with parallel.etp={etp} != parallel.tp={self.parallel.tp} are not supported yet; "
-                "leave parallel.etp unset (= tp; any parallel.ep saves and loads), or set "
-                "checkpoint.save_at_end=false, checkpoint.save_interval=0 and no checkpoint.load"
-            )
+        # checkpoints gather experts over ep (and over etp when it differs from tp): checkpoint/experts.py
 
     @property
     def decay_steps(self) -> int:

@@ -21,7 +21,7 @@ import torch
 
 from mcore.models.gpt import GPTModel
 from mcore.parallel.grid import ProcessGroups
-from mcore.train.checkpoint.experts import expert_split, local_experts
+from mcore.train.checkpoint.experts import expert_split, expert_tp, local_experts
 from mcore.train.checkpoint.format import tensor_meta_of
 from mcore.train.checkpoint.reader import CheckpointReader
 from mcore.train.checkpoint.resharding import Target
@@ -87,8 +87,9 @@ def read_param(
     dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """This rank's value of ``param`` (or, with ``kind="optim"`` and ``key``, of one of its optimizer states): its
-    TP slice, and for an expert-parallel parameter its own experts' rows (see ``checkpoint.experts``)."""
-    target = target_of(param, groups.tp_size, groups.tp_rank)
+    TP slice (etp for expert weights), and for an expert-parallel parameter its own experts' rows (see
+    ``checkpoint.experts``)."""
+    target = target_of(param, *expert_tp(param, groups))  # expert weights follow etp, the rest tp
     ep, _ = expert_split(param, groups)
     if ep > 1:  # read every expert of this TP slice, keep this ep rank's
         target = dataclasses.replace(target, full_shape=(target.full_shape[0] * ep, *target.full_shape[1:]))

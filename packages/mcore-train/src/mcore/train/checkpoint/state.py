@@ -26,7 +26,7 @@ from safetensors.torch import save_file
 from mcore.parallel.fsdp import full_tensor
 from mcore.parallel.random import get_rng_tracker
 from mcore.train.checkpoint.directory import CheckpointDirectory
-from mcore.train.checkpoint.experts import full_expert_meta, gather_experts
+from mcore.train.checkpoint.experts import expert_tp, full_expert_meta, gather_experts, saved_unsplit_over_etp
 from mcore.train.checkpoint.format import (
     FORMAT_NAME,
     FORMAT_VERSION,
@@ -209,18 +209,22 @@ class CheckpointSaver:
         # parallel one over ep (collective too), so that the file holds every expert whatever the ep. One tensor at a
         # time: the device holds at most one gathered copy beside the live state.
         model, optim = {}, {}
+
+        def writes(p) -> bool:  # an expert weight gathered over etp goes into the tp-rank-0 file only
+            return writer and (g.tp_rank == 0 or not saved_unsplit_over_etp(p, g))
+
         for n, p in params.items():
             whole = gather_experts(full_tensor(p.detach()), p, g)
-            if writer:
+            if writes(p):
                 model[n] = whole.to("cpu", copy=True)
             del whole
         for key, tensor in opt_state["tensors"].items():
             name = key.rsplit("/", 1)[0]
             if name in params:
                 tensor = gather_experts(tensor, params[name], g)
-                if writer:
+                if writes(params[name]):
                     optim[key] = tensor.detach().to("cpu", copy=True)
-        metas = {n: full_expert_meta(tensor_meta_of(p, g.tp_size), p, g).to_dict() for n, p in params.items()}
+        metas = {n: full_expert_meta(tensor_meta_of(p, expert_tp(p, g)[0]), p, g).to_dict() for n, p in params.items()}
         token = uuid.uuid4().hex[:12]
         if rt.distributed:
             gathered: list[Any] = [None] * rt.world_size
