@@ -204,7 +204,7 @@ class CheckpointSaver:
             raise RuntimeError("cannot save a training checkpoint of a Trainer without optimizer")
         state = trainer.state_dict()  # collective for the distributed optimizer
         opt_state, params = state["optimizer"], state["model"]
-        writer = g.dp_rank == 0
+        writer = g.dp_rank == 0 and g.cp_rank == 0  # one writer per (tp, pp) shard: CP ranks are replicas
         # a fully sharded (dp_shard) parameter is all-gathered over dp here, on every rank (collective); an expert-
         # parallel one over ep (collective too), so that the file holds every expert whatever the ep. One tensor at a
         # time: the device holds at most one gathered copy beside the live state.
