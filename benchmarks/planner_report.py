@@ -87,22 +87,41 @@ def _plot_measured(points, path: Path) -> None:
 
 
 def megatron_section(out: Path) -> str:
+    """The table (with the prediction at micro-batch 1 beside the tuned one) and where each row's step goes."""
     net = Network(PRESETS["dgx-h100"])
-    rows, points = [], []
+    rows, parts, points = [], [], []
+    keys = (
+        "gemm",
+        "attention",
+        "memory",
+        "tp_comm",
+        "pipeline_wait",
+        "dp_grad_comm",
+        "dp_param_comm",
+        "dp_overlap_slowdown",
+        "host",
+    )
     for row in MEGATRON_WEAK_SCALING:
         layout, p = tuned_layout(row, net)
+        one = tuned_layout(row, net, micro_batches=(1,))[1]
         need = max(s.total for s in stage_memory(row.shape(), layout)) / GB
         rows.append([
             row.name, row.gpus, f"{row.tp}/{row.pp}/{row.dp}", row.batch, f"{row.mfu_percent:.0f}%",
             f"{100 * p.mfu:.1f}%", f"{100 * p.mfu - row.mfu_percent:+.1f}", layout.micro_batch, layout.vpp,
-            layout.recompute, f"{need:.0f}", f"{100 * p.bubble_fraction:.1f}%",
+            layout.recompute, f"{need:.0f}", f"{100 * p.bubble_fraction:.1f}%", f"{100 * one.mfu:.1f}%",
         ])  # fmt: skip
+        b = p.breakdown
+        rest = p.step_s - sum(b.get(k, 0.0) for k in keys)
+        parts.append([row.name, f"{p.step_s:.2f}"] + [f"{100 * b.get(k, 0.0) / p.step_s:.1f}" for k in keys]
+                     + [f"{100 * rest / p.step_s:.1f}"])  # fmt: skip
         points.append((row.name, row.gpus, row.mfu_percent, 100 * p.mfu))
     _plot_megatron(points, out / "scaling" / "megatron_mfu.png")
-    return table(
+    first = table(
         ["model", "GPUs", "tp/pp/dp", "batch", "published MFU", "predicted MFU", "points", "micro-batch", "vpp",
-         "recompute", "GB/GPU", "pipeline idle"], rows,
+         "recompute", "GB/GPU", "pipeline idle", "predicted at micro-batch 1"], rows,
     )  # fmt: skip
+    second = table(["model", "step s"] + [f"{k} %" for k in keys] + ["optimizer, other %"], parts)
+    return first + "\n\nWhere the predicted step goes (share of the step on the slowest rank):\n\n" + second
 
 
 def _plot_megatron(points, path: Path) -> None:

@@ -85,6 +85,7 @@ def test_calibrate_dry_run_writes_a_calibration(capsys, tmp_path):
     assert code == 0 and "written to" in out
     cal = load_calibration(str(path))
     assert cal.gemm["bf16"] and cal.attention and cal.copy_gbps > 0
+    assert [p[0] for p in cal.grouped_gemm] == [4.0, 8.0] and all(0 < p[1] <= 1 for p in cal.grouped_gemm)
     assert set(cal.nvlink) == {"all_reduce", "all_gather", "reduce_scatter", "all_to_all", "p2p"}
     assert "measured: gemm" in cal.assumptions[0]
 
@@ -97,11 +98,12 @@ def test_cli_plan_rejects_bad_numbers(capsys, bad):
 
 @pytest.mark.gpu
 def test_calibrate_measures_this_gpu():
-    from mcore.train.planning.measure import DOC_LENGTHS, GEMM_SIZES, calibrate
+    from mcore.train.planning.measure import DOC_LENGTHS, GEMM_SIZES, GROUPED_ROWS, calibrate
 
     cal = calibrate(reps=3)
     assert [p[0] for p in cal.gemm["bf16"]] == sorted(2.0 * m * n * k for m, n, k in GEMM_SIZES)
     assert [int(p[0]) for p in cal.attention] == DOC_LENGTHS and cal.memory_gb > 10
+    assert [int(p[0]) for p in cal.grouped_gemm] == GROUPED_ROWS and all(0 < p[1] <= 1 for p in cal.grouped_gemm)
     assert "(measured)" in cal.name and cal.wgrad_fp32_slowdown >= 1.0
 
 

@@ -17,6 +17,9 @@ from mcore.train.planning.shape import ModelShape
 
 Recompute = Literal["none", "selective", "full"]
 SCHEDULES = ("none", "gpipe", "1f1b", "interleaved", "zero-bubble")
+# the loss: mcore's fused bf16 cross entropy, or Megatron-Core's unfused fp32 one (its default without
+# --cross-entropy-loss-fusion: logits cast to fp32, max / subtract / exp / sum / divide each a pass, see time_model)
+CROSS_ENTROPY = ("fused", "fp32")
 
 
 @dataclass(frozen=True)
@@ -42,6 +45,7 @@ class Layout:
     overlap_grad_reduce: bool = True
     overlap_param_gather: bool = False
     tp_comm_overlap: bool = False
+    cross_entropy: Literal["fused", "fp32"] = "fused"
     precision: Literal["bf16", "fp32", "fp8"] = "bf16"
     pipeline_layout: tuple[int, ...] | None = None
 
@@ -54,6 +58,8 @@ class Layout:
             raise ValueError(
                 f"Layout.optimizer_offload_fraction must lie in [0, 1], got {self.optimizer_offload_fraction}"
             )
+        if self.cross_entropy not in CROSS_ENTROPY:
+            raise ValueError(f"Layout.cross_entropy must be one of {CROSS_ENTROPY}, got {self.cross_entropy!r}")
         if self.schedule not in ("auto", *SCHEDULES):
             raise ValueError(f"Layout.schedule must be one of {['auto', *SCHEDULES]}, got {self.schedule!r}")
 
@@ -91,6 +97,8 @@ class Layout:
             out.append(f"tp={self.tp} does not divide the {shape.heads} query / {shape.kv_heads} KV heads")
         if self.sequence_parallel and self.tp == 1:
             out.append("sequence_parallel needs tp > 1")
+        if self.tp_comm_overlap and not self.sequence_parallel:
+            out.append("tp_comm_overlap needs sequence_parallel (the overlapped collectives are its all-gathers)")
         if self.seq_length % (2 * self.cp) and self.cp > 1:
             out.append(f"seq_length {self.seq_length} is not a multiple of 2*cp = {2 * self.cp} (CP load balancing)")
         if self.seq_length % (self.tp * self.cp) and self.sequence_parallel:

@@ -204,7 +204,10 @@ def stage_memory(shape: ModelShape, layout: Layout) -> list[StageMemory]:
         logits = 0.0
         if rank == layout.pp - 1:
             tokens = layout.seq_length * layout.micro_batch / layout.cp
-            logits = tokens * shape.padded_vocab(layout.tp) / layout.tp * (2 + 2)
+            # fused: bf16 logits and their gradient; fp32 (Megatron's): the bf16 logits and the fp32 softmax it
+            # saves for backward (its gradient is computed in place)
+            second = 2 if layout.cross_entropy == "fused" else 4
+            logits = tokens * shape.padded_vocab(layout.tp) / layout.tp * (2 + second)
         allocated = weights + grads + optimizer + acts + logits
         out.append(
             StageMemory(

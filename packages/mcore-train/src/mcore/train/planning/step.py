@@ -60,7 +60,7 @@ def _data_parallel(
     """Exposed seconds of the gradient reduction and parameter all-gather of one rank (module docstring of
     ``time_model``)."""
     lay, net, s = model.layout, model.net, model.shape
-    out = {"dp_grad_comm": 0.0, "dp_param_comm": 0.0}
+    out = {"dp_grad_comm": 0.0, "dp_param_comm": 0.0, "dp_overlap_slowdown": 0.0}
     if lay.dp_shard:
         return out
     sharded = lay.distributed_optimizer
@@ -70,6 +70,8 @@ def _data_parallel(
         last_elems = max(BUCKET_ELEMENTS, s.padded_vocab(lay.tp) * s.hidden / lay.tp if first_stage else 0)
         last = net.collective(kind, model.dp_group, 4 * min(last_elems, dense))
         out["dp_grad_comm"] = max(last, comm - last_backward)
+        # the backward beside the overlapped part runs slower (NCCL's reduction kernels share SMs and HBM)
+        out["dp_overlap_slowdown"] = model.gpu.reduce_overlap_slowdown * (comm - out["dp_grad_comm"])
     else:
         out["dp_grad_comm"] = comm
     if sharded:
