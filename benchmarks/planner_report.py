@@ -17,9 +17,10 @@ from pathlib import Path
 from mcore.models.families import get_config
 from mcore.train.planning.calibration import load_calibration
 from mcore.train.planning.cluster import PRESETS, Network
-from mcore.train.planning.memory import GB, stage_memory
+from mcore.train.planning.memory import GB, rank_chunks, stage_memory
 from mcore.train.planning.published import MEGATRON_WEAK_SCALING, tuned_layout
 from mcore.train.planning.shape import ModelShape
+from mcore.train.planning.time_model import TimeModel
 from mcore.train.planning.validation import measured_cases
 
 search_module = importlib.import_module("mcore.train.planning.search")
@@ -27,7 +28,7 @@ RESULTS = Path(__file__).resolve().parent / "results"
 DEEPSEEK_V3 = ModelShape(
     hidden=7168, ffn=18432, layers=61, heads=128, kv_heads=128, head_dim=128, vocab=129280, num_experts=256,
     top_k=8, moe_ffn=2048, shared_ffn=2048, first_dense_layers=3, q_lora_rank=1536, kv_lora_rank=512,
-    qk_rope_head_dim=64, v_head_dim=128, name="deepseek-v3",
+    qk_rope_head_dim=64, v_head_dim=128, mtp_layers=1, name="deepseek-v3",
 )  # fmt: skip
 
 
@@ -174,8 +175,28 @@ def example_section(shape: ModelShape, gpus: int, batch: int, seq: int, cluster:
             + ", ".join(f"{k} {v:.2f}" for k, v in parts if v >= 0.005)
             + ".",
         ]
+        if shape.is_moe and best.layout.ep > 1:
+            text += ["", _all_to_all_line(shape, best.layout, net)]
     _plot_search(found, out / "scaling" / f"{tag}_layouts.png", shape.name, gpus)
     return "\n".join(text)
+
+
+def _all_to_all_line(shape: ModelShape, layout, net: Network) -> str:
+    """EP all-to-all bytes per step of the rank holding the most MoE layers."""
+    model = TimeModel(shape, layout, net)
+    chunks = rank_chunks(shape, layout)
+    counts = [sum(shape.is_moe_layer(i) for s, e in rank for i in range(s, e)) for rank in chunks]
+    counts[-1] += shape.mtp_layers if shape.is_moe_layer(shape.layers - 1) else 0  # MTP runs on the last stage
+    moe_layers = max(counts)
+    one = model.ep_exchange_bytes()
+    per_step = moe_layers * layout.num_microbatches * 4 * one
+    sent = per_step * (layout.ep - 1) / layout.ep
+    return (
+        f"EP all-to-all per step on the rank with the most MoE layers ({moe_layers}, ep {layout.ep}): "
+        f"{layout.num_microbatches} micro-batches x {moe_layers} layers x 4 exchanges (dispatch, combine; forward, "
+        f"backward) of {one / 1e6:.0f} MB (tokens x top-k x hidden x 2 bytes) = {per_step / GB:.1f} GB through "
+        f"NCCL, {sent / GB:.1f} GB of it sent to other ranks."
+    )
 
 
 def _plot_search(found, path: Path, name: str, gpus: int) -> None:

@@ -1,6 +1,7 @@
 """Enumerate the layouts of a model on N GPUs, keep those that fit, rank them by predicted tokens/s.
 
-Sizes tried: ``tp`` powers of two up to a node, ``cp`` powers of two up to a node / tp, ``pp`` any divisor of the
+Sizes tried: ``tp`` powers of two up to a node, ``cp`` powers of two up to a node / tp (each with the p2p ring and
+the a2a ``cp_comm_type``), ``pp`` any divisor of the
 rest (balanced uneven layouts where the layers do not divide), ``vpp`` the divisors of the layers per stage
 (interleaved), ``ep`` the divisors of the experts (MoE), ``etp`` 1 or tp, ``dp`` what remains, micro-batch sizes
 dividing the per-rank batch. For each such layout two families of memory modes are tried, each from the fastest
@@ -12,6 +13,7 @@ run is kept too, with its reasons: sizes that do not divide (``Layout.problems``
 
 from __future__ import annotations
 
+import itertools
 import re
 from collections import Counter
 from dataclasses import dataclass, replace
@@ -24,6 +26,7 @@ from mcore.train.planning.shape import ModelShape
 from mcore.train.planning.step import StepPrediction, predict_step
 
 EXACT_TOP = 16  # layouts re-ranked with the exact schedule replay
+CP_SEARCHED = ("p2p", "a2a")  # the ring and Ulysses; all_gather holds the whole K/V, a2a+p2p mixes the two
 ZERO3 = {"dp_shard": True, "distributed_optimizer": False, "overlap_param_gather": False}
 # Families of memory modes, each from the fastest to the most frugal: the first that fits in each family competes
 MEMORY_MODES = (
@@ -87,22 +90,22 @@ def base_layouts(shape: ModelShape, gpus: int, global_batch: int, seq_length: in
                 etps = sorted({1, tp}) if shape.is_moe else [None]
                 per_rank = global_batch // dp if global_batch % dp == 0 else 0
                 mbs = [m for m in (1, 2, 4, 8) if per_rank and per_rank % m == 0] or [1]
+                comms = CP_SEARCHED if cp > 1 else ("p2p",)
                 for vpp, split in pipeline_splits(shape, pp, seq_length):
-                    for ep in eps:
-                        for etp in etps:
-                            for mb in mbs:
-                                yield Layout(
-                                    tp=tp, pp=pp, dp=dp, vpp=vpp, cp=cp, ep=ep, etp=etp, micro_batch=mb,
-                                    global_batch=global_batch, seq_length=seq_length, sequence_parallel=tp > 1,
-                                    distributed_optimizer=dp > 1, overlap_param_gather=dp > 1, pipeline_layout=split,
-                                )  # fmt: skip
+                    for ep, etp, mb, comm in itertools.product(eps, etps, mbs, comms):
+                        yield Layout(
+                            tp=tp, pp=pp, dp=dp, vpp=vpp, cp=cp, cp_comm_type=comm, ep=ep, etp=etp, micro_batch=mb,
+                            global_batch=global_batch, seq_length=seq_length, sequence_parallel=tp > 1,
+                            distributed_optimizer=dp * cp > 1, overlap_param_gather=dp * cp > 1,
+                            pipeline_layout=split,
+                        )  # fmt: skip
 
 
 def _first_fit(shape: ModelShape, layout: Layout, modes, memory_gb: float) -> tuple[Layout | None, float | None]:
     """The first of ``modes`` that fits (and the smallest need seen), skipping ZeRO-3 at dp=1."""
     smallest = None
     for mode in modes:
-        if mode.get("dp_shard") and layout.dp == 1:
+        if mode.get("dp_shard") and layout.dp * layout.cp == 1:
             continue
         trial = layout.replace(**mode)
         if trial.problems(shape):

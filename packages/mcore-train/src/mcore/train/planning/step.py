@@ -49,6 +49,8 @@ def chunk_costs(model: TimeModel, chunks_of_ranks) -> list[list[OpCost]]:
             first, last = rank == 0 and c == 0, rank == pp - 1 and c == vpp - 1
             if first or last:
                 total += model.head_cost(first, last)
+            if last and model.shape.mtp_layers:
+                total += model.mtp_cost().scaled(model.shape.mtp_layers)
             row.append(total)
         out.append(row)
     return out
@@ -88,7 +90,7 @@ def _data_parallel(
 def _optimizer(model: TimeModel, dense: float, expert: float) -> dict[str, float]:
     lay, gpu = model.layout, model.gpu
     sharded = lay.distributed_optimizer or lay.dp_shard
-    local = dense / lay.dp + expert / lay.expert_dp if sharded else dense + expert
+    local = dense / (lay.dp * lay.cp) + expert / lay.expert_dp if sharded else dense + expert
     on_gpu = local * (1 - lay.optimizer_offload_fraction)
     out = {"optimizer": gpu.memory_seconds(OPTIMIZER_BYTES_PER_PARAM * on_gpu)}
     off = local * lay.optimizer_offload_fraction

@@ -14,7 +14,8 @@ Per layer and micro-batch on one rank (tokens = seq x micro-batch / cp):
 - TP / SP collectives: two per layer in forward and two in backward, on the critical path (mcore does not
   overlap them); ``tp_comm_overlap`` (Megatron's ``--tp-comm-overlap``) runs them as Transformer Engine's
   userbuffers do, split GEMMs beside the communication (``tp_overlap``);
-- CP ring exchange of K/V overlapped with the attention it feeds; EP all-to-all (dispatch, combine) exposed;
+- CP by ``cp_comm_type`` (``cp_cost``): the p2p ring of K/V (and backward's fp32 dK/dV) overlapped with the
+  attention it feeds, all-gather / all-to-all blocking; EP all-to-all (dispatch, combine) exposed;
 - ZeRO-3 (``dp_shard``): per layer parameter all-gather (forward and backward) and gradient reduce-scatter,
   prefetched under the layer's compute (exposed: what exceeds it);
 - host: ``host_ms_per_layer`` the GPU waits for launches.
@@ -34,6 +35,7 @@ from dataclasses import dataclass, field
 
 from mcore.train.planning.calibration import Calibration
 from mcore.train.planning.cluster import Group, Network
+from mcore.train.planning.cp_cost import cp_cost
 from mcore.train.planning.layout import Layout
 from mcore.train.planning.memory import layer_parameters_per_rank
 from mcore.train.planning.shape import ModelShape
@@ -99,12 +101,11 @@ class TimeModel:
         self.moe_tokens = self.tokens * layout.expert_tp / layout.tp
         tp, cp, dp = layout.tp, layout.cp, layout.dp
         self.tp_group, self.cp_group = Group(tp, 1), Group(cp, tp)
-        self.dp_group = Group(dp, tp * cp)
+        self.dp_group = Group(dp * cp, tp)  # gradients and optimizer states over dp x cp (CP ranks hold replicas)
         self.ep_group = Group(layout.ep, layout.expert_tp)
         self.edp_group = Group(layout.expert_dp, layout.expert_tp * layout.ep)
         per_node = network.cluster.gpus_per_node
         self.pp_crosses_node = tp * cp * dp >= per_node and layout.pp > 1
-        self.cp_crosses_node = self.cp_group.size > self.cp_group.per_node(per_node)
         self.tp_overlap = layout.tp_comm_overlap and layout.sequence_parallel and tp > 1
         if self.tp_overlap:  # one sequence-parallel collective of the layer input, and one shard's copy
             nbytes = self.tokens * shape.hidden * self.dtype
@@ -168,11 +169,10 @@ class TimeModel:
         fwd = total / (1 + BACKWARD_ATTENTION_RATIO)
         cost.add("F", "attention", fwd)
         cost.add("B", "attention", total - fwd)
-        if lay.cp > 1:  # ring: cp - 1 K/V blocks in forward, K/V and their gradients in backward
-            kv = self.tokens * 2 * (s.kv_size if not s.is_mla else s.kv_lora_rank * lay.tp) / lay.tp * self.dtype
-            ring = (lay.cp - 1) * self.net.p2p(kv, self.cp_crosses_node)
-            cost.add("F", "cp_comm", max(0.0, ring - fwd))
-            cost.add("B", "cp_comm", max(0.0, 2 * ring - (total - fwd)))
+        if lay.cp > 1:  # cp_cost: ring transfers under the attention blocks, the rest blocking
+            cp = cp_cost(s, lay, self.net, self.dtype)
+            cost.add("F", "cp_comm", max(0.0, cp.ring_forward - fwd) + cp.blocking_forward)
+            cost.add("B", "cp_comm", max(0.0, cp.ring_backward - (total - fwd)) + cp.blocking_backward)
         if lay.recompute == "selective":
             cost.add("B", "attention", fwd)
 
@@ -206,12 +206,17 @@ class TimeModel:
         cost.add("F", "tp_comm", collectives * one)
         cost.add("B", "tp_comm", collectives * one)
 
+    def ep_exchange_bytes(self) -> float:
+        """Bytes of one EP all-to-all of one MoE layer and micro-batch (NCCL's buffer size: this rank's routed
+        rows, ``tokens x top_k x hidden``); a layer runs four (dispatch and combine, forward and backward), each
+        sending ``(ep - 1) / ep`` of it off the rank."""
+        s = self.shape
+        return self.moe_tokens * s.top_k * s.hidden * self.dtype
+
     def _ep_comm(self, cost: OpCost) -> None:
-        lay, s = self.layout, self.shape
-        if lay.ep == 1:
+        if self.layout.ep == 1:
             return
-        nbytes = self.moe_tokens * s.top_k * s.hidden * self.dtype
-        one = self.net.collective("all_to_all", self.ep_group, nbytes)
+        one = self.net.collective("all_to_all", self.ep_group, self.ep_exchange_bytes())
         cost.add("F", "ep_comm", 2 * one)
         cost.add("B", "ep_comm", 2 * one)
 
@@ -254,6 +259,16 @@ class TimeModel:
         cost.add("F", "host", host / 3)
         cost.add("B", "host", 2 * host / 3)
         self._zero3(cost, *layer_parameters_per_rank(s, index, lay))
+        return cost
+
+    def mtp_cost(self) -> OpCost:
+        """One MTP depth on the last stage, one micro-batch: ``eh_proj``, a layer like the last, the output layer
+        and its loss again."""
+        s = self.shape
+        cost = OpCost()
+        self._linears(cost, [s.mtp_eh_proj()], self.tokens)
+        cost += self.layer_cost(s.layers - 1)
+        cost += self.head_cost(False, True)
         return cost
 
     def head_cost(self, first: bool, last: bool) -> OpCost:
