@@ -134,3 +134,13 @@ def test_cli_plan_names_the_fastest_memory_mode_for_a_full_8b_on_one_h200(capsys
     assert "does NOT fit in 141 GB" in out
     suggestion = [line for line in out.splitlines() if line.strip().startswith("cheapest that fits")]
     assert suggestion and suggestion[0].endswith("parallel.distributed_optimizer=true optim.offload_fraction=0.5")
+
+
+def test_search_offloads_half_the_optimizer_when_that_beats_recompute():
+    """The full Llama-3-8B on one H200, 32 sequences per step: the search's best layout keeps every activation and
+    offloads half the optimizer (as ``plan`` suggests for that config), ahead of any recompute."""
+    shape = ModelShape.from_config(get_config("llama3-8b"))
+    found = search(shape, 1, 32, 4096, Network(PRESETS["h200-node"]))
+    best = found[0].layout
+    assert (best.recompute, best.optimizer_offload_fraction) == ("none", 0.5)
+    assert all(c.prediction.step_s >= found[0].prediction.step_s for c in found if c.runs)

@@ -5,8 +5,9 @@ the a2a ``cp_comm_type``), ``pp`` any divisor of the
 rest (balanced uneven layouts where the layers do not divide), ``vpp`` the divisors of the layers per stage
 (interleaved), ``ep`` the divisors of the experts (MoE), ``etp`` 1 or tp, ``dp`` what remains, micro-batch sizes
 dividing the per-rank batch. For each such layout two families of memory modes are tried, each from the fastest
-to the most frugal (no recompute, selective, full): ZeRO-1 (the distributed optimizer) and ZeRO-3 (``dp_shard``);
-the faster of the two first fits is kept, and optimizer offload only when neither fits. Every layout that cannot
+to the most frugal (no recompute, selective, full): ZeRO-1 (the distributed optimizer), ZeRO-3 (``dp_shard``) and
+ZeRO-1 with half the optimizer offloaded (no recompute, selective); the fastest of the first fits is kept, and full
+recompute with offload only when none fits. Every layout that cannot
 run is kept too, with its reasons: sizes that do not divide (``Layout.problems``) or memory that does not fit
 (the smallest need and the GB available).
 """
@@ -29,9 +30,12 @@ EXACT_TOP = 16  # layouts re-ranked with the exact schedule replay
 CP_SEARCHED = ("p2p", "a2a")  # the ring and Ulysses; all_gather holds the whole K/V, a2a+p2p mixes the two
 ZERO3 = {"dp_shard": True, "distributed_optimizer": False, "overlap_param_gather": False}
 # Families of memory modes, each from the fastest to the most frugal: the first that fits in each family competes
+HALF_OFFLOAD = {"optimizer_offload_fraction": 0.5}
 MEMORY_MODES = (
     ({"recompute": "none"}, {"recompute": "selective"}, {"recompute": "full"}),
     ({**ZERO3, "recompute": "none"}, {**ZERO3, "recompute": "selective"}, {**ZERO3, "recompute": "full"}),
+    # one host step per optimizer step against a forward per micro-batch: with many micro-batches the cheaper
+    ({**HALF_OFFLOAD, "recompute": "none"}, {**HALF_OFFLOAD, "recompute": "selective"}),
 )
 LAST_RESORT = (
     {"recompute": "full", "optimizer_offload_fraction": 0.5},
@@ -124,7 +128,9 @@ def evaluate(shape: ModelShape, layout: Layout, network: Network, memory_gb: flo
     if problems:
         return Candidate(layout, None, 0.0, tuple(problems))
     fits, needs = [], []
-    for family in MEMORY_MODES:
+    for index, family in enumerate(MEMORY_MODES):
+        if index == 2 and fits and fits[0][0].recompute == "none" and not fits[0][0].dp_shard:
+            break  # ZeRO-1 fits without recompute: offloading can only be slower
         trial, need = _first_fit(shape, layout, family, memory_gb)
         (fits if trial is not None else needs).append((trial, need) if trial is not None else need)
     if not fits:
@@ -163,7 +169,8 @@ def format_search(candidates: list[Candidate], top: int = 5) -> str:
         p, lay = c.prediction, c.layout
         lines.append(
             f"{i + 1}. {p.tokens_per_s:,.0f} tokens/s, MFU {100 * p.mfu:.1f}%, step {p.step_s:.3f} s, "
-            f"{c.memory_gb:.1f} GB/GPU: tp {lay.tp} cp {lay.cp} pp {lay.pp} vpp {lay.vpp} ep {lay.ep} dp {lay.dp} "
+            f"{c.memory_gb:.1f} GB/GPU: tp {lay.tp} cp {lay.cp}{f' ({lay.cp_comm_type})' if lay.cp > 1 else ''} "
+            f"pp {lay.pp} vpp {lay.vpp} ep {lay.ep} dp {lay.dp} "
             f"mbs {lay.micro_batch} recompute {lay.recompute}"
         )
     if runs:
