@@ -22,7 +22,7 @@ def test_every_timed_configuration_of_the_performance_doc_is_a_case():
     runs = ("2026-11-30", "2026-12-01-parts")
     expected = {f"{shape} (1 GPU, {run})" for shape in ("1b", "8b4l") for run in runs}
     expected |= {"single (1 GPU)", "single-half-batch (1 GPU)"}
-    expected |= {f"{shape} (1 GPU, MoE, 2026-12-01)" for shape in ("mixtral2l", "qwen3moe4l")}
+    expected |= {f"{shape} (1 GPU, MoE, 2026-12-01-e21cc44)" for shape in ("mixtral2l", "qwen3moe4l")}
     assert set(CASES) == expected | {f"{name} (2 GPU)" for name in two_gpu}
 
 
