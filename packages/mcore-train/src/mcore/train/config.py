@@ -32,7 +32,7 @@ from mcore.train.errors import UserError
 from mcore.train.low_precision import BitNetSection, Fp4Section, Fp8Section, KernelsSection
 from mcore.train.lr import LRSchedule
 from mcore.train.output_config import CheckpointSection, LogSection
-from mcore.train.parallel_config import ParallelSection
+from mcore.train.parallel_config import ParallelSection, check_context_parallel
 from mcore.train.typed_config import RawText, from_dict, set_dotted, to_dict
 
 # The embedded demo model: the byte-level vocabulary (256 bytes + 3 special tokens), ~1M parameters.
@@ -235,6 +235,7 @@ class Config:
                 f"parallel.sequence_parallel splits the sequence over tp={self.parallel.tp} ranks, so data.seq_length "
                 f"({self.data.seq_length}) must be a multiple of {self.parallel.tp}"
             )
+        check_context_parallel(self.parallel, self.model, self.data.seq_length)
         if self.data.seq_length > self.model.max_position_embeddings:
             raise ValueError(
                 f"data.seq_length ({self.data.seq_length}) exceeds model.max_position_embeddings "
@@ -259,19 +260,13 @@ class Config:
             moe_layer_config(self.model).check_layout(ep, self.parallel.tp if etp is None else etp)
         except ValueError as exc:
             raise ValueError(f"parallel.ep / parallel.etp: {exc}") from None
-        ck = self.checkpoint
         folded = ep > 1 or (etp is not None and etp != self.parallel.tp)
         if folded and self.parallel.dp_shard:
             raise ValueError(
                 "parallel.dp_shard (FSDP) does not reduce expert parameters over the expert grid yet; with "
                 f"parallel.ep={ep} / parallel.etp={etp} use parallel.distributed_optimizer=true instead"
             )
-        if folded and (ck.save_at_end or ck.save_interval or ck.load):
-            # checkpoints gather shards over tp and pp only: expert shards spread over ep would be lost
-            raise ValueError(
-                f"checkpoints of expert-parallel layouts (parallel.ep={ep}, parallel.etp={etp}) are not supported "
-                "yet; set checkpoint.save_at_end=false, checkpoint.save_interval=0 and no checkpoint.load, or ep=1"
-            )
+        # checkpoints gather experts over ep (and over etp when it differs from tp): checkpoint/experts.py
 
     @property
     def decay_steps(self) -> int:
