@@ -117,3 +117,26 @@ def test_mtp_shape_matches_model_accounting_when_the_deepseek_family_is_register
     assert shape.mtp_layers == 1
     assert shape.total_parameters() == parameter_counts(config).total
     assert shape.model_flops_per_token(256) == pytest.approx(model_flops_per_token(config, 256), rel=1e-9)
+
+
+@pytest.mark.parametrize(("cp", "comm", "a2a"), [(2, "p2p", None), (4, "p2p", None), (4, "all_gather", None),
+                                                 (4, "a2a", None), (4, "a2a+p2p", 2)])  # fmt: skip
+def test_time_terms_move_the_bytes_counted_on_the_real_cp_attention(cp, comm, a2a):
+    """``cp_cost`` times the bytes ``planning.cp_terms`` counts (tests/train/test_planning_cp_terms.py checks those
+    on the collectives of ``mcore.parallel.cp_attention``): the same bytes, each on its link."""
+    from mcore.train.planning.cp_terms import cp_layer_terms
+
+    layout = _layout(cp=cp, cp_comm_type=comm, cp_a2a_size=a2a)
+    kv, qkvo = kv_and_qkvo_bytes(LLAMA, layout, 2)
+    terms = cp_layer_terms(LLAMA, tokens=16384 / cp, tp=2, cp=cp, comm_type=comm, a2a_size=a2a)
+    a2a_size = cp if comm == "a2a" else a2a or 1
+    ring = cp // a2a_size
+    a2a_bytes = (a2a_size - 1) / a2a_size * qkvo if a2a_size > 1 else 0.0
+    if comm == "all_gather":
+        forward, backward = (cp - 1) * kv, (cp - 1) * kv
+    elif ring == 1:  # a2a alone
+        forward = backward = a2a_bytes
+    else:  # the ring's K/V transfers, then backward's fp32 dK/dV (2 KV each), as cp_cost times them
+        forward, backward = a2a_bytes + (ring - 1) * kv, a2a_bytes + (ring - 1) * kv + ring * 2 * kv
+    assert (terms.forward_bytes, terms.backward_bytes) == (pytest.approx(forward), pytest.approx(backward))
+    assert terms.extra_activation_bytes == cp_held_bytes(LLAMA, layout, 2)
