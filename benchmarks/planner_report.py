@@ -17,9 +17,10 @@ from pathlib import Path
 from mcore.models.families import get_config
 from mcore.train.planning.calibration import load_calibration
 from mcore.train.planning.cluster import PRESETS, Network
-from mcore.train.planning.memory import GB, stage_memory
+from mcore.train.planning.memory import GB, rank_chunks, stage_memory
 from mcore.train.planning.published import MEGATRON_WEAK_SCALING, tuned_layout
 from mcore.train.planning.shape import ModelShape
+from mcore.train.planning.time_model import TimeModel
 from mcore.train.planning.validation import measured_cases
 
 search_module = importlib.import_module("mcore.train.planning.search")
@@ -27,7 +28,7 @@ RESULTS = Path(__file__).resolve().parent / "results"
 DEEPSEEK_V3 = ModelShape(
     hidden=7168, ffn=18432, layers=61, heads=128, kv_heads=128, head_dim=128, vocab=129280, num_experts=256,
     top_k=8, moe_ffn=2048, shared_ffn=2048, first_dense_layers=3, q_lora_rank=1536, kv_lora_rank=512,
-    qk_rope_head_dim=64, v_head_dim=128, name="deepseek-v3",
+    qk_rope_head_dim=64, v_head_dim=128, mtp_layers=1, name="deepseek-v3",
 )  # fmt: skip
 
 
@@ -87,22 +88,41 @@ def _plot_measured(points, path: Path) -> None:
 
 
 def megatron_section(out: Path) -> str:
+    """The table (with the prediction at micro-batch 1 beside the tuned one) and where each row's step goes."""
     net = Network(PRESETS["dgx-h100"])
-    rows, points = [], []
+    rows, parts, points = [], [], []
+    keys = (
+        "gemm",
+        "attention",
+        "memory",
+        "tp_comm",
+        "pipeline_wait",
+        "dp_grad_comm",
+        "dp_param_comm",
+        "dp_overlap_slowdown",
+        "host",
+    )
     for row in MEGATRON_WEAK_SCALING:
         layout, p = tuned_layout(row, net)
+        one = tuned_layout(row, net, micro_batches=(1,))[1]
         need = max(s.total for s in stage_memory(row.shape(), layout)) / GB
         rows.append([
             row.name, row.gpus, f"{row.tp}/{row.pp}/{row.dp}", row.batch, f"{row.mfu_percent:.0f}%",
             f"{100 * p.mfu:.1f}%", f"{100 * p.mfu - row.mfu_percent:+.1f}", layout.micro_batch, layout.vpp,
-            layout.recompute, f"{need:.0f}", f"{100 * p.bubble_fraction:.1f}%",
+            layout.recompute, f"{need:.0f}", f"{100 * p.bubble_fraction:.1f}%", f"{100 * one.mfu:.1f}%",
         ])  # fmt: skip
+        b = p.breakdown
+        rest = p.step_s - sum(b.get(k, 0.0) for k in keys)
+        parts.append([row.name, f"{p.step_s:.2f}"] + [f"{100 * b.get(k, 0.0) / p.step_s:.1f}" for k in keys]
+                     + [f"{100 * rest / p.step_s:.1f}"])  # fmt: skip
         points.append((row.name, row.gpus, row.mfu_percent, 100 * p.mfu))
     _plot_megatron(points, out / "scaling" / "megatron_mfu.png")
-    return table(
+    first = table(
         ["model", "GPUs", "tp/pp/dp", "batch", "published MFU", "predicted MFU", "points", "micro-batch", "vpp",
-         "recompute", "GB/GPU", "pipeline idle"], rows,
+         "recompute", "GB/GPU", "pipeline idle", "predicted at micro-batch 1"], rows,
     )  # fmt: skip
+    second = table(["model", "step s"] + [f"{k} %" for k in keys] + ["optimizer, other %"], parts)
+    return first + "\n\nWhere the predicted step goes (share of the step on the slowest rank):\n\n" + second
 
 
 def _plot_megatron(points, path: Path) -> None:
@@ -155,8 +175,28 @@ def example_section(shape: ModelShape, gpus: int, batch: int, seq: int, cluster:
             + ", ".join(f"{k} {v:.2f}" for k, v in parts if v >= 0.005)
             + ".",
         ]
+        if shape.is_moe and best.layout.ep > 1:
+            text += ["", _all_to_all_line(shape, best.layout, net)]
     _plot_search(found, out / "scaling" / f"{tag}_layouts.png", shape.name, gpus)
     return "\n".join(text)
+
+
+def _all_to_all_line(shape: ModelShape, layout, net: Network) -> str:
+    """EP all-to-all bytes per step of the rank holding the most MoE layers."""
+    model = TimeModel(shape, layout, net)
+    chunks = rank_chunks(shape, layout)
+    counts = [sum(shape.is_moe_layer(i) for s, e in rank for i in range(s, e)) for rank in chunks]
+    counts[-1] += shape.mtp_layers if shape.is_moe_layer(shape.layers - 1) else 0  # MTP runs on the last stage
+    moe_layers = max(counts)
+    one = model.ep_exchange_bytes()
+    per_step = moe_layers * layout.num_microbatches * 4 * one
+    sent = per_step * (layout.ep - 1) / layout.ep
+    return (
+        f"EP all-to-all per step on the rank with the most MoE layers ({moe_layers}, ep {layout.ep}): "
+        f"{layout.num_microbatches} micro-batches x {moe_layers} layers x 4 exchanges (dispatch, combine; forward, "
+        f"backward) of {one / 1e6:.0f} MB (tokens x top-k x hidden x 2 bytes) = {per_step / GB:.1f} GB through "
+        f"NCCL, {sent / GB:.1f} GB of it sent to other ranks."
+    )
 
 
 def _plot_search(found, path: Path, name: str, gpus: int) -> None:

@@ -191,3 +191,13 @@ def test_moe_shape_from_hugging_face_names():
                                        "shared_expert_intermediate_size": None, "n_shared_experts": 2})  # fmt: skip
     assert ModelShape.from_config(deepseek_like).shared_ffn == 64
     assert ModelShape.from_config(deepseek_like).moe_layers == 2
+
+
+def test_grouped_gemm_runs_at_the_measured_efficiency_for_its_rows_per_expert():
+    gpu = load_calibration("h200-sxm")
+    dense = gpu.gemm_seconds(128 * 512, 1536, 2048)
+    assert gpu.grouped_gemm_seconds(128, 512, 1536, 2048) == pytest.approx(dense / 0.503)
+    between = gpu.grouped_gemm_seconds(16, 1024, 1536, 2048) / gpu.gemm_seconds(16 * 1024, 1536, 2048)
+    assert 1 / 0.503 > between > 1 / 0.813  # log-log between the two measured points
+    with pytest.raises(ValueError, match="grouped_gemm"):
+        Calibration(**(gpu.to_dict() | {"grouped_gemm": []}))

@@ -85,6 +85,7 @@ def test_calibrate_dry_run_writes_a_calibration(capsys, tmp_path):
     assert code == 0 and "written to" in out
     cal = load_calibration(str(path))
     assert cal.gemm["bf16"] and cal.attention and cal.copy_gbps > 0
+    assert [p[0] for p in cal.grouped_gemm] == [4.0, 8.0] and all(0 < p[1] <= 1 for p in cal.grouped_gemm)
     assert set(cal.nvlink) == {"all_reduce", "all_gather", "reduce_scatter", "all_to_all", "p2p"}
     assert "measured: gemm" in cal.assumptions[0]
 
@@ -97,11 +98,12 @@ def test_cli_plan_rejects_bad_numbers(capsys, bad):
 
 @pytest.mark.gpu
 def test_calibrate_measures_this_gpu():
-    from mcore.train.planning.measure import DOC_LENGTHS, GEMM_SIZES, calibrate
+    from mcore.train.planning.measure import DOC_LENGTHS, GEMM_SIZES, GROUPED_ROWS, calibrate
 
     cal = calibrate(reps=3)
     assert [p[0] for p in cal.gemm["bf16"]] == sorted(2.0 * m * n * k for m, n, k in GEMM_SIZES)
     assert [int(p[0]) for p in cal.attention] == DOC_LENGTHS and cal.memory_gb > 10
+    assert [int(p[0]) for p in cal.grouped_gemm] == GROUPED_ROWS and all(0 < p[1] <= 1 for p in cal.grouped_gemm)
     assert "(measured)" in cal.name and cal.wgrad_fp32_slowdown >= 1.0
 
 
@@ -132,3 +134,13 @@ def test_cli_plan_names_the_fastest_memory_mode_for_a_full_8b_on_one_h200(capsys
     assert "does NOT fit in 141 GB" in out
     suggestion = [line for line in out.splitlines() if line.strip().startswith("cheapest that fits")]
     assert suggestion and suggestion[0].endswith("parallel.distributed_optimizer=true optim.offload_fraction=0.5")
+
+
+def test_search_offloads_half_the_optimizer_when_that_beats_recompute():
+    """The full Llama-3-8B on one H200, 32 sequences per step: the search's best layout keeps every activation and
+    offloads half the optimizer (as ``plan`` suggests for that config), ahead of any recompute."""
+    shape = ModelShape.from_config(get_config("llama3-8b"))
+    found = search(shape, 1, 32, 4096, Network(PRESETS["h200-node"]))
+    best = found[0].layout
+    assert (best.recompute, best.optimizer_offload_fraction) == ("none", 0.5)
+    assert all(c.prediction.step_s >= found[0].prediction.step_s for c in found if c.runs)

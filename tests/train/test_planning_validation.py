@@ -1,4 +1,4 @@
-"""``mcore-train plan`` against measurements: our H200 runs (docs/performance.md) and Megatron's published table."""
+"""``mcore-train plan`` against measurements: our H200 runs (dense, multi-GPU, MoE) and Megatron's published table."""
 
 from __future__ import annotations
 
@@ -22,6 +22,7 @@ def test_every_timed_configuration_of_the_performance_doc_is_a_case():
     runs = ("2026-11-30", "2026-12-01-parts")
     expected = {f"{shape} (1 GPU, {run})" for shape in ("1b", "8b4l") for run in runs}
     expected |= {"single (1 GPU)", "single-half-batch (1 GPU)"}
+    expected |= {f"{shape} (1 GPU, MoE, 2026-12-01-e21cc44)" for shape in ("mixtral2l", "qwen3moe4l")}
     assert set(CASES) == expected | {f"{name} (2 GPU)" for name in two_gpu}
 
 
@@ -51,11 +52,13 @@ def test_megatron_rows_fit_an_h100_and_keep_the_published_layout(megatron):
 
 
 def test_megatron_trend_and_offset(megatron):
-    """What docs/scaling.md reports: MFU rises from the smallest to the largest models as published, and the
-    H100 calibration (datasheet ratios from our H200 runs) predicts every row 4 to 16 points above Megatron-Core
-    r0.8.0's measurement; the 5-point target is not met (see docs/scaling.md)."""
+    """What docs/scaling.md reports: MFU rises from the smallest to the largest models as published; with
+    Megatron-Core r0.8.0's fp32 cross entropy, TE's userbuffer overlap and the measured slowdown beside overlapped
+    gradient reductions modelled, eight rows are predicted within 5 points of the published MFU and the 1.7B row
+    6.5 points above (see docs/scaling.md, section 2)."""
     predicted = [100 * p.mfu for _, _, p in megatron]
     published = [row.mfu_percent for row, _, _ in megatron]
     assert min(predicted[-2:]) > predicted[0] and min(published[-2:]) > published[0]
-    gaps = [p - q for p, q in zip(predicted, published, strict=True)]
-    assert all(4 <= g <= 16 for g in gaps), gaps
+    gaps = {row.name: p - q for (row, _, _), p, q in zip(megatron, predicted, published, strict=True)}
+    assert {name for name, g in gaps.items() if abs(g) > 5} == {"1.7B"}, gaps
+    assert 5 < gaps["1.7B"] < 8, gaps

@@ -159,6 +159,8 @@ def layout_of(config: Config, world_size: int) -> Layout:
         dp=resolved.dp,
         vpp=parallel.vpp,
         cp=cp,
+        cp_comm_type=getattr(parallel, "cp_comm_type", "p2p"),
+        cp_a2a_size=getattr(parallel, "cp_a2a_size", None),
         ep=ep,
         etp=etp,
         micro_batch=config.train.micro_batch_size,

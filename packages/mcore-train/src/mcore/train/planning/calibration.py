@@ -51,7 +51,10 @@ class Calibration:
     unmasked half). ``memory_bound_efficiency``: share of ``copy_gbps`` that norms, activations, RoPE, casts and
     the optimizer reach. ``host_ms_per_layer``: GPU idle per layer and micro-batch while the host launches
     kernels; ``host_ms_per_step``: the same, once per step. ``nvlink``: collective -> bus bandwidth (GB/s) by
-    message bytes inside one node.
+    message bytes inside one node. ``sm_count``: streaming multiprocessors (what communication kernels beside a
+    GEMM take a share of; 132 on H100 / H200 SXM). ``reduce_overlap_slowdown``: seconds the compute beside an
+    overlapped gradient reduction (all-reduce / reduce-scatter: NCCL kernels that read, add and write on the
+    GPU's SMs and HBM) loses per second of that collective (all-gathers measured no such loss).
     """
 
     name: str
@@ -68,10 +71,22 @@ class Calibration:
     nvlink_latency_us: float = 10.0
     pcie_gbps: float = 50.0
     cpu_adam_gparams_per_s: float = 1.0
+    sm_count: int = 132
+    reduce_overlap_slowdown: float = 0.0
+    grouped_gemm: list[list[float]] = field(default_factory=lambda: [[1.0, 1.0]])
+    moe_dispatch_gbps: float | None = None
     source: str = ""
     assumptions: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
+        if not 0 <= self.reduce_overlap_slowdown < 1:
+            raise ValueError(
+                f"calibration {self.name}: reduce_overlap_slowdown must lie in [0, 1), "
+                f"got {self.reduce_overlap_slowdown}"
+            )
+        _check_curve("grouped_gemm", self.grouped_gemm)
+        if self.moe_dispatch_gbps is not None and self.moe_dispatch_gbps <= 0:
+            raise ValueError(f"calibration {self.name}: moe_dispatch_gbps must be > 0, got {self.moe_dispatch_gbps}")
         if self.memory_gb <= 0 or self.copy_gbps <= 0:
             raise ValueError(f"calibration {self.name}: memory_gb and copy_gbps must be > 0")
         if "bf16" not in self.gemm:
@@ -93,11 +108,22 @@ class Calibration:
         curve = self.gemm.get(precision) or self.gemm["bf16"]
         return flops / (interpolate(curve, flops) * 1e12)
 
+    def grouped_gemm_seconds(self, groups: int, rows: float, n: int, k: int, precision: str = "bf16") -> float:
+        """``groups`` experts of ``rows`` rows each in one grouped GEMM: the dense GEMM of all the rows at the
+        calibrated grouped efficiency for that many rows per expert."""
+        dense = self.gemm_seconds(max(1, round(groups * rows)), n, k, precision)
+        return dense / interpolate(self.grouped_gemm, max(rows, 1.0))
+
     def attention_seconds(self, causal_flops: float, doc_length: int) -> float:
         return causal_flops / (interpolate(self.attention, doc_length) * 1e12)
 
     def memory_seconds(self, nbytes: float) -> float:
         return nbytes / (self.copy_gbps * 1e9 * self.memory_bound_efficiency)
+
+    def dispatch_seconds(self, nbytes: float) -> float:
+        if self.moe_dispatch_gbps is None:
+            return self.memory_seconds(nbytes)
+        return nbytes / (self.moe_dispatch_gbps * 1e9)
 
     def nvlink_busbw(self, collective: str, nbytes: float) -> float:
         """GB/s; all_gather / reduce_scatter / all_to_all fall back to the all_reduce curve when not measured."""

@@ -17,6 +17,10 @@ from mcore.train.planning.shape import ModelShape
 
 Recompute = Literal["none", "selective", "full"]
 SCHEDULES = ("none", "gpipe", "1f1b", "interleaved", "zero-bubble")
+# the loss: mcore's fused bf16 cross entropy, or Megatron-Core's unfused fp32 one (its default without
+# --cross-entropy-loss-fusion: logits cast to fp32, max / subtract / exp / sum / divide each a pass, see time_model)
+CROSS_ENTROPY = ("fused", "fp32")
+CP_COMM_TYPES = ("p2p", "all_gather", "a2a", "a2a+p2p")  # mcore-train's parallel.cp_comm_type
 
 
 @dataclass(frozen=True)
@@ -28,6 +32,8 @@ class Layout:
     dp: int = 1
     vpp: int = 1
     cp: int = 1
+    cp_comm_type: Literal["p2p", "all_gather", "a2a", "a2a+p2p"] = "p2p"
+    cp_a2a_size: int | None = None
     ep: int = 1
     etp: int | None = None
     micro_batch: int = 1
@@ -42,6 +48,7 @@ class Layout:
     overlap_grad_reduce: bool = True
     overlap_param_gather: bool = False
     tp_comm_overlap: bool = False
+    cross_entropy: Literal["fused", "fp32"] = "fused"
     precision: Literal["bf16", "fp32", "fp8"] = "bf16"
     pipeline_layout: tuple[int, ...] | None = None
 
@@ -54,6 +61,10 @@ class Layout:
             raise ValueError(
                 f"Layout.optimizer_offload_fraction must lie in [0, 1], got {self.optimizer_offload_fraction}"
             )
+        if self.cp_comm_type not in CP_COMM_TYPES:
+            raise ValueError(f"Layout.cp_comm_type must be one of {CP_COMM_TYPES}, got {self.cp_comm_type!r}")
+        if self.cross_entropy not in CROSS_ENTROPY:
+            raise ValueError(f"Layout.cross_entropy must be one of {CROSS_ENTROPY}, got {self.cross_entropy!r}")
         if self.schedule not in ("auto", *SCHEDULES):
             raise ValueError(f"Layout.schedule must be one of {['auto', *SCHEDULES]}, got {self.schedule!r}")
 
@@ -91,10 +102,13 @@ class Layout:
             out.append(f"tp={self.tp} does not divide the {shape.heads} query / {shape.kv_heads} KV heads")
         if self.sequence_parallel and self.tp == 1:
             out.append("sequence_parallel needs tp > 1")
+        if self.tp_comm_overlap and not self.sequence_parallel:
+            out.append("tp_comm_overlap needs sequence_parallel (the overlapped collectives are its all-gathers)")
         if self.seq_length % (2 * self.cp) and self.cp > 1:
             out.append(f"seq_length {self.seq_length} is not a multiple of 2*cp = {2 * self.cp} (CP load balancing)")
         if self.seq_length % (self.tp * self.cp) and self.sequence_parallel:
             out.append(f"seq_length {self.seq_length} is not a multiple of tp*cp = {self.tp * self.cp}")
+        out += self._cp_problems(shape)
         per_step = self.micro_batch * self.dp
         if self.global_batch % per_step:
             out.append(f"global batch {self.global_batch} is not a multiple of micro_batch x dp = {per_step}")
@@ -128,6 +142,24 @@ class Layout:
             out.append("overlap_param_gather needs the distributed optimizer")
         return out
 
+    def _cp_problems(self, shape: ModelShape) -> list[str]:
+        """What mcore-train's parallel config refuses for CP (``parallel_config.check_context_parallel``)."""
+        out = []
+        if self.cp > 1 and self.ep > 1:
+            out.append(f"cp={self.cp} with ep={self.ep}: mcore-train does not run context and expert parallel together")
+        divisors = [d for d in range(2, self.cp) if self.cp % d == 0]
+        if self.cp_comm_type == "a2a+p2p" and self.cp_a2a_size not in divisors:
+            out.append(f"cp_comm_type a2a+p2p needs cp_a2a_size among the divisors {divisors} of cp={self.cp}")
+        if self.cp_a2a_size is not None and self.cp_comm_type != "a2a+p2p":
+            out.append(f"cp_a2a_size={self.cp_a2a_size} is only for cp_comm_type a2a+p2p (got {self.cp_comm_type})")
+        size = self.cp if self.cp_comm_type == "a2a" else self.cp_a2a_size or 1 if self.cp_comm_type == "a2a+p2p" else 1
+        heads = {"query": shape.heads, "KV": shape.kv_heads}
+        for name, count in heads.items():
+            if size > 1 and (count // self.tp) % size:
+                out.append(f"cp_comm_type {self.cp_comm_type} splits the {count // self.tp} {name} heads per TP rank "
+                           f"over {size} ranks")  # fmt: skip
+        return out
+
     def overrides(self) -> list[str]:
         """The ``mcore-train`` overrides of this layout (Megatron's names where mcore-train has none yet)."""
         out = [f"parallel.tp={self.tp}", f"parallel.pp={self.pp}", f"parallel.dp={self.dp}"]
@@ -135,6 +167,10 @@ class Layout:
             out.append(f"parallel.vpp={self.vpp}")
         if self.cp > 1:
             out.append(f"parallel.cp={self.cp}")
+            if self.cp_comm_type != "p2p":
+                out.append(f"parallel.cp_comm_type={self.cp_comm_type}")
+            if self.cp_a2a_size is not None:
+                out.append(f"parallel.cp_a2a_size={self.cp_a2a_size}")
         if self.ep > 1:
             out.append(f"parallel.ep={self.ep}")
         if self.etp is not None and self.etp != self.tp:

@@ -1,9 +1,10 @@
 """``mcore-train plan --calibrate``: measure the rates of the GPU at hand into a calibration file.
 
 Measured (CUDA events, median of the timed repetitions after warm-up): bf16 (and, on sm90+, fp8 tensor-wise
-``torch._scaled_mm``) GEMMs over a sweep of sizes; the weight-gradient GEMM writing fp32 (``addmm(out_dtype=
-float32)``, gradient-accumulation fusion) against the bf16 one; SDPA causal attention forward + backward at
-document lengths 512 to 16384 (16k tokens each); device copy bandwidth; and with several GPUs the NCCL bus
+``torch._scaled_mm``) GEMMs over a sweep of sizes; the experts' grouped GEMMs (``mcore.parallel.GroupedExperts``,
+forward) against the dense MLP of the same total size by rows per expert; the weight-gradient GEMM writing fp32
+(``addmm(out_dtype=float32)``, gradient-accumulation fusion) against the bf16 one; SDPA causal attention forward +
+backward at document lengths 512 to 16384 (16k tokens each); device copy bandwidth; and with several GPUs the NCCL bus
 bandwidth of all_reduce, all_gather, reduce_scatter, all_to_all and send/recv from 1 MB to 1 GB. What is not
 measured (host overhead, PCIe, host AdamW, memory-bound efficiency) is taken from the shipped calibration of the
 same GPU model (else H200), and the file's ``assumptions`` say so. ``dry_run`` runs every step at tiny sizes on
@@ -30,6 +31,10 @@ GEMM_SIZES = [(1024, 1024, 1024), (2048, 2048, 2048), (4096, 1024, 4096), (4096,
               (8192, 8192, 8192), (8192, 14336, 4096), (16384, 16384, 8192)]  # fmt: skip
 DOC_LENGTHS = [512, 1024, 2048, 4096, 8192, 16384]
 COLLECTIVE_BYTES = [2**20, 2**24, 2**26, 2**28, 2**30]
+# rows per expert of the grouped-GEMM sweep: 16,384 routed rows through SwiGLU experts of 4096 -> 2048 (MoE layers route
+# 128 to 4,096 rows to each expert at the usual batch, expert and top-k counts)
+GROUPED_ROWS = [128, 256, 512, 1024, 2048, 4096]
+GROUPED_TOTAL_ROWS, GROUPED_DIM = 16384, 4096
 
 
 def _timer(device: torch.device) -> Callable[[Callable[[], object], int], float]:
@@ -82,6 +87,35 @@ def measure_gemms(device: torch.device, sizes, reps: int) -> dict[str, list[list
     for curve in curves.values():
         curve.sort()
     return curves
+
+
+def measure_grouped_gemms(device: torch.device, rows_per_expert, total: int, dim: int, reps: int) -> list[list[float]]:
+    """[rows per expert, grouped rate / dense rate]: ``total`` rows split evenly over ``total // rows`` SwiGLU
+    experts (``mcore.parallel.GroupedExperts``: two grouped GEMMs, hidden ``dim``, width ``dim / 2``) against the
+    dense MLP of the same FLOPs on all rows, forward."""
+    from mcore.parallel import GroupedExperts
+
+    timer = _timer(device)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    ffn = dim // 2
+    x = torch.randn(total, dim, device=device, dtype=dtype)
+    w1 = torch.randn(2 * ffn, dim, device=device, dtype=dtype)
+    w2 = torch.randn(dim, ffn, device=device, dtype=dtype)
+
+    def dense() -> torch.Tensor:
+        h = x @ w1.t()
+        return (F.silu(h[:, :ffn]) * h[:, ffn:]) @ w2.t()
+
+    dense_s = timer(dense, reps)
+    out = []
+    for rows in rows_per_expert:
+        experts = GroupedExperts(total // rows, dim, ffn, params_dtype=dtype, device=device).requires_grad_(False)
+        for weight in (experts.gate_up, experts.down):
+            weight.normal_()  # random values on the device (the module's own init draws per expert on the host)
+        offsets = torch.arange(1, total // rows + 1, device=device, dtype=torch.int32) * rows
+        grouped_s = timer(partial(experts, x, offsets), reps)
+        out.append([float(rows), min(1.0, dense_s / grouped_s)])
+    return out
 
 
 def measure_wgrad_slowdown(device: torch.device, reps: int, size: int) -> float:
@@ -200,9 +234,11 @@ def calibrate(base: str | None = None, dry_run: bool = False, reps: int = 10) ->
                                   2 if small else 32, 2 if small else reps)  # fmt: skip
     copy = measure_copy(device, 2**23 if small else 2**30, 3 if small else reps)
     slowdown = measure_wgrad_slowdown(device, reps, 8192)
+    grouped = measure_grouped_gemms(device, [4, 8] if small else GROUPED_ROWS, 16 if small else GROUPED_TOTAL_ROWS,
+                                    32 if small else GROUPED_DIM, 3 if small else reps)  # fmt: skip
     gpus = torch.cuda.device_count() if cuda else 2
     nvlink = dict(ref.nvlink)
-    measured = ["gemm", "attention", "copy_gbps", "wgrad_fp32_slowdown", "memory_gb"]
+    measured = ["gemm", "attention", "grouped_gemm", "copy_gbps", "wgrad_fp32_slowdown", "memory_gb"]
     if gpus > 1:
         sizes_c = [2**12, 2**16] if small else COLLECTIVE_BYTES
         nvlink = measure_collectives(min(gpus, 8), sizes_c, 3 if small else reps, "gloo" if small else "nccl")
@@ -214,6 +250,7 @@ def calibrate(base: str | None = None, dry_run: bool = False, reps: int = 10) ->
         memory_gb=memory,
         gemm=gemm,
         attention=attention,
+        grouped_gemm=grouped,
         copy_gbps=copy,
         wgrad_fp32_slowdown=slowdown if cuda else ref.wgrad_fp32_slowdown,
         nvlink=nvlink,

@@ -6,7 +6,7 @@ Per rank (a pipeline stage, the same on every tp / cp / dp rank of it):
   output layer on the last) in bf16 (fp32 when training in fp32); under ``dp_shard`` (ZeRO-3) a 1/dp shard plus
   the two layers gathered at a time (the one running and the one prefetched);
 - gradients: fp32 (DDP's ``main_grad`` buffers), sharded like the weights under ``dp_shard``;
-- optimizer: fp32 master weights (none for fp32 parameters) and AdamW's two moments, divided by dp (expert
+- optimizer: fp32 master weights (none for fp32 parameters) and AdamW's two moments, divided by dp x cp (expert
   parameters: by the expert-data-parallel size) under the distributed optimizer or ``dp_shard``, and the part
   ``optimizer_offload_fraction`` moved to the host taken out;
 - activations: what backward keeps per layer and micro-batch (Korthikanti et al., 2022, adapted to gated MLPs,
@@ -15,7 +15,8 @@ Per rank (a pipeline stage, the same on every tp / cp / dp rank of it):
   more, zero bubble keeps the weight-gradient inputs until the deferred W pass), plus one layer's worth of
   backward workspace;
 - logits on the last stage: the bf16 logits of one micro-batch and their gradient (the fused cross entropy
-  writes a logits-sized gradient and keeps no fp32 copy);
+  writes a logits-sized gradient and keeps no fp32 copy), once more per MTP depth, whose layers, ``eh_proj`` and
+  norms also live on the last stage;
 - then a fragmentation margin on the sum and a fixed runtime allowance (CUDA context, NCCL buffers), which
   ``torch.cuda.max_memory_allocated`` does not see.
 """
@@ -26,6 +27,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from mcore.parallel.pipeline import GPipe, Interleaved1F1B, NoPipelining, OneFOneB, ZeroBubbleH1, stage_layer_ranges
+from mcore.train.planning.cp_cost import cp_held_bytes
 from mcore.train.planning.layout import Layout
 from mcore.train.planning.shape import ModelShape
 
@@ -111,6 +113,10 @@ def _stage_parameters(shape: ModelShape, key: tuple[int, int, int, int], rank: i
         dense += shape.norm_params()
         if not shape.tied or layout.pp > 1:
             dense += embedding
+        if shape.mtp_layers:  # per depth: a layer like the last, eh_proj (column-parallel), three norms
+            d, e = layer_parameters_per_rank(shape, shape.layers - 1, layout)
+            own = shape.mtp_eh_proj().weights / layout.tp + 3 * shape.norm_params()
+            dense, expert = dense + shape.mtp_layers * (d + own), expert + shape.mtp_layers * e
     return dense, expert
 
 
@@ -136,7 +142,7 @@ def activation_bytes_per_layer(shape: ModelShape, layout: Layout, index: int, dt
     else:
         per_token += (3 if shape.gated else 2) * shape.ffn / tp
     softmax_stats = 4 * tokens * shape.heads / tp  # fp32 log-sum-exp of flash attention
-    return dtype_bytes * tokens * per_token + softmax_stats
+    return dtype_bytes * tokens * per_token + softmax_stats + cp_held_bytes(shape, layout, dtype_bytes)
 
 
 @lru_cache(maxsize=4096)
@@ -185,18 +191,21 @@ def stage_memory(shape: ModelShape, layout: Layout) -> list[StageMemory]:
     for rank, chunks in enumerate(rank_chunks(shape, layout)):
         dense, expert = stage_parameters(shape, layout, rank, chunks)
         n = dense + expert
-        shards = (layout.dp, layout.expert_dp) if sharded else (1, 1)
+        shards = (layout.dp * layout.cp, layout.expert_dp) if sharded else (1, 1)
         optimizer = (master + 8) * (dense / shards[0] + expert / shards[1]) * keep
         weights, grads = param_bytes * n, 4 * n
         if layout.dp_shard:
             layers = sum(e - s for s, e in chunks) or 1
             working = 2 * n / layers  # two layers unsharded at a time
-            weights = param_bytes * (dense / layout.dp + expert / layout.expert_dp + working)
-            grads = 4 * (dense / layout.dp + expert / layout.expert_dp + working)
+            dp_cp = layout.dp * layout.cp  # FSDP2 shards over dp x cp
+            weights = param_bytes * (dense / dp_cp + expert / layout.expert_dp + working)
+            grads = 4 * (dense / dp_cp + expert / layout.expert_dp + working)
         per_chunk = [
             sum(n * activation_bytes_per_layer(shape, layout, i) for i, n in shape.layer_kinds(s, e).items())
             for s, e in chunks
         ]
+        if rank == layout.pp - 1 and shape.mtp_layers:  # the MTP layers run after the last chunk's layers
+            per_chunk[-1] += shape.mtp_layers * activation_bytes_per_layer(shape, layout, shape.layers - 1)
         acts = live_activation_peak(layout, per_chunk, rank)
         layer_counts = [e - s for s, e in chunks]
         if any(layer_counts):
@@ -204,7 +213,10 @@ def stage_memory(shape: ModelShape, layout: Layout) -> list[StageMemory]:
         logits = 0.0
         if rank == layout.pp - 1:
             tokens = layout.seq_length * layout.micro_batch / layout.cp
-            logits = tokens * shape.padded_vocab(layout.tp) / layout.tp * (2 + 2)
+            # fused: bf16 logits and their gradient; fp32 (Megatron's): the bf16 logits and the fp32 softmax it
+            # saves for backward (its gradient is computed in place)
+            second = 2 if layout.cross_entropy == "fused" else 4
+            logits = tokens * shape.padded_vocab(layout.tp) / layout.tp * (2 + second) * (1 + shape.mtp_layers)
         allocated = weights + grads + optimizer + acts + logits
         out.append(
             StageMemory(

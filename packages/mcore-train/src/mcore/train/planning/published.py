@@ -8,7 +8,13 @@ communication. The table gives heads, hidden size, layers, TP, PP, DP, GPUs, glo
 MFU. It does not give the micro-batch size, the pipeline schedule or recompute; ``tuned_layout`` takes for those
 what the planner predicts fastest among the settings that fit in an H100's memory (the rows are tuned runs).
 The models are GPT-3 style: LayerNorm, a plain GELU MLP of width 4 x hidden, multi-head attention, untied
-output layer.
+output layer (the table's parameter counts are the untied ones: 1.7B = 24 x 12 x 2048^2 + 2 x 131072 x 2048).
+Megatron-Core r0.8.0's own choices the planner models for these rows (read in its source at the table's commit
+f2e5db402c, 2024-07-15): the MFU formula (``num_floating_point_operations``: 6 x weights + 12 x layers x hidden x
+seq, full attention, the logits included: the planner's ``model_flops_per_token``), the unfused fp32 cross entropy
+(``vocab_parallel_cross_entropy`` without ``--cross-entropy-loss-fusion``), fp32 gradient reduction for bf16
+(``accumulate_allreduce_grads_in_fp32``), and ``--tp-comm-overlap`` through Transformer Engine's userbuffers
+(``tp_overlap``).
 """
 
 from __future__ import annotations
@@ -58,21 +64,25 @@ MEGATRON_WEAK_SCALING = (
 )
 
 
-def tuned_layout(row: PublishedRow, network: Network) -> tuple[Layout, StepPrediction]:
-    """The row's tp / pp / dp and batch, with the fastest fitting micro-batch, vpp and recompute."""
+def tuned_layout(
+    row: PublishedRow, network: Network, micro_batches: tuple[int, ...] = (1, 2, 4, 8)
+) -> tuple[Layout, StepPrediction]:
+    """The row's tp / pp / dp and batch, with the fastest fitting micro-batch (of ``micro_batches``), vpp and
+    recompute; run as Megatron-Core r0.8.0 runs it (``tp_comm_overlap`` where tp > 1, its fp32 cross entropy)."""
     shape = row.shape()
     per_rank = row.batch // row.dp
     memory = network.gpu.memory_gb
     best: tuple[Layout, StepPrediction] | None = None
     per_stage = row.layers // row.pp
     vpps = [1] + [v for v in range(2, per_stage + 1) if per_stage % v == 0] if row.pp > 1 else [1]
-    for mbs in (m for m in (1, 2, 4, 8) if per_rank % m == 0):
+    for mbs in (m for m in micro_batches if per_rank % m == 0):
         for vpp in vpps:
             for recompute in ("none", "selective", "full"):
                 layout = Layout(
                     tp=row.tp, pp=row.pp, dp=row.dp, vpp=vpp, micro_batch=mbs, global_batch=row.batch,
                     seq_length=4096, sequence_parallel=row.tp > 1, recompute=recompute,
-                    distributed_optimizer=True, overlap_param_gather=True, tp_comm_overlap=True,
+                    distributed_optimizer=True, overlap_param_gather=True, tp_comm_overlap=row.tp > 1,
+                    cross_entropy="fp32",
                 )  # fmt: skip
                 if layout.problems(shape):
                     break

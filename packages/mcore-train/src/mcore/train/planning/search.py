@@ -1,17 +1,20 @@
 """Enumerate the layouts of a model on N GPUs, keep those that fit, rank them by predicted tokens/s.
 
-Sizes tried: ``tp`` powers of two up to a node, ``cp`` powers of two up to a node / tp, ``pp`` any divisor of the
+Sizes tried: ``tp`` powers of two up to a node, ``cp`` powers of two up to a node / tp (each with the p2p ring and
+the a2a ``cp_comm_type``), ``pp`` any divisor of the
 rest (balanced uneven layouts where the layers do not divide), ``vpp`` the divisors of the layers per stage
 (interleaved), ``ep`` the divisors of the experts (MoE), ``etp`` 1 or tp, ``dp`` what remains, micro-batch sizes
 dividing the per-rank batch. For each such layout two families of memory modes are tried, each from the fastest
-to the most frugal (no recompute, selective, full): ZeRO-1 (the distributed optimizer) and ZeRO-3 (``dp_shard``);
-the faster of the two first fits is kept, and optimizer offload only when neither fits. Every layout that cannot
+to the most frugal (no recompute, selective, full): ZeRO-1 (the distributed optimizer), ZeRO-3 (``dp_shard``) and
+ZeRO-1 with half the optimizer offloaded (no recompute, selective); the fastest of the first fits is kept, and full
+recompute with offload only when none fits. Every layout that cannot
 run is kept too, with its reasons: sizes that do not divide (``Layout.problems``) or memory that does not fit
 (the smallest need and the GB available).
 """
 
 from __future__ import annotations
 
+import itertools
 import re
 from collections import Counter
 from dataclasses import dataclass, replace
@@ -24,11 +27,15 @@ from mcore.train.planning.shape import ModelShape
 from mcore.train.planning.step import StepPrediction, predict_step
 
 EXACT_TOP = 16  # layouts re-ranked with the exact schedule replay
+CP_SEARCHED = ("p2p", "a2a")  # the ring and Ulysses; all_gather holds the whole K/V, a2a+p2p mixes the two
 ZERO3 = {"dp_shard": True, "distributed_optimizer": False, "overlap_param_gather": False}
 # Families of memory modes, each from the fastest to the most frugal: the first that fits in each family competes
+HALF_OFFLOAD = {"optimizer_offload_fraction": 0.5}
 MEMORY_MODES = (
     ({"recompute": "none"}, {"recompute": "selective"}, {"recompute": "full"}),
     ({**ZERO3, "recompute": "none"}, {**ZERO3, "recompute": "selective"}, {**ZERO3, "recompute": "full"}),
+    # one host step per optimizer step against a forward per micro-batch: with many micro-batches the cheaper
+    ({**HALF_OFFLOAD, "recompute": "none"}, {**HALF_OFFLOAD, "recompute": "selective"}),
 )
 LAST_RESORT = (
     {"recompute": "full", "optimizer_offload_fraction": 0.5},
@@ -87,22 +94,22 @@ def base_layouts(shape: ModelShape, gpus: int, global_batch: int, seq_length: in
                 etps = sorted({1, tp}) if shape.is_moe else [None]
                 per_rank = global_batch // dp if global_batch % dp == 0 else 0
                 mbs = [m for m in (1, 2, 4, 8) if per_rank and per_rank % m == 0] or [1]
+                comms = CP_SEARCHED if cp > 1 else ("p2p",)
                 for vpp, split in pipeline_splits(shape, pp, seq_length):
-                    for ep in eps:
-                        for etp in etps:
-                            for mb in mbs:
-                                yield Layout(
-                                    tp=tp, pp=pp, dp=dp, vpp=vpp, cp=cp, ep=ep, etp=etp, micro_batch=mb,
-                                    global_batch=global_batch, seq_length=seq_length, sequence_parallel=tp > 1,
-                                    distributed_optimizer=dp > 1, overlap_param_gather=dp > 1, pipeline_layout=split,
-                                )  # fmt: skip
+                    for ep, etp, mb, comm in itertools.product(eps, etps, mbs, comms):
+                        yield Layout(
+                            tp=tp, pp=pp, dp=dp, vpp=vpp, cp=cp, cp_comm_type=comm, ep=ep, etp=etp, micro_batch=mb,
+                            global_batch=global_batch, seq_length=seq_length, sequence_parallel=tp > 1,
+                            distributed_optimizer=dp * cp > 1, overlap_param_gather=dp * cp > 1,
+                            pipeline_layout=split,
+                        )  # fmt: skip
 
 
 def _first_fit(shape: ModelShape, layout: Layout, modes, memory_gb: float) -> tuple[Layout | None, float | None]:
     """The first of ``modes`` that fits (and the smallest need seen), skipping ZeRO-3 at dp=1."""
     smallest = None
     for mode in modes:
-        if mode.get("dp_shard") and layout.dp == 1:
+        if mode.get("dp_shard") and layout.dp * layout.cp == 1:
             continue
         trial = layout.replace(**mode)
         if trial.problems(shape):
@@ -121,7 +128,9 @@ def evaluate(shape: ModelShape, layout: Layout, network: Network, memory_gb: flo
     if problems:
         return Candidate(layout, None, 0.0, tuple(problems))
     fits, needs = [], []
-    for family in MEMORY_MODES:
+    for index, family in enumerate(MEMORY_MODES):
+        if index == 2 and fits and fits[0][0].recompute == "none" and not fits[0][0].dp_shard:
+            break  # ZeRO-1 fits without recompute: offloading can only be slower
         trial, need = _first_fit(shape, layout, family, memory_gb)
         (fits if trial is not None else needs).append((trial, need) if trial is not None else need)
     if not fits:
@@ -160,7 +169,8 @@ def format_search(candidates: list[Candidate], top: int = 5) -> str:
         p, lay = c.prediction, c.layout
         lines.append(
             f"{i + 1}. {p.tokens_per_s:,.0f} tokens/s, MFU {100 * p.mfu:.1f}%, step {p.step_s:.3f} s, "
-            f"{c.memory_gb:.1f} GB/GPU: tp {lay.tp} cp {lay.cp} pp {lay.pp} vpp {lay.vpp} ep {lay.ep} dp {lay.dp} "
+            f"{c.memory_gb:.1f} GB/GPU: tp {lay.tp} cp {lay.cp}{f' ({lay.cp_comm_type})' if lay.cp > 1 else ''} "
+            f"pp {lay.pp} vpp {lay.vpp} ep {lay.ep} dp {lay.dp} "
             f"mbs {lay.micro_batch} recompute {lay.recompute}"
         )
     if runs:

@@ -40,6 +40,9 @@ class ModelShape:
     experts of width ``moe_ffn``, ``top_k`` of them per token, plus always-on shared experts of total width
     ``shared_ffn``; ``moe_layers`` (per layer, True for MoE) overrides ``first_dense_layers`` when given (from
     ``mlp_layer_types``). MLA (DeepSeek): ``kv_lora_rank > 0`` replaces Q/K/V by low-rank projections.
+    ``mtp_layers``: multi-token-prediction depths (``num_nextn_predict_layers``, ``mcore.models.mtp``) on the last
+    stage, each three norms, ``eh_proj`` (2 hidden -> hidden, column-parallel), one layer like the last and the
+    shared output layer with its loss.
     """
 
     hidden: int
@@ -64,6 +67,7 @@ class ModelShape:
     kv_lora_rank: int = 0
     qk_rope_head_dim: int = 0
     v_head_dim: int = 0
+    mtp_layers: int = 0
     vocab_divisible_by: int = 128
     name: str = "model"
 
@@ -92,7 +96,7 @@ class ModelShape:
             layers=config.num_hidden_layers,
             heads=config.num_attention_heads,
             kv_heads=config.num_key_value_heads or config.num_attention_heads,
-            head_dim=config.head_dim or config.hidden_size // config.num_attention_heads,
+            head_dim=g("qk_nope_head_dim") or config.head_dim or config.hidden_size // config.num_attention_heads,
             vocab=config.vocab_size,
             gated=True,
             tied=bool(config.tie_word_embeddings),
@@ -110,6 +114,7 @@ class ModelShape:
             kv_lora_rank=g("kv_lora_rank"),
             qk_rope_head_dim=g("qk_rope_head_dim"),
             v_head_dim=g("v_head_dim"),
+            mtp_layers=g("num_nextn_predict_layers"),
             vocab_divisible_by=g("make_vocab_size_divisible_by", 128),
             name=name,
         )
@@ -224,6 +229,8 @@ class ModelShape:
         """Non-matmul parameters of layer ``index`` on one TP rank: the two norms (replicated), q/k norms
         (replicated) and the Q/K/V bias (split like the projection)."""
         n = 2 * self.norm_params()
+        if self.is_mla:  # the norms of MLA's compressed query and KV
+            n += (self.q_lora_rank + self.kv_lora_rank) * (2 if self.layernorm else 1)
         if self.qk_norm:
             n += 2 * self.head_dim * (2 if self.layernorm else 1)
         if self.attention_bias:
@@ -236,8 +243,17 @@ class ModelShape:
             n += self.num_experts * sum(lin.weights for lin in self.expert_linears())
         return n
 
+    def mtp_eh_proj(self) -> Linear:
+        return Linear("eh_proj", 2 * self.hidden, self.hidden, "column")
+
+    def mtp_parameters(self) -> int:
+        """The MTP depths' own parameters (the embedding and output layer are shared)."""
+        per_depth = self.layer_parameters(self.layers - 1) + 3 * self.norm_params() + self.mtp_eh_proj().weights
+        return self.mtp_layers * per_depth
+
     def total_parameters(self) -> int:
         n = sum(self.layer_parameters(i) for i in range(self.layers)) + self.vocab * self.hidden + self.norm_params()
+        n += self.mtp_parameters()
         return n if self.tied else n + self.vocab * self.hidden
 
     def active_matmul_weights(self) -> int:
@@ -258,9 +274,12 @@ class ModelShape:
 
     def model_flops_per_token(self, seq_length: int) -> float:
         """Training model FLOPs per token: ``6 x active matmul weights + 12 x layers x q width x seq`` (the
-        ``mcore.models.model_flops_per_token`` / Megatron convention: full, not causal, attention)."""
+        ``mcore.models.model_flops_per_token`` / Megatron convention: full, not causal, attention), and per MTP
+        depth its ``eh_proj``, a layer like the last and the output layer again."""
         attention = 6 * self.layers * (self.score_width() + self.attention_width) * seq_length
-        return 6.0 * self.active_matmul_weights() + attention
+        mtp = 6.0 * (self.mtp_eh_proj().weights + self.vocab * self.hidden)
+        mtp += self.layer_flops_per_token(self.layers - 1, seq_length)
+        return 6.0 * self.active_matmul_weights() + attention + self.mtp_layers * mtp
 
 
 def _moe_pattern(config) -> tuple[bool, ...]:

@@ -49,6 +49,8 @@ def chunk_costs(model: TimeModel, chunks_of_ranks) -> list[list[OpCost]]:
             first, last = rank == 0 and c == 0, rank == pp - 1 and c == vpp - 1
             if first or last:
                 total += model.head_cost(first, last)
+            if last and model.shape.mtp_layers:
+                total += model.mtp_cost().scaled(model.shape.mtp_layers)
             row.append(total)
         out.append(row)
     return out
@@ -60,7 +62,7 @@ def _data_parallel(
     """Exposed seconds of the gradient reduction and parameter all-gather of one rank (module docstring of
     ``time_model``)."""
     lay, net, s = model.layout, model.net, model.shape
-    out = {"dp_grad_comm": 0.0, "dp_param_comm": 0.0}
+    out = {"dp_grad_comm": 0.0, "dp_param_comm": 0.0, "dp_overlap_slowdown": 0.0}
     if lay.dp_shard:
         return out
     sharded = lay.distributed_optimizer
@@ -70,6 +72,8 @@ def _data_parallel(
         last_elems = max(BUCKET_ELEMENTS, s.padded_vocab(lay.tp) * s.hidden / lay.tp if first_stage else 0)
         last = net.collective(kind, model.dp_group, 4 * min(last_elems, dense))
         out["dp_grad_comm"] = max(last, comm - last_backward)
+        # the backward beside the overlapped part runs slower (NCCL's reduction kernels share SMs and HBM)
+        out["dp_overlap_slowdown"] = model.gpu.reduce_overlap_slowdown * (comm - out["dp_grad_comm"])
     else:
         out["dp_grad_comm"] = comm
     if sharded:
@@ -86,7 +90,7 @@ def _data_parallel(
 def _optimizer(model: TimeModel, dense: float, expert: float) -> dict[str, float]:
     lay, gpu = model.layout, model.gpu
     sharded = lay.distributed_optimizer or lay.dp_shard
-    local = dense / lay.dp + expert / lay.expert_dp if sharded else dense + expert
+    local = dense / (lay.dp * lay.cp) + expert / lay.expert_dp if sharded else dense + expert
     on_gpu = local * (1 - lay.optimizer_offload_fraction)
     out = {"optimizer": gpu.memory_seconds(OPTIMIZER_BYTES_PER_PARAM * on_gpu)}
     off = local * lay.optimizer_offload_fraction

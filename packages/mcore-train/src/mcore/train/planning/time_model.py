@@ -5,13 +5,17 @@ Per layer and micro-batch on one rank (tokens = seq x micro-batch / cp):
 - GEMMs: every matmul's forward, input-gradient and weight-gradient GEMM at the calibration's rate for its size
   (the weight-gradient one writing fp32 into the gradient buffer, ``wgrad_fp32_slowdown``); routed experts as
   ``top_k x tokens`` rows spread over this rank's experts; recompute adds the forward (full) or attention
-  (selective) again to the backward;
+  (selective) again to the backward; the experts' GEMMs as one grouped GEMM per linear at the calibrated
+  grouped efficiency for their rows per expert;
 - attention: the causal FLOPs at the calibration's rate for the document length, backward 2.5x the forward;
-- memory-bound ops (norms, residual adds, RoPE, the GLU, casts and layout copies, MoE permutes): their bytes at
-  the calibrated share of copy bandwidth;
+- memory-bound ops (norms, residual adds, RoPE, the GLU, casts and layout copies): their bytes at the calibrated
+  share of copy bandwidth; the MoE permute / unpermute (gathers and scatters of the routed rows) at the
+  calibration's measured ``moe_dispatch_gbps``;
 - TP / SP collectives: two per layer in forward and two in backward, on the critical path (mcore does not
-  overlap them; ``tp_comm_overlap`` models Megatron's userbuffer overlap as hiding ``TP_OVERLAP_HIDDEN``);
-- CP ring exchange of K/V overlapped with the attention it feeds; EP all-to-all (dispatch, combine) exposed;
+  overlap them); ``tp_comm_overlap`` (Megatron's ``--tp-comm-overlap``) runs them as Transformer Engine's
+  userbuffers do, split GEMMs beside the communication (``tp_overlap``);
+- CP by ``cp_comm_type`` (``cp_cost``): the p2p ring of K/V (and backward's fp32 dK/dV) overlapped with the
+  attention it feeds, all-gather / all-to-all blocking; EP all-to-all (dispatch, combine) exposed;
 - ZeRO-3 (``dp_shard``): per layer parameter all-gather (forward and backward) and gradient reduce-scatter,
   prefetched under the layer's compute (exposed: what exceeds it);
 - host: ``host_ms_per_layer`` the GPU waits for launches.
@@ -31,14 +35,20 @@ from dataclasses import dataclass, field
 
 from mcore.train.planning.calibration import Calibration
 from mcore.train.planning.cluster import Group, Network
+from mcore.train.planning.cp_cost import cp_cost
 from mcore.train.planning.layout import Layout
 from mcore.train.planning.memory import layer_parameters_per_rank
 from mcore.train.planning.shape import ModelShape
+from mcore.train.planning.tp_overlap import PLAIN, OverlapPlan, exposed_seconds, overlap_plans
 
-TP_OVERLAP_HIDDEN = 0.8
 BACKWARD_ATTENTION_RATIO = 2.5
 OPTIMIZER_BYTES_PER_PARAM = 34  # fused AdamW pass (30 bytes) + the gradient-norm read (4)
 BUCKET_ELEMENTS = 40_000_000
+# Bytes moved per logit element by the loss (forward, backward). fused: mcore's bf16 cross entropy reads the
+# logits once and writes a bf16 gradient (plus a copy). fp32: Megatron-Core r0.8.0's vocab_parallel_cross_entropy
+# (megatron/core/tensor_parallel/cross_entropy.py): .float() (read 2, write 4), max (4), in-place subtract (8),
+# in-place exp (8), sum (4), in-place divide (8); backward: in-place multiply (8), the cast back to bf16 (6).
+CROSS_ENTROPY_BYTES = {"fused": (2, 8), "fp32": (38, 14)}
 
 
 @dataclass
@@ -91,39 +101,65 @@ class TimeModel:
         self.moe_tokens = self.tokens * layout.expert_tp / layout.tp
         tp, cp, dp = layout.tp, layout.cp, layout.dp
         self.tp_group, self.cp_group = Group(tp, 1), Group(cp, tp)
-        self.dp_group = Group(dp, tp * cp)
+        self.dp_group = Group(dp * cp, tp)  # gradients and optimizer states over dp x cp (CP ranks hold replicas)
         self.ep_group = Group(layout.ep, layout.expert_tp)
         self.edp_group = Group(layout.expert_dp, layout.expert_tp * layout.ep)
         per_node = network.cluster.gpus_per_node
         self.pp_crosses_node = tp * cp * dp >= per_node and layout.pp > 1
-        self.cp_crosses_node = self.cp_group.size > self.cp_group.per_node(per_node)
+        self.tp_overlap = layout.tp_comm_overlap and layout.sequence_parallel and tp > 1
+        if self.tp_overlap:  # one sequence-parallel collective of the layer input, and one shard's copy
+            nbytes = self.tokens * shape.hidden * self.dtype
+            self.tp_times = {
+                "all_gather": network.collective("all_gather", self.tp_group, nbytes),
+                "reduce_scatter": network.collective("reduce_scatter", self.tp_group, nbytes),
+                "shard": network.p2p(nbytes / tp, False),
+            }
 
     # ----------------------------------------------------------------------------------------- pieces
-    def _gemms(self, cost: OpCost, m: float, k: int, n: float, count: float = 1.0) -> None:
+    def _gemms(self, cost: OpCost, m: float, k: int, n: float, count: float = 1.0, plan: OverlapPlan = PLAIN) -> None:
         g = self.gpu
         m, k, n = max(1, round(m)), max(1, round(k)), max(1, round(n))
-        fwd = g.gemm_seconds(m, n, k, self.precision) * count
-        dgrad = g.gemm_seconds(m, k, n, self.precision) * count
-        wgrad = g.gemm_seconds(n, k, m, self.precision) * count * g.wgrad_fp32_slowdown
+
+        def split(rows: int, cols: int, inner: int, chunks: int) -> float:  # one GEMM run as row chunks
+            return chunks * g.gemm_seconds(max(1, rows // chunks), cols, inner, self.precision) * count
+
+        fwd = split(m, n, k, plan.fwd_chunks) * plan.fwd_slowdown
+        dgrad = split(m, k, n, plan.dgrad_chunks) * plan.dgrad_slowdown
+        wgrad = g.gemm_seconds(n, k, m, self.precision) * count * g.wgrad_fp32_slowdown * plan.wgrad_slowdown
         cost.add("F", "gemm", fwd)
         cost.add("B", "gemm", dgrad + wgrad)
         cost.wgrad += wgrad
+        if plan is not PLAIN:
+            t = self.tp_times
+            fwd_comm = t["all_gather"] if plan.fwd_comm == "ring" else t["reduce_scatter"]
+            dgrad_comm = t["all_gather"]  # ring: the output gradient's; bulk: the saved input's (for wgrad)
+            cost.add("F", "tp_comm", exposed_seconds(plan.fwd_comm, fwd, plan.fwd_chunks, fwd_comm, t["shard"]))
+            cost.add("B", "tp_comm", exposed_seconds(plan.dgrad_comm, dgrad, plan.dgrad_chunks, dgrad_comm, t["shard"]))
+            cost.add("B", "tp_comm", exposed_seconds(plan.wgrad_comm, wgrad, 1, t["reduce_scatter"], t["shard"]))
 
     def _linears(self, cost: OpCost, linears, rows: float) -> None:
         tp = self.layout.tp
-        for lin in linears:
+        plans = overlap_plans([lin.role for lin in linears], tp, self.gpu.sm_count) if self.tp_overlap else None
+        for i, lin in enumerate(linears):
             k = lin.in_features // tp if lin.role == "row" else lin.in_features
             n = lin.out_features // tp if lin.role == "column" else lin.out_features
-            self._gemms(cost, rows, k, n)
+            self._gemms(cost, rows, k, n, plan=plans[i] if plans else PLAIN)
 
     def _experts(self, cost: OpCost) -> None:
-        s, lay = self.shape, self.layout
+        """The routed experts: per linear one grouped GEMM over this rank's experts (``mcore.kernels.grouped_gemm``;
+        forward, input gradient and weight gradient each a grouped GEMM of the same kind)."""
+        s, lay, g = self.shape, self.layout, self.gpu
         local = s.num_experts // lay.ep
         rows = self.moe_tokens * s.top_k * lay.ep / s.num_experts  # per expert, on average (balanced routing)
         for lin in s.expert_linears():
             k = lin.in_features // lay.expert_tp if lin.role == "row" else lin.in_features
             n = lin.out_features // lay.expert_tp if lin.role == "column" else lin.out_features
-            self._gemms(cost, rows, k, n, count=local)
+            fwd = g.grouped_gemm_seconds(local, rows, n, k, self.precision)
+            dgrad = g.grouped_gemm_seconds(local, rows, k, n, self.precision)
+            wgrad = fwd * g.wgrad_fp32_slowdown  # the same FLOPs, writing fp32 into the gradient buffer
+            cost.add("F", "gemm", fwd)
+            cost.add("B", "gemm", dgrad + wgrad)
+            cost.wgrad += wgrad
 
     def _attention(self, cost: OpCost) -> None:
         s, lay = self.shape, self.layout
@@ -133,11 +169,10 @@ class TimeModel:
         fwd = total / (1 + BACKWARD_ATTENTION_RATIO)
         cost.add("F", "attention", fwd)
         cost.add("B", "attention", total - fwd)
-        if lay.cp > 1:  # ring: cp - 1 K/V blocks in forward, K/V and their gradients in backward
-            kv = self.tokens * 2 * (s.kv_size if not s.is_mla else s.kv_lora_rank * lay.tp) / lay.tp * self.dtype
-            ring = (lay.cp - 1) * self.net.p2p(kv, self.cp_crosses_node)
-            cost.add("F", "cp_comm", max(0.0, ring - fwd))
-            cost.add("B", "cp_comm", max(0.0, 2 * ring - (total - fwd)))
+        if lay.cp > 1:  # cp_cost: ring transfers under the attention blocks, the rest blocking
+            cp = cp_cost(s, lay, self.net, self.dtype)
+            cost.add("F", "cp_comm", max(0.0, cp.ring_forward - fwd) + cp.blocking_forward)
+            cost.add("B", "cp_comm", max(0.0, cp.ring_backward - (total - fwd)) + cp.blocking_backward)
         if lay.recompute == "selective":
             cost.add("B", "attention", fwd)
 
@@ -151,11 +186,12 @@ class TimeModel:
         glu_f, glu_b = (3, 5) if s.gated else (2, 3)
         fwd = 4 * rep + 6 * rep + 2 * qkv + glu_f * width + 16 * s.hidden / tp
         bwd = 6 * rep + 6 * rep + 2 * qkv + glu_b * width + 16 * s.hidden / tp
-        if moe:
-            permute = 4 * s.top_k * s.hidden * self.moe_tokens / self.tokens  # permute, unpermute: read and write
-            fwd, bwd = fwd + permute, bwd + permute
         cost.add("F", "memory", self.gpu.memory_seconds(fwd * self.tokens * self.dtype))
         cost.add("B", "memory", self.gpu.memory_seconds(bwd * self.tokens * self.dtype))
+        if moe:  # permute and unpermute each read and write every routed row, in forward and in backward
+            permute = 4 * s.top_k * s.hidden * self.moe_tokens * self.dtype
+            cost.add("F", "moe_dispatch", self.gpu.dispatch_seconds(permute))
+            cost.add("B", "moe_dispatch", self.gpu.dispatch_seconds(permute))
 
     def _tp_comm(self, cost: OpCost, collectives: int) -> None:
         lay = self.layout
@@ -167,16 +203,20 @@ class TimeModel:
             one = (one + self.net.collective("reduce_scatter", self.tp_group, nbytes)) / 2
         else:
             one = self.net.collective("all_reduce", self.tp_group, nbytes)
-        exposed = one * (1 - TP_OVERLAP_HIDDEN if lay.tp_comm_overlap else 1.0)
-        cost.add("F", "tp_comm", collectives * exposed)
-        cost.add("B", "tp_comm", collectives * exposed)
+        cost.add("F", "tp_comm", collectives * one)
+        cost.add("B", "tp_comm", collectives * one)
+
+    def ep_exchange_bytes(self) -> float:
+        """Bytes of one EP all-to-all of one MoE layer and micro-batch (NCCL's buffer size: this rank's routed
+        rows, ``tokens x top_k x hidden``); a layer runs four (dispatch and combine, forward and backward), each
+        sending ``(ep - 1) / ep`` of it off the rank."""
+        s = self.shape
+        return self.moe_tokens * s.top_k * s.hidden * self.dtype
 
     def _ep_comm(self, cost: OpCost) -> None:
-        lay, s = self.layout, self.shape
-        if lay.ep == 1:
+        if self.layout.ep == 1:
             return
-        nbytes = self.moe_tokens * s.top_k * s.hidden * self.dtype
-        one = self.net.collective("all_to_all", self.ep_group, nbytes)
+        one = self.net.collective("all_to_all", self.ep_group, self.ep_exchange_bytes())
         cost.add("F", "ep_comm", 2 * one)
         cost.add("B", "ep_comm", 2 * one)
 
@@ -194,7 +234,9 @@ class TimeModel:
             for group, n in ((self.dp_group, dense), (self.edp_group, expert))
         )
         cost.add("F", "dp_shard_comm", max(0.0, gather - cost.f))
+        hidden_scatter = min(scatter, max(0.0, cost.b - gather))
         cost.add("B", "dp_shard_comm", max(0.0, gather + scatter - cost.b))
+        cost.add("B", "dp_overlap_slowdown", self.gpu.reduce_overlap_slowdown * hidden_scatter)
 
     # ------------------------------------------------------------------------------------------- layer
     def layer_cost(self, index: int) -> OpCost:
@@ -208,7 +250,8 @@ class TimeModel:
             self._ep_comm(cost)
         self._attention(cost)
         self._memory_bound(cost, moe)
-        self._tp_comm(cost, 2)
+        if not self.tp_overlap:  # else charged with the linears
+            self._tp_comm(cost, 2)
         if lay.recompute == "full":
             for k, v in list(cost.forward.items()):
                 cost.add("B", k, v)
@@ -216,6 +259,16 @@ class TimeModel:
         cost.add("F", "host", host / 3)
         cost.add("B", "host", 2 * host / 3)
         self._zero3(cost, *layer_parameters_per_rank(s, index, lay))
+        return cost
+
+    def mtp_cost(self) -> OpCost:
+        """One MTP depth on the last stage, one micro-batch: ``eh_proj``, a layer like the last, the output layer
+        and its loss again."""
+        s = self.shape
+        cost = OpCost()
+        self._linears(cost, [s.mtp_eh_proj()], self.tokens)
+        cost += self.layer_cost(s.layers - 1)
+        cost += self.head_cost(False, True)
         return cost
 
     def head_cost(self, first: bool, last: bool) -> OpCost:
@@ -229,8 +282,9 @@ class TimeModel:
             self._tp_comm(cost, 1)
         if last:
             self._gemms(cost, self.tokens, s.hidden, vocab)
-            logits = self.tokens * vocab * self.dtype
-            cost.add("F", "memory", self.gpu.memory_seconds(logits + self.tokens * s.hidden * 4))
-            cost.add("B", "memory", self.gpu.memory_seconds(4 * logits))  # cross entropy backward and a copy
+            elements = self.tokens * vocab
+            fwd, bwd = CROSS_ENTROPY_BYTES[lay.cross_entropy]
+            cost.add("F", "memory", self.gpu.memory_seconds(elements * fwd + self.tokens * s.hidden * 4))
+            cost.add("B", "memory", self.gpu.memory_seconds(elements * bwd))
             self._tp_comm(cost, 1)
         return cost

@@ -1,11 +1,13 @@
 """The planner against our measurements: every timed configuration of ``docs/performance.md``, from the raw JSON.
 
 Read: the single-GPU throughput runs (``throughput-h200-*/mcore_<shape>.json``: 1b, 8b4l, before and after the
-per-layer-parts refactor) and the two-GPU runs
-(``multi-gpu-*/results.json``: every layout of the table, 8b4l). Not read: the fp32 smoke runs (a host-bound
-model, no speed measurement) and runs of superseded code (``before-fusion-*``). Each case gives the model shape,
-the layout exactly as run, the measured median step time and the measured peak memory per rank
-(``torch.cuda.max_memory_allocated``, compared with the plan's ``allocated``: no runtime allowance or margin).
+per-layer-parts refactor), the two-GPU runs (``multi-gpu-*/results.json``: every layout of the table, 8b4l) and the
+single-GPU MoE runs (``moe-h200-*/mcore_<shape>.json``: mixtral2l, qwen3moe4l). Not read: the fp32 smoke runs (a
+host-bound model, no speed measurement), runs of superseded code (``before-fusion-*``, ``SUPERSEDED_MOE_RUNS``), the
+attention kernel benchmark (kernels alone, no training step) and the low-precision GPU run (it stopped before any
+timing). Each case gives the model shape, the layout exactly as run, the measured median step time and the measured
+peak memory per rank (``torch.cuda.max_memory_allocated``, compared with the plan's ``allocated``: no runtime
+allowance or margin).
 """
 
 from __future__ import annotations
@@ -21,6 +23,10 @@ from mcore.train.planning.shape import ModelShape
 from mcore.train.planning.step import predict_step
 
 THROUGHPUT_RUNS = "throughput-h200-"
+MOE_RUNS = "moe-h200-"
+# MoE runs of code rewritten since: the permutes (Triton tiles) and the grouped GEMM's output zeroing changed at
+# the moe branch's 4d34bbc / 1904bee; the calibration describes the code after them (moe-h200-2026-12-01-e21cc44)
+SUPERSEDED_MOE_RUNS = ("moe-h200-2026-12-01",)
 MULTI_GPU_RUNS = "multi-gpu-h200-2026-11-30-rerun"
 SCHEDULES = {"none": "none", "1f1b": "1f1b", "interleaved-1f1b": "interleaved", "zb-h1": "zero-bubble"}
 # benchmarks/_common.py's 8b4l: the Llama-3-8B layer shape with 4 layers (the two-GPU runs record only its size)
@@ -89,5 +95,26 @@ def multi_gpu_cases(results: Path) -> list[Case]:
     return out
 
 
+def moe_cases(results: Path) -> list[Case]:
+    """The single-GPU MoE runs (``benchmarks/moe_throughput.py``): every layer routed, no shared expert, one
+    micro-batch per step, the distributed optimizer at dp=1."""
+    out = []
+    for path in sorted(results.glob(f"{MOE_RUNS}*/mcore_*.json")):
+        if path.parent.name in SUPERSEDED_MOE_RUNS:
+            continue
+        r = json.loads(path.read_text())
+        shape = ModelShape(
+            hidden=r["hidden"], ffn=r.get("dense_ffn", r["moe_ffn"]), layers=r["layers"], heads=r["heads"],
+            kv_heads=r["kv"], head_dim=r["head_dim"], vocab=r["vocab"], num_experts=r["experts"], top_k=r["topk"],
+            moe_ffn=r["moe_ffn"], qk_norm=r["family"] != "mixtral", name=r["shape"],
+        )  # fmt: skip
+        if shape.total_parameters() != r["params"]:
+            raise ValueError(f"{path}: shape {r['shape']} has {shape.total_parameters()} parameters, run {r['params']}")
+        layout = Layout(micro_batch=r["mbs"], global_batch=r["mbs"], seq_length=r["seq"], distributed_optimizer=True)
+        run = path.parent.name.removeprefix(MOE_RUNS)
+        out.append(Case(f"{r['shape']} (1 GPU, MoE, {run})", shape, layout, r["step_s"], (r["peak_mem_gb"],)))
+    return out
+
+
 def measured_cases(results: Path) -> list[Case]:
-    return throughput_cases(results) + multi_gpu_cases(results)
+    return throughput_cases(results) + multi_gpu_cases(results) + moe_cases(results)

@@ -1,0 +1,105 @@
+"""The planner's terms for how Megatron-Core r0.8.0 runs a step: TE userbuffer overlap and the fp32 cross entropy."""
+
+from __future__ import annotations
+
+import pytest
+
+from mcore.train.planning.calibration import load_calibration
+from mcore.train.planning.cluster import PRESETS, Network
+from mcore.train.planning.layout import Layout
+from mcore.train.planning.memory import stage_memory
+from mcore.train.planning.shape import ModelShape
+from mcore.train.planning.step import predict_step
+from mcore.train.planning.time_model import TimeModel
+from mcore.train.planning.tp_overlap import TE_COMM_SMS, TE_PIPELINE_SPLITS, exposed_seconds, overlap_plans
+
+H100 = Network(PRESETS["dgx-h100"])
+GPT = ModelShape(hidden=4096, ffn=16384, layers=4, heads=32, kv_heads=32, head_dim=128, vocab=131072, gated=False,
+                 layernorm=True)  # fmt: skip
+BASE = Layout(tp=8, dp=1, micro_batch=1, global_batch=1, seq_length=4096, sequence_parallel=True)
+
+
+def test_overlap_plans_follow_transformer_engine_defaults():
+    attention_then_mlp = overlap_plans(["column", "row", "column", "row"], tp=8, sm_count=132)
+    slow = 132 / (132 - TE_COMM_SMS)
+    entry, exit_ = attention_then_mlp[0], attention_then_mlp[1]
+    assert (entry.fwd_chunks, entry.fwd_comm, entry.dgrad_comm, entry.wgrad_comm) == (8, "ring", "bulk", "bulk")
+    assert entry.dgrad_slowdown == pytest.approx(slow) and entry.fwd_slowdown == 1.0
+    assert (exit_.fwd_chunks, exit_.fwd_comm, exit_.dgrad_chunks, exit_.dgrad_comm) == (
+        TE_PIPELINE_SPLITS,
+        "pipeline",
+        8,
+        "ring",
+    )
+    assert attention_then_mlp[2] == entry and attention_then_mlp[3] == exit_
+    # MLA: the down-projection is replicated, the second column linear of the block runs plainly
+    mla = overlap_plans(["replicated", "column", "column", "row"], tp=8, sm_count=132)
+    assert mla[0].fwd_comm == "" and mla[1].fwd_comm == "ring" and mla[2].fwd_comm == ""
+
+
+def test_exposed_communication_by_overlap_kind():
+    # ring: 7 copies of 1 ms beside 8 chunks of 0.5 ms -> 7 x 0.5 ms exposed; copies faster than chunks -> none
+    assert exposed_seconds("ring", 4e-3, 8, 0.0, 1e-3) == pytest.approx(3.5e-3)
+    assert exposed_seconds("ring", 16e-3, 8, 0.0, 1e-3) == 0.0
+    assert exposed_seconds("pipeline", 4e-3, 4, 2e-3, 0.0) == pytest.approx(0.5e-3)  # the last chunk's share
+    assert exposed_seconds("bulk", 4e-3, 1, 5e-3, 0.0) == pytest.approx(1e-3)
+    assert exposed_seconds("", 4e-3, 1, 5e-3, 0.0) == 0.0
+
+
+def test_userbuffer_overlap_hides_communication_but_splits_gemms():
+    plain = TimeModel(GPT, BASE, H100).layer_cost(0)
+    model = TimeModel(GPT, BASE.replace(tp_comm_overlap=True), H100)
+    overlap, t = model.layer_cost(0), model.tp_times
+    assert overlap.forward["tp_comm"] < plain.forward["tp_comm"]
+    # backward per block: the output gradient's all-gather (ring), the saved input's all-gather and the input
+    # gradient's reduce-scatter (bulk): less exposed than the three of both blocks run back to back
+    assert 0 < overlap.backward["tp_comm"] < 2 * (2 * t["all_gather"] + t["reduce_scatter"])
+    # the split GEMMs (tokens / tp rows per chunk, SMs shared with the collectives) run slower than whole ones
+    assert overlap.forward["gemm"] > plain.forward["gemm"] and overlap.backward["gemm"] > plain.backward["gemm"]
+    gpu = load_calibration("h100-sxm")
+    qkv_whole = gpu.gemm_seconds(4096, 3 * 4096 // 8, 4096)
+    qkv_chunks = 8 * gpu.gemm_seconds(512, 3 * 4096 // 8, 4096)
+    assert qkv_chunks > 1.5 * qkv_whole  # why small micro-batches at tp 8 lose under --tp-comm-overlap
+
+
+def test_tp_comm_overlap_needs_sequence_parallel():
+    bad = BASE.replace(sequence_parallel=False, tp_comm_overlap=True)
+    assert any("tp_comm_overlap needs sequence_parallel" in p for p in bad.problems(GPT))
+    with pytest.raises(ValueError, match="cross_entropy must be one of"):
+        Layout(cross_entropy="bf16")
+
+
+def test_fp32_cross_entropy_costs_time_and_memory_on_the_last_stage():
+    layout = Layout(tp=1, pp=2, micro_batch=1, global_batch=4, seq_length=4096)
+    fused, fp32 = predict_step(GPT, layout, H100), predict_step(GPT, layout.replace(cross_entropy="fp32"), H100)
+    assert fp32.step_s > fused.step_s  # the last stage is slower, the pipeline waits for it
+    model = TimeModel(GPT, layout.replace(cross_entropy="fp32"), H100)
+    extra = model.head_cost(False, True).f - TimeModel(GPT, layout, H100).head_cost(False, True).f
+    # 36 more bytes per logit element in forward: tokens x vocab x 36 at the calibrated copy rate
+    assert extra == pytest.approx(model.gpu.memory_seconds(4096 * 131072 * 36), rel=1e-9)
+    first, last = stage_memory(GPT, layout), stage_memory(GPT, layout.replace(cross_entropy="fp32"))
+    assert first[0].logits == last[0].logits == 0  # the first stage has no logits
+    assert last[1].logits == pytest.approx(first[1].logits * 6 / 4)  # bf16 logits + fp32 softmax vs bf16 + grad
+
+
+def test_overlapped_gradient_reduction_slows_the_backward_as_measured():
+    from pathlib import Path
+
+    from mcore.train.planning.validation import multi_gpu_cases
+
+    h200 = Network(PRESETS["h200-node"])
+    cases = {c.name.split(" ")[0]: c for c in multi_gpu_cases(Path(__file__).resolve().parents[2] / "benchmarks"
+                                                             / "results")}  # fmt: skip
+    for overlapped, plain in (("dp2-overlap", "dp2"), ("dp2-distopt-overlap", "dp2-distopt")):
+        a, b = cases[overlapped], cases[plain]
+        pa, pb = predict_step(a.shape, a.layout, h200), predict_step(b.shape, b.layout, h200)
+        assert pb.breakdown["dp_overlap_slowdown"] == 0 < pa.breakdown["dp_overlap_slowdown"]
+        hidden = pb.breakdown["dp_grad_comm"] - pa.breakdown["dp_grad_comm"]
+        assert pa.breakdown["dp_overlap_slowdown"] == pytest.approx(0.49 * hidden)
+        # what overlapping saves, predicted and measured, within a millisecond
+        assert pa.step_s - pb.step_s == pytest.approx(a.measured_step_s - b.measured_step_s, abs=1e-3)
+    # an overlapped all-gather costs nothing beside it
+    gather = cases["dp2-distopt-overlap-all"]
+    assert predict_step(gather.shape, gather.layout, h200).breakdown["dp_overlap_slowdown"] == pytest.approx(
+        predict_step(cases["dp2-distopt-overlap"].shape, cases["dp2-distopt-overlap"].layout, h200).breakdown[
+            "dp_overlap_slowdown"])  # fmt: skip
