@@ -13,7 +13,7 @@
     ``mcore.models.accounting.model_flops_per_token`` (equal to the baseline's formula; a test checks it).
 
 Usage (GPU machine, repo root, ``export PYTHONPATH=$(ls -d packages/*/src | paste -sd:)``):
-    python benchmarks/ssm_throughput.py --out $OUT
+    python benchmarks/ssm_throughput.py --out $OUT              (add --kernels-only for part (a) alone)
 CPU check of the whole path with tiny shapes (what tests/test_ssm_benchmark.py runs):
     python benchmarks/ssm_throughput.py --dry-run --out /tmp/ssm
 Writes ``<out>/ssm_throughput.json`` (and the baseline's JSON files beside it).
@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -78,7 +79,34 @@ def _ssd_inputs(s, device, dtype):
     return x, dt, A, B, C, D, dt_bias
 
 
-def bench_kernels(shape: str, device: torch.device, dtype: torch.dtype, iters: int) -> dict:
+def _ssd_parts(s: dict, device: torch.device, dtype: torch.dtype, measure, iters: int) -> dict:
+    """Milliseconds of each Triton SSD kernel alone (forward and backward) on the shape; the rest of the Triton
+    backend's time is its torch matmuls and elementwise work."""
+    from mcore.kernels.triton import ssd as kernels
+
+    b, length, h, p, g, n, q = (s[k] for k in ("batch", "seq", "heads", "head_dim", "groups", "state", "chunk"))
+    nc = -(-length // q)
+    gen = torch.Generator(device="cpu").manual_seed(2)
+    x = torch.randn(b, nc * q, h, p, generator=gen).to(device, dtype)
+    dt = (torch.rand(b, nc * q, h, generator=gen) * 0.1).to(device)
+    cs = torch.cumsum(-dt.view(b, nc, q, h), dim=2).reshape(b, nc * q, h).contiguous()
+    cb = torch.randn(b, nc, g, q, q, generator=gen).to(device)
+    dy = torch.randn(x.shape, generator=gen).to(device)
+    local = torch.randn(b, nc, h, p * n, generator=gen).to(device)
+    carry = torch.rand(b, nc, h, generator=gen).to(device)
+    incoming, _ = kernels.state_forward(local, carry, None)
+    calls = {
+        "intra_fwd": lambda: kernels.intra_forward(x, dt, cs, None, cb),
+        "intra_bwd": lambda: kernels.intra_backward(dy, x, dt, cs, None, cb),
+        "state_fwd": lambda: kernels.state_forward(local, carry, None),
+        "state_bwd": lambda: kernels.state_backward(carry, incoming, local, local[:, 0]),
+    }
+    return {name: measure(fn, iters) * 1e3 for name, fn in calls.items()}
+
+
+def bench_kernels(shape: str, device: torch.device, dtype: torch.dtype, iters: int, backend: str | None) -> dict:
+    """SSD and conv forward + backward: ours (``backend``: the device's default when ``None``), our torch backend,
+    HF's torch path; plus the Triton SSD kernels alone when Triton runs (``ssd_parts_ms``)."""
     from transformers.models.mamba2 import modeling_mamba2 as hf
 
     from mcore.kernels import causal_conv1d, ssd_scan
@@ -88,8 +116,8 @@ def bench_kernels(shape: str, device: torch.device, dtype: torch.dtype, iters: i
     x, dt, A, B, C, D, dt_bias = _ssd_inputs(s, device, dtype)
     chunk = s["chunk"]
 
-    def ours_ssd():
-        y = ssd_scan(x, dt, A, B, C, chunk_size=chunk, D=D, dt_bias=dt_bias)
+    def ours_ssd(which=backend):
+        y = ssd_scan(x, dt, A, B, C, chunk_size=chunk, D=D, dt_bias=dt_bias, backend=which)
         y.float().square().mean().backward()
 
     def hf_ssd():
@@ -97,7 +125,7 @@ def bench_kernels(shape: str, device: torch.device, dtype: torch.dtype, iters: i
         y.float().square().mean().backward()
 
     with torch.no_grad():
-        ours_y = ssd_scan(x, dt, A, B, C, chunk_size=chunk, D=D, dt_bias=dt_bias).float()
+        ours_y = ssd_scan(x, dt, A, B, C, chunk_size=chunk, D=D, dt_bias=dt_bias, backend=backend).float()
         hf_y = hf.mamba2_chunk_scan(x, dt, A, B, C, chunk, D=D, dt_bias=dt_bias, dt_softplus=True).float()
     ssd_max_diff = (ours_y - hf_y).abs().max().item() / max(hf_y.abs().max().item(), 1e-30)
 
@@ -109,7 +137,7 @@ def bench_kernels(shape: str, device: torch.device, dtype: torch.dtype, iters: i
     bias = torch.randn(channels, generator=gen).to(device, dtype).requires_grad_()
 
     def ours_conv():
-        causal_conv1d(xc, w, bias).float().square().mean().backward()
+        causal_conv1d(xc, w, bias, backend=backend).float().square().mean().backward()
 
     def hf_conv():
         out = hf.causal_conv1d_fn(xc.transpose(1, 2), w, bias, activation="silu")
@@ -119,7 +147,9 @@ def bench_kernels(shape: str, device: torch.device, dtype: torch.dtype, iters: i
     ssd_flops = tokens * 6 * (2 * min(chunk, s["seq"]) * d_inner + 4 * d_inner * s["state"])
     conv_bytes = 4 * tokens * channels * torch.finfo(dtype).bits // 8  # x, out, grad out, grad x
     out = {"shape": shape, **s, "dtype": str(dtype).removeprefix("torch."), "ssd_rel_diff_vs_hf": ssd_max_diff}
-    for name, fn in (("ssd_ours", ours_ssd), ("ssd_hf", hf_ssd), ("conv_ours", ours_conv), ("conv_hf", hf_conv)):
+    runs = (("ssd_ours", ours_ssd), ("ssd_ours_torch", lambda: ours_ssd("reference")), ("ssd_hf", hf_ssd),
+            ("conv_ours", ours_conv), ("conv_hf", hf_conv))  # fmt: skip
+    for name, fn in runs:
         sec = measure(fn, iters)
         out[f"{name}_ms"] = sec * 1e3
         if name.startswith("ssd"):
@@ -129,7 +159,10 @@ def bench_kernels(shape: str, device: torch.device, dtype: torch.dtype, iters: i
             out[f"{name}_gbps"] = conv_bytes / sec / 1e9
             out[f"{name}_of_peak"] = conv_bytes / sec / PEAK_BYTES
     out["ssd_speedup_vs_hf"] = out["ssd_hf_ms"] / out["ssd_ours_ms"]
+    out["ssd_speedup_vs_our_torch"] = out["ssd_ours_torch_ms"] / out["ssd_ours_ms"]
     out["conv_speedup_vs_hf"] = out["conv_hf_ms"] / out["conv_ours_ms"]
+    if device.type == "cuda" or backend == "triton":
+        out["ssd_parts_ms"] = _ssd_parts(s, device, dtype, measure, iters)
     return out
 
 
@@ -193,6 +226,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--iters", type=int, default=6)
     ap.add_argument("--skip-hf", action="store_true", help="do not run ../shared/bench/hf_hybrid_baseline.py")
     ap.add_argument("--skip-compile", action="store_true")
+    ap.add_argument("--kernels-only", action="store_true", help="part (a) only: no training step")
     a = ap.parse_args(argv)
     a.out.mkdir(parents=True, exist_ok=True)
     device = torch.device("cpu" if a.dry_run else "cuda")
@@ -203,8 +237,13 @@ def main(argv: list[str] | None = None) -> int:
                     "torch": torch.__version__, "dry_run": a.dry_run}  # fmt: skip
     path = a.out / "ssm_throughput.json"
     shape, dtype = ("tiny", torch.float32) if a.dry_run else ("nemotronh8b", torch.bfloat16)
-    result["kernels"] = bench_kernels(shape, device, dtype, iters)
+    # The dry run checks the Triton kernels too when the interpreter is on (TRITON_INTERPRET=1).
+    backend = "triton" if a.dry_run and os.environ.get("TRITON_INTERPRET") == "1" else None
+    result["kernels"] = bench_kernels(shape, device, dtype, iters, backend)
     path.write_text(json.dumps(result, indent=1))
+    if a.kernels_only:
+        print(json.dumps(result, indent=1))
+        return 0
     if device.type == "cuda":
         torch.cuda.empty_cache()
     preset, seq = ("nemotron_h-tiny", 32) if a.dry_run else ("nemotron-h-8b-4l", 4096)
