@@ -200,10 +200,11 @@ def intra_backward(dy, x, dt, cs, seq, cb):
     ddt, dcs_col, dcs_row = (torch.empty_like(dt) for _ in range(3))
     grid = (triton.cdiv(d["Q"], bj), d["b"] * d["NC"], d["H"])
     _intra_dx_kernel[grid](x, dt, cs, seq_arg, cb, dy, dx, ddt, dcs_col, *dims, BI=bj, BJ=bj, **common)
-    bi = max(16, min(64, 8192 // qp))
+    # Rows x the whole chunk per tile (4 such fp32 tiles live at once): 32 x 128 for Nemotron-H, 16 x 256 for Mamba-2.
+    bi = max(16, min(64, 4096 // qp))
     dcb = torch.empty_like(cb)
     grid = (triton.cdiv(d["Q"], bi), d["b"] * d["NC"], d["G"])
-    _intra_dcb_kernel[grid](x, dt, cs, seq_arg, cb, dy, dcb, dcs_row, *dims, BI=bi, QP=qp, **common)
+    _intra_dcb_kernel[grid](x, dt, cs, seq_arg, cb, dy, dcb, dcs_row, *dims, BI=bi, QP=qp, num_warps=8, **common)
     return dx, ddt, dcs_col + dcs_row, dcb
 
 
