@@ -24,8 +24,7 @@ def test_pattern_string_and_hf_block_types_agree_and_round_trip():
     assert parts_pattern(from_string["layer_types"], from_string["mlp_layer_types"]) == "M-*M"
     with pytest.raises(ValueError, match=r"unknown entries \['X'\]"):
         pattern_parts("M-X")
-    with pytest.raises(ValueError, match=r"MoE layers \('E'\), which are not supported yet"):
-        pattern_parts("ME")
+    assert parts_pattern(**{k: v for k, v in pattern_parts("ME-").items() if k != "num_hidden_layers"}) == "ME-"
     with pytest.raises(ValueError, match="Nemotron-H layers are one of"):
         parts_pattern(["full_attention"], ["dense"])
 

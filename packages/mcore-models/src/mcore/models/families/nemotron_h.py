@@ -1,11 +1,12 @@
 """Nemotron-H (``NemotronHForCausalLM``): a hybrid whose every layer is one block, ``x + mixer(norm(x))``, the
-mixer being a Mamba-2 mixer, an attention without positional encoding, or a squared-ReLU MLP.
+mixer being a Mamba-2 mixer, an attention without positional encoding, a squared-ReLU MLP or a mixture of
+squared-ReLU experts.
 
 Each HF layer maps to one of our layers with the other slot ``"none"``: Mamba ``M`` -> (``mamba2``, none),
-attention ``*`` -> (``nope_attention``, none), MLP ``-`` -> (none, ``relu2``). The pattern is stated either as HF's
-``layers_block_type`` list or as Megatron's ``hybrid_override_pattern`` string (``M``, ``*``, ``-``, ``E``);
-:func:`pattern_parts` reads both. MoE layers (``E``) are refused: they need a non-gated squared-ReLU expert
-variant of the ``moe`` MLP part.
+attention ``*`` -> (``nope_attention``, none), MLP ``-`` -> (none, ``relu2``), MoE ``E`` -> (none, ``moe_relu2``:
+non-gated squared-ReLU experts behind a sigmoid, group-limited router with a score-correction bias, plus a shared
+expert). The pattern is stated either as HF's ``layers_block_type`` list or as Megatron's ``hybrid_override_pattern``
+string (``M``, ``*``, ``-``, ``E``); :func:`pattern_parts` reads both.
 """
 
 from __future__ import annotations
@@ -16,7 +17,12 @@ FAMILY = "nemotron_h"
 HF_ARCHITECTURE = "NemotronHForCausalLM"
 
 # Megatron's pattern symbol -> (mixer, MLP); HF's block-type names (current and legacy) -> the symbol.
-SYMBOL_PARTS = {"M": ("mamba2", "none"), "*": ("nope_attention", "none"), "-": ("none", "relu2"), "E": ("none", "moe")}
+SYMBOL_PARTS = {
+    "M": ("mamba2", "none"),
+    "*": ("nope_attention", "none"),
+    "-": ("none", "relu2"),
+    "E": ("none", "moe_relu2"),
+}
 HF_BLOCK_SYMBOLS = {
     "linear_attention": "M",
     "mamba": "M",
@@ -38,13 +44,6 @@ def pattern_parts(pattern: str | list[str] | tuple[str, ...]) -> dict[str, list[
             f"Nemotron-H pattern {pattern!r} has unknown entries {bad}; use the symbols {sorted(SYMBOL_PARTS)} or "
             f"the block types {sorted(HF_BLOCK_SYMBOLS)}"
         )
-    if "E" in symbols:
-        # The registered 'moe' part has gated experts and a softmax router; Nemotron-H's experts are non-gated
-        # squared-ReLU MLPs behind a sigmoid router with a shared expert: building them from it would be wrong.
-        raise ValueError(
-            f"Nemotron-H pattern {pattern!r} has MoE layers ('E'), which are not supported yet (non-gated squared-ReLU "
-            "experts, sigmoid router, shared expert)"
-        )
     parts = [SYMBOL_PARTS[s] for s in symbols]
     return {
         "num_hidden_layers": len(parts),
@@ -62,6 +61,10 @@ def parts_pattern(layer_types, mlp_layer_types) -> str:
         raise ValueError(f"Nemotron-H layers are one of {sorted(inverse)} (mixer, MLP); got {bad}")
     return "".join(inverse[p] for p in pairs)
 
+
+# Nemotron-H's MoE routing (NemotronHTopkRouter): sigmoid scores, the score-correction bias added for the choice
+# only (our expert_bias), group-limited top-k; n_group / topk_group / routed_scaling_factor come from each config.
+MOE_ROUTER = {"score_function": "sigmoid", "expert_bias": True}
 
 DEFAULTS: dict[str, Any] = {
     "model_type": "nemotron_h",
@@ -110,6 +113,28 @@ PRESETS: dict[str, dict[str, Any]] = {
         "vocab_size": 320,
         "max_position_embeddings": 256,
         **pattern_parts("M-*M"),
+    },
+    # MoE layers too (E): 4 experts in 2 groups, top-2 from the best group, a shared expert.
+    "nemotron_h-moe-tiny": {
+        "hidden_size": 64,
+        "intermediate_size": 96,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "mamba_num_heads": 8,
+        "mamba_head_dim": 16,
+        "ssm_state_size": 8,
+        "n_groups": 2,
+        "chunk_size": 8,
+        "vocab_size": 320,
+        "max_position_embeddings": 256,
+        "num_experts": 4,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 48,
+        "shared_expert_intermediate_size": 80,
+        "norm_topk_prob": True,
+        "moe_router": {**MOE_ROUTER, "n_group": 2, "topk_group": 1, "routed_scaling_factor": 2.5},
+        **pattern_parts("ME*E-"),
     },
     # nvidia/Nemotron-H-8B-Base-8K: 24 Mamba, 24 MLP and 4 attention layers.
     "nemotron-h-8b": {**_8B_SHAPE, **pattern_parts("M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M-")},
