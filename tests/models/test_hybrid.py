@@ -103,3 +103,19 @@ def test_published_totals():
     assert parameter_counts(get_config("mamba-codestral-7b")).total == 7_285_403_648
     assert parameter_counts(get_config("nemotron-h-8b")).total == 8_100_852_736
     assert parameter_counts(get_config("falcon-h1-0.5b")).total == 521_411_104
+
+
+def test_more_published_sizes():
+    from mcore.models.accounting import parameter_counts
+
+    # The model cards' rounded sizes (each preset equals HF on the meta device, test_accounting).
+    billions = {
+        "nemotron-h-47b": 46.8,
+        "nemotron-h-56b": 56.3,
+        "nemotron-nano-9b-v2": 8.89,
+        "nemotron-nano-12b-v2": 12.3,
+        "nemotron-3-nano-30b-a3b": 31.6,
+    }
+    for name, size in billions.items():
+        digits = len(str(size).split(".")[1])
+        assert round(parameter_counts(get_config(name)).total / 1e9, digits) == size, name

@@ -97,6 +97,33 @@ _8B_SHAPE = {
     "max_position_embeddings": 8192,
 }
 
+_8B_PATTERN = "M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M-"
+_47B_PATTERN = "M-M-M-M-M-M-M-M-M*-M-M-M-M-M-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M-M-M---MM---M-M*-M-M-M-M-M-"
+_56B_PATTERN = (
+    "M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-"
+    "M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M-"
+)
+_WIDE = {"num_attention_heads": 64, "mamba_num_heads": 256, "ssm_state_size": 256}  # the 47B and 56B
+
+
+def _sizes(hidden: int, ffn: int, **fields: Any) -> dict[str, Any]:
+    """A published Nemotron-H shape: what the HF configs share (GQA 8 x 128, Mamba heads of 64, 8 groups, state
+    128, vocabulary 131072, 8K positions) overridden by ``fields``."""
+    base = {
+        "hidden_size": hidden,
+        "intermediate_size": ffn,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+        "mamba_num_heads": 128,
+        "mamba_head_dim": 64,
+        "ssm_state_size": 128,
+        "vocab_size": 131072,
+        "max_position_embeddings": 8192,
+    }
+    return {**base, **fields}
+
+
 PRESETS: dict[str, dict[str, Any]] = {
     # Every block type, an attention layer between Mamba layers; chunk 8 < the test sequences.
     "nemotron_h-tiny": {
@@ -137,7 +164,46 @@ PRESETS: dict[str, dict[str, Any]] = {
         **pattern_parts("ME*E-"),
     },
     # nvidia/Nemotron-H-8B-Base-8K: 24 Mamba, 24 MLP and 4 attention layers.
-    "nemotron-h-8b": {**_8B_SHAPE, **pattern_parts("M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M-")},
+    "nemotron-h-8b": {**_8B_SHAPE, **pattern_parts(_8B_PATTERN)},
+    # The sizes below are those of the HF configs (the same values as Megatron-Bridge's Nemotron-H providers).
+    # nvidia/Nemotron-H-4B-Base-8K: the 8B pattern, narrower.
+    "nemotron-h-4b": _sizes(3072, 12288, mamba_num_heads=112, **pattern_parts(_8B_PATTERN)),
+    # nvidia/Nemotron-H-47B-Base-8K (pruned from the 56B) and nvidia/Nemotron-H-56B-Base-8K.
+    "nemotron-h-47b": _sizes(8192, 30720, **_WIDE, **pattern_parts(_47B_PATTERN)),
+    "nemotron-h-56b": _sizes(8192, 32768, **_WIDE, **pattern_parts(_56B_PATTERN)),
+    # nvidia/NVIDIA-Nemotron-Nano-9B-v2 and -12B-v2: Mamba heads of 80, 40 query heads, 128K positions.
+    "nemotron-nano-9b-v2": _sizes(
+        4480,
+        15680,
+        num_attention_heads=40,
+        mamba_head_dim=80,
+        max_position_embeddings=131072,
+        **pattern_parts("M-M-M-MM-M-M-M*-M-M-M*-M-M-M-M*-M-M-M-M*-M-MM-M-M-M-M-M-"),
+    ),  # fmt: skip
+    "nemotron-nano-12b-v2": _sizes(
+        5120,
+        20480,
+        num_attention_heads=40,
+        mamba_head_dim=80,
+        max_position_embeddings=131072,
+        **pattern_parts("M-M-M-M*-M-M-M-M*-M-M-M-M*-M-M-M-M*-M-M-M-M*-M-M-M-M*-M-M-M-M-"),
+    ),  # fmt: skip
+    # nvidia/NVIDIA-Nemotron-3-Nano-30B-A3B: 23 MoE layers of 128 squared-ReLU experts (top-6, weights x 2.5) and a
+    # shared expert, 23 Mamba and 6 attention layers (2 KV heads).
+    "nemotron-3-nano-30b-a3b": _sizes(
+        2688,
+        1856,
+        num_key_value_heads=2,
+        mamba_num_heads=64,
+        max_position_embeddings=262144,
+        num_experts=128,
+        num_experts_per_tok=6,
+        moe_intermediate_size=1856,
+        shared_expert_intermediate_size=3712,
+        norm_topk_prob=True,
+        moe_router={**MOE_ROUTER, "routed_scaling_factor": 2.5},
+        **pattern_parts("MEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEMEM*EMEMEMEME"),
+    ),  # fmt: skip
     # The benchmark shape (../shared/bench/hf_hybrid_baseline.py nemotronh8b4l): 8B layers in the order M - M *.
     "nemotron-h-8b-4l": {**_8B_SHAPE, "max_position_embeddings": 4096, **pattern_parts("M-M*")},
 }
