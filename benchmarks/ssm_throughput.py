@@ -102,7 +102,7 @@ def _ssd_parts(s: dict, device: torch.device, dtype: torch.dtype, measure, iters
         "intra_fwd": lambda: kernels.intra_forward(x, dt, cs, None, cb),
         "intra_bwd": lambda: kernels.intra_backward(dy, x, dt, cs, None, cb),
         "state_fwd": lambda: kernels.state_forward(local, carry, None),
-        "state_bwd": lambda: kernels.state_backward(carry, incoming, local, local[:, 0]),
+        "state_bwd": lambda: kernels.state_backward(carry, incoming, local, local[:, 0].contiguous()),
     }
     return {name: measure(fn, iters) * 1e3 for name, fn in calls.items()}
 
