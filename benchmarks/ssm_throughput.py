@@ -33,6 +33,7 @@ from pathlib import Path
 
 import torch
 from _common import RunSpec, child_env, launch_workers, report_launch, run_spec, write_json
+from ssm_sweep import ssd_kernel_calls, sweep
 
 ROOT = Path(__file__).resolve().parents[1]
 HF_BASELINE = ROOT.parent / "shared" / "bench" / "hf_hybrid_baseline.py"
@@ -82,32 +83,9 @@ def _ssd_inputs(s, device, dtype):
     return x, dt, A, B, C, D, dt_bias
 
 
-def _ssd_parts(s: dict, device: torch.device, dtype: torch.dtype, measure, iters: int) -> dict:
-    """Milliseconds of each Triton SSD kernel alone (forward and backward) on the shape; the rest of the Triton
-    backend's time is its torch matmuls and elementwise work."""
-    from mcore.kernels.triton import ssd as kernels
-
-    b, length, h, p, g, n, q = (s[k] for k in ("batch", "seq", "heads", "head_dim", "groups", "state", "chunk"))
-    nc = -(-length // q)
-    gen = torch.Generator(device="cpu").manual_seed(2)
-    x = torch.randn(b, nc * q, h, p, generator=gen).to(device, dtype)
-    dt = (torch.rand(b, nc * q, h, generator=gen) * 0.1).to(device)
-    cs = torch.cumsum(-dt.view(b, nc, q, h), dim=2).reshape(b, nc * q, h).contiguous()
-    cb = torch.randn(b, nc, g, q, q, generator=gen).to(device)
-    dy = torch.randn(x.shape, generator=gen).to(device)
-    local = torch.randn(b, nc, h, p * n, generator=gen).to(device)
-    carry = torch.rand(b, nc, h, generator=gen).to(device)
-    incoming, _ = kernels.state_forward(local, carry, None)
-    calls = {
-        "intra_fwd": lambda: kernels.intra_forward(x, dt, cs, None, cb),
-        "intra_bwd": lambda: kernels.intra_backward(dy, x, dt, cs, None, cb),
-        "state_fwd": lambda: kernels.state_forward(local, carry, None),
-        "state_bwd": lambda: kernels.state_backward(carry, incoming, local, local[:, 0].contiguous()),
-    }
-    return {name: measure(fn, iters) * 1e3 for name, fn in calls.items()}
-
-
-def bench_kernels(shape: str, device: torch.device, dtype: torch.dtype, iters: int, backend: str | None) -> dict:
+def bench_kernels(
+    shape: str, device: torch.device, dtype: torch.dtype, iters: int, backend: str | None, tile_sweep: bool = False
+) -> dict:
     """SSD and conv forward + backward: ours (``backend``: the device's default when ``None``), our torch backend,
     HF's torch path; plus the Triton SSD kernels alone when Triton runs (``ssd_parts_ms``)."""
     from transformers.models.mamba2 import modeling_mamba2 as hf
@@ -167,7 +145,10 @@ def bench_kernels(shape: str, device: torch.device, dtype: torch.dtype, iters: i
     out["ssd_speedup_vs_our_torch"] = out["ssd_ours_torch_ms"] / out["ssd_ours_ms"]
     out["conv_speedup_vs_hf"] = out["conv_hf_ms"] / out["conv_ours_ms"]
     if device.type == "cuda" or backend == "triton":
-        out["ssd_parts_ms"] = _ssd_parts(s, device, dtype, measure, iters)
+        calls = ssd_kernel_calls(s, device, dtype)
+        out["ssd_parts_ms"] = {name: measure(fn, iters) * 1e3 for name, fn in calls.items()}
+        if tile_sweep:
+            out["tile_sweep_ms"] = sweep(s, (xc, w, bias, gc), device, dtype, measure, iters)
     return out
 
 
@@ -236,6 +217,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--skip-hf", action="store_true", help="do not run ../shared/bench/hf_hybrid_baseline.py")
     ap.add_argument("--skip-compile", action="store_true", help="run the baseline eager only")
     ap.add_argument("--kernels-only", action="store_true", help="part (a) only: no training step")
+    ap.add_argument("--sweep", action="store_true", help="also time alternative tile sizes (benchmarks/ssm_sweep.py)")
     ap.add_argument("--timeout", type=float, default=600.0, help="seconds for our training run (600)")
     ap.add_argument("--json", type=Path, help=argparse.SUPPRESS)
     ap.add_argument("--only", choices=["mcore"], help=argparse.SUPPRESS)
@@ -254,7 +236,7 @@ def main(argv: list[str] | None = None) -> int:
     shape, dtype = ("tiny", torch.float32) if a.dry_run else ("nemotronh8b", torch.bfloat16)
     # The dry run checks the Triton kernels too when the interpreter is on (TRITON_INTERPRET=1).
     backend = "triton" if a.dry_run and os.environ.get("TRITON_INTERPRET") == "1" else None
-    result["kernels"] = bench_kernels(shape, device, dtype, a.iters, backend)
+    result["kernels"] = bench_kernels(shape, device, dtype, a.iters, backend, a.sweep)
     path.write_text(json.dumps(result, indent=1))
     if a.kernels_only:
         print(json.dumps(result, indent=1))

@@ -26,3 +26,38 @@ def test_ssm_benchmark_dry_run_writes_its_json(tmp_path):
     assert set(kernels["ssd_parts_ms"]) == {"intra_fwd", "intra_bwd", "state_fwd", "state_bwd"}
     (train,) = result["training"]
     assert train["impl"] == "mcore" and train["tokens_per_s"] > 0 and train["preset"] == "nemotron_h-tiny"
+
+
+def test_tile_sweep_restores_the_defaults_and_times_every_value(monkeypatch):
+    import time
+
+    import torch
+
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    import ssm_sweep
+    from ssm_throughput import KERNEL_SHAPES
+
+    from mcore.kernels import dispatch
+    from mcore.kernels.triton import conv as tconv
+    from mcore.kernels.triton import ssd as tssd
+
+    if not dispatch.triton_interpreting():
+        import pytest
+
+        pytest.skip("the sweep's CPU check runs the kernels under TRITON_INTERPRET=1")
+    monkeypatch.setattr(ssm_sweep, "SSD_TILES", {"INTRA_ROWS": (16, 32), "STATE_BLOCK": (64, 256)})
+    monkeypatch.setattr(ssm_sweep, "CONV_TILES", ((16, 32), (32, 64)))
+    before = (tssd.INTRA_ROWS, tssd.STATE_BLOCK, tconv.BLOCK_L, tconv.BLOCK_D)
+    s = KERNEL_SHAPES["tiny"]
+    x = torch.randn(1, s["seq"], 48, requires_grad=True)
+    w, bias = torch.randn(48, 4, requires_grad=True), torch.randn(48, requires_grad=True)
+
+    def measure(fn, iters):
+        t0 = time.perf_counter()
+        fn()
+        return time.perf_counter() - t0
+
+    out = ssm_sweep.sweep(s, (x, w, bias, torch.randn(x.shape)), torch.device("cpu"), torch.float32, measure, 1)
+    assert set(out["ssd"]["INTRA_ROWS"]) == {"16", "32"} and set(out["ssd"]["STATE_BLOCK"]) == {"64", "256"}
+    assert set(out["conv"]) == {"16x32", "32x64"} and all(v > 0 for v in out["conv"].values())
+    assert before == (tssd.INTRA_ROWS, tssd.STATE_BLOCK, tconv.BLOCK_L, tconv.BLOCK_D)

@@ -29,6 +29,11 @@ import triton.language as tl
 
 from mcore.kernels.triton.flash_attention import precision_for
 
+# Tile sizes, read at each launch (benchmarks/ssm_throughput.py --sweep times alternatives on the GPU).
+INTRA_ROWS = 64  # token rows (and columns) per tile of the intra-chunk forward and dx kernels
+INTRA_WARPS = 4
+DCB_TILE = 4096  # elements of one rows x whole-chunk tile of the dCB kernel (4 such fp32 tiles live at once)
+DCB_WARPS = 8
 STATE_BLOCK = 256  # state elements (of p * n) per state-passing program
 
 
@@ -178,12 +183,13 @@ def intra_forward(x, dt, cs, seq, cb) -> torch.Tensor:
     """fp32 ``y_intra`` ``[b, Lp, h, p]`` (layouts in the module docstring; ``seq`` may be ``None``)."""
     d = _dims(x, cb)
     qp = _pow2(d["Q"])
-    bi = min(64, qp)
+    bi = min(INTRA_ROWS, qp)
     y = torch.empty(x.shape, dtype=torch.float32, device=x.device)
     grid = (triton.cdiv(d["Q"], bi), d["b"] * d["NC"], d["H"])
     _intra_fwd_kernel[grid](
         x, dt, cs, seq if seq is not None else dt, cb, y, d["Lp"], d["H"], d["NC"], d["HPG"], d["Q"], d["P"],
         HAS_SEQ=seq is not None, PRECISION=precision_for(x.dtype), BI=bi, BJ=bi, BP=_pow2(d["P"]),
+        num_warps=INTRA_WARPS,
     )  # fmt: skip
     return y
 
@@ -192,19 +198,23 @@ def intra_backward(dy, x, dt, cs, seq, cb):
     """``(dx fp32, ddt, dcs, dCB)`` of :func:`intra_forward` given ``dy`` (fp32, same layout as ``y``)."""
     d = _dims(x, cb)
     qp, bp = _pow2(d["Q"]), _pow2(d["P"])
-    bj = min(64, qp)
+    bj = min(INTRA_ROWS, qp)
     seq_arg = seq if seq is not None else dt
     common = dict(HAS_SEQ=seq is not None, PRECISION=precision_for(x.dtype), BP=bp)
     dims = (d["Lp"], d["H"], d["NC"], d["HPG"], d["Q"], d["P"])
     dx = torch.empty(x.shape, dtype=torch.float32, device=x.device)
     ddt, dcs_col, dcs_row = (torch.empty_like(dt) for _ in range(3))
     grid = (triton.cdiv(d["Q"], bj), d["b"] * d["NC"], d["H"])
-    _intra_dx_kernel[grid](x, dt, cs, seq_arg, cb, dy, dx, ddt, dcs_col, *dims, BI=bj, BJ=bj, **common)
+    _intra_dx_kernel[grid](
+        x, dt, cs, seq_arg, cb, dy, dx, ddt, dcs_col, *dims, BI=bj, BJ=bj, num_warps=INTRA_WARPS, **common
+    )
     # Rows x the whole chunk per tile (4 such fp32 tiles live at once): 32 x 128 for Nemotron-H, 16 x 256 for Mamba-2.
-    bi = max(16, min(64, 4096 // qp))
+    bi = max(16, min(64, DCB_TILE // qp))
     dcb = torch.empty_like(cb)
     grid = (triton.cdiv(d["Q"], bi), d["b"] * d["NC"], d["G"])
-    _intra_dcb_kernel[grid](x, dt, cs, seq_arg, cb, dy, dcb, dcs_row, *dims, BI=bi, QP=qp, num_warps=8, **common)
+    _intra_dcb_kernel[grid](
+        x, dt, cs, seq_arg, cb, dy, dcb, dcs_row, *dims, BI=bi, QP=qp, num_warps=DCB_WARPS, **common
+    )
     return dx, ddt, dcs_col + dcs_row, dcb
 
 
