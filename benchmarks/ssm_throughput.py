@@ -152,7 +152,7 @@ def bench_kernels(
     return out
 
 
-def training_spec(preset: str, seq: int, iters: int, warmup: int, dry_run: bool) -> RunSpec:
+def training_spec(preset: str, seq: int, iters: int, warmup: int, dry_run: bool, profile: int = 0) -> RunSpec:
     """The real ``mcore-train`` step on ``preset``: bf16 compute with fp32 master weights and AdamW states (fp32 on
     the CPU dry run), the distributed optimizer at dp=1, micro-batch 1, mock data."""
     overrides = [
@@ -162,23 +162,23 @@ def training_spec(preset: str, seq: int, iters: int, warmup: int, dry_run: bool)
         f"data.seq_length={seq}",
         "train.micro_batch_size=1",
         "train.global_batch_size=1",
-        f"train.steps={1 + warmup + iters}",
+        f"train.steps={1 + warmup + iters + profile}",
         "lr.schedule=constant",
         "lr.max_lr=1e-4",
         "lr.min_lr=1e-4",
         "lr.warmup_steps=0",
     ]
-    return RunSpec(f"mcore_{preset}", 1, overrides, {"preset": preset}, 1 + warmup)
+    return RunSpec(f"mcore_{preset}", 1, overrides, {"preset": preset}, 1 + warmup, profile_steps=profile)
 
 
 def run_ours(a: argparse.Namespace) -> int:
     """``--only mcore``: our training step in this process (a child of :func:`main`), its JSON to ``--json``."""
     preset, seq = TRAIN_SHAPES["tiny" if a.dry_run else "nemotronh8b4l"]
-    result, runtime = run_spec(training_spec(preset, seq, a.iters, a.warmup, a.dry_run))
+    result, runtime = run_spec(training_spec(preset, seq, a.iters, a.warmup, a.dry_run, a.profile_steps))
     runtime.shutdown()
     keys = ("params", "tokens_per_s", "step_s", "tflops_per_gpu", "mfu", "peak_mem_gb", "first_step_s", "gpu", "torch")
     record = {"impl": "mcore", "preset": preset, "seq": seq, **{k: result[k] for k in keys}}
-    record |= {k: result[k] for k in ("precision", "flops_per_token", "step_times_s", "losses")}
+    record |= {k: result[k] for k in ("precision", "flops_per_token", "step_times_s", "losses", "profile")}
     write_json(a.json, record)
     return 0
 
@@ -188,7 +188,7 @@ def bench_training(a: argparse.Namespace) -> dict:
     json_path = a.out / "mcore_nemotronh8b4l.json"
     json_path.unlink(missing_ok=True)
     argv = ["--only", "mcore", "--json", str(json_path), "--iters", str(a.iters), "--warmup", str(a.warmup)]
-    argv += ["--out", str(a.out)] + (["--dry-run"] if a.dry_run else [])
+    argv += ["--out", str(a.out), "--profile-steps", str(a.profile_steps)] + (["--dry-run"] if a.dry_run else [])
     launch = launch_workers(Path(__file__).resolve(), 1, argv, names=[json_path.stem],
                             log_path=a.out / "ssm_training.log", env=child_env(dry_run=a.dry_run),
                             timeout_s=a.timeout)  # fmt: skip
@@ -218,6 +218,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--skip-compile", action="store_true", help="run the baseline eager only")
     ap.add_argument("--kernels-only", action="store_true", help="part (a) only: no training step")
     ap.add_argument("--sweep", action="store_true", help="also time alternative tile sizes (benchmarks/ssm_sweep.py)")
+    ap.add_argument("--profile-steps", type=int, default=0, help="training steps after the timed ones run under the "
+                    "CUDA profiler (step_profile.py): where the step's time goes, in the training record")  # fmt: skip
     ap.add_argument("--timeout", type=float, default=600.0, help="seconds for our training run (600)")
     ap.add_argument("--json", type=Path, help=argparse.SUPPRESS)
     ap.add_argument("--only", choices=["mcore"], help=argparse.SUPPRESS)

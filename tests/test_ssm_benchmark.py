@@ -61,3 +61,12 @@ def test_tile_sweep_restores_the_defaults_and_times_every_value(monkeypatch):
     assert set(out["ssd"]["INTRA_ROWS"]) == {"16", "32"} and set(out["ssd"]["STATE_BLOCK"]) == {"64", "256"}
     assert set(out["conv"]) == {"16x32", "32x64"} and all(v > 0 for v in out["conv"].values())
     assert before == (tssd.INTRA_ROWS, tssd.STATE_BLOCK, tconv.BLOCK_L, tconv.BLOCK_D)
+
+
+def test_step_profile_puts_the_ssm_kernels_in_their_category(monkeypatch):
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    from step_profile import categorize
+
+    for name in ("_intra_fwd_kernel", "_intra_dx_kernel", "_intra_dcb_kernel", "_state_bwd_kernel", "_conv_bwd_kernel"):
+        assert categorize(name) == "ssm", name
+    assert categorize("_flash_fwd_kernel") == "attention" and categorize("_rms_norm_fwd") == "norm"
