@@ -97,13 +97,16 @@ def ssd_chunked_triton(x, dt, A, B, C, chunk_size, initial_states, seq_idx):
         decay_from_start = decay_from_start * same_prev
         carry = carry * (last_doc == prev_doc)
     # Chunk states [b, c, g, r*p, n]: (decay-to-end * dt * x)^T @ B over the chunk's tokens.
-    xw = (xp.float().view(b, nc, q, h, p) * (decay_to_end * dtp.view(b, nc, q, h))[..., None]).view(b, nc, q, g, -1)
+    # (type promotion makes the product fp32 in one pass, with no fp32 copy of x first)
+    xw = (xp.view(b, nc, q, h, p) * (decay_to_end * dtp.view(b, nc, q, h))[..., None]).view(b, nc, q, g, -1)
     local = torch.matmul(xw.permute(0, 1, 3, 4, 2), Bc.permute(0, 1, 3, 2, 4))  # [b, c, g, r*p, n]
     init = None if initial_states is None else initial_states.float().reshape(b, h, p * n).contiguous()
     incoming, final = _StatePassing.apply(local.reshape(b, nc, h, p * n).contiguous(), carry.contiguous(), init)
     # Inter-chunk output: C_i @ S_in^T per group, decayed from the chunk start.
     s_in = incoming.view(b, nc, g, -1, n)  # [b, c, g, r*p, n]
-    inter = torch.matmul(Cc.permute(0, 1, 3, 2, 4), s_in.transpose(-1, -2))  # [b, c, g, Q, r*p]
-    inter = inter.view(b, nc, g, q, h // g, p).permute(0, 1, 3, 2, 4, 5).reshape(b, nc, q, h, p)
-    y = y.view(b, nc, q, h, p) + inter * decay_from_start[..., None]
+    r = h // g
+    inter = torch.matmul(Cc.permute(0, 1, 3, 2, 4), s_in.transpose(-1, -2)).view(b, nc, g, q, r, p)
+    inter = inter * decay_from_start.view(b, nc, q, g, r).transpose(2, 3)[..., None]
+    # added through a permuted view: no copy of the [b, c, g, Q, r, p] product into y's layout
+    y = y.view(b, nc, q, g, r, p) + inter.transpose(2, 3)
     return y.reshape(b, -1, h, p)[:, :length], final.view(b, h, p, n)
