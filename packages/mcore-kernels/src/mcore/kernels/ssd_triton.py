@@ -69,7 +69,9 @@ def ssd_chunked_triton(x, dt, A, B, C, chunk_size, initial_states, seq_idx):
     ``C`` in their own dtype: (y fp32 ``[b, L, h, p]``, final state fp32 ``[b, h, p, n]``)."""
     b, length, h, p = x.shape
     g, n = B.shape[2:]
-    q = chunk_size
+    # A sequence shorter than one chunk is one chunk of its own length (the same arithmetic, no padded tokens:
+    # decoding steps of one token would otherwise pay for a whole chunk).
+    q = min(chunk_size, length)
     pad = (-length) % q
     nc = (length + pad) // q
     xp = _pad_to_chunks(x, pad).contiguous()
