@@ -130,7 +130,18 @@ def bench_kernels(
     ssd_flops = tokens * 6 * (2 * min(chunk, s["seq"]) * d_inner + 4 * d_inner * s["state"])
     conv_bytes = 4 * tokens * channels * torch.finfo(dtype).bits // 8  # x, out, grad out, grad x
     out = {"shape": shape, **s, "dtype": str(dtype).removeprefix("torch."), "ssd_rel_diff_vs_hf": ssd_max_diff}
-    runs = (("ssd_ours", ours_ssd), ("ssd_ours_torch", lambda: ours_ssd("reference")), ("ssd_hf", hf_ssd),
+    def ours_ssd_torch_states():
+        """The Triton backend with its two state matmuls in fp32 torch instead (the measured alternative)."""
+        import mcore.kernels.ssd_triton as glue
+
+        default, glue.STATE_MATMULS = glue.STATE_MATMULS, "torch"
+        try:
+            ours_ssd()
+        finally:
+            glue.STATE_MATMULS = default
+
+    runs = (("ssd_ours", ours_ssd), ("ssd_ours_torch_states", ours_ssd_torch_states),
+            ("ssd_ours_torch", lambda: ours_ssd("reference")), ("ssd_hf", hf_ssd),
             ("conv_ours", ours_conv), ("conv_hf", hf_conv))  # fmt: skip
     for name, fn in runs:
         sec = measure(fn, iters)

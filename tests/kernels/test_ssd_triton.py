@@ -79,6 +79,19 @@ def test_triton_ssd_without_initial_state_or_documents(with_initial, with_final,
         assert _rel(mine, ref) < 2e-5, name
 
 
+@pytest.mark.parametrize("case", ["docs_in_chunks", "chunk_80_two_tiles"])
+def test_torch_state_matmuls_alternative(case, interpreter, monkeypatch):
+    """The fp32 torch matmuls for the chunk states and the inter-chunk output (the alternative the benchmark
+    times against the Triton kernels) compute the same."""
+    import mcore.kernels.ssd_triton as glue
+
+    monkeypatch.setattr(glue, "STATE_MATMULS", "torch")
+    (y, ref_y), (state, ref_state), grads = _run(CASES[case], interpreter, torch.float32)
+    assert _rel(y, ref_y) < 1e-5 and _rel(state, ref_state) < 1e-5
+    for name, (mine, ref) in grads.items():
+        assert _rel(mine, ref) < 2e-5, name
+
+
 def test_triton_ssd_fp16_inputs(interpreter):
     (y, ref_y), (state, ref_state), grads = _run(CASES["docs_in_chunks"], interpreter, torch.float16)
     assert _rel(y, ref_y) < 5e-3 and _rel(state, ref_state) < 5e-3

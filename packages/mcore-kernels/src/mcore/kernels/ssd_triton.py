@@ -60,8 +60,65 @@ class _StatePassing(torch.autograd.Function):
         return dlocal, dcarry, dinit if ctx.has_initial else None
 
 
+class _ChunkState(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, w, B, chunk):
+        from mcore.kernels.triton.ssd_states import chunk_state_forward
+
+        ctx.save_for_backward(x, w, B)
+        ctx.chunk = chunk
+        return chunk_state_forward(x, w, B, chunk)
+
+    @staticmethod
+    def backward(ctx, dlocal):
+        from mcore.kernels.triton.ssd_states import chunk_state_backward
+
+        x, w, B = ctx.saved_tensors
+        dx, dw, dB = chunk_state_backward(dlocal.contiguous(), x, w, B, ctx.chunk)
+        return dx.to(x.dtype), dw, dB.to(B.dtype), None
+
+
+class _InterChunk(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, C, S, v, heads, head_dim):
+        from mcore.kernels.triton.ssd_states import inter_forward
+
+        ctx.save_for_backward(C, S, v)
+        return inter_forward(C, S, v, heads, head_dim)
+
+    @staticmethod
+    def backward(ctx, dy):
+        from mcore.kernels.triton.ssd_states import inter_backward
+
+        C, S, v = ctx.saved_tensors
+        dC, dS, dv = inter_backward(dy.contiguous(), C, S, v)
+        return dC.to(C.dtype), dS, dv, None, None
+
+
+# Where the two state matmuls run: "triton" (mcore.kernels.triton.ssd_states: input-dtype operands, fp32
+# accumulation, nothing but the inputs saved) or "torch" (fp32 batched matmuls); ssm_throughput times both.
+STATE_MATMULS = "triton"
+
+
 def _pad_to_chunks(t: torch.Tensor, pad: int) -> torch.Tensor:
     return F.pad(t, (0, 0) * (t.dim() - 2) + (0, pad)) if pad else t
+
+
+def _chunk_states_torch(xp, w, Bc, b, nc, q, g, h, p, n):
+    """Chunk states [b, c, h, p * n]: (w x)^T @ B over each chunk's tokens, in fp32 matmuls."""
+    # (type promotion makes the product fp32 in one pass, with no fp32 copy of x first)
+    xw = (xp.view(b, nc, q, h, p) * w.view(b, nc, q, h)[..., None]).view(b, nc, q, g, -1)
+    local = torch.matmul(xw.permute(0, 1, 3, 4, 2), Bc.permute(0, 1, 3, 2, 4))  # [b, c, g, r*p, n]
+    return local.reshape(b, nc, h, p * n)
+
+
+def _inter_torch(Cc, incoming, v, b, nc, q, g, h, p, n):
+    """Inter-chunk output [b, Lp, h, p]: C_i @ S_in^T per group, times the decay from the chunk start."""
+    r = h // g
+    s_in = incoming.view(b, nc, g, -1, n)  # [b, c, g, r*p, n]
+    inter = torch.matmul(Cc.permute(0, 1, 3, 2, 4), s_in.transpose(-1, -2)).view(b, nc, g, q, r, p)
+    inter = inter * v.view(b, nc, q, g, r).transpose(2, 3)[..., None]
+    return inter.transpose(2, 3).reshape(b, nc * q, h, p)
 
 
 def ssd_chunked_triton(x, dt, A, B, C, chunk_size, initial_states, seq_idx):
@@ -98,17 +155,18 @@ def ssd_chunked_triton(x, dt, A, B, C, chunk_size, initial_states, seq_idx):
         decay_to_end = decay_to_end * same_last
         decay_from_start = decay_from_start * same_prev
         carry = carry * (last_doc == prev_doc)
-    # Chunk states [b, c, g, r*p, n]: (decay-to-end * dt * x)^T @ B over the chunk's tokens.
-    # (type promotion makes the product fp32 in one pass, with no fp32 copy of x first)
-    xw = (xp.view(b, nc, q, h, p) * (decay_to_end * dtp.view(b, nc, q, h))[..., None]).view(b, nc, q, g, -1)
-    local = torch.matmul(xw.permute(0, 1, 3, 4, 2), Bc.permute(0, 1, 3, 2, 4))  # [b, c, g, r*p, n]
+    w = (decay_to_end * dtp.view(b, nc, q, h)).reshape(b, -1, h)  # each token's weight in its chunk's state
+    v = decay_from_start.reshape(b, -1, h)  # the incoming state's weight in each token's output
+    fused = STATE_MATMULS == "triton"
+    if fused:
+        local = _ChunkState.apply(xp, w.contiguous(), _pad_to_chunks(B, pad).contiguous(), q)
+    else:
+        local = _chunk_states_torch(xp, w, Bc, b, nc, q, g, h, p, n)
     init = None if initial_states is None else initial_states.float().reshape(b, h, p * n).contiguous()
-    incoming, final = _StatePassing.apply(local.reshape(b, nc, h, p * n).contiguous(), carry.contiguous(), init)
-    # Inter-chunk output: C_i @ S_in^T per group, decayed from the chunk start.
-    s_in = incoming.view(b, nc, g, -1, n)  # [b, c, g, r*p, n]
-    r = h // g
-    inter = torch.matmul(Cc.permute(0, 1, 3, 2, 4), s_in.transpose(-1, -2)).view(b, nc, g, q, r, p)
-    inter = inter * decay_from_start.view(b, nc, q, g, r).transpose(2, 3)[..., None]
-    # added through a permuted view: no copy of the [b, c, g, Q, r, p] product into y's layout
-    y = y.view(b, nc, q, g, r, p) + inter.transpose(2, 3)
-    return y.reshape(b, -1, h, p)[:, :length], final.view(b, h, p, n)
+    incoming, final = _StatePassing.apply(local.contiguous(), carry.contiguous(), init)
+    if fused:
+        inter = _InterChunk.apply(_pad_to_chunks(C, pad).contiguous(), incoming, v.contiguous(), h, p)
+    else:
+        inter = _inter_torch(Cc, incoming, v, b, nc, q, g, h, p, n)
+    y = y + inter
+    return y[:, :length], final.view(b, h, p, n)
