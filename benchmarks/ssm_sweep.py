@@ -17,12 +17,15 @@ SSD_TILES = {
     "DCB_WARPS": (4, 8),
     "STATE_BLOCK": (128, 256, 512, 1024),
 }
+STATES_ROWS = (32, 64, 128)  # mcore.kernels.triton.ssd_states.ROWS
 CONV_TILES = ((32, 64), (64, 64), (32, 128), (64, 128), (128, 64), (16, 256))  # (BLOCK_L, BLOCK_D)
 
 
 def ssd_kernel_calls(s: dict, device: torch.device, dtype: torch.dtype) -> dict[str, Callable[[], object]]:
-    """The four Triton SSD launches (intra fwd / bwd, state fwd / bwd) on random inputs of shape ``s``."""
+    """The Triton SSD launches (intra-chunk output, state passing, chunk states, inter-chunk output; forward and
+    backward each) on random inputs of shape ``s``."""
     from mcore.kernels.triton import ssd as kernels
+    from mcore.kernels.triton import ssd_states as states
 
     b, length, h, p, g, n, q = (s[k] for k in ("batch", "seq", "heads", "head_dim", "groups", "state", "chunk"))
     nc = -(-length // q)
@@ -36,11 +39,16 @@ def ssd_kernel_calls(s: dict, device: torch.device, dtype: torch.dtype) -> dict[
     carry = torch.rand(b, nc, h, generator=gen).to(device)
     incoming, _ = kernels.state_forward(local, carry, None)
     dfinal = local[:, 0].contiguous()
+    B = torch.randn(b, nc * q, g, n, generator=gen).to(device, dtype)
     return {
         "intra_fwd": lambda: kernels.intra_forward(x, dt, cs, None, cb),
         "intra_bwd": lambda: kernels.intra_backward(dy, x, dt, cs, None, cb),
         "state_fwd": lambda: kernels.state_forward(local, carry, None),
         "state_bwd": lambda: kernels.state_backward(carry, incoming, local, dfinal),
+        "chunk_state_fwd": lambda: states.chunk_state_forward(x, dt, B, q),
+        "chunk_state_bwd": lambda: states.chunk_state_backward(local, x, dt, B, q),
+        "inter_fwd": lambda: states.inter_forward(B, incoming, dt, h, p),
+        "inter_bwd": lambda: states.inter_backward(dy, B, incoming, dt),
     }
 
 
@@ -64,6 +72,17 @@ def sweep(s: dict, conv_inputs: tuple, device: torch.device, dtype: torch.dtype,
                 out["ssd"][name][str(value)] = sum(measure(calls[k], iters) * 1e3 for k in affected[name])
         finally:
             setattr(tssd, name, default)
+    from mcore.kernels.triton import ssd_states as tstates
+
+    default = tstates.ROWS
+    out["ssd"]["states.ROWS"] = {}
+    try:
+        for value in STATES_ROWS:
+            tstates.ROWS = value
+            parts = ("chunk_state_fwd", "chunk_state_bwd", "inter_fwd")
+            out["ssd"]["states.ROWS"][str(value)] = sum(measure(calls[k], iters) * 1e3 for k in parts)
+    finally:
+        tstates.ROWS = default
     xc, w, bias, grad = conv_inputs
     default = (tconv.BLOCK_L, tconv.BLOCK_D)
     try:
