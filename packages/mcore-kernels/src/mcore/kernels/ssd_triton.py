@@ -17,6 +17,8 @@ states), whether the incoming state's document continues (carry, inter-chunk out
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn.functional as F
 
@@ -97,7 +99,10 @@ class _InterChunk(torch.autograd.Function):
 
 # Where the two state matmuls run: "triton" (mcore.kernels.triton.ssd_states: input-dtype operands, fp32
 # accumulation, nothing but the inputs saved) or "torch" (fp32 batched matmuls); ssm_throughput times both.
-STATE_MATMULS = "triton"
+# MCORE_SSD_STATE_MATMULS=torch selects the torch one without a code change.
+STATE_MATMULS = os.environ.get("MCORE_SSD_STATE_MATMULS", "triton")
+if STATE_MATMULS not in ("triton", "torch"):
+    raise ValueError(f"MCORE_SSD_STATE_MATMULS must be 'triton' or 'torch', got {STATE_MATMULS!r}")
 
 
 def _pad_to_chunks(t: torch.Tensor, pad: int) -> torch.Tensor:
