@@ -19,11 +19,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from mcore.kernels.moe import grouped_gemm
+from mcore.kernels.moe import grouped_gemm, grouped_gemm_of_activation
 from mcore.models.layers.moe import MoEMLP
 from mcore.models.layers.relu2_mlp import SquaredReluMLP
 from mcore.models.moe_fields import moe_layer_config
 from mcore.models.parts.registry import PartContext, PartSpec
+from mcore.parallel.expert_gemm import expert_bounds, per_expert_linear, per_expert_linear_of_activation
 from mcore.parallel.expert_parallel import _expert_generators
 from mcore.parallel.tensor_parallel import set_tensor_parallel_attributes
 
@@ -44,9 +45,11 @@ class SquaredReluExperts(nn.Module):
         init_std: float = 0.02,
         params_dtype: torch.dtype = torch.float32,
         device: torch.device | str | None = None,
+        gemm: str = "grouped",
     ) -> None:
         super().__init__()
         local_ffn = ffn_size // etp
+        self.gemm = gemm
         self.ffn_size, self.etp, self.etp_rank = ffn_size, etp, etp_rank
         self.first_expert, self.init_std = first_expert, init_std
         kw = dict(dtype=params_dtype, device=device)
@@ -74,9 +77,19 @@ class SquaredReluExperts(nn.Module):
         down = torch.stack([torch.empty(h, f).normal_(0.0, std, generator=g) for g in gens])
         self.load_full_experts(up, down)
 
-    def forward(self, rows: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-        h = grouped_gemm(rows.to(self.up.dtype), self.up, offsets)
-        return grouped_gemm(torch.relu(h).square(), self.down, offsets)
+    def forward(self, rows: torch.Tensor, offsets: torch.Tensor, tail_rows: int | None = None) -> torch.Tensor:
+        """The experts' contract of ``mcore.parallel.expert_dispatch`` (``tail_rows`` as in ``grouped_gemm``); the
+        squared ReLU is recomputed in backward rather than kept, as the SwiGLU experts do."""
+        rows = rows.to(self.up.dtype)
+        if self.gemm == "per_expert":
+            bounds = expert_bounds(offsets)
+            return per_expert_linear_of_activation(per_expert_linear(rows, self.up, bounds), self.down, bounds, _relu2)
+        h = grouped_gemm(rows, self.up, offsets, tail_rows=tail_rows)
+        return grouped_gemm_of_activation(h, self.down, offsets, _relu2, tail_rows=tail_rows)
+
+
+def _relu2(h: torch.Tensor) -> torch.Tensor:
+    return torch.relu(h).square()
 
 
 class SquaredReluMoEMLP(MoEMLP):
@@ -102,6 +115,7 @@ class SquaredReluMoEMLP(MoEMLP):
             init_std=gated.init_std,
             params_dtype=ctx.params_dtype,
             device=ctx.device,
+            gemm=gated.gemm,
         )
         del gated
         if config.shared_expert_intermediate_size is not None:
