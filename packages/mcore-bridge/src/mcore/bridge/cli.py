@@ -38,6 +38,12 @@ def _parser() -> argparse.ArgumentParser:
         help="mcore -> hf: HF directory whose config.json extras and tokenizer files to write along "
         "(for checkpoints that carry none, e.g. saved by training)",
     )
+    p.add_argument(
+        "--bitnet-packed",
+        choices=["yes", "no"],
+        help="mcore -> hf of a bitnet model: write HF's packed ternary weights (2 bits each + weight_scale) or plain "
+        "ones (default: as the HF files it was converted from)",
+    )
 
     p = sub.add_parser("verify", help="run the HF and the mcore model on the same tokens and compare")
     p.add_argument("hf", metavar="HF", help="HF directory or hub id")
@@ -69,6 +75,7 @@ def _convert(args: argparse.Namespace) -> int:
         overwrite=args.overwrite,
         progress=False if args.no_progress else None,
         hf_assets=args.hf_assets,
+        bitnet_packed=None if args.bitnet_packed is None else args.bitnet_packed == "yes",
     )
     print(
         f"{result.direction}: {result.family}, {result.tensors} tensors, {result.bytes_written / 2**20:.1f} MiB "
