@@ -7,13 +7,14 @@
     conv 4 over d_inner + 2 G N = 10240 channels; seq 4096, batch 1), bf16 inputs. Reported: median ms, the SSD's
     TFLOP/s by the model-FLOP convention below and the conv's GB/s (bytes of its input, output, their gradients),
     against DESIGN.md's ceilings (989 TFLOP/s bf16, 4.8 TB/s HBM3e), and ours / HF speedups.
-(b) training step on ``nemotron-h-8b-4l`` (Nemotron-H-8B layers M - M *, seq 4096, micro-batch 1): fp32 weights,
-    bf16 autocast, fused AdamW, eager and torch.compile, the same recipe as ``../shared/bench/hf_hybrid_baseline.py``,
-    which this script also runs (eager and compile, in subprocesses) unless ``--skip-hf``. FLOPs per token from
-    ``mcore.models.accounting.model_flops_per_token`` (equal to the baseline's formula; a test checks it).
+(b) training step on ``nemotron-h-8b-4l`` (Nemotron-H-8B layers M - M *, seq 4096, micro-batch 1): the real
+    ``mcore-train`` step (``load_config`` -> ``Trainer``: bf16 compute, fp32 master weights and AdamW states, the
+    distributed optimizer at dp=1) in its own process, beside ``../shared/bench/hf_hybrid_baseline.py`` (fp32
+    weights under bf16 autocast, eager and torch.compile, each in its own process) unless ``--skip-hf``. FLOPs per
+    token from ``mcore.models.accounting.model_flops_per_token`` (equal to the baseline's formula; a test checks it).
 
 Usage (GPU machine, repo root, ``export PYTHONPATH=$(ls -d packages/*/src | paste -sd:)``):
-    python benchmarks/ssm_throughput.py --out $OUT
+    python benchmarks/ssm_throughput.py --out $OUT              (add --kernels-only for part (a) alone)
 CPU check of the whole path with tiny shapes (what tests/test_ssm_benchmark.py runs):
     python benchmarks/ssm_throughput.py --dry-run --out /tmp/ssm
 Writes ``<out>/ssm_throughput.json`` (and the baseline's JSON files beside it).
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -30,11 +32,14 @@ import time
 from pathlib import Path
 
 import torch
+from _common import RunSpec, child_env, launch_workers, report_launch, run_spec, write_json
+from ssm_sweep import ssd_kernel_calls, sweep
 
 ROOT = Path(__file__).resolve().parents[1]
 HF_BASELINE = ROOT.parent / "shared" / "bench" / "hf_hybrid_baseline.py"
 PEAK_FLOPS, PEAK_BYTES = 989.4e12, 4.8e12
 
+TRAIN_SHAPES = {"nemotronh8b4l": ("nemotron-h-8b-4l", 4096), "tiny": ("nemotron_h-tiny", 32)}  # preset, seq
 KERNEL_SHAPES = {
     "nemotronh8b": dict(batch=1, seq=4096, heads=128, head_dim=64, groups=8, state=128, chunk=128, conv=4),
     "tiny": dict(batch=1, seq=32, heads=4, head_dim=8, groups=2, state=8, chunk=8, conv=4),
@@ -78,7 +83,11 @@ def _ssd_inputs(s, device, dtype):
     return x, dt, A, B, C, D, dt_bias
 
 
-def bench_kernels(shape: str, device: torch.device, dtype: torch.dtype, iters: int) -> dict:
+def bench_kernels(
+    shape: str, device: torch.device, dtype: torch.dtype, iters: int, backend: str | None, tile_sweep: bool = False
+) -> dict:
+    """SSD and conv forward + backward: ours (``backend``: the device's default when ``None``), our torch backend,
+    HF's torch path; plus the Triton SSD kernels alone when Triton runs (``ssd_parts_ms``)."""
     from transformers.models.mamba2 import modeling_mamba2 as hf
 
     from mcore.kernels import causal_conv1d, ssd_scan
@@ -88,18 +97,22 @@ def bench_kernels(shape: str, device: torch.device, dtype: torch.dtype, iters: i
     x, dt, A, B, C, D, dt_bias = _ssd_inputs(s, device, dtype)
     chunk = s["chunk"]
 
-    def ours_ssd():
-        y = ssd_scan(x, dt, A, B, C, chunk_size=chunk, D=D, dt_bias=dt_bias)
-        y.float().square().mean().backward()
+    # Backward from a fixed output gradient (no loss arithmetic in the timings, for ours and HF's alike).
+    gy = torch.randn(x.shape, generator=torch.Generator(device="cpu").manual_seed(3)).to(device, dtype)
+
+    def ours_ssd(which=backend):
+        ssd_scan(x, dt, A, B, C, chunk_size=chunk, D=D, dt_bias=dt_bias, backend=which).backward(gy)
 
     def hf_ssd():
-        y = hf.mamba2_chunk_scan(x, dt, A, B, C, chunk, D=D, dt_bias=dt_bias, dt_softplus=True)
-        y.float().square().mean().backward()
+        hf.mamba2_chunk_scan(x, dt, A, B, C, chunk, D=D, dt_bias=dt_bias, dt_softplus=True).backward(gy)
 
     with torch.no_grad():
-        ours_y = ssd_scan(x, dt, A, B, C, chunk_size=chunk, D=D, dt_bias=dt_bias).float()
         hf_y = hf.mamba2_chunk_scan(x, dt, A, B, C, chunk, D=D, dt_bias=dt_bias, dt_softplus=True).float()
-    ssd_max_diff = (ours_y - hf_y).abs().max().item() / max(hf_y.abs().max().item(), 1e-30)
+        try:
+            ours_y = ssd_scan(x, dt, A, B, C, chunk_size=chunk, D=D, dt_bias=dt_bias, backend=backend).float()
+            ssd_max_diff = (ours_y - hf_y).abs().max().item() / max(hf_y.abs().max().item(), 1e-30)
+        except Exception as exc:  # recorded with the timings' errors below
+            ssd_max_diff = f"{type(exc).__name__}: {exc}"[:2000]
 
     d_inner = s["heads"] * s["head_dim"]
     channels = d_inner + 2 * s["groups"] * s["state"]
@@ -108,19 +121,38 @@ def bench_kernels(shape: str, device: torch.device, dtype: torch.dtype, iters: i
     w = torch.randn(channels, s["conv"], generator=gen).to(device, dtype).requires_grad_()
     bias = torch.randn(channels, generator=gen).to(device, dtype).requires_grad_()
 
+    gc = torch.randn(xc.shape, generator=gen).to(device, dtype)
+
     def ours_conv():
-        causal_conv1d(xc, w, bias).float().square().mean().backward()
+        causal_conv1d(xc, w, bias, backend=backend).backward(gc)
 
     def hf_conv():
-        out = hf.causal_conv1d_fn(xc.transpose(1, 2), w, bias, activation="silu")
-        out.float().square().mean().backward()
+        hf.causal_conv1d_fn(xc.transpose(1, 2), w, bias, activation="silu").backward(gc.transpose(1, 2))
 
     tokens = s["batch"] * s["seq"]
     ssd_flops = tokens * 6 * (2 * min(chunk, s["seq"]) * d_inner + 4 * d_inner * s["state"])
     conv_bytes = 4 * tokens * channels * torch.finfo(dtype).bits // 8  # x, out, grad out, grad x
     out = {"shape": shape, **s, "dtype": str(dtype).removeprefix("torch."), "ssd_rel_diff_vs_hf": ssd_max_diff}
-    for name, fn in (("ssd_ours", ours_ssd), ("ssd_hf", hf_ssd), ("conv_ours", ours_conv), ("conv_hf", hf_conv)):
-        sec = measure(fn, iters)
+
+    def ours_ssd_torch_states():
+        """The Triton backend with its two state matmuls in fp32 torch instead (the measured alternative)."""
+        import mcore.kernels.ssd_triton as glue
+
+        default, glue.STATE_MATMULS = glue.STATE_MATMULS, "torch"
+        try:
+            ours_ssd()
+        finally:
+            glue.STATE_MATMULS = default
+
+    runs = (("ssd_ours", ours_ssd), ("ssd_ours_torch_states", ours_ssd_torch_states),
+            ("ssd_ours_torch", lambda: ours_ssd("reference")), ("ssd_hf", hf_ssd),
+            ("conv_ours", ours_conv), ("conv_hf", hf_conv))  # fmt: skip
+    for name, fn in runs:
+        try:
+            sec = measure(fn, iters)
+        except Exception as exc:  # one failing variant is recorded; the others are still measured
+            out[f"{name}_error"] = f"{type(exc).__name__}: {exc}"[:2000]
+            continue
         out[f"{name}_ms"] = sec * 1e3
         if name.startswith("ssd"):
             out[f"{name}_tflops"] = ssd_flops / sec / 1e12
@@ -128,59 +160,71 @@ def bench_kernels(shape: str, device: torch.device, dtype: torch.dtype, iters: i
         else:
             out[f"{name}_gbps"] = conv_bytes / sec / 1e9
             out[f"{name}_of_peak"] = conv_bytes / sec / PEAK_BYTES
-    out["ssd_speedup_vs_hf"] = out["ssd_hf_ms"] / out["ssd_ours_ms"]
-    out["conv_speedup_vs_hf"] = out["conv_hf_ms"] / out["conv_ours_ms"]
+    for key, slow, fast in (("ssd_speedup_vs_hf", "ssd_hf", "ssd_ours"),
+                            ("ssd_speedup_vs_our_torch", "ssd_ours_torch", "ssd_ours"),
+                            ("ssd_speedup_vs_torch_states", "ssd_ours_torch_states", "ssd_ours"),
+                            ("conv_speedup_vs_hf", "conv_hf", "conv_ours")):  # fmt: skip
+        if f"{slow}_ms" in out and f"{fast}_ms" in out:
+            out[key] = out[f"{slow}_ms"] / out[f"{fast}_ms"]
+    if device.type == "cuda" or backend == "triton":
+        calls = ssd_kernel_calls(s, device, dtype)
+        out["ssd_parts_ms"] = {name: measure(fn, iters) * 1e3 for name, fn in calls.items()}
+        if tile_sweep:
+            out["tile_sweep_ms"] = sweep(s, (xc, w, bias, gc), device, dtype, measure, iters)
     return out
 
 
-def bench_training(preset: str, overrides: dict, device: torch.device, compile_: bool, iters: int, seq: int) -> dict:
-    from mcore.models.accounting import H200_BF16_PEAK_FLOPS, model_flops_per_token, parameter_counts
-    from mcore.models.families import get_config
-    from mcore.models.gpt import GPTModel
-
-    config = get_config(preset, **overrides)
-    torch.manual_seed(0)
-    model = GPTModel(config, device=device)
-    model.init_weights(0)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
-    fwd = torch.compile(model) if compile_ else model
-    ids = torch.randint(0, config.vocab_size, (1, seq), device=device)
-    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
-
-    def step():
-        with autocast:
-            loss = fwd(ids, labels=ids).mean()
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats()
-    t0 = time.perf_counter()
-    step()
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    first = time.perf_counter() - t0
-    sec = _timer(device)(step, iters)
-    flops = model_flops_per_token(config, seq) * seq
-    return {
-        "impl": "mcore" + ("+compile" if compile_ else ""),
-        "preset": preset,
-        "seq": seq,
-        "params": parameter_counts(config).total,
-        "tokens_per_s": seq / sec,
-        "step_s": sec,
-        "tflops_per_gpu": flops / sec / 1e12,
-        "mfu": flops / sec / H200_BF16_PEAK_FLOPS,
-        "peak_mem_gb": torch.cuda.max_memory_allocated() / 1e9 if device.type == "cuda" else None,
-        "first_step_s": first,
-    }
+def training_spec(preset: str, seq: int, iters: int, warmup: int, dry_run: bool, profile: int = 0) -> RunSpec:
+    """The real ``mcore-train`` step on ``preset``: bf16 compute with fp32 master weights and AdamW states (fp32 on
+    the CPU dry run), the distributed optimizer at dp=1, micro-batch 1, mock data."""
+    overrides = [
+        f"train.device={'cpu' if dry_run else 'cuda'}",
+        f"train.precision={'fp32' if dry_run else 'bf16'}",
+        "parallel.distributed_optimizer=true",
+        f"data.seq_length={seq}",
+        "train.micro_batch_size=1",
+        "train.global_batch_size=1",
+        f"train.steps={1 + warmup + iters + profile}",
+        "lr.schedule=constant",
+        "lr.max_lr=1e-4",
+        "lr.min_lr=1e-4",
+        "lr.warmup_steps=0",
+    ]
+    return RunSpec(f"mcore_{preset}", 1, overrides, {"preset": preset}, 1 + warmup, profile_steps=profile)
 
 
-def run_hf_baseline(out: Path, compile_: bool) -> dict:
+def run_ours(a: argparse.Namespace) -> int:
+    """``--only mcore``: our training step in this process (a child of :func:`main`), its JSON to ``--json``."""
+    preset, seq = TRAIN_SHAPES["tiny" if a.dry_run else "nemotronh8b4l"]
+    result, runtime = run_spec(training_spec(preset, seq, a.iters, a.warmup, a.dry_run, a.profile_steps))
+    runtime.shutdown()
+    keys = ("params", "tokens_per_s", "step_s", "tflops_per_gpu", "mfu", "peak_mem_gb", "first_step_s", "gpu", "torch")
+    record = {"impl": "mcore", "preset": preset, "seq": seq, **{k: result[k] for k in keys}}
+    record |= {k: result[k] for k in ("precision", "flops_per_token", "step_times_s", "losses", "profile")}
+    write_json(a.json, record)
+    return 0
+
+
+def bench_training(a: argparse.Namespace) -> dict:
+    """Our step in its own process (so its memory statistics are its own); the record, or the failure's tail."""
+    json_path = a.out / "mcore_nemotronh8b4l.json"
+    json_path.unlink(missing_ok=True)
+    argv = ["--only", "mcore", "--json", str(json_path), "--iters", str(a.iters), "--warmup", str(a.warmup)]
+    argv += ["--out", str(a.out), "--profile-steps", str(a.profile_steps)] + (["--dry-run"] if a.dry_run else [])
+    launch = launch_workers(Path(__file__).resolve(), 1, argv, names=[json_path.stem],
+                            log_path=a.out / "ssm_training.log", env=child_env(dry_run=a.dry_run),
+                            timeout_s=a.timeout)  # fmt: skip
+    report_launch(launch)
+    if launch.returncode != 0 or not json_path.is_file():
+        return {"impl": "mcore", "error": f"exit {launch.returncode}", "tail": launch.tail}
+    return json.loads(json_path.read_text())
+
+
+def run_hf_baseline(out: Path, compile_: bool, iters: int) -> dict:
     name = "hf_nemotronh8b4l" + ("_compile" if compile_ else "") + ".json"
     argv = [sys.executable, str(HF_BASELINE), "--shape", "nemotronh8b4l", "--json", str(out / name)]
-    proc = subprocess.run(argv + (["--compile"] if compile_ else []), capture_output=True, text=True)
+    argv += ["--iters", str(iters)] + (["--compile"] if compile_ else [])
+    proc = subprocess.run(argv, capture_output=True, text=True)
     if proc.returncode != 0:
         return {"impl": "hf-transformers" + ("+compile" if compile_ else ""), "error": proc.stderr[-2000:]}
     return json.loads((out / name).read_text())
@@ -191,36 +235,46 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--dry-run", action="store_true", help="CPU, tiny shapes, no HF baseline subprocess")
     ap.add_argument("--iters", type=int, default=6)
+    ap.add_argument("--warmup", type=int, default=2, help="untimed training steps after the first (2)")
     ap.add_argument("--skip-hf", action="store_true", help="do not run ../shared/bench/hf_hybrid_baseline.py")
-    ap.add_argument("--skip-compile", action="store_true")
+    ap.add_argument("--skip-compile", action="store_true", help="run the baseline eager only")
+    ap.add_argument("--kernels-only", action="store_true", help="part (a) only: no training step")
+    ap.add_argument("--sweep", action="store_true", help="also time alternative tile sizes (benchmarks/ssm_sweep.py)")
+    ap.add_argument("--profile-steps", type=int, default=0, help="training steps after the timed ones run under the "
+                    "CUDA profiler (step_profile.py): where the step's time goes, in the training record")  # fmt: skip
+    ap.add_argument("--timeout", type=float, default=600.0, help="seconds for our training run (600)")
+    ap.add_argument("--json", type=Path, help=argparse.SUPPRESS)
+    ap.add_argument("--only", choices=["mcore"], help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     a.out.mkdir(parents=True, exist_ok=True)
+    if a.dry_run:
+        a.iters, a.warmup = 2, 1
+    if a.only:
+        return run_ours(a)
     device = torch.device("cpu" if a.dry_run else "cuda")
     if not a.dry_run and not torch.cuda.is_available():
         ap.error("no CUDA device: use --dry-run on CPU")
-    iters = 2 if a.dry_run else a.iters
     result: dict = {"device": torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu",
                     "torch": torch.__version__, "dry_run": a.dry_run}  # fmt: skip
     path = a.out / "ssm_throughput.json"
     shape, dtype = ("tiny", torch.float32) if a.dry_run else ("nemotronh8b", torch.bfloat16)
-    result["kernels"] = bench_kernels(shape, device, dtype, iters)
+    # The dry run checks the Triton kernels too when the interpreter is on (TRITON_INTERPRET=1).
+    backend = "triton" if a.dry_run and os.environ.get("TRITON_INTERPRET") == "1" else None
+    result["kernels"] = bench_kernels(shape, device, dtype, a.iters, backend, a.sweep)
     path.write_text(json.dumps(result, indent=1))
+    if a.kernels_only:
+        print(json.dumps(result, indent=1))
+        return 0
     if device.type == "cuda":
         torch.cuda.empty_cache()
-    preset, seq = ("nemotron_h-tiny", 32) if a.dry_run else ("nemotron-h-8b-4l", 4096)
-    modes = (False,) if (a.skip_compile or a.dry_run) else (False, True)
     result["training"] = []
-    # The baseline runs first, in its own processes, while this one holds no model: its eager step peaks at
-    # ~98 GB, and a compiled model of ours would keep its memory alive here (dynamo's caches reference it).
+    # Every training run is a process of its own, one after the other: the baseline's eager step peaks at ~98 GB.
     if not (a.dry_run or a.skip_hf):
-        for compile_ in modes:
-            result["training"].append(run_hf_baseline(a.out, compile_))
+        for compile_ in (False,) if a.skip_compile else (False, True):
+            result["training"].append(run_hf_baseline(a.out, compile_, a.iters))
             path.write_text(json.dumps(result, indent=1))
-    for compile_ in modes:
-        result["training"].append(bench_training(preset, {}, device, compile_, iters, seq))
-        path.write_text(json.dumps(result, indent=1))
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
+    result["training"].append(bench_training(a))
+    path.write_text(json.dumps(result, indent=1))
     print(json.dumps(result, indent=1))
     return 0
 

@@ -12,7 +12,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_ssm_benchmark_dry_run_writes_its_json(tmp_path):
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
+    # The interpreter makes the dry run time the Triton SSD kernels too (ours = the Triton backend here).
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "", "TRITON_INTERPRET": "1"}
     argv = [sys.executable, str(ROOT / "benchmarks" / "ssm_throughput.py"), "--dry-run", "--out", str(tmp_path)]
     proc = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -20,7 +21,58 @@ def test_ssm_benchmark_dry_run_writes_its_json(tmp_path):
     kernels = result["kernels"]
     # Our SSD computes what HF's torch path computes (fp32 on CPU).
     assert kernels["ssd_rel_diff_vs_hf"] < 1e-5
-    for name in ("ssd_ours_ms", "ssd_hf_ms", "conv_ours_ms", "conv_hf_ms"):
+    for ssd in ("ours", "ours_torch_states", "ours_torch", "hf"):
+        assert kernels[f"ssd_{ssd}_ms"] > 0
+    for name in ("conv_ours_ms", "conv_hf_ms"):
         assert kernels[name] > 0
+    assert set(kernels["ssd_parts_ms"]) == {"intra_fwd", "intra_bwd", "state_fwd", "state_bwd", "chunk_state_fwd",
+                                            "chunk_state_bwd", "inter_fwd", "inter_bwd"}  # fmt: skip
     (train,) = result["training"]
     assert train["impl"] == "mcore" and train["tokens_per_s"] > 0 and train["preset"] == "nemotron_h-tiny"
+
+
+def test_tile_sweep_restores_the_defaults_and_times_every_value(monkeypatch):
+    import time
+
+    import torch
+
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    import ssm_sweep
+    from ssm_throughput import KERNEL_SHAPES
+
+    from mcore.kernels import dispatch
+    from mcore.kernels.triton import conv as tconv
+    from mcore.kernels.triton import ssd as tssd
+
+    if not dispatch.triton_interpreting():
+        import pytest
+
+        pytest.skip("the sweep's CPU check runs the kernels under TRITON_INTERPRET=1")
+    monkeypatch.setattr(ssm_sweep, "SSD_TILES", {"INTRA_ROWS": (16, 32), "STATE_BLOCK": (64, 256)})
+    monkeypatch.setattr(ssm_sweep, "CONV_TILES", ((16, 32), (32, 64)))
+    monkeypatch.setattr(ssm_sweep, "STATES_ROWS", (16, 32))
+    before = (tssd.INTRA_ROWS, tssd.STATE_BLOCK, tconv.BLOCK_L, tconv.BLOCK_D)
+    s = KERNEL_SHAPES["tiny"]
+    x = torch.randn(1, s["seq"], 48, requires_grad=True)
+    w, bias = torch.randn(48, 4, requires_grad=True), torch.randn(48, requires_grad=True)
+
+    def measure(fn, iters):
+        t0 = time.perf_counter()
+        fn()
+        return time.perf_counter() - t0
+
+    out = ssm_sweep.sweep(s, (x, w, bias, torch.randn(x.shape)), torch.device("cpu"), torch.float32, measure, 1)
+    assert set(out["ssd"]["INTRA_ROWS"]) == {"16", "32"} and set(out["ssd"]["STATE_BLOCK"]) == {"64", "256"}
+    assert set(out["ssd"]["states.ROWS"]) == {"16", "32"}
+    assert set(out["conv"]) == {"16x32", "32x64"} and all(v > 0 for v in out["conv"].values())
+    assert before == (tssd.INTRA_ROWS, tssd.STATE_BLOCK, tconv.BLOCK_L, tconv.BLOCK_D)
+
+
+def test_step_profile_puts_the_ssm_kernels_in_their_category(monkeypatch):
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    from step_profile import categorize
+
+    names = ("_intra_fwd_kernel", "_intra_dx_kernel", "_intra_dcb_kernel", "_state_bwd_kernel", "_conv_bwd_kernel")
+    for name in (*names, "_chunk_state_fwd_kernel", "_chunk_state_bwd_kernel", "_inter_fwd_kernel"):
+        assert categorize(name) == "ssm", name
+    assert categorize("_flash_fwd_kernel") == "attention" and categorize("_rms_norm_fwd") == "norm"

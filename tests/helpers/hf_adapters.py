@@ -106,6 +106,22 @@ def nemotron_h_config_kwargs(config: TransformerConfig) -> dict[str, Any]:
         attention_bias=config.attention_bias,
         mlp_hidden_act="relu2",
         residual_in_fp32=False,
+        **(_nemotron_h_moe_kwargs(config) if config.num_experts is not None else {}),
+    )
+
+
+def _nemotron_h_moe_kwargs(config: TransformerConfig) -> dict[str, Any]:
+    """NemotronHConfig's MoE fields (its experts' width is moe_intermediate_size; the router's knobs are ours)."""
+    router = dict(config.moe_router or {})
+    return dict(
+        n_routed_experts=config.num_experts,
+        num_experts_per_tok=config.num_experts_per_tok,
+        moe_intermediate_size=config.moe_intermediate_size,
+        moe_shared_expert_intermediate_size=config.shared_expert_intermediate_size,
+        norm_topk_prob=config.norm_topk_prob,
+        n_group=router.get("n_group", 1),
+        topk_group=router.get("topk_group", 1),
+        routed_scaling_factor=router.get("routed_scaling_factor", 1.0),
     )
 
 
@@ -129,6 +145,11 @@ _NEMOTRON_RENAMES = {
     "attention.o_proj.": "attention.out_proj.",
     "mlp.up_proj.": "mlp.up.",
     "mlp.down_proj.": "mlp.down.",
+    "mlp.gate.weight": "mlp.router.weight",
+    "mlp.experts.up_proj": "mlp.experts.up",  # transformers 5 holds them merged in memory: [E, F, H], [E, H, F]
+    "mlp.experts.down_proj": "mlp.experts.down",
+    "mlp.shared_experts.up_proj.": "mlp.shared_expert.up.",
+    "mlp.shared_experts.down_proj.": "mlp.shared_expert.down.",
 }
 
 
@@ -140,9 +161,13 @@ def nemotron_h_to_mcore_state(hf_state, config):
             qkv = [out.pop(a + f"{n}_proj.weight") for n in "qkv"]
             out[a + "qkv.weight"] = _fuse_qkv(*qkv, config)
     for name in list(out):
+        if name.endswith("mlp.gate.e_score_correction_bias"):  # a buffer (our mlp.expert_bias), not a parameter
+            out.pop(name)
+            continue
         for old, new in _NEMOTRON_RENAMES.items():
             if f".{old}" in name:
                 out[name.replace(f".{old}", f".{new}")] = out.pop(name)
+                break
     return out
 
 

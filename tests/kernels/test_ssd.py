@@ -22,7 +22,7 @@ def sequential_scan(x, dt, A, B, C, D, dt_bias, initial, seq_idx):
     x, dt, A, B, C, D, dt_bias = (t.double() for t in (x, dt, A, B, C, D, dt_bias))
     dt = F.softplus(dt + dt_bias)
     B, C = B.repeat_interleave(rep, dim=2), C.repeat_interleave(rep, dim=2)
-    state = torch.zeros(b, h, p, n, dtype=torch.float64) if initial is None else initial.double()
+    state = torch.zeros(b, h, p, n, dtype=torch.float64, device=x.device) if initial is None else initial.double()
     ys = []
     for t in range(length):
         if t > 0:

@@ -15,6 +15,7 @@ from tests.models.hf_weights import hf_model, load_hf_weights
 CONFIGS = {
     **{family: tiny_config(family) for family in families()},
     "llama-tied": get_config("llama-tiny", tie_word_embeddings=True),
+    "nemotron_h-moe": get_config("nemotron_h-moe-tiny"),  # MoE layers between Mamba and attention
 }
 
 

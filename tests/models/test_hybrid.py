@@ -24,8 +24,7 @@ def test_pattern_string_and_hf_block_types_agree_and_round_trip():
     assert parts_pattern(from_string["layer_types"], from_string["mlp_layer_types"]) == "M-*M"
     with pytest.raises(ValueError, match=r"unknown entries \['X'\]"):
         pattern_parts("M-X")
-    with pytest.raises(ValueError, match=r"MoE layers \('E'\), which are not supported yet"):
-        pattern_parts("ME")
+    assert parts_pattern(**{k: v for k, v in pattern_parts("ME-").items() if k != "num_hidden_layers"}) == "ME-"
     with pytest.raises(ValueError, match="Nemotron-H layers are one of"):
         parts_pattern(["full_attention"], ["dense"])
 
@@ -104,3 +103,41 @@ def test_published_totals():
     assert parameter_counts(get_config("mamba-codestral-7b")).total == 7_285_403_648
     assert parameter_counts(get_config("nemotron-h-8b")).total == 8_100_852_736
     assert parameter_counts(get_config("falcon-h1-0.5b")).total == 521_411_104
+
+
+def test_more_published_sizes():
+    from mcore.models.accounting import parameter_counts
+
+    # The model cards' rounded sizes (each preset equals HF on the meta device, test_accounting).
+    billions = {
+        "nemotron-h-47b": 46.8,
+        "nemotron-h-56b": 56.3,
+        "nemotron-nano-9b-v2": 8.89,
+        "nemotron-nano-12b-v2": 12.3,
+        "nemotron-3-nano-30b-a3b": 31.6,
+    }
+    for name, size in billions.items():
+        digits = len(str(size).split(".")[1])
+        assert round(parameter_counts(get_config(name)).total / 1e9, digits) == size, name
+
+
+def test_nemotron_h_on_the_triton_kernels_equals_hf(monkeypatch):
+    """Every op on its Triton kernel (the interpreter on CPU): SSD, conv, gated norm, attention, norms, loss."""
+    from mcore.kernels import dispatch
+    from tests.models.hf_weights import hf_to_mcore_state, mcore_grads_as_hf
+
+    if not dispatch.triton_interpreting():
+        pytest.skip("needs TRITON_INTERPRET=1 (CUDA runs the same kernels compiled in tests/models/test_gpu.py)")
+    monkeypatch.setenv("MCORE_KERNELS_BACKEND", "triton")
+    config = get_config("nemotron_h-tiny")
+    hf, ours = _pair(config, seed=2)
+    ids = torch.randint(0, config.vocab_size, (2, 20), generator=torch.Generator().manual_seed(3))
+    ref = hf(ids, use_cache=False).logits
+    got = ours(ids)[..., : config.vocab_size]
+    assert (got - ref).abs().max() <= 1e-4
+    gy = torch.randn(ref.shape, generator=torch.Generator().manual_seed(4))
+    (ref * gy).sum().backward()
+    (got * gy).sum().backward()
+    hf_grads = hf_to_mcore_state({n: p.grad for n, p in hf.named_parameters()}, config)
+    for name, grad in mcore_grads_as_hf(ours, config).items():
+        assert (grad - hf_grads[name]).abs().max() <= 1e-4 * hf_grads[name].abs().max() + 1e-7, name

@@ -1,6 +1,7 @@
-"""Nemotron-H and Falcon-H1 over 4 gloo ranks with pipeline layouts that split the layer pattern unevenly (pp=2 with
-[3, 1] and [1, 3] layers, tp=2 x pp=2 with [3, 1]): two SGD steps of packed and plain micro-batches give the
-single-process losses and gradients (relative 1e-5). The even layouts of every family run in test_parallel_parity."""
+"""Nemotron-H (also with MoE layers) and Falcon-H1 over 4 gloo ranks with pipeline layouts that split the layer
+pattern unevenly (pp=2 with [3, 1] and [1, 3] layers, tp=2 x pp=2 with [3, 1] / [3, 2]): two SGD steps of packed
+and plain micro-batches give the single-process losses and gradients (relative 1e-5). The even layouts of every
+family run in test_parallel_parity."""
 
 from __future__ import annotations
 
@@ -20,6 +21,9 @@ CASES = {  # name -> (preset, overrides, tp, pp, layers per stage)
     "nemotron_h-pp2-1+3": ("nemotron_h-tiny", {}, 1, 2, [1, 3]),
     "nemotron_h-tp2xpp2-3+1": ("nemotron_h-tiny", {}, 2, 2, [3, 1]),
     "falcon_h1-tp2xpp2-2+1": ("falcon_h1-tiny", {"num_hidden_layers": 3}, 2, 2, [2, 1]),
+    # MoE layers (ME*E-): experts split over etp = tp; the reference has no finalize step, so the aux-loss-free bias
+    # stays put on both (rate 0) while the routing still adds it.
+    "nemotron_h_moe-tp2xpp2-3+2": ("nemotron_h-moe-tiny", {"bias_update_rate": 0.0}, 2, 2, [3, 2]),
 }
 
 
@@ -29,6 +33,9 @@ def _config(preset, overrides):
 
     if "num_hidden_layers" in overrides and preset.startswith("falcon_h1"):
         overrides = {**overrides, **falcon_layers(overrides["num_hidden_layers"])}
+    if "bias_update_rate" in overrides:
+        router = {**get_config(preset).moe_router, "bias_update_rate": overrides["bias_update_rate"]}
+        overrides = {k: v for k, v in overrides.items() if k != "bias_update_rate"} | {"moe_router": router}
     return get_config(preset, **overrides)
 
 

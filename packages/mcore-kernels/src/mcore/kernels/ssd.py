@@ -17,8 +17,10 @@ The chunked form (Dao & Gu 2024, "Transformers are SSMs") computes, per chunk of
 Here the document mask enters all four: the decay mask is zero across documents (1), tokens of an earlier document
 do not reach the chunk-end state (2), a chunk's incoming state does not cross a boundary (3, 4).
 
-This module is the pure-torch backend (fp32 compute whatever the input dtype; autograd gives the backward pass).
-A, D and dt_bias are used in fp32 (they are fp32 parameters in every Mamba-2 checkpoint).
+Two backends (:mod:`mcore.kernels.dispatch`: Triton on CUDA, torch elsewhere): this module's pure-torch chunked
+scan (fp32 compute whatever the input dtype; autograd gives the backward pass), and :mod:`mcore.kernels.ssd_triton`
+(Triton intra-chunk output and state passing, torch matmuls for the rest). A, D and dt_bias are used in fp32 (they
+are fp32 parameters in every Mamba-2 checkpoint).
 """
 
 from __future__ import annotations
@@ -27,6 +29,8 @@ import math
 
 import torch
 import torch.nn.functional as F
+
+from mcore.kernels import dispatch
 
 
 def seq_idx_from_cu_seqlens(
@@ -111,6 +115,7 @@ def ssd_scan(
     seq_idx: torch.Tensor | None = None,
     cu_seqlens: torch.Tensor | None = None,
     return_final_states: bool = False,
+    backend: str | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """The SSD scan (see the module docstring).
 
@@ -125,6 +130,7 @@ def ssd_scan(
         seq_idx: ``[batch, seqlen]`` integer document index, non-decreasing along each row; or ``cu_seqlens``
             (int32 boundaries over the flattened ``batch * seqlen`` tokens). Give at most one.
         return_final_states: also return the fp32 state after the last token ``[batch, heads, head_dim, state]``.
+        backend: ``"triton"`` or ``"reference"`` (default: by device, see :mod:`mcore.kernels.dispatch`).
 
     Returns:
         ``y`` shaped and typed like ``x`` (and the final states when asked).
@@ -135,7 +141,13 @@ def ssd_scan(
             raise ValueError("ssd_scan: give seq_idx or cu_seqlens, not both")
         seq_idx = seq_idx_from_cu_seqlens(cu_seqlens, x.shape[0], x.shape[1])
     dt = discretize_dt(dt, dt_bias, dt_softplus, dt_limit)
-    y, final = _ssd_chunked(x.float(), dt, A.float(), B.float(), C.float(), chunk_size, initial_states, seq_idx)
+    tensors = [t for t in (x, dt, A, B, C, initial_states, seq_idx) if t is not None]
+    if dispatch.choose("ssd_scan", *tensors, backend=backend) == dispatch.TRITON:
+        from mcore.kernels.ssd_triton import ssd_chunked_triton
+
+        y, final = ssd_chunked_triton(x, dt, A.float(), B, C, chunk_size, initial_states, seq_idx)
+    else:
+        y, final = _ssd_chunked(x.float(), dt, A.float(), B.float(), C.float(), chunk_size, initial_states, seq_idx)
     if D is not None:
         y = y + D.float()[:, None] * x.float()
     y = y.to(x.dtype)

@@ -2,7 +2,10 @@
 attention without RoPE, or squared-ReLU MLP); ours is the same block with the other slot empty, so the HF norm is
 our ``input_norm`` (Mamba, attention layers) or ``mlp_norm`` (MLP layers). The layer pattern is HF's
 ``layers_block_type``, or Megatron's ``hybrid_override_pattern`` string in older files (read; written back as it was).
-MoE layers are refused until the ``moe`` MLP part exists.
+MoE layers (``moe`` / ``E``: our ``moe_relu2`` MLP) hold the router ``mixer.gate.weight``, the experts stored per
+expert in the Hub's files (``mixer.experts.{i}.up_proj`` / ``down_proj``; transformers 5 merges them only in
+memory) and the shared expert ``mixer.shared_experts``. The router's ``gate.e_score_correction_bias`` is a buffer
+(our ``mlp.expert_bias``), which this bridge does not carry yet: a file holding one is refused, naming it.
 """
 
 from __future__ import annotations
@@ -11,7 +14,7 @@ from mcore.bridge.errors import BridgeError
 from mcore.bridge.mappings.base import FamilyMapping, TensorRule
 from mcore.bridge.mappings.config_rules import Field, family_rules
 from mcore.bridge.mappings.mamba2 import mamba_tensors
-from mcore.bridge.mappings.ssm_rules import Alias, LayerPattern, TimeStepLimit
+from mcore.bridge.mappings.ssm_rules import Alias, LayerPattern, NemotronMoE, TimeStepLimit
 
 L = "backbone.layers.{layer}"
 X = f"{L}.mixer"
@@ -25,10 +28,21 @@ TENSORS = (
         "layers.{layer}.attention.qkv.weight", (f"{X}.q_proj.weight", f"{X}.k_proj.weight", f"{X}.v_proj.weight"), "qkv"
     ),
     TensorRule("layers.{layer}.attention.out_proj.weight", (f"{X}.o_proj.weight",)),
-    TensorRule("layers.{layer}.mlp.up.weight", (f"{X}.up_proj.weight",)),
-    TensorRule("layers.{layer}.mlp.down.weight", (f"{X}.down_proj.weight",)),
-    TensorRule("layers.{layer}.mlp.up.bias", (f"{X}.up_proj.bias",), when="mlp_bias"),
-    TensorRule("layers.{layer}.mlp.down.bias", (f"{X}.down_proj.bias",), when="mlp_bias"),
+    TensorRule("layers.{layer}.mlp.up.weight", (f"{X}.up_proj.weight",), mlp="relu2"),
+    TensorRule("layers.{layer}.mlp.down.weight", (f"{X}.down_proj.weight",), mlp="relu2"),
+    TensorRule("layers.{layer}.mlp.up.bias", (f"{X}.up_proj.bias",), when="mlp_bias", mlp="relu2"),
+    TensorRule("layers.{layer}.mlp.down.bias", (f"{X}.down_proj.bias",), when="mlp_bias", mlp="relu2"),
+    TensorRule("layers.{layer}.mlp.router.weight", (f"{X}.gate.weight",), mlp="moe_relu2"),
+    TensorRule(
+        "layers.{layer}.mlp.experts.up", (f"{X}.experts.{{expert}}.up_proj.weight",), "experts", mlp="moe_relu2"
+    ),
+    TensorRule(
+        "layers.{layer}.mlp.experts.down", (f"{X}.experts.{{expert}}.down_proj.weight",), "experts", mlp="moe_relu2"
+    ),
+    TensorRule("layers.{layer}.mlp.shared_expert.up.weight", (f"{X}.shared_experts.up_proj.weight",), mlp="moe_relu2"),
+    TensorRule(
+        "layers.{layer}.mlp.shared_expert.down.weight", (f"{X}.shared_experts.down_proj.weight",), mlp="moe_relu2"
+    ),
     TensorRule("final_norm.weight", ("backbone.norm_f.weight",)),
     TensorRule("output.weight", ("lm_head.weight",), "vocab", unless="tie_word_embeddings"),
 )
@@ -59,6 +73,16 @@ def _render(pairs: list[tuple[str, str]]) -> dict:
 
 def _layer_count(hf: dict) -> int:
     return len(_parts(hf))
+
+
+def _has_moe(hf: dict) -> bool:
+    return any(mlp == "moe_relu2" for _, mlp in _parts(hf))
+
+
+def _fixed_router() -> tuple:
+    from mcore.models.families.nemotron_h import MOE_ROUTER
+
+    return tuple(MOE_ROUTER.items())
 
 
 class _LayerCount(Field):
@@ -94,6 +118,7 @@ CONFIG = family_rules(
         Field("tie_word_embeddings", False),
         Alias("mamba_hidden_act", ("hidden_act",), "silu"),
         Field("initializer_range", 0.02),
+        NemotronMoE(_has_moe, _fixed_router()),
     ),
 )
 

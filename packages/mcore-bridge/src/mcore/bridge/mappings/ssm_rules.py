@@ -147,3 +147,63 @@ class MambaInnerWidth(ConfigRule):
 
     def to_hf(self, values: dict[str, Any], original: dict[str, Any] | None) -> dict[str, Any]:
         return {"mamba_d_ssm": values["mamba_num_heads"] * values["mamba_head_dim"]}
+
+
+# NemotronHConfig's MoE keys -> our fields (the routing knobs go into moe_router)
+_NEMOTRON_MOE_FIELDS = {
+    "n_routed_experts": "num_experts",
+    "num_experts_per_tok": "num_experts_per_tok",
+    "moe_intermediate_size": "moe_intermediate_size",
+    "moe_shared_expert_intermediate_size": "shared_expert_intermediate_size",
+    "norm_topk_prob": "norm_topk_prob",
+}
+_NEMOTRON_ROUTER_KEYS = ("n_group", "topk_group", "routed_scaling_factor")
+# transformers' NemotronHConfig defaults
+_NEMOTRON_MOE_DEFAULTS = {
+    "n_routed_experts": 8,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 7688,
+    "moe_shared_expert_intermediate_size": 7688,
+    "norm_topk_prob": True,
+    "n_group": 1,
+    "topk_group": 1,
+    "routed_scaling_factor": 1.0,
+}
+
+
+@dataclass(frozen=True)
+class NemotronMoE(ConfigRule):
+    """Nemotron-H's MoE keys, read only when the pattern has MoE layers (``has_moe(hf)``); a model without them has
+    no experts whatever the file's (default) MoE keys say. The router is always sigmoid with the score-correction
+    bias (``router``: the family's fixed knobs); ``n_group`` / ``topk_group`` / ``routed_scaling_factor`` join it.
+    ``moe_latent_size`` (Nemotron-3 Super's latent expert projections) is refused."""
+
+    has_moe: Callable[[dict[str, Any]], bool]
+    router: tuple[tuple[str, Any], ...]
+
+    hf_keys = (*_NEMOTRON_MOE_FIELDS, *_NEMOTRON_ROUTER_KEYS, "moe_latent_size")
+    mcore_fields = (*_NEMOTRON_MOE_FIELDS.values(), "moe_router")
+
+    def to_mcore(self, hf: dict[str, Any]) -> dict[str, Any]:
+        if not self.has_moe(hf):
+            return {"num_experts": None, "num_experts_per_tok": 2, "moe_intermediate_size": None,
+                    "shared_expert_intermediate_size": None, "norm_topk_prob": False, "moe_router": None}  # fmt: skip
+        if hf.get("moe_latent_size") is not None:
+            raise BridgeError(
+                f"config.json moe_latent_size={hf['moe_latent_size']} (latent expert projections, Nemotron-3 Super) "
+                "is not supported; only models whose experts see the hidden size convert"
+            )
+        out = {ours: hf.get(key, _NEMOTRON_MOE_DEFAULTS[key]) for key, ours in _NEMOTRON_MOE_FIELDS.items()}
+        knobs = {key: hf.get(key, _NEMOTRON_MOE_DEFAULTS[key]) for key in _NEMOTRON_ROUTER_KEYS}
+        return {**out, "moe_router": {**dict(self.router), **knobs}}
+
+    def to_hf(self, values: dict[str, Any], original: dict[str, Any] | None) -> dict[str, Any]:
+        if values["num_experts"] is None:
+            return {}
+        router = dict(values["moe_router"] or {})
+        fixed = {k: router.get(k) for k, _ in self.router}
+        if fixed != dict(self.router):
+            raise BridgeError(f"Nemotron-H's router is {dict(self.router)}; the model's moe_router has {fixed}")
+        out = {key: values[ours] for key, ours in _NEMOTRON_MOE_FIELDS.items()}
+        out.update({key: router.get(key, _NEMOTRON_MOE_DEFAULTS[key]) for key in _NEMOTRON_ROUTER_KEYS})
+        return out

@@ -4,9 +4,10 @@
 ``BLOCK_L x BLOCK_D`` tile (positions x channels) of one row; the ``k`` taps are a static loop, and a tap whose
 source is before the row start or in another document (``seq_idx`` differs) reads 0. Math is fp32 in registers.
 
-Backward is two passes: (1) recompute the pre-activation and write ``dpre = dy * silu'(pre)`` (fp32); (2) per
-tile, ``dx[s] = sum_j w[j] * dpre[s + k - 1 - j]`` (same document) and the tile's partial sums of ``dw`` and
-``dbias``, which torch adds up over tiles (deterministic: no atomics).
+Backward is one pass: per tile, ``dx[s] = sum_j w[j] * dpre[s + k - 1 - j]`` (same document) with
+``dpre = dy * silu'(pre)`` recomputed at each shifted position from ``x`` (its loads hit the cache: cheaper than
+writing and re-reading an fp32 ``dpre``), and the tile's partial sums of ``dw`` and ``dbias``, which torch adds up
+over tiles (deterministic: no atomics).
 """
 
 from __future__ import annotations
@@ -53,24 +54,21 @@ def _conv_fwd_kernel(X, W, BIAS, SEQ, OUT, L, D, HAS_BIAS: tl.constexpr, HAS_SEQ
 
 
 @triton.jit
-def _conv_dpre_kernel(X, W, BIAS, SEQ, DY, DPRE, L, D, HAS_BIAS: tl.constexpr, HAS_SEQ: tl.constexpr,
-                      SILU: tl.constexpr, K: tl.constexpr, BL: tl.constexpr, BD: tl.constexpr):  # fmt: skip
-    b = tl.program_id(0)
-    offs_l = tl.program_id(1) * BL + tl.arange(0, BL)
-    offs_d = tl.program_id(2) * BD + tl.arange(0, BD)
-    mask = (offs_l < L)[:, None] & (offs_d < D)[None, :]
-    ptrs = (b * L + offs_l[:, None]) * D + offs_d[None, :]
-    dy = tl.load(DY + ptrs, mask=mask, other=0.0).to(tl.float32)
+def _dpre(X, W, BIAS, SEQ, DY, b, offs_t, offs_d, L, D, HAS_BIAS: tl.constexpr, HAS_SEQ: tl.constexpr,
+          SILU: tl.constexpr, K: tl.constexpr, BL: tl.constexpr, BD: tl.constexpr):  # fmt: skip
+    """``dy * silu'(pre)`` (fp32) at positions ``offs_t`` (0 outside the row), the pre-activation recomputed."""
+    mask = (offs_t < L)[:, None] & (offs_d < D)[None, :]
+    dy = tl.load(DY + (b * L + offs_t[:, None]) * D + offs_d[None, :], mask=mask, other=0.0).to(tl.float32)
     if SILU:
-        pre = _pre_activation(X, W, BIAS, SEQ, b, offs_l, offs_d, L, D, HAS_BIAS, HAS_SEQ, K, BL, BD)
-        s = tl.sigmoid(pre)
-        dy = dy * s * (1.0 + pre * (1.0 - s))
-    tl.store(DPRE + ptrs, dy, mask=mask)
+        pre = _pre_activation(X, W, BIAS, SEQ, b, offs_t, offs_d, L, D, HAS_BIAS, HAS_SEQ, K, BL, BD)
+        sig = tl.sigmoid(pre)
+        dy = dy * sig * (1.0 + pre * (1.0 - sig))
+    return dy
 
 
 @triton.jit
-def _conv_bwd_kernel(X, W, SEQ, DPRE, DX, DW_PART, DB_PART, L, D, HAS_SEQ: tl.constexpr, K: tl.constexpr,
-                     BL: tl.constexpr, BD: tl.constexpr):  # fmt: skip
+def _conv_bwd_kernel(X, W, BIAS, SEQ, DY, DX, DW_PART, DB_PART, L, D, HAS_BIAS: tl.constexpr, HAS_SEQ: tl.constexpr,
+                     SILU: tl.constexpr, K: tl.constexpr, BL: tl.constexpr, BD: tl.constexpr):  # fmt: skip
     b, pid_l = tl.program_id(0), tl.program_id(1)
     offs_l = pid_l * BL + tl.arange(0, BL)
     offs_d = tl.program_id(2) * BD + tl.arange(0, BD)
@@ -79,10 +77,10 @@ def _conv_bwd_kernel(X, W, SEQ, DPRE, DX, DW_PART, DB_PART, L, D, HAS_SEQ: tl.co
     if HAS_SEQ:
         seq_here = tl.load(SEQ + b * L + offs_l, mask=mask_l, other=-1)
     dx = tl.zeros((BL, BD), dtype=tl.float32)
-    dpre_here = tl.load(DPRE + (b * L + offs_l[:, None]) * D + offs_d[None, :], mask=mask, other=0.0)
+    dpre_here = _dpre(X, W, BIAS, SEQ, DY, b, offs_l, offs_d, L, D, HAS_BIAS, HAS_SEQ, SILU, K, BL, BD)
     part = (b * tl.num_programs(1) + pid_l) * K
     for j in tl.static_range(K):
-        # dx: position s feeds output t = s + k - 1 - j through tap j.
+        # dx: position s feeds output t = s + k - 1 - j through tap j (dpre at t recomputed: no fp32 round trip).
         t = offs_l + (K - 1) - j
         valid_t = (t < L) & mask_l
         # dw: output position t (this tile) reads source s = t - (k - 1) + j through tap j.
@@ -91,11 +89,12 @@ def _conv_bwd_kernel(X, W, SEQ, DPRE, DX, DW_PART, DB_PART, L, D, HAS_SEQ: tl.co
         if HAS_SEQ:
             valid_t = valid_t & (tl.load(SEQ + b * L + t, mask=valid_t, other=-2) == seq_here)
             valid_s = valid_s & (tl.load(SEQ + b * L + s, mask=valid_s, other=-2) == seq_here)
-        dp = tl.load(
-            DPRE + (b * L + t[:, None]) * D + offs_d[None, :], mask=valid_t[:, None] & mask_d[None, :], other=0.0
-        )
+        if j == K - 1:
+            dp = dpre_here
+        else:
+            dp = _dpre(X, W, BIAS, SEQ, DY, b, t, offs_d, L, D, HAS_BIAS, HAS_SEQ, SILU, K, BL, BD)
         w = tl.load(W + offs_d * K + j, mask=mask_d, other=0.0).to(tl.float32)
-        dx += dp * w[None, :]
+        dx += tl.where(valid_t[:, None], dp, 0.0) * w[None, :]
         xs = tl.load(X + (b * L + s[:, None]) * D + offs_d[None, :], mask=valid_s[:, None] & mask_d[None, :], other=0.0)
         tl.store(DW_PART + (part + j) * D + offs_d, tl.sum(dpre_here * xs.to(tl.float32), axis=0), mask=mask_d)
     tl.store(DB_PART + (b * tl.num_programs(1) + pid_l) * D + offs_d, tl.sum(dpre_here, axis=0), mask=mask_d)
@@ -124,16 +123,13 @@ def conv_backward(dy, x, weight, bias, seq_idx, silu: bool):
     k = weight.shape[1]
     grid = _grid(x)
     seq = seq_idx.to(torch.int32).contiguous() if seq_idx is not None else x
-    dpre = torch.empty(x.shape, dtype=torch.float32, device=x.device)
-    flags = dict(HAS_SEQ=seq_idx is not None, K=k, BL=BLOCK_L, BD=BLOCK_D)
-    _conv_dpre_kernel[grid](
-        x, weight, bias if bias is not None else weight, seq, dy.contiguous(), dpre, length, dim,
-        HAS_BIAS=bias is not None, SILU=silu, **flags,
-    )  # fmt: skip
     dx = torch.empty_like(x)
     dw_part = torch.empty(b * grid[1], k, dim, dtype=torch.float32, device=x.device)
     db_part = torch.empty(b * grid[1], dim, dtype=torch.float32, device=x.device)
-    _conv_bwd_kernel[grid](x, weight, seq, dpre, dx, dw_part, db_part, length, dim, **flags)
+    _conv_bwd_kernel[grid](
+        x, weight, bias if bias is not None else weight, seq, dy.contiguous(), dx, dw_part, db_part, length, dim,
+        HAS_BIAS=bias is not None, HAS_SEQ=seq_idx is not None, SILU=silu, K=k, BL=BLOCK_L, BD=BLOCK_D,
+    )  # fmt: skip
     dw = dw_part.sum(0).t().to(weight.dtype)
     db = db_part.sum(0).to(bias.dtype) if bias is not None else None
     return dx, dw, db

@@ -134,6 +134,7 @@ MLPS = PartRegistry(
         "falcon_h1_mlp": "mcore.models.layers.falcon_h1:FALCON_H1_MLP",
         NO_PART: "mcore.models.layers.block:NO_MLP",
         "moe": "mcore.models.layers.moe:MOE_MLP",
+        "moe_relu2": "mcore.models.layers.relu2_moe:RELU2_MOE_MLP",
         "bitnet_mlp": "mcore.models.layers.bitnet:BITNET_MLP",
     },
 )

@@ -1,0 +1,95 @@
+"""Tile-size sweep of the Triton SSD and conv1d kernels on one shape (``ssm_throughput.py --sweep``): each
+alternative of the module-level tile constants is set, timed (forward + backward, median), and the defaults are
+restored, so that the next run can take the best. Also what ``ssm_throughput.py`` reports as ``ssd_parts_ms``: each
+Triton SSD kernel alone at the current tiles."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+# module constant -> the values tried (the current default among them)
+SSD_TILES = {
+    "INTRA_ROWS": (32, 64, 128),
+    "INTRA_WARPS": (4, 8),
+    "DCB_TILE": (2048, 4096, 8192),
+    "DCB_WARPS": (4, 8),
+    "STATE_BLOCK": (128, 256, 512, 1024),
+}
+STATES_ROWS = (32, 64, 128)  # mcore.kernels.triton.ssd_states.ROWS
+CONV_TILES = ((32, 64), (64, 64), (32, 128), (64, 128), (128, 64), (16, 256))  # (BLOCK_L, BLOCK_D)
+
+
+def ssd_kernel_calls(s: dict, device: torch.device, dtype: torch.dtype) -> dict[str, Callable[[], object]]:
+    """The Triton SSD launches (intra-chunk output, state passing, chunk states, inter-chunk output; forward and
+    backward each) on random inputs of shape ``s``."""
+    from mcore.kernels.triton import ssd as kernels
+    from mcore.kernels.triton import ssd_states as states
+
+    b, length, h, p, g, n, q = (s[k] for k in ("batch", "seq", "heads", "head_dim", "groups", "state", "chunk"))
+    nc = -(-length // q)
+    gen = torch.Generator(device="cpu").manual_seed(2)
+    x = torch.randn(b, nc * q, h, p, generator=gen).to(device, dtype)
+    dt = (torch.rand(b, nc * q, h, generator=gen) * 0.1).to(device)
+    cs = torch.cumsum(-dt.view(b, nc, q, h), dim=2).reshape(b, nc * q, h).contiguous()
+    cb = torch.randn(b, nc, g, q, q, generator=gen).to(device)
+    dy = torch.randn(x.shape, generator=gen).to(device)
+    local = torch.randn(b, nc, h, p * n, generator=gen).to(device)
+    carry = torch.rand(b, nc, h, generator=gen).to(device)
+    incoming, _ = kernels.state_forward(local, carry, None)
+    dfinal = local[:, 0].contiguous()
+    B = torch.randn(b, nc * q, g, n, generator=gen).to(device, dtype)
+    return {
+        "intra_fwd": lambda: kernels.intra_forward(x, dt, cs, None, cb),
+        "intra_bwd": lambda: kernels.intra_backward(dy, x, dt, cs, None, cb),
+        "state_fwd": lambda: kernels.state_forward(local, carry, None),
+        "state_bwd": lambda: kernels.state_backward(carry, incoming, local, dfinal),
+        "chunk_state_fwd": lambda: states.chunk_state_forward(x, dt, B, q),
+        "chunk_state_bwd": lambda: states.chunk_state_backward(local, x, dt, B, q),
+        "inter_fwd": lambda: states.inter_forward(B, incoming, dt, h, p),
+        "inter_bwd": lambda: states.inter_backward(dy, B, incoming, dt),
+    }
+
+
+def sweep(s: dict, conv_inputs: tuple, device: torch.device, dtype: torch.dtype, measure, iters: int) -> dict:
+    """``{"ssd": {constant: {value: ms}}, "conv": {"BLxBD": ms}}``; which kernels a constant affects is summed."""
+    from mcore.kernels import causal_conv1d
+    from mcore.kernels.triton import conv as tconv
+    from mcore.kernels.triton import ssd as tssd
+
+    calls = ssd_kernel_calls(s, device, dtype)
+    intra, state = ("intra_fwd", "intra_bwd"), ("state_fwd", "state_bwd")
+    affected = {"INTRA_ROWS": intra, "INTRA_WARPS": intra, "DCB_TILE": intra[1:], "DCB_WARPS": intra[1:],
+                "STATE_BLOCK": state}  # fmt: skip
+    out: dict = {"ssd": {}, "conv": {}}
+    for name, values in SSD_TILES.items():
+        default = getattr(tssd, name)
+        out["ssd"][name] = {}
+        try:
+            for value in values:
+                setattr(tssd, name, value)
+                out["ssd"][name][str(value)] = sum(measure(calls[k], iters) * 1e3 for k in affected[name])
+        finally:
+            setattr(tssd, name, default)
+    from mcore.kernels.triton import ssd_states as tstates
+
+    default = tstates.ROWS
+    out["ssd"]["states.ROWS"] = {}
+    try:
+        for value in STATES_ROWS:
+            tstates.ROWS = value
+            parts = ("chunk_state_fwd", "chunk_state_bwd", "inter_fwd")
+            out["ssd"]["states.ROWS"][str(value)] = sum(measure(calls[k], iters) * 1e3 for k in parts)
+    finally:
+        tstates.ROWS = default
+    xc, w, bias, grad = conv_inputs
+    default = (tconv.BLOCK_L, tconv.BLOCK_D)
+    try:
+        for bl, bd in CONV_TILES:
+            tconv.BLOCK_L, tconv.BLOCK_D = bl, bd
+            fn = lambda: causal_conv1d(xc, w, bias, backend="triton").backward(grad)  # noqa: E731
+            out["conv"][f"{bl}x{bd}"] = measure(fn, iters) * 1e3
+    finally:
+        tconv.BLOCK_L, tconv.BLOCK_D = default
+    return out
