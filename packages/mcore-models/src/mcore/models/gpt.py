@@ -135,7 +135,7 @@ class GPTModel(nn.Module):
         c = self.config
         ref = next(self.parameters())
         # Layers without attention need no key/value buffers (Mamba-2 keeps its state in ``KVCache.states``).
-        recurrent_or_none = ("mamba2", NO_PART)
+        recurrent_or_none = ("mamba2", "mla", NO_PART)  # MLA caches its latents in KVCache.states
         attends = [i for i in range(*self.layer_range) if c.mixer_type(i) not in recurrent_or_none]
         return KVCache(
             attends,
