@@ -48,6 +48,11 @@ CASES = {
     ),
     "deepseek_v3-yarn": get_config("deepseek_v3-tiny", rope_interleave=False, rope_scaling=_YARN),
     "deepseek_v2-yarn": get_config("deepseek_v2-tiny", rope_scaling=_YARN),
+    # V2's group_limited_greedy: a group scores its best expert
+    "deepseek_v2-groups-4-2": get_config(
+        "deepseek_v2-tiny",
+        moe_router={"n_group": 4, "topk_group": 2, "group_score": "max", "routed_scaling_factor": 1.5},
+    ),
 }
 
 
