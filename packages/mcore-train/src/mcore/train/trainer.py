@@ -166,6 +166,7 @@ class Trainer:
         )
         for chunk in self.chunks:
             apply_low_precision(config, chunk, groups.tp)
+            chunk.mtp_loss_weight = config.train.mtp_loss_weight
         self.activation_offload = None
         if config.train.activation_offload:
             from mcore.train.activation_offload import attach_activation_offload
@@ -276,6 +277,8 @@ class Trainer:
         kwargs: dict[str, Any] = {"position_ids": batch["position_ids"], "cu_seqlens": batch.get("cu_seqlens")}
         if chunk.post_process:
             kwargs["labels"] = batch["labels"]
+            if chunk.mtp is not None:  # MTP modules embed the next tokens on the last stage
+                kwargs["mtp_input_ids"] = batch["tokens"]
         if chunk.pre_process:
             out = module(batch["tokens"], **kwargs)
         else:
