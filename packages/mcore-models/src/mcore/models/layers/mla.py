@@ -150,8 +150,8 @@ class MultiLatentAttention(nn.Module):
 
     def _keys_values(self, q_nope, q_rope, kv_latent, k_rope):
         """q, k ``[b, s, H_local, qk_head_dim]`` and v ``[b, s, H_local, v_head_dim]`` from the rotated parts."""
-        s, b = kv_latent.shape[:2]
-        kv = self.kv_up(kv_latent).view(s, b, self.local_heads, self.nope + self.v_dim)
+        kv = self.kv_up(kv_latent)  # [s, b, .]: the whole sequence also under sequence parallelism
+        kv = kv.view(*kv.shape[:2], self.local_heads, self.nope + self.v_dim)
         k_nope, v = kv.split([self.nope, self.v_dim], dim=-1)
         q = torch.cat([q_nope, q_rope], dim=-1)
         k = torch.cat([k_nope, k_rope.expand(-1, -1, self.local_heads, -1)], dim=-1)
