@@ -38,6 +38,11 @@ def _parser() -> argparse.ArgumentParser:
         help="mcore -> hf: HF directory whose config.json extras and tokenizer files to write along "
         "(for checkpoints that carry none, e.g. saved by training)",
     )
+    p.add_argument(
+        "--fp8-blocks",
+        action="store_true",
+        help="mcore -> hf: linear weights in DeepSeek's block-wise FP8 (e4m3 + weight_scale_inv per 128x128 block)",
+    )
 
     p = sub.add_parser("verify", help="run the HF and the mcore model on the same tokens and compare")
     p.add_argument("hf", metavar="HF", help="HF directory or hub id")
@@ -68,6 +73,7 @@ def _convert(args: argparse.Namespace) -> int:
         max_shard_size=args.max_shard_size,
         overwrite=args.overwrite,
         progress=False if args.no_progress else None,
+        fp8_blocks=args.fp8_blocks,
         hf_assets=args.hf_assets,
     )
     print(

@@ -21,6 +21,18 @@ from mcore.bridge.config_translation import hf_to_mcore, mcore_to_hf
 from mcore.bridge.conversion_plan import ExportPlan, ImportPlan, plan_export, plan_import
 from mcore.bridge.dtypes import parse_dtype_choice, parse_size, torch_dtype_from_name, torch_dtype_name
 from mcore.bridge.errors import BridgeError
+from mcore.bridge.fp8_blocks import (
+    SCALE_SUFFIX,
+    SCALES_FILE,
+    BlockFormat,
+    Fp8Source,
+    block_format,
+    fp8_specs,
+    is_projection,
+    load_scales,
+    quantize,
+    without_quantization_config,
+)
 from mcore.bridge.hf import (
     CONFIG_FILE,
     HFWriter,
@@ -81,8 +93,12 @@ class HFToMcore:
         where = str(path / CONFIG_FILE)
         family = family_for_hf_config(self.hf.config, where)
         config = hf_to_mcore(self.hf.config, family, where)
+        # DeepSeek's block-wise FP8: checked in full here, dequantized tensor by tensor in write()
+        fmt = block_format(self.hf.config, where)
+        self.fp8 = Fp8Source(self.hf.tensors, fmt, str(path)) if fmt is not None else None
+        tensors = self.fp8.tensors if self.fp8 is not None else self.hf.tensors
         self.plan: ImportPlan = plan_import(
-            family, config, self.hf.tensors, expected_model_tensors(config), target_dtype, str(path)
+            family, config, tensors, expected_model_tensors(config), target_dtype, str(path)
         )
         dtypes = sorted({m.dtype for m in self.plan.outputs.values()})
         if len(dtypes) != 1:
@@ -104,7 +120,7 @@ class HFToMcore:
         ):
             for step in plan.steps:
                 # cast each input as it is read, so that at most one input exists in both dtypes
-                inputs = [read_tensor(plan.sources[h]).to(self.dtype) for h in step.hf]
+                inputs = [self._read(h).to(self.dtype) for h in step.hf]
                 meta = plan.outputs[step.mcore]
                 padded = meta.shape[meta.vocab_padded_dim] if meta.vocab_padded_dim is not None else None
                 tensor = to_mcore(step.op, inputs, padded_rows=padded, **heads)
@@ -117,7 +133,15 @@ class HFToMcore:
         sidecar.mkdir()
         shutil.copyfile(self.hf.path / CONFIG_FILE, sidecar / CONFIG_FILE)
         copy_side_files(self.hf.side_files, sidecar)
+        if self.fp8 is not None:  # the source's scales, for an FP8 export that gives back the same bytes
+            from safetensors.torch import save_file
+
+            save_file(self.fp8.scales(), str(sidecar / SCALES_FILE))
         return len(plan.steps)
+
+    def _read(self, name: str) -> torch.Tensor:
+        entry = self.plan.sources[name]
+        return read_tensor(entry) if self.fp8 is None else self.fp8.read(name, entry)
 
 
 class McoreToHF:
@@ -138,6 +162,7 @@ class McoreToHF:
         target_dtype: torch.dtype | None,
         max_shard_bytes: int,
         assets: Path | None,
+        fp8_blocks: bool = False,
     ):
         family = family_by_name(config.model_type, where)
         self.plan: ExportPlan = plan_export(family, config, saved, expected_model_tensors(config), target_dtype, where)
@@ -159,10 +184,36 @@ class McoreToHF:
         out_dtypes = sorted({torch_dtype_name(d) for _, d, _ in self.plan.outputs})
         weights_dtype = out_dtypes[0] if len(out_dtypes) == 1 else None
         self.hf_config = mcore_to_hf(config, family, original, weights_dtype=weights_dtype)
+        self._setup_fp8(fp8_blocks, original, assets, where)
+
+    def _setup_fp8(self, fp8_blocks: bool, original, assets: Path | None, where: str) -> None:
+        """bf16 drops an FP8 source's quantization_config; ``fp8_blocks`` writes its format (128x128 by default)."""
+        self.fp8_format: BlockFormat | None = None
+        if not fp8_blocks:
+            self.hf_config = without_quantization_config(self.hf_config)
+            return
+        self.fp8_format = (block_format(original, where) if original else None) or BlockFormat(128, 128)
+        self.fp8_scales = load_scales(assets)
+        self.hf_config.setdefault(
+            "quantization_config",
+            {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+             "weight_block_size": [self.fp8_format.rows, self.fp8_format.cols]},
+        )  # fmt: skip
+
+    def _quantized(self, name: str, shape: tuple[int, ...]) -> bool:
+        """The weights an FP8 export quantizes: those the source had quantized, else every linear projection."""
+        if self.fp8_format is None:
+            return False
+        return name + SCALE_SUFFIX in self.fp8_scales if self.fp8_scales else is_projection(name, shape)
 
     @classmethod
     def from_checkpoint(
-        cls, path: Path, target_dtype: torch.dtype | None, max_shard_bytes: int, assets: Path | None = None
+        cls,
+        path: Path,
+        target_dtype: torch.dtype | None,
+        max_shard_bytes: int,
+        assets: Path | None = None,
+        fp8_blocks: bool = False,
     ) -> McoreToHF:
         reader = CheckpointReader(path)
         where = str(reader.path)
@@ -188,6 +239,7 @@ class McoreToHF:
             target_dtype=target_dtype,
             max_shard_bytes=max_shard_bytes,
             assets=assets if assets is not None else (sidecar if sidecar.is_dir() else None),
+            fp8_blocks=fp8_blocks,
         )
 
     @property
@@ -200,13 +252,21 @@ class McoreToHF:
         out.mkdir()
         specs = [TensorSpec(name, dtype, shape) for name, dtype, shape in plan.outputs]
         dtype_of = {s.name: s.dtype for s in specs}
+        if self.fp8_format is not None:
+            specs = fp8_specs(specs, self.fp8_format, self._quantized)
         writer = HFWriter(out, specs, self.max_shard_bytes)
         try:
             with Progress(self.total_bytes, len(specs), "mcore -> hf", progress) as bar:
                 for step in plan.steps:
                     full = self.read_full(step.mcore)
                     for name, part in zip(step.hf, to_hf(step.op, full, **heads)):
-                        writer.write(name, part.to(dtype_of[name]))
+                        if self._quantized(name, tuple(part.shape)):
+                            stored = self.fp8_scales.get(name + SCALE_SUFFIX)
+                            q, scale = quantize(part, self.fp8_format, stored)
+                            writer.write(name, q)
+                            writer.write(name + SCALE_SUFFIX, scale)
+                        else:
+                            writer.write(name, part.to(dtype_of[name]))
                         bar.advance(part.numel() * dtype_of[name].itemsize)
                     del full, part
                     release_freed_memory()
@@ -246,6 +306,7 @@ def convert(
     overwrite: bool = False,
     progress: bool | None = None,
     hf_assets: str | os.PathLike | None = None,
+    fp8_blocks: bool = False,
 ) -> ConversionResult:
     """Convert SRC (HF directory, hub id, or mcore checkpoint) into DST, in the direction SRC implies.
 
@@ -257,6 +318,8 @@ def convert(
         progress: show the progress bar (``None``: only on a terminal).
         hf_assets: mcore -> HF only: a directory with the ``config.json`` (extra keys, spelling) and tokenizer files
             to write beside the weights, for a checkpoint that carries none (e.g. one saved by training).
+        fp8_blocks: mcore -> HF only: write the linear projections in DeepSeek's block-wise FP8 (e4m3 weights and
+            fp32 ``weight_scale_inv`` per block); an FP8 source converted to mcore comes back byte for byte.
 
     Raises:
         BridgeError: for any problem with the input, before DST is touched.
@@ -278,11 +341,14 @@ def convert(
     check_destination(dst, overwrite, [source.path])
     try:
         if source.kind == "hf":
-            if hf_assets is not None:
-                raise BridgeError("--hf-assets applies to mcore -> hf conversions; SRC is a Hugging Face model")
+            if hf_assets is not None or fp8_blocks:
+                what = "--hf-assets" if hf_assets is not None else "--fp8-blocks"
+                raise BridgeError(f"{what} applies to mcore -> hf conversions; SRC is a Hugging Face model")
             job: HFToMcore | McoreToHF = HFToMcore(source.path, target_dtype)
         else:
-            job = McoreToHF.from_checkpoint(source.path, target_dtype, max_shard_bytes, assets_dir(hf_assets))
+            job = McoreToHF.from_checkpoint(
+                source.path, target_dtype, max_shard_bytes, assets_dir(hf_assets), fp8_blocks=fp8_blocks
+            )
         with staged_directory(dst, overwrite) as staged:
             count = job.write(staged, progress)
     except CheckpointError as exc:
