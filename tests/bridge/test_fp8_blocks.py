@@ -144,3 +144,55 @@ def test_malformed_fp8_checkpoint_is_one_error_and_nothing_is_written(tmp_path, 
         convert(src, tmp_path / "mcore", progress=False)
     assert not (tmp_path / "mcore").exists()
     assert [p.name for p in tmp_path.iterdir()] == ["fp8"]
+
+
+def _with_mtp(path: Path, depth: int = 1) -> Path:
+    """A tiny DeepSeek-V3 checkpoint laid out as DeepSeek ships MTP: depth k's decoder layer and its own tensors at
+    model.layers.{num_hidden_layers + k}, with copies of the embedding and the output head."""
+    save_tiny_hf(path, "deepseek_v3", num_hidden_layers=3 + depth)  # layers 3.. are the MTP depths' layers
+    state = load_file(str(path / "model.safetensors"))
+    g = torch.Generator().manual_seed(9)
+    h = state["model.embed_tokens.weight"].shape[1]
+    for k in range(depth):
+        at = f"model.layers.{3 + k}."
+        for name in ("enorm", "hnorm", "shared_head.norm"):
+            state[at + name + ".weight"] = torch.rand(h, generator=g) + 0.5
+        state[at + "eh_proj.weight"] = torch.randn(h, 2 * h, generator=g) * 0.05
+        state[at + "embed_tokens.weight"] = state["model.embed_tokens.weight"].clone()
+        state[at + "shared_head.head.weight"] = state["lm_head.weight"].clone()
+    save_file(state, str(path / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((path / "config.json").read_text())
+    config.update(num_hidden_layers=3, num_nextn_predict_layers=depth)
+    config.pop("num_mtp_layers", None)
+    (path / "config.json").write_text(json.dumps(config, indent=2))
+    return path
+
+
+def test_mtp_tensors_at_the_layers_after_the_last_round_trip(tmp_path):
+    src = _with_mtp(tmp_path / "hf")
+    source = load_file(str(src / "model.safetensors"))
+    convert(src, tmp_path / "mcore", progress=False)
+    with CheckpointReader(tmp_path / "mcore") as reader:
+        assert reader.model_config.num_nextn_predict_layers == 1
+        names = set(reader.tensor_names())
+        assert torch.equal(reader.read_full("mtp.layers.0.eh_proj.weight"), source["model.layers.3.eh_proj.weight"])
+        kv_up = reader.read_full("mtp.layers.0.layer.attention.kv_up.weight")
+        assert torch.equal(kv_up, source["model.layers.3.self_attn.kv_b_proj.weight"])
+        bias = reader.read_full("mtp.layers.0.layer.mlp.expert_bias")
+        assert torch.equal(bias, source["model.layers.3.mlp.gate.e_score_correction_bias"])
+    assert not any("embed_tokens" in n or "shared_head.head" in n for n in names)  # the copies are not stored
+    convert(tmp_path / "mcore", tmp_path / "back", progress=False)
+    back = load_file(str(tmp_path / "back" / "model.safetensors"))
+    assert set(back) == set(source)
+    for key, tensor in source.items():
+        assert torch.equal(back[key], tensor), key
+
+
+def test_a_config_announcing_mtp_without_its_tensors_imports_without_mtp(tmp_path):
+    save_tiny_hf(tmp_path / "hf", "deepseek_v3")
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    (tmp_path / "hf" / "config.json").write_text(json.dumps({**config, "num_nextn_predict_layers": 1}))
+    result = convert(tmp_path / "hf", tmp_path / "mcore", progress=False)
+    assert any("imported without MTP modules" in note for note in result.notes)
+    with CheckpointReader(tmp_path / "mcore") as reader:
+        assert reader.model_config.num_nextn_predict_layers == 0

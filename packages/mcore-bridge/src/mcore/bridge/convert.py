@@ -8,6 +8,7 @@ model on the ``meta`` device) and no GPU is used. Peak memory is that of one fus
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import shutil
@@ -92,7 +93,7 @@ class HFToMcore:
         self.hf = read_hf_dir(path)
         where = str(path / CONFIG_FILE)
         family = family_for_hf_config(self.hf.config, where)
-        config = hf_to_mcore(self.hf.config, family, where)
+        config, mtp_note = _without_absent_mtp(hf_to_mcore(self.hf.config, family, where), self.hf.tensors)
         # DeepSeek's block-wise FP8: checked in full here, dequantized tensor by tensor in write()
         fmt = block_format(self.hf.config, where)
         self.fp8 = Fp8Source(self.hf.tensors, fmt, str(path)) if fmt is not None else None
@@ -105,7 +106,7 @@ class HFToMcore:
             # The mcore checkpoint stores one dtype; keeping several would need a per-tensor dtype there.
             raise BridgeError(f"{path}: tensors have mixed dtypes {dtypes}; pass --dtype to store them as one")
         self.dtype = torch_dtype_from_name(dtypes[0])
-        self.notes = [f"not carried: {s}" for s in self.hf.skipped]
+        self.notes = [f"not carried: {s}" for s in self.hf.skipped] + mtp_note
 
     @property
     def total_bytes(self) -> int:
@@ -142,6 +143,16 @@ class HFToMcore:
     def _read(self, name: str) -> torch.Tensor:
         entry = self.plan.sources[name]
         return read_tensor(entry) if self.fp8 is None else self.fp8.read(name, entry)
+
+
+def _without_absent_mtp(config: TransformerConfig, tensors) -> tuple[TransformerConfig, list[str]]:
+    """transformers' DeepSeek-V3 configs say ``num_nextn_predict_layers: 1`` also for models saved without the MTP
+    layer: such a model imports without it (as transformers loads it), with a note."""
+    depth, first = config.num_nextn_predict_layers, f"model.layers.{config.num_hidden_layers}."
+    if not depth or any(name.startswith(first) for name in tensors):
+        return config, []
+    note = f"config.json has num_nextn_predict_layers={depth} but no {first}* tensors: imported without MTP modules"
+    return dataclasses.replace(config, num_nextn_predict_layers=0), [note]
 
 
 class McoreToHF:

@@ -48,6 +48,15 @@ SHARED_EXPERTS = (
     ),
     TensorRule("layers.{layer}.mlp.shared_expert.down.weight", (f"{S}.down_proj.weight",), mlp="moe"),
 )
+# DeepSeek-V3's MTP depth k at HF layer num_hidden_layers + k (see FamilyMapping.mtp_tensors)
+_D = "model.layers.{layer}"
+MTP_TENSORS = (
+    TensorRule("mtp.layers.{layer}.enorm.weight", (f"{_D}.enorm.weight",)),
+    TensorRule("mtp.layers.{layer}.hnorm.weight", (f"{_D}.hnorm.weight",)),
+    TensorRule("mtp.layers.{layer}.eh_proj.weight", (f"{_D}.eh_proj.weight",)),
+    TensorRule("mtp.layers.{layer}.final_norm.weight", (f"{_D}.shared_head.norm.weight",)),
+)
+MTP_COPIES = (("embedding.weight", f"{_D}.embed_tokens.weight"), ("output.weight", f"{_D}.shared_head.head.weight"))
 EXPERT_BIAS = TensorRule("layers.{layer}.mlp.expert_bias", (f"{M}.gate.e_score_correction_bias",), mlp="moe")
 
 

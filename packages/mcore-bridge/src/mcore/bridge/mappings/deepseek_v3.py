@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from mcore.bridge.mappings.base import FamilyMapping
 from mcore.bridge.mappings.config_rules import family_rules
-from mcore.bridge.mappings.deepseek_layout import deepseek_config_rules, deepseek_tensors
+from mcore.bridge.mappings.deepseek_layout import MTP_COPIES, MTP_TENSORS, deepseek_config_rules, deepseek_tensors
 
 # transformers' DeepseekV3Config defaults (DeepSeek-V3's sizes)
 CONFIG = family_rules(
@@ -18,5 +18,7 @@ MAPPING = FamilyMapping(
     hf_model_type="deepseek_v3",
     tensors=deepseek_tensors(expert_bias=True),
     config=CONFIG,
+    mtp_tensors=MTP_TENSORS,
+    mtp_copies=MTP_COPIES,
     description="DeepSeek-V3 671B, Moonlight-16B-A3B, Kimi-K2 (MLA; sigmoid top-8 of 256 experts + shared)",
 )
