@@ -32,6 +32,7 @@ from mcore.bridge.fp8_blocks import (
     is_projection,
     load_scales,
     quantize,
+    save_scales,
     without_quantization_config,
 )
 from mcore.bridge.hf import (
@@ -135,9 +136,7 @@ class HFToMcore:
         shutil.copyfile(self.hf.path / CONFIG_FILE, sidecar / CONFIG_FILE)
         copy_side_files(self.hf.side_files, sidecar)
         if self.fp8 is not None:  # the source's scales, for an FP8 export that gives back the same bytes
-            from safetensors.torch import save_file
-
-            save_file(self.fp8.scales(), str(sidecar / SCALES_FILE))
+            save_scales(self.fp8.scales(), sidecar / SCALES_FILE)
         return len(plan.steps)
 
     def _read(self, name: str) -> torch.Tensor:

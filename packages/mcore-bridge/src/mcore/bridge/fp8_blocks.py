@@ -21,7 +21,8 @@ from typing import Any
 import torch
 
 from mcore.bridge.errors import BridgeError
-from mcore.bridge.safetensors_io import TensorEntry, TensorSpec, read_tensor
+from mcore.bridge.safetensors_io import TensorEntry, TensorSpec, read_header, read_tensor
+from mcore.train.checkpoint.safetensors_stream import SafetensorsStreamWriter
 
 E4M3_MAX = 448.0
 SCALE_SUFFIX = "_scale_inv"
@@ -148,13 +149,23 @@ class Fp8Source:
         return {n + SCALE_SUFFIX: read_tensor(s) for n, (_, s) in self.quantized.items()}
 
 
+def save_scales(scales: dict[str, torch.Tensor], path: Path) -> None:
+    """Write the source's scales (what :func:`load_scales` reads) as one safetensors file."""
+    writer = SafetensorsStreamWriter(path, {n: (t.dtype, tuple(t.shape)) for n, t in scales.items()})
+    try:
+        for name in sorted(scales):  # the order the writer lays them out in
+            writer.write(name, scales[name])
+        writer.close()
+    except BaseException:
+        writer.abort()
+        raise
+
+
 def load_scales(assets: Path | None) -> dict[str, torch.Tensor]:
     """The scales an FP8 import kept in an mcore checkpoint's ``hf/`` (empty when there are none)."""
     if assets is None or not (assets / SCALES_FILE).is_file():
         return {}
-    from safetensors.torch import load_file
-
-    return load_file(str(assets / SCALES_FILE))
+    return {name: read_tensor(entry) for name, entry in read_header(assets / SCALES_FILE).tensors.items()}
 
 
 def is_projection(name: str, shape: tuple[int, ...]) -> bool:

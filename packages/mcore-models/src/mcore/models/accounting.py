@@ -18,7 +18,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from mcore.models.config import TransformerConfig
-from mcore.models.mtp import mtp_parameters
 from mcore.models.parts.registry import MIXERS, MLPS, NO_PART, PartSpec
 
 # Dense bf16 peak FLOP/s of common accelerators (the denominator of MFU), matched as substrings of the device
@@ -101,6 +100,17 @@ def parameter_counts(config: TransformerConfig) -> ParameterCounts:
         output=0 if config.tie_word_embeddings else vocab * h,
         mtp=mtp_parameters(config),
     )
+
+
+def mtp_parameters(config: TransformerConfig) -> int:
+    """Parameters of the MTP modules: per depth three norms, ``eh_proj`` and one layer of the last layer's parts."""
+    if not config.num_nextn_predict_layers:
+        return 0
+    last = config.num_hidden_layers - 1
+    mixer, mlp = layer_parts(config, last)
+    norm = _norm_params(config, config.hidden_size)
+    layer = mixer.parameters(config, last) + mlp.parameters(config, last) + 2 * norm
+    return config.num_nextn_predict_layers * (layer + 3 * norm + 2 * config.hidden_size**2)
 
 
 def _matmul_weights_of_layer(config: TransformerConfig, layer_index: int) -> int:

@@ -122,16 +122,3 @@ def _document_ids(cu_seqlens: torch.Tensor | None, b: int, s: int, device: torch
         return torch.arange(b, device=device).unsqueeze(1).expand(b, s)
     tokens = torch.arange(b * s, device=device, dtype=torch.int64)
     return (torch.searchsorted(cu_seqlens.to(device=device, dtype=torch.int64), tokens, right=True) - 1).view(b, s)
-
-
-def mtp_parameters(config: TransformerConfig) -> int:
-    """Parameters of the MTP modules: per depth three norms, ``eh_proj`` and one layer of the last layer's parts."""
-    from mcore.models.accounting import layer_parts
-
-    if not config.num_nextn_predict_layers:
-        return 0
-    last = config.num_hidden_layers - 1
-    mixer, mlp = layer_parts(config, last)
-    norm = config.hidden_size * (2 if config.normalization == "layernorm" else 1)
-    layer = mixer.parameters(config, last) + mlp.parameters(config, last) + 2 * norm
-    return config.num_nextn_predict_layers * (layer + 3 * norm + 2 * config.hidden_size**2)
