@@ -11,6 +11,17 @@ from typing import Any
 FAMILY = "deepseek_v2"
 HF_ARCHITECTURE = "DeepseekV2ForCausalLM"
 
+# V2's long-context YaRN (x40, mscale 0.707 in both places)
+_V2_YARN = {
+    "rope_type": "yarn",
+    "factor": 40.0,
+    "original_max_position_embeddings": 4096,
+    "beta_fast": 32,
+    "beta_slow": 1,
+    "mscale": 0.707,
+    "mscale_all_dim": 0.707,
+}
+
 DEFAULTS: dict[str, Any] = {
     "model_type": "deepseek_v2",
     "normalization": "rmsnorm",
@@ -51,6 +62,23 @@ PRESETS: dict[str, dict[str, Any]] = {
         "vocab_size": 320,
         "max_position_embeddings": 256,
     },
+    # deepseek-ai/DeepSeek-V2 (236B): q-LoRA, 160 experts top-6 in 3 of 8 groups (group_limited_greedy) + 2 shared
+    "deepseek-v2": {
+        "hidden_size": 5120,
+        "intermediate_size": 12288,
+        "moe_intermediate_size": 1536,
+        "shared_expert_intermediate_size": 3072,
+        "num_hidden_layers": 60,
+        "first_k_dense_replace": 1,
+        "num_attention_heads": 128,
+        "q_lora_rank": 1536,
+        "num_experts": 160,
+        "num_experts_per_tok": 6,
+        "moe_router": {"n_group": 8, "topk_group": 3, "group_score": "max", "routed_scaling_factor": 16.0},
+        "vocab_size": 102400,
+        "max_position_embeddings": 163840,
+        "rope_scaling": dict(_V2_YARN),
+    },
     # deepseek-ai/DeepSeek-V2-Lite: no q-LoRA, 64 experts top-6 + 2 shared, YaRN x40 with mscale 0.707
     "deepseek-v2-lite": {
         "hidden_size": 2048,
@@ -64,14 +92,6 @@ PRESETS: dict[str, dict[str, Any]] = {
         "num_experts_per_tok": 6,
         "vocab_size": 102400,
         "max_position_embeddings": 163840,
-        "rope_scaling": {
-            "rope_type": "yarn",
-            "factor": 40.0,
-            "original_max_position_embeddings": 4096,
-            "beta_fast": 32,
-            "beta_slow": 1,
-            "mscale": 0.707,
-            "mscale_all_dim": 0.707,
-        },
+        "rope_scaling": dict(_V2_YARN),
     },
 }
