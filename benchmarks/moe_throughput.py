@@ -51,8 +51,8 @@ SHAPES: dict[str, dict[str, Any]] = {
     "moonlight8l": dict(family="deepseek_v3", hidden=2048, layers=8, heads=16, kv=16, head_dim=192, experts=64, topk=6,
                         moe_ffn=1408, shared=2, dense_ffn=11264, first_dense=1, kv_lora=512, qk_nope=128, qk_rope=64,
                         v_head=128, vocab=163840, seq=4096, mbs=2),
-    "tiny_mla": dict(family="deepseek_v3", hidden=64, layers=3, heads=4, kv=4, head_dim=24, experts=8, topk=2,
-                     moe_ffn=32, shared=2, dense_ffn=96, first_dense=1, kv_lora=32, qk_nope=16, qk_rope=8, v_head=12,
+    "tiny_mla": dict(family="deepseek_v3", hidden=64, layers=3, heads=4, kv=4, head_dim=32, experts=8, topk=2,
+                     moe_ffn=32, shared=2, dense_ffn=96, first_dense=1, kv_lora=32, qk_nope=24, qk_rope=8, v_head=16,
                      vocab=259, seq=64, mbs=2),
 }  # fmt: skip
 

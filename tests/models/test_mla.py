@@ -54,7 +54,7 @@ def test_accounting_matches_the_module_and_the_mla_formula():
     linear = sum(m.weight.numel() for m in module.modules() if hasattr(m, "weight") and m.weight.dim() == 2)
     assert spec.matmul_weights(config, 0) == linear
     seq = 4096
-    heads, qk, v = config.num_attention_heads, 16 + 8, 12
+    heads, qk, v = config.num_attention_heads, 24 + 8, 16
     assert spec.sequence_flops(config, 0, seq) == 6 * heads * (qk + v) * seq
     mlp = 3 * config.hidden_size * config.intermediate_size
     assert layer_flops_per_token(config, seq, 0) == 6 * (linear + mlp) + 6 * heads * (qk + v) * seq
@@ -70,7 +70,7 @@ def test_tensor_parallel_splits_heads():
 
 def test_yarn_mscale_enters_the_softmax_scale():
     plain = get_config("deepseek_v3-tiny")
-    assert mla_softmax_scale(plain) == (16 + 8) ** -0.5
+    assert mla_softmax_scale(plain) == (24 + 8) ** -0.5
     yarn = get_config("deepseek-v3")  # factor 40, mscale_all_dim 1
     mscale = 0.1 * 1.0 * math.log(40.0) + 1.0
     assert mla_softmax_scale(yarn) == pytest.approx((128 + 64) ** -0.5 * mscale**2, rel=1e-12)

@@ -53,9 +53,9 @@ PRESETS: dict[str, dict[str, Any]] = {
         "first_k_dense_replace": 1,
         "num_attention_heads": 4,
         "kv_lora_rank": 32,
-        "qk_nope_head_dim": 16,
+        "qk_nope_head_dim": 24,  # q/k heads of 32 = 24 + 8
         "qk_rope_head_dim": 8,
-        "v_head_dim": 12,
+        "v_head_dim": 16,  # FlexAttention (CUDA fp32) needs head dims >= 16
         "num_experts": 8,
         "num_experts_per_tok": 3,
         "moe_router": {"routed_scaling_factor": 1.5},

@@ -70,9 +70,9 @@ PRESETS: dict[str, dict[str, Any]] = {
         "num_attention_heads": 4,
         "q_lora_rank": 48,
         "kv_lora_rank": 32,
-        "qk_nope_head_dim": 16,
+        "qk_nope_head_dim": 24,  # q/k heads of 32 = 24 + 8
         "qk_rope_head_dim": 8,
-        "v_head_dim": 12,
+        "v_head_dim": 16,  # FlexAttention (CUDA fp32) needs head dims >= 16
         "num_experts": 8,
         "num_experts_per_tok": 2,
         "moe_router": _router(4, 2, 2.5),
