@@ -13,7 +13,8 @@ from safetensors.torch import load_file, save_file
 
 from mcore.bridge.convert import convert
 from mcore.bridge.errors import BridgeError
-from mcore.bridge.fp8_blocks import BlockFormat, dequantize, is_projection, quantize
+from mcore.bridge.fp8_blocks import BlockFormat, dequantize, is_projection
+from mcore.bridge.fp8_blocks import quantize_blocks as quantize
 from mcore.train.checkpoint import CheckpointReader
 from tests.bridge.factory import save_tiny_hf
 

@@ -120,7 +120,8 @@ def test_overrides_and_family_behaviour_is_data():
         assert name in preset_names()
     moe = {"mixtral", "qwen3_moe", "qwen2_moe", "olmoe"}
     deepseek = {"deepseek_v3", "deepseek_v2"}
-    assert set(FAMILIES) == {"llama", "qwen2", "qwen3", "mistral", *moe, "mamba2", "nemotron_h", "falcon_h1", *deepseek}
+    ssm = {"mamba2", "nemotron_h", "falcon_h1"}
+    assert set(FAMILIES) == {"llama", "qwen2", "qwen3", "mistral", *moe, *ssm, "bitnet", *deepseek}
 
 
 def test_presets_cannot_be_mutated_through_a_config():

@@ -39,6 +39,12 @@ def _parser() -> argparse.ArgumentParser:
         "(for checkpoints that carry none, e.g. saved by training)",
     )
     p.add_argument(
+        "--bitnet-packed",
+        choices=["yes", "no"],
+        help="mcore -> hf of a bitnet model: write HF's packed ternary weights (2 bits each + weight_scale) or plain "
+        "ones (default: as the HF files it was converted from)",
+    )
+    p.add_argument(
         "--fp8-blocks",
         action="store_true",
         help="mcore -> hf: linear weights in DeepSeek's block-wise FP8 (e4m3 + weight_scale_inv per 128x128 block)",
@@ -75,6 +81,7 @@ def _convert(args: argparse.Namespace) -> int:
         progress=False if args.no_progress else None,
         fp8_blocks=args.fp8_blocks,
         hf_assets=args.hf_assets,
+        bitnet_packed=None if args.bitnet_packed is None else args.bitnet_packed == "yes",
     )
     print(
         f"{result.direction}: {result.family}, {result.tensors} tensors, {result.bytes_written / 2**20:.1f} MiB "

@@ -18,12 +18,21 @@ from pathlib import Path
 
 import torch
 
+from mcore.bridge.bitnet_packing import (
+    OFFLINE_CONFIG,
+    SCALE_SUFFIX,
+    PackedSources,
+    is_packed_config,
+    is_packed_name,
+    packed_outputs,
+    quantize_weight,
+)
 from mcore.bridge.config_translation import hf_to_mcore, mcore_to_hf
 from mcore.bridge.conversion_plan import ExportPlan, ImportPlan, plan_export, plan_import
 from mcore.bridge.dtypes import parse_dtype_choice, parse_size, torch_dtype_from_name, torch_dtype_name
 from mcore.bridge.errors import BridgeError
+from mcore.bridge.fp8_blocks import SCALE_SUFFIX as FP8_SCALE_SUFFIX
 from mcore.bridge.fp8_blocks import (
-    SCALE_SUFFIX,
     SCALES_FILE,
     BlockFormat,
     Fp8Source,
@@ -31,7 +40,7 @@ from mcore.bridge.fp8_blocks import (
     fp8_specs,
     is_projection,
     load_scales,
-    quantize,
+    quantize_blocks,
     save_scales,
     without_quantization_config,
 )
@@ -95,10 +104,13 @@ class HFToMcore:
         where = str(path / CONFIG_FILE)
         family = family_for_hf_config(self.hf.config, where)
         config, mtp_note = _without_absent_mtp(hf_to_mcore(self.hf.config, family, where), self.hf.tensors)
+        # packed BitNet linears are read unpacked (the latent weights the online quantizer turns back into them)
+        self.packed = PackedSources(self.hf.tensors, str(path)) if is_packed_config(self.hf.config) else None
         # DeepSeek's block-wise FP8: checked in full here, dequantized tensor by tensor in write()
-        fmt = block_format(self.hf.config, where)
+        fmt = block_format(self.hf.config, where) if self.packed is None else None
         self.fp8 = Fp8Source(self.hf.tensors, fmt, str(path)) if fmt is not None else None
-        tensors = self.fp8.tensors if self.fp8 is not None else self.hf.tensors
+        tensors = self.hf.tensors if self.packed is None else self.packed.view
+        tensors = tensors if self.fp8 is None else self.fp8.tensors
         self.plan: ImportPlan = plan_import(
             family, config, tensors, expected_model_tensors(config), target_dtype, str(path)
         )
@@ -122,7 +134,7 @@ class HFToMcore:
         ):
             for step in plan.steps:
                 # cast each input as it is read, so that at most one input exists in both dtypes
-                inputs = [self._read(h).to(self.dtype) for h in step.hf]
+                inputs = [self._read(h, plan.sources[h]).to(self.dtype) for h in step.hf]
                 meta = plan.outputs[step.mcore]
                 padded = meta.shape[meta.vocab_padded_dim] if meta.vocab_padded_dim is not None else None
                 tensor = to_mcore(step.op, inputs, padded_rows=padded, **heads)
@@ -139,8 +151,9 @@ class HFToMcore:
             save_scales(self.fp8.scales(), sidecar / SCALES_FILE)
         return len(plan.steps)
 
-    def _read(self, name: str) -> torch.Tensor:
-        entry = self.plan.sources[name]
+    def _read(self, name: str, entry) -> torch.Tensor:
+        if self.packed is not None:
+            return self.packed.read(name, entry)
         return read_tensor(entry) if self.fp8 is None else self.fp8.read(name, entry)
 
 
@@ -172,6 +185,7 @@ class McoreToHF:
         target_dtype: torch.dtype | None,
         max_shard_bytes: int,
         assets: Path | None,
+        bitnet_packed: bool | None = None,
         fp8_blocks: bool = False,
     ):
         family = family_by_name(config.model_type, where)
@@ -194,14 +208,26 @@ class McoreToHF:
         out_dtypes = sorted({torch_dtype_name(d) for _, d, _ in self.plan.outputs})
         weights_dtype = out_dtypes[0] if len(out_dtypes) == 1 else None
         self.hf_config = mcore_to_hf(config, family, original, weights_dtype=weights_dtype)
+        # packed BitNet weights when asked, else as the checkpoint was imported (bitnet_packing.py)
+        self.pack = is_packed_config(original) if bitnet_packed is None else bitnet_packed
+        if self.pack and family.name != "bitnet":
+            raise BridgeError(f"{where}: packed ternary weights are the bitnet family's format, not {family.name}'s")
+        self.outputs = packed_outputs(self.plan.outputs) if self.pack else self.plan.outputs
+        if self.pack:
+            self.hf_config["quantization_config"] = (original or {}).get("quantization_config") or OFFLINE_CONFIG
+        elif is_packed_config(self.hf_config):
+            del self.hf_config["quantization_config"]  # the weights written are plain
         self._setup_fp8(fp8_blocks, original, assets, where)
 
     def _setup_fp8(self, fp8_blocks: bool, original, assets: Path | None, where: str) -> None:
         """bf16 drops an FP8 source's quantization_config; ``fp8_blocks`` writes its format (128x128 by default)."""
         self.fp8_format: BlockFormat | None = None
         if not fp8_blocks:
-            self.hf_config = without_quantization_config(self.hf_config)
+            if (self.hf_config.get("quantization_config") or {}).get("quant_method") == "fp8":
+                self.hf_config = without_quantization_config(self.hf_config)
             return
+        if self.pack:
+            raise BridgeError(f"{where}: --fp8-blocks and packed BitNet weights are two formats; choose one")
         self.fp8_format = (block_format(original, where) if original else None) or BlockFormat(128, 128)
         self.fp8_scales = load_scales(assets)
         self.hf_config.setdefault(
@@ -214,7 +240,7 @@ class McoreToHF:
         """The weights an FP8 export quantizes: those the source had quantized, else every linear projection."""
         if self.fp8_format is None:
             return False
-        return name + SCALE_SUFFIX in self.fp8_scales if self.fp8_scales else is_projection(name, shape)
+        return name + FP8_SCALE_SUFFIX in self.fp8_scales if self.fp8_scales else is_projection(name, shape)
 
     @classmethod
     def from_checkpoint(
@@ -223,6 +249,7 @@ class McoreToHF:
         target_dtype: torch.dtype | None,
         max_shard_bytes: int,
         assets: Path | None = None,
+        bitnet_packed: bool | None = None,
         fp8_blocks: bool = False,
     ) -> McoreToHF:
         reader = CheckpointReader(path)
@@ -249,34 +276,30 @@ class McoreToHF:
             target_dtype=target_dtype,
             max_shard_bytes=max_shard_bytes,
             assets=assets if assets is not None else (sidecar if sidecar.is_dir() else None),
+            bitnet_packed=bitnet_packed,
             fp8_blocks=fp8_blocks,
         )
 
     @property
     def total_bytes(self) -> int:
-        return sum(_nbytes(shape, dtype) for _, dtype, shape in self.plan.outputs)
+        return sum(_nbytes(shape, dtype) for _, dtype, shape in self.outputs)
 
     def write(self, out: Path, progress: bool | None) -> int:
         plan, config = self.plan, self.plan.config
         heads = _head_args(config)
         out.mkdir()
-        specs = [TensorSpec(name, dtype, shape) for name, dtype, shape in plan.outputs]
-        dtype_of = {s.name: s.dtype for s in specs}
+        specs = [TensorSpec(name, dtype, shape) for name, dtype, shape in self.outputs]
         if self.fp8_format is not None:
             specs = fp8_specs(specs, self.fp8_format, self._quantized)
+        dtype_of = {s.name: s.dtype for s in specs}
         writer = HFWriter(out, specs, self.max_shard_bytes)
         try:
             with Progress(self.total_bytes, len(specs), "mcore -> hf", progress) as bar:
                 for step in plan.steps:
                     full = self.read_full(step.mcore)
                     for name, part in zip(step.hf, to_hf(step.op, full, **heads)):
-                        if self._quantized(name, tuple(part.shape)):
-                            stored = self.fp8_scales.get(name + SCALE_SUFFIX)
-                            q, scale = quantize(part, self.fp8_format, stored)
-                            writer.write(name, q)
-                            writer.write(name + SCALE_SUFFIX, scale)
-                        else:
-                            writer.write(name, part.to(dtype_of[name]))
+                        for written, tensor in self._encoded(name, part):
+                            writer.write(written, tensor.to(dtype_of[written]))
                         bar.advance(part.numel() * dtype_of[name].itemsize)
                     del full, part
                     release_freed_memory()
@@ -287,6 +310,16 @@ class McoreToHF:
         write_config(out, self.hf_config, self.original_config_file)
         copy_side_files(self.side_files, out)
         return len(specs)
+
+    def _encoded(self, name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+        """The HF tensors of ``name``: itself, or its packed ternary weight and ``weight_scale``."""
+        if self._quantized(name, tuple(tensor.shape)):  # DeepSeek's block-wise FP8
+            q, scale = quantize_blocks(tensor, self.fp8_format, self.fp8_scales.get(name + FP8_SCALE_SUFFIX))
+            return [(name, q), (name + FP8_SCALE_SUFFIX, scale)]
+        if not (self.pack and is_packed_name(name)):
+            return [(name, tensor)]
+        packed, scale = quantize_weight(tensor)
+        return [(name, packed), (name + SCALE_SUFFIX, scale)]
 
 
 def assets_dir(hf_assets: str | os.PathLike | None) -> Path | None:
@@ -316,6 +349,7 @@ def convert(
     overwrite: bool = False,
     progress: bool | None = None,
     hf_assets: str | os.PathLike | None = None,
+    bitnet_packed: bool | None = None,
     fp8_blocks: bool = False,
 ) -> ConversionResult:
     """Convert SRC (HF directory, hub id, or mcore checkpoint) into DST, in the direction SRC implies.
@@ -328,6 +362,8 @@ def convert(
         progress: show the progress bar (``None``: only on a terminal).
         hf_assets: mcore -> HF only: a directory with the ``config.json`` (extra keys, spelling) and tokenizer files
             to write beside the weights, for a checkpoint that carries none (e.g. one saved by training).
+        bitnet_packed: mcore -> HF of a bitnet model only: write HF's packed ternary weights (``True``) or plain
+            ones (``False``); ``None``: as the HF files the checkpoint was converted from.
         fp8_blocks: mcore -> HF only: write the linear projections in DeepSeek's block-wise FP8 (e4m3 weights and
             fp32 ``weight_scale_inv`` per block); an FP8 source converted to mcore comes back byte for byte.
 
@@ -351,13 +387,14 @@ def convert(
     check_destination(dst, overwrite, [source.path])
     try:
         if source.kind == "hf":
-            if hf_assets is not None or fp8_blocks:
-                what = "--hf-assets" if hf_assets is not None else "--fp8-blocks"
+            if hf_assets is not None or bitnet_packed is not None or fp8_blocks:
+                what = "--hf-assets" if hf_assets is not None else "--fp8-blocks" if fp8_blocks else "--bitnet-packed"
                 raise BridgeError(f"{what} applies to mcore -> hf conversions; SRC is a Hugging Face model")
             job: HFToMcore | McoreToHF = HFToMcore(source.path, target_dtype)
         else:
+            assets = assets_dir(hf_assets)
             job = McoreToHF.from_checkpoint(
-                source.path, target_dtype, max_shard_bytes, assets_dir(hf_assets), fp8_blocks=fp8_blocks
+                source.path, target_dtype, max_shard_bytes, assets, bitnet_packed, fp8_blocks=fp8_blocks
             )
         with staged_directory(dst, overwrite) as staged:
             count = job.write(staged, progress)

@@ -30,7 +30,7 @@ SCALES_FILE = "fp8_scale_inv.safetensors"  # inside the mcore checkpoint's hf/ d
 # a bf16/fp32 round of q x s may push a block's largest value just past 448 x s: still that block's scale
 _FIT = 1.0 + 2.0**-7
 
-__all__ = ["BlockFormat", "Fp8Source", "block_format", "dequantize", "quantize", "without_quantization_config"]
+__all__ = ["BlockFormat", "Fp8Source", "block_format", "dequantize", "quantize_blocks", "without_quantization_config"]
 
 
 @dataclass(frozen=True)
@@ -82,7 +82,7 @@ def dequantize(q: torch.Tensor, scale_inv: torch.Tensor, fmt: BlockFormat, name:
     return q.float() * _expand(scale_inv.float(), fmt, tuple(q.shape))
 
 
-def quantize(
+def quantize_blocks(
     w: torch.Tensor, fmt: BlockFormat, scale_inv: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(q e4m3, scale_inv fp32)`` of ``w [M, N]``: each block's ``scale_inv`` (when given, and the block fits it)

@@ -29,6 +29,7 @@ ROUTER_KNOBS = (
     "pad_to_capacity",
     "align",
     "dispatcher",
+    "expert_gemm",
 )
 
 
