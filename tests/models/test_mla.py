@@ -108,3 +108,10 @@ def test_latent_cache_decoding_equals_full_recomputation():
     with torch.no_grad():
         for t in range(4, out.shape[1]):
             assert torch.equal(model(out[:, :t])[:, -1].argmax(-1), out[:, t])
+
+
+def test_context_parallelism_is_refused_clearly():
+    config = get_config("deepseek_v3-tiny")
+    module = MultiLatentAttention(config, 0)
+    with pytest.raises(ValueError, match="under context parallelism"):
+        module(torch.randn(8, 1, config.hidden_size), None, context_parallel=object())

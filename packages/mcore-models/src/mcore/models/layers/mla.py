@@ -110,8 +110,13 @@ class MultiLatentAttention(nn.Module):
         *,
         cu_seqlens: torch.Tensor | None = None,
         kv_cache: KVCache | None = None,
+        context_parallel: object | None = None,
     ) -> torch.Tensor:
         """``x [s(/tp), b, h]``; ``rope`` the cos/sin tables ``[s, b, 1, qk_rope_head_dim]``."""
+        if context_parallel is not None:
+            raise ValueError(
+                "multi-head latent attention under context parallelism (parallel.cp > 1) is not supported yet"
+            )
         q_in = x if self.q_proj is not None else self.q_norm(self.q_down(x))
         kv_latent, k_rope = self.kv_down(x).split([self.kv_rank, self.rope_dim], dim=-1)
         kv_latent = self.kv_norm(kv_latent)
