@@ -1,8 +1,9 @@
 """Single-GPU MoE training throughput of mcore-train against the Hugging Face MoE baseline, plus micro-benchmarks.
 
 Runs the real ``mcore-train`` step (``load_config`` -> ``init_runtime`` -> ``Trainer``: the model with its ``moe``
-MLPs, the distributed optimizer at dp=1, the schedule) on the two shapes of ``hf_moe_baseline.py`` (``mixtral2l``:
-Mixtral-8x7B layers x 2; ``qwen3moe4l``: Qwen3-30B-A3B layers x 4; bf16 compute, fp32 master weights and AdamW
+MLPs, the distributed optimizer at dp=1, the schedule) on the shapes of ``hf_moe_baseline.py`` (``mixtral2l``:
+Mixtral-8x7B layers x 2; ``qwen3moe4l``: Qwen3-30B-A3B layers x 4; ``moonlight8l``: Moonlight-16B-A3B layers x 8,
+multi-head latent attention and DeepSeek-V3 routing; bf16 compute, fp32 master weights and AdamW
 states, seq 4096, micro-batch 2, dropless, no aux loss: the baseline's HF models do not compute one either) on mock
 data, then the baseline eager and with ``torch.compile``, each in its own process. Reported with the baseline's
 keys: tokens/s, TFLOP/s/GPU and MFU on active parameters (6 x active matmul weights + attention, the formula of
@@ -20,7 +21,8 @@ ops, each timed with CUDA events (median of ``--iters``). The expert rows are pa
 ::
 
     python benchmarks/moe_throughput.py --json-dir DIR                 # one GPU: micro, then both shapes
-    python benchmarks/moe_throughput.py --dry-run --json-dir DIR       # CPU, tiny fp32 shape, no baseline
+    python benchmarks/moe_throughput.py --shape moonlight8l --json-dir DIR   # one shape (+ its micro-benchmarks)
+    python benchmarks/moe_throughput.py --dry-run --json-dir DIR       # CPU, tiny fp32 shapes, no baseline
 """
 
 from __future__ import annotations
@@ -38,7 +40,8 @@ from moe_profile import moe_time_breakdown, render_moe_breakdowns
 from train_throughput import ratios, render
 
 HF_MOE_BASELINE = Path(__file__).resolve().parents[2] / "shared" / "bench" / "hf_moe_baseline.py"
-GPU_SHAPES = ("mixtral2l", "qwen3moe4l")
+GPU_SHAPES = ("mixtral2l", "qwen3moe4l", "moonlight8l")
+DRY_RUN_SHAPES = ("tiny", "tiny_mla")
 BASELINES = {"hf": [], "hf-compile": ["--compile"]}
 
 # The baseline's shapes (its SHAPES table), as mcore model sections; "tiny" is the CPU dry run's.
@@ -49,11 +52,20 @@ SHAPES: dict[str, dict[str, Any]] = {
                        moe_ffn=768, dense_ffn=6144, vocab=151936, seq=4096, mbs=2),
     "tiny": dict(family="qwen3_moe", hidden=64, layers=2, heads=4, kv=2, head_dim=16, experts=8, topk=2, moe_ffn=32,
                  dense_ffn=96, vocab=259, seq=64, mbs=2),
+    # Moonlight-16B-A3B layers x 8 (DeepSeek-V3's architecture: MLA without q-LoRA, sigmoid routing, 2 shared experts)
+    "moonlight8l": dict(family="deepseek_v3", hidden=2048, layers=8, heads=16, kv=16, head_dim=192, experts=64, topk=6,
+                        moe_ffn=1408, shared=2, dense_ffn=11264, first_dense=1, kv_lora=512, qk_nope=128, qk_rope=64,
+                        v_head=128, vocab=163840, seq=4096, mbs=2),
+    "tiny_mla": dict(family="deepseek_v3", hidden=64, layers=3, heads=4, kv=4, head_dim=32, experts=8, topk=2,
+                     moe_ffn=32, shared=2, dense_ffn=96, first_dense=1, kv_lora=32, qk_nope=24, qk_rope=8, v_head=16,
+                     vocab=259, seq=64, mbs=2),
 }  # fmt: skip
 
 
 def moe_model(shape: dict[str, Any], *, align: int, expert_gemm: str = "grouped") -> dict[str, Any]:
     """The ``model`` section of ``shape`` with transformers' defaults of its family for the rest."""
+    if shape["family"] == "deepseek_v3":
+        return mla_moe_model(shape, align=align, expert_gemm=expert_gemm)
     mixtral = shape["family"] == "mixtral"
     router: dict[str, Any] = {"align": align} if align > 1 else {}
     if expert_gemm != "grouped":
@@ -78,6 +90,39 @@ def moe_model(shape: dict[str, Any], *, align: int, expert_gemm: str = "grouped"
         "tie_word_embeddings": False,
         "router_aux_loss_coef": 0.0,
         "moe_router": router or None,
+    }
+
+
+def mla_moe_model(shape: dict[str, Any], *, align: int, expert_gemm: str = "grouped") -> dict[str, Any]:
+    """A DeepSeek-V3-architecture shape as the baseline builds it (DeepseekV3Config defaults: rope interleaved,
+    theta 10000, eps 1e-6; n_group 1, routed_scaling_factor 2.446, renormalised top-k, the expert bias)."""
+    router: dict[str, Any] = {"score_function": "sigmoid", "expert_bias": True, "routed_scaling_factor": 2.446}
+    if expert_gemm != "grouped":
+        router["expert_gemm"] = expert_gemm
+    return {
+        "model_type": "deepseek_v3",
+        "hidden_size": shape["hidden"],
+        "num_hidden_layers": shape["layers"],
+        "num_attention_heads": shape["heads"],
+        "intermediate_size": shape["dense_ffn"],
+        "moe_intermediate_size": shape["moe_ffn"],
+        "shared_expert_intermediate_size": shape["shared"] * shape["moe_ffn"],
+        "first_k_dense_replace": shape["first_dense"],
+        "kv_lora_rank": shape["kv_lora"],
+        "qk_nope_head_dim": shape["qk_nope"],
+        "qk_rope_head_dim": shape["qk_rope"],
+        "v_head_dim": shape["v_head"],
+        "rope_interleave": True,
+        "num_experts": shape["experts"],
+        "num_experts_per_tok": shape["topk"],
+        "norm_topk_prob": True,
+        "vocab_size": shape["vocab"],
+        "max_position_embeddings": shape["seq"],
+        "rope_theta": 10000.0,
+        "rms_norm_eps": 1e-6,
+        "tie_word_embeddings": False,
+        "router_aux_loss_coef": 0.0,
+        "moe_router": {**router, "align": align} if align > 1 else router,
     }
 
 
@@ -184,7 +229,7 @@ def orchestrate(args: argparse.Namespace) -> int:
     every run (a device call cut short still returns what finished)."""
     out: Path = args.json_dir
     out.mkdir(parents=True, exist_ok=True)
-    shapes = ["tiny"] if args.dry_run else (list(GPU_SHAPES) if args.shape == "all" else [args.shape])
+    shapes = list(DRY_RUN_SHAPES) if args.dry_run else (list(GPU_SHAPES) if args.shape == "all" else [args.shape])
     skip_baseline = args.skip_baseline or args.dry_run
     if not skip_baseline and not args.hf_baseline.is_file():
         raise SystemExit(f"--hf-baseline: {args.hf_baseline} does not exist; pass the path of hf_moe_baseline.py")
@@ -245,7 +290,8 @@ def _render(summary: dict[str, Any]) -> str:
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--shape", choices=[*GPU_SHAPES, "all", "tiny"], default="all", help="shape(s) to run (all)")
+    shapes = [*GPU_SHAPES, "all", *DRY_RUN_SHAPES]
+    ap.add_argument("--shape", choices=shapes, default="all", help="shape(s) to run (all)")
     ap.add_argument("--iters", type=int, default=None, help="timed steps (8, as the baseline; dry run 3)")
     ap.add_argument("--warmup", type=int, default=None, help="untimed steps after the first (2; dry run 1)")
     ap.add_argument("--skip-baseline", action="store_true", help="run mcore only")
@@ -273,7 +319,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         ap.error(f"--iters must be >= 1 and --warmup >= 0, got {args.iters} and {args.warmup}")
     if args.only and (args.json is None or args.shape == "all"):
         ap.error("--only mcore needs --json FILE and one --shape")
-    if args.shape == "tiny" and not (args.dry_run or args.only):
+    if args.shape in DRY_RUN_SHAPES and not (args.dry_run or args.only):
         ap.error("--shape tiny is the dry-run shape; use --dry-run")
     if args.json_dir is None and not args.only:
         args.json_dir = Path(tempfile.mkdtemp(prefix="mcore-moe-throughput-"))

@@ -43,10 +43,12 @@ def test_dry_run_writes_the_baseline_keys(dry_run):
     assert record["impl"] == "mcore-dryrun" and record["tokens_per_s"] > 0 and len(record["losses"]) == 5
     summary = json.loads((dry_run / "summary.json").read_text())
     assert summary["failures"] == [] and "tiny" in summary["shapes"]
+    mla = json.loads((dry_run / "mcore_tiny_mla.json").read_text())  # the moonlight8l model at a tiny size
+    assert mla["family"] == "deepseek_v3" and mla["tokens_per_s"] > 0 and len(mla["losses"]) == 5
 
 
 def test_micro_benchmarks_ran(dry_run):
-    (micro,) = json.loads((dry_run / "micro.json").read_text())
+    micro, _ = json.loads((dry_run / "micro.json").read_text())
     for key in ("grouped_gemm_tflops", "dense_gemm_tflops", "router_and_plan_ms", "permute_fwd_bwd_ms"):
         assert micro[key] > 0, key
     assert micro["tokens_per_expert_max"] >= micro["tokens_per_expert_mean"]
@@ -62,7 +64,7 @@ def test_flops_match_the_baseline_formula(dry_run):
         import moe_throughput
     finally:
         sys.path.remove(str(ROOT / "benchmarks"))
-    for name in ("tiny", *moe_throughput.GPU_SHAPES):
+    for name in (*moe_throughput.DRY_RUN_SHAPES, *moe_throughput.GPU_SHAPES):
         shape = moe_throughput.SHAPES[name]
         want = 6 * baseline.active_matmul_weights(shape) + baseline.attention_flops_per_token(shape)
         from mcore.models.accounting import model_flops_per_token
@@ -70,10 +72,11 @@ def test_flops_match_the_baseline_formula(dry_run):
 
         config = TransformerConfig(**moe_throughput.moe_model(shape, align=8))
         assert model_flops_per_token(config, shape["seq"]) == pytest.approx(want, rel=1e-9), name
-    record = json.loads((dry_run / "mcore_tiny.json").read_text())
-    tiny = moe_throughput.SHAPES["tiny"]
-    want = 6 * baseline.active_matmul_weights(tiny) + baseline.attention_flops_per_token(tiny)
-    assert record["flops_per_token"] == pytest.approx(want, rel=1e-9)
+    for name in moe_throughput.DRY_RUN_SHAPES:
+        record = json.loads((dry_run / f"mcore_{name}.json").read_text())
+        tiny = moe_throughput.SHAPES[name]
+        want = 6 * baseline.active_matmul_weights(tiny) + baseline.attention_flops_per_token(tiny)
+        assert record["flops_per_token"] == pytest.approx(want, rel=1e-9), name
 
 
 def test_profile_steps_run_after_the_timed_ones():

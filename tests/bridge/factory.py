@@ -76,6 +76,9 @@ def tiny_hf_model(family: str, seed: int = 0, **overrides: Any) -> torch.nn.Modu
                 p.normal_(0.0, 0.1)
             elif "norm" in name:
                 p.uniform_(0.5, 1.5)
+        for name, buf in model.named_buffers():  # DeepSeek-V3's routing bias (zeros in HF)
+            if name.endswith("e_score_correction_bias"):
+                buf.normal_(0.0, 0.05)
     return model
 
 

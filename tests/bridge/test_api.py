@@ -15,6 +15,7 @@ from mcore.bridge.errors import BridgeError
 from mcore.bridge.hf import read_config
 from mcore.bridge.mappings import FAMILIES
 from mcore.models.gpt import GPTModel
+from mcore.parallel.param_attrs import persistent_buffers
 from tests.bridge.factory import read_state, save_tiny_hf
 
 IDS = torch.randint(0, 300, (2, 20), generator=torch.Generator().manual_seed(3))
@@ -30,7 +31,7 @@ def test_load_hf_into_gives_transformers_logits(tmp_path, family):
     hf = save_tiny_hf(tmp_path / "hf", family, seed=12, dtype=torch.bfloat16)
     model = _model_for(hf)
     loaded = load_hf_into(model, hf)
-    assert loaded == [n for n, _ in model.named_parameters()]
+    assert loaded == [n for n, _ in [*model.named_parameters(), *persistent_buffers(model)]]
     with torch.no_grad():
         want = AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32, attn_implementation="eager")(IDS).logits
         got = model(IDS)[..., :300]

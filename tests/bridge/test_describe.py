@@ -59,7 +59,8 @@ def test_list_names_the_supported_families(capsys):
     assert main(["list"]) == 0
     lines = capsys.readouterr().out.strip().splitlines()
     families = ["llama", "qwen2", "qwen3", "mistral", "mixtral", "qwen3_moe", "qwen2_moe", "olmoe"]
-    assert [line.split()[0] for line in lines] == [*families, "mamba2", "nemotron_h", "falcon_h1", "bitnet"]
+    deepseek = ["deepseek_v3", "deepseek_v2"]
+    assert [line.split()[0] for line in lines] == [*families, "mamba2", "nemotron_h", "falcon_h1", "bitnet", *deepseek]
     assert "Qwen3ForCausalLM" in lines[2]
 
 

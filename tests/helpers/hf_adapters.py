@@ -311,3 +311,103 @@ ADAPTERS: dict[str, HfAdapter] = {
 
 def adapter(family: str) -> HfAdapter | None:
     return ADAPTERS.get(family)
+
+
+def deepseek_config_kwargs(config: TransformerConfig) -> dict[str, Any]:
+    """HF ``DeepseekV3Config`` / ``DeepseekV2Config`` of one of our DeepSeek configs."""
+    c = config
+    router = dict(c.moe_router or {})
+    rope = {"rope_type": "default"} if c.rope_scaling is None else dict(c.rope_scaling)
+    kwargs = dict(
+        vocab_size=c.vocab_size,
+        hidden_size=c.hidden_size,
+        intermediate_size=c.intermediate_size,
+        moe_intermediate_size=c.moe_intermediate_size,
+        num_hidden_layers=c.num_hidden_layers,
+        num_attention_heads=c.num_attention_heads,
+        num_key_value_heads=c.num_key_value_heads,
+        n_shared_experts=(c.shared_expert_intermediate_size or 0) // c.moe_intermediate_size,
+        n_routed_experts=c.num_experts,
+        num_experts_per_tok=c.num_experts_per_tok,
+        routed_scaling_factor=router.get("routed_scaling_factor", 1.0),
+        kv_lora_rank=c.kv_lora_rank,
+        q_lora_rank=c.q_lora_rank,
+        qk_rope_head_dim=c.qk_rope_head_dim,
+        qk_nope_head_dim=c.qk_nope_head_dim,
+        v_head_dim=c.v_head_dim,
+        n_group=router.get("n_group", 1),
+        topk_group=router.get("topk_group", 1),
+        first_k_dense_replace=c.first_k_dense_replace,
+        norm_topk_prob=c.norm_topk_prob,
+        hidden_act=c.hidden_act,
+        max_position_embeddings=c.max_position_embeddings,
+        initializer_range=c.initializer_range,
+        rms_norm_eps=c.rms_norm_eps,
+        tie_word_embeddings=c.tie_word_embeddings,
+        attention_bias=False,
+        rope_parameters={**rope, "rope_theta": c.rope_theta},
+        pad_token_id=None,
+        bos_token_id=None,
+        eos_token_id=None,
+    )
+    if c.model_type == "deepseek_v3":
+        kwargs.update(rope_interleave=c.rope_interleave, num_mtp_layers=c.num_nextn_predict_layers)
+    else:
+        kwargs["topk_method"] = "group_limited_greedy" if router.get("n_group", 1) > 1 else "greedy"
+    return kwargs
+
+
+_DEEPSEEK_RENAMES = (
+    ("input_layernorm.", "input_norm."),
+    ("post_attention_layernorm.", "mlp_norm."),
+    ("self_attn.q_proj.", "attention.q_proj."),
+    ("self_attn.q_a_proj.", "attention.q_down."),
+    ("self_attn.q_a_layernorm.", "attention.q_norm."),
+    ("self_attn.q_b_proj.", "attention.q_up."),
+    ("self_attn.kv_a_proj_with_mqa.", "attention.kv_down."),
+    ("self_attn.kv_a_layernorm.", "attention.kv_norm."),
+    ("self_attn.kv_b_proj.", "attention.kv_up."),
+    ("self_attn.o_proj.", "attention.out_proj."),
+    ("mlp.down_proj.", "mlp.down."),
+    ("mlp.gate.weight", "mlp.router.weight"),
+    ("mlp.gate.e_score_correction_bias", "mlp.expert_bias"),
+    ("mlp.experts.gate_up_proj", "mlp.experts.gate_up"),
+    ("mlp.experts.down_proj", "mlp.experts.down"),
+    ("mlp.shared_experts.down_proj.", "mlp.shared_expert.down."),
+)
+
+
+def deepseek_to_mcore_state(hf_state, config):
+    """HF DeepSeek tensors (transformers 5 holds the experts merged, our layout) under our names."""
+    out = {
+        "embedding.weight": hf_state["model.embed_tokens.weight"],
+        "final_norm.weight": hf_state["model.norm.weight"],
+    }
+    if not config.tie_word_embeddings and "lm_head.weight" in hf_state:
+        out["output.weight"] = hf_state["lm_head.weight"]
+    for i in range(config.num_hidden_layers):
+        hf, ours = f"model.layers.{i}.", f"layers.{i}."
+        for name, tensor in hf_state.items():
+            if not name.startswith(hf):
+                continue
+            rest = name[len(hf) :]
+            for old, new in _DEEPSEEK_RENAMES:
+                if rest.startswith(old):
+                    out[ours + new + rest[len(old) :]] = tensor
+        for mlp, target in ((hf + "mlp.", ours + "mlp."), (hf + "mlp.shared_experts.", ours + "mlp.shared_expert.")):
+            if mlp + "gate_proj.weight" in hf_state:
+                gate_up = [hf_state[mlp + "gate_proj.weight"], hf_state[mlp + "up_proj.weight"]]
+                out[target + "gate_up.weight"] = torch.cat(gate_up, dim=0)
+    return out
+
+
+def _attention_and_mlp(model: torch.nn.Module, config: TransformerConfig) -> tuple[int, int]:
+    params = dict(model.named_parameters())
+    return (
+        sum(p.numel() for n, p in params.items() if ".self_attn." in n),
+        sum(p.numel() for n, p in params.items() if ".mlp." in n),
+    )
+
+
+for _family in ("deepseek_v3", "deepseek_v2"):
+    ADAPTERS[_family] = HfAdapter(deepseek_config_kwargs, deepseek_to_mcore_state, _attention_and_mlp)

@@ -29,6 +29,10 @@ def hf_model(config: TransformerConfig, seed: int) -> torch.nn.Module:
                 p.normal_(0.0, 0.1)
             elif "norm" in name:
                 p.uniform_(0.5, 1.5)
+        # DeepSeek-V3's aux-loss-free routing bias (zeros in HF): random, so that it changes which experts win.
+        for name, buf in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buf.normal_(0.0, 0.05)
     return model
 
 
@@ -108,6 +112,8 @@ def load_hf_weights(model: torch.nn.Module, hf: torch.nn.Module, config: Transfo
     """
     state = hf_to_mcore_state({k: v.detach() for k, v in hf.state_dict().items()}, config)
     params = dict(model.named_parameters())
+    # persistent buffers that HF holds as state too (the MoE expert bias)
+    params.update({n: b for n, b in model.named_buffers() if n in state})
     missing = sorted(set(params) - set(state))
     unused = sorted(set(state) - set(params))
     if missing or unused:

@@ -16,6 +16,13 @@ LOGIT_ATOL = 1e-4
 # float64 HF gradient, so neither is wrong).
 GRAD_RTOL, GRAD_ATOL = 1e-4, 1e-6
 
+_YARN = {
+    "rope_type": "yarn",
+    "factor": 4.0,
+    "original_max_position_embeddings": 8,
+    "mscale": 0.707,
+    "mscale_all_dim": 1.0,
+}
 # Every registered family's tiny preset (mistral's has window 8 < the test sequences), plus variants.
 CASES = {
     **{family: tiny_config(family) for family in families()},
@@ -33,6 +40,19 @@ CASES = {
     ),
     "llama-tied-mha": get_config("llama-tiny", tie_word_embeddings=True, num_key_value_heads=4),
     "qwen2-tied": get_config("qwen2-tiny", tie_word_embeddings=True),
+    # DeepSeek: full-rank queries (V2-Lite, Moonlight); 2 groups of 4 experts, only the best group; YaRN with
+    # DeepSeek's mscale in the softmax scale and halves-layout rotary dims; V2 with YaRN.
+    "deepseek_v3-no-q-lora": get_config("deepseek_v3-tiny", q_lora_rank=None),
+    "deepseek_v3-groups-2-1": get_config(
+        "deepseek_v3-tiny", moe_router={"score_function": "sigmoid", "expert_bias": True, "n_group": 2, "topk_group": 1}
+    ),
+    "deepseek_v3-yarn": get_config("deepseek_v3-tiny", rope_interleave=False, rope_scaling=_YARN),
+    "deepseek_v2-yarn": get_config("deepseek_v2-tiny", rope_scaling=_YARN),
+    # V2's group_limited_greedy: a group scores its best expert
+    "deepseek_v2-groups-4-2": get_config(
+        "deepseek_v2-tiny",
+        moe_router={"n_group": 4, "topk_group": 2, "group_score": "max", "routed_scaling_factor": 1.5},
+    ),
 }
 
 

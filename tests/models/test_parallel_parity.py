@@ -72,6 +72,7 @@ def _rel_err(got, ref):
 
 def _run_layout(family, tp, pp, sp, rank, world_size):
     from mcore.models.gpt import GPTModel
+    from mcore.parallel.expert_parallel import update_expert_biases
     from mcore.parallel.finalize import finalize_model_grads
     from mcore.parallel.grid import ParallelConfig, build_process_groups
     from mcore.parallel.pipeline import NoPipelining, OneFOneB, p2p_activation_shape, stage_layer_ranges
@@ -124,6 +125,7 @@ def _run_layout(family, tp, pp, sp, rank, world_size):
             loss = _mean_loss(reference(mb["ids"], labels=mb["labels"], cu_seqlens=mb["cu_seqlens"]), mb["labels"])
             (loss / MICROBATCHES).backward()
             ref_losses.append(loss.detach())
+        update_expert_biases([reference])  # as finalize_model_grads does for the stage (aux-loss-free MoE balancing)
         if stage.post_process:
             errors[f"loss{step}"] = max(_rel_err(a, b) for a, b in zip(losses, ref_losses))
         for n, p in stage.named_parameters():

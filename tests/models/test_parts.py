@@ -91,8 +91,8 @@ def test_unknown_part_names_are_refused_naming_the_registered_ones():
         get_config("llama-tiny", layer_types=["full_attention", "mamba9"])
     with pytest.raises(ValueError, match="mlp_layer_types has 1 entries but num_hidden_layers is 2"):
         get_config("llama-tiny", mlp_layer_types=["dense"])
-    with pytest.raises(ValueError, match="unknown mixer part 'mla'"):
-        MIXERS.get("mla")
+    with pytest.raises(ValueError, match="unknown mixer part 'mla9'"):
+        MIXERS.get("mla9")
     with pytest.raises(ValueError, match="already registered"):
         MLPS.register(dataclasses.replace(WIDE, name="dense"))
 

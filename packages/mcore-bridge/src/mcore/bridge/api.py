@@ -25,7 +25,7 @@ from mcore.bridge.safetensors_io import read_tensor
 from mcore.bridge.sources import check_destination, resolve_source, staged_directory
 from mcore.bridge.transforms import to_mcore
 from mcore.models.config import TransformerConfig
-from mcore.parallel.param_attrs import is_tensor_parallel, tp_split, vocab_padding
+from mcore.parallel.param_attrs import is_tensor_parallel, persistent_buffers, tp_split, vocab_padding
 from mcore.train.checkpoint import expected_model_tensors
 from mcore.train.checkpoint.format import tensor_meta_of
 
@@ -81,7 +81,7 @@ def load_hf_into(model: torch.nn.Module, path: str | os.PathLike, *, check_confi
     tensors = hf.tensors if packed is None else packed.view  # packed BitNet linears read unpacked
     plan = plan_import(family, hf_config, tensors, expected_model_tensors(hf_config), None, str(source.path))
     steps = {s.mcore: s for s in plan.steps}
-    params = dict(model.named_parameters())
+    params = dict([*model.named_parameters(), *persistent_buffers(model)])
     unknown = [n for n in params if n not in steps]
     if unknown:
         raise BridgeError(f"model parameters {unknown[:4]} have no counterpart in {source.path}")
@@ -110,7 +110,7 @@ def _sources(plan, step):
 
 def _full_model_tensors(model: torch.nn.Module, config: TransformerConfig) -> dict[str, torch.Tensor]:
     expected = expected_model_tensors(config)
-    params = dict(model.named_parameters())
+    params = dict([*model.named_parameters(), *persistent_buffers(model)])
     whole = _tp(model)[1] == 1 and list(params) == list(expected)
     if not whole or any(tuple(params[n].shape) != expected[n].shape for n in expected):
         raise BridgeError(

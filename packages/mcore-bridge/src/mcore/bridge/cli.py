@@ -44,6 +44,11 @@ def _parser() -> argparse.ArgumentParser:
         help="mcore -> hf of a bitnet model: write HF's packed ternary weights (2 bits each + weight_scale) or plain "
         "ones (default: as the HF files it was converted from)",
     )
+    p.add_argument(
+        "--fp8-blocks",
+        action="store_true",
+        help="mcore -> hf: linear weights in DeepSeek's block-wise FP8 (e4m3 + weight_scale_inv per 128x128 block)",
+    )
 
     p = sub.add_parser("verify", help="run the HF and the mcore model on the same tokens and compare")
     p.add_argument("hf", metavar="HF", help="HF directory or hub id")
@@ -74,6 +79,7 @@ def _convert(args: argparse.Namespace) -> int:
         max_shard_size=args.max_shard_size,
         overwrite=args.overwrite,
         progress=False if args.no_progress else None,
+        fp8_blocks=args.fp8_blocks,
         hf_assets=args.hf_assets,
         bitnet_packed=None if args.bitnet_packed is None else args.bitnet_packed == "yes",
     )

@@ -32,6 +32,7 @@ class Step:
     mcore: str
     hf: tuple[str, ...]
     op: Op
+    export_only: bool = False  # an HF copy of a tensor another step imports (MTP's repeated embedding and head)
 
 
 def steps_for(family: FamilyMapping, config: TransformerConfig) -> list[Step]:
@@ -48,15 +49,42 @@ def steps_for(family: FamilyMapping, config: TransformerConfig) -> list[Step]:
             if rule.mlp is not None and config.mlp_type(layer) != rule.mlp:  # MoE or dense MLP layers only
                 continue
             fmt = {"layer": layer} if layer is not None else {}
-            if rule.op in EXPERT_OPS:  # each pattern once per expert, pattern by pattern
-                hf = tuple(h.format(**fmt, expert=e) for h in rule.hf for e in range(config.num_experts))
-            else:
-                hf = tuple(h.format(**fmt) for h in rule.hf)
-            steps.append(Step(rule.mcore.format(**fmt), hf, rule.op))
+            steps.append(_expand(rule, fmt, fmt, config))
+    steps += _mtp_steps(family, config)
     used = [h for step in steps for h in step.hf]
     if len(set(used)) != len(used):
         twice = sorted({h for h in used if used.count(h) > 1})
         raise ValueError(f"family {family.name!r}: HF tensors {twice} feed two parameters of this model")
+    return steps
+
+
+def _expand(rule, fmt_mcore: dict, fmt_hf: dict, config: TransformerConfig, mcore: str | None = None) -> Step:
+    if rule.op in EXPERT_OPS:  # each pattern once per expert, pattern by pattern
+        hf = tuple(h.format(**fmt_hf, expert=e) for h in rule.hf for e in range(config.num_experts))
+    else:
+        hf = tuple(h.format(**fmt_hf) for h in rule.hf)
+    return Step((mcore or rule.mcore).format(**fmt_mcore), hf, rule.op)
+
+
+def _mtp_steps(family: FamilyMapping, config: TransformerConfig) -> list[Step]:
+    """Steps of the MTP depths: their own tensors, their decoder layer (the last layer's rules), the HF copies."""
+    last = config.num_hidden_layers - 1
+    modules = layer_module_names(config, last)
+    steps = []
+    for k in range(config.num_nextn_predict_layers):
+        at = {"layer": config.num_hidden_layers + k}
+        steps += [_expand(r, {"layer": k}, at, config) for r in family.mtp_tensors if r.applies(config)]
+        for rule in family.tensors:
+            if not (rule.per_layer and rule.applies(config)) or rule.mcore.split(".")[2] not in modules:
+                continue
+            if rule.mlp is not None and config.mlp_type(last) != rule.mlp:
+                continue
+            inner = rule.mcore.removeprefix("layers.{layer}.")
+            steps.append(_expand(rule, {}, at, config, mcore=f"mtp.layers.{k}.layer.{inner}"))
+        for mcore, hf in family.mtp_copies:
+            if mcore == "output.weight" and config.tie_word_embeddings:
+                continue
+            steps.append(Step(mcore, (hf.format(**at),), "vocab", export_only=True))
     return steps
 
 
@@ -152,6 +180,8 @@ def plan_import(
                 f"{where}: {', '.join(step.hf)} are fused into {step.mcore} but have different dtypes "
                 f"{sorted(str(d) for d in dtypes)}; convert with --dtype to a single dtype"
             )
+        if step.export_only:  # checked, then dropped: the main model's tensor is imported once
+            continue
         dtype = cast_dtype(entries[0].dtype, target_dtype)
         outputs[step.mcore] = TensorMeta(
             shape=meta.shape,
@@ -162,7 +192,7 @@ def plan_import(
             vocab_size=meta.vocab_size,
         )
     sources = {h: tensors[h] for s in steps for h in s.hf}
-    return ImportPlan(family, config, steps, sources, outputs)
+    return ImportPlan(family, config, [s for s in steps if not s.export_only], sources, outputs)
 
 
 @dataclass(frozen=True)

@@ -8,6 +8,7 @@ model on the ``meta`` device) and no GPU is used. Peak memory is that of one fus
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import shutil
@@ -30,6 +31,19 @@ from mcore.bridge.config_translation import hf_to_mcore, mcore_to_hf
 from mcore.bridge.conversion_plan import ExportPlan, ImportPlan, plan_export, plan_import
 from mcore.bridge.dtypes import parse_dtype_choice, parse_size, torch_dtype_from_name, torch_dtype_name
 from mcore.bridge.errors import BridgeError
+from mcore.bridge.fp8_blocks import SCALE_SUFFIX as FP8_SCALE_SUFFIX
+from mcore.bridge.fp8_blocks import (
+    SCALES_FILE,
+    BlockFormat,
+    Fp8Source,
+    block_format,
+    fp8_specs,
+    is_projection,
+    load_scales,
+    quantize_blocks,
+    save_scales,
+    without_quantization_config,
+)
 from mcore.bridge.hf import (
     CONFIG_FILE,
     HFWriter,
@@ -89,10 +103,14 @@ class HFToMcore:
         self.hf = read_hf_dir(path)
         where = str(path / CONFIG_FILE)
         family = family_for_hf_config(self.hf.config, where)
-        config = hf_to_mcore(self.hf.config, family, where)
+        config, mtp_note = _without_absent_mtp(hf_to_mcore(self.hf.config, family, where), self.hf.tensors)
         # packed BitNet linears are read unpacked (the latent weights the online quantizer turns back into them)
         self.packed = PackedSources(self.hf.tensors, str(path)) if is_packed_config(self.hf.config) else None
+        # DeepSeek's block-wise FP8: checked in full here, dequantized tensor by tensor in write()
+        fmt = block_format(self.hf.config, where) if self.packed is None else None
+        self.fp8 = Fp8Source(self.hf.tensors, fmt, str(path)) if fmt is not None else None
         tensors = self.hf.tensors if self.packed is None else self.packed.view
+        tensors = tensors if self.fp8 is None else self.fp8.tensors
         self.plan: ImportPlan = plan_import(
             family, config, tensors, expected_model_tensors(config), target_dtype, str(path)
         )
@@ -101,7 +119,7 @@ class HFToMcore:
             # The mcore checkpoint stores one dtype; keeping several would need a per-tensor dtype there.
             raise BridgeError(f"{path}: tensors have mixed dtypes {dtypes}; pass --dtype to store them as one")
         self.dtype = torch_dtype_from_name(dtypes[0])
-        self.notes = [f"not carried: {s}" for s in self.hf.skipped]
+        self.notes = [f"not carried: {s}" for s in self.hf.skipped] + mtp_note
 
     @property
     def total_bytes(self) -> int:
@@ -129,10 +147,24 @@ class HFToMcore:
         sidecar.mkdir()
         shutil.copyfile(self.hf.path / CONFIG_FILE, sidecar / CONFIG_FILE)
         copy_side_files(self.hf.side_files, sidecar)
+        if self.fp8 is not None:  # the source's scales, for an FP8 export that gives back the same bytes
+            save_scales(self.fp8.scales(), sidecar / SCALES_FILE)
         return len(plan.steps)
 
     def _read(self, name: str, entry) -> torch.Tensor:
-        return read_tensor(entry) if self.packed is None else self.packed.read(name, entry)
+        if self.packed is not None:
+            return self.packed.read(name, entry)
+        return read_tensor(entry) if self.fp8 is None else self.fp8.read(name, entry)
+
+
+def _without_absent_mtp(config: TransformerConfig, tensors) -> tuple[TransformerConfig, list[str]]:
+    """transformers' DeepSeek-V3 configs say ``num_nextn_predict_layers: 1`` also for models saved without the MTP
+    layer: such a model imports without it (as transformers loads it), with a note."""
+    depth, first = config.num_nextn_predict_layers, f"model.layers.{config.num_hidden_layers}."
+    if not depth or any(name.startswith(first) for name in tensors):
+        return config, []
+    note = f"config.json has num_nextn_predict_layers={depth} but no {first}* tensors: imported without MTP modules"
+    return dataclasses.replace(config, num_nextn_predict_layers=0), [note]
 
 
 class McoreToHF:
@@ -154,6 +186,7 @@ class McoreToHF:
         max_shard_bytes: int,
         assets: Path | None,
         bitnet_packed: bool | None = None,
+        fp8_blocks: bool = False,
     ):
         family = family_by_name(config.model_type, where)
         self.plan: ExportPlan = plan_export(family, config, saved, expected_model_tensors(config), target_dtype, where)
@@ -184,6 +217,30 @@ class McoreToHF:
             self.hf_config["quantization_config"] = (original or {}).get("quantization_config") or OFFLINE_CONFIG
         elif is_packed_config(self.hf_config):
             del self.hf_config["quantization_config"]  # the weights written are plain
+        self._setup_fp8(fp8_blocks, original, assets, where)
+
+    def _setup_fp8(self, fp8_blocks: bool, original, assets: Path | None, where: str) -> None:
+        """bf16 drops an FP8 source's quantization_config; ``fp8_blocks`` writes its format (128x128 by default)."""
+        self.fp8_format: BlockFormat | None = None
+        if not fp8_blocks:
+            if (self.hf_config.get("quantization_config") or {}).get("quant_method") == "fp8":
+                self.hf_config = without_quantization_config(self.hf_config)
+            return
+        if self.pack:
+            raise BridgeError(f"{where}: --fp8-blocks and packed BitNet weights are two formats; choose one")
+        self.fp8_format = (block_format(original, where) if original else None) or BlockFormat(128, 128)
+        self.fp8_scales = load_scales(assets)
+        self.hf_config.setdefault(
+            "quantization_config",
+            {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+             "weight_block_size": [self.fp8_format.rows, self.fp8_format.cols]},
+        )  # fmt: skip
+
+    def _quantized(self, name: str, shape: tuple[int, ...]) -> bool:
+        """The weights an FP8 export quantizes: those the source had quantized, else every linear projection."""
+        if self.fp8_format is None:
+            return False
+        return name + FP8_SCALE_SUFFIX in self.fp8_scales if self.fp8_scales else is_projection(name, shape)
 
     @classmethod
     def from_checkpoint(
@@ -193,6 +250,7 @@ class McoreToHF:
         max_shard_bytes: int,
         assets: Path | None = None,
         bitnet_packed: bool | None = None,
+        fp8_blocks: bool = False,
     ) -> McoreToHF:
         reader = CheckpointReader(path)
         where = str(reader.path)
@@ -219,6 +277,7 @@ class McoreToHF:
             max_shard_bytes=max_shard_bytes,
             assets=assets if assets is not None else (sidecar if sidecar.is_dir() else None),
             bitnet_packed=bitnet_packed,
+            fp8_blocks=fp8_blocks,
         )
 
     @property
@@ -230,6 +289,8 @@ class McoreToHF:
         heads = _head_args(config)
         out.mkdir()
         specs = [TensorSpec(name, dtype, shape) for name, dtype, shape in self.outputs]
+        if self.fp8_format is not None:
+            specs = fp8_specs(specs, self.fp8_format, self._quantized)
         dtype_of = {s.name: s.dtype for s in specs}
         writer = HFWriter(out, specs, self.max_shard_bytes)
         try:
@@ -252,6 +313,9 @@ class McoreToHF:
 
     def _encoded(self, name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
         """The HF tensors of ``name``: itself, or its packed ternary weight and ``weight_scale``."""
+        if self._quantized(name, tuple(tensor.shape)):  # DeepSeek's block-wise FP8
+            q, scale = quantize_blocks(tensor, self.fp8_format, self.fp8_scales.get(name + FP8_SCALE_SUFFIX))
+            return [(name, q), (name + FP8_SCALE_SUFFIX, scale)]
         if not (self.pack and is_packed_name(name)):
             return [(name, tensor)]
         packed, scale = quantize_weight(tensor)
@@ -286,6 +350,7 @@ def convert(
     progress: bool | None = None,
     hf_assets: str | os.PathLike | None = None,
     bitnet_packed: bool | None = None,
+    fp8_blocks: bool = False,
 ) -> ConversionResult:
     """Convert SRC (HF directory, hub id, or mcore checkpoint) into DST, in the direction SRC implies.
 
@@ -299,6 +364,8 @@ def convert(
             to write beside the weights, for a checkpoint that carries none (e.g. one saved by training).
         bitnet_packed: mcore -> HF of a bitnet model only: write HF's packed ternary weights (``True``) or plain
             ones (``False``); ``None``: as the HF files the checkpoint was converted from.
+        fp8_blocks: mcore -> HF only: write the linear projections in DeepSeek's block-wise FP8 (e4m3 weights and
+            fp32 ``weight_scale_inv`` per block); an FP8 source converted to mcore comes back byte for byte.
 
     Raises:
         BridgeError: for any problem with the input, before DST is touched.
@@ -320,13 +387,15 @@ def convert(
     check_destination(dst, overwrite, [source.path])
     try:
         if source.kind == "hf":
-            if hf_assets is not None or bitnet_packed is not None:
-                what = "--hf-assets" if hf_assets is not None else "--bitnet-packed"
+            if hf_assets is not None or bitnet_packed is not None or fp8_blocks:
+                what = "--hf-assets" if hf_assets is not None else "--fp8-blocks" if fp8_blocks else "--bitnet-packed"
                 raise BridgeError(f"{what} applies to mcore -> hf conversions; SRC is a Hugging Face model")
             job: HFToMcore | McoreToHF = HFToMcore(source.path, target_dtype)
         else:
             assets = assets_dir(hf_assets)
-            job = McoreToHF.from_checkpoint(source.path, target_dtype, max_shard_bytes, assets, bitnet_packed)
+            job = McoreToHF.from_checkpoint(
+                source.path, target_dtype, max_shard_bytes, assets, bitnet_packed, fp8_blocks=fp8_blocks
+            )
         with staged_directory(dst, overwrite) as staged:
             count = job.write(staged, progress)
     except CheckpointError as exc:

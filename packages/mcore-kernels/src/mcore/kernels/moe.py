@@ -37,6 +37,7 @@ __all__ = [
 ]
 
 _SCORE_FUNCTIONS = ("softmax", "sigmoid")
+_GROUP_SCORES = ("top2_sum", "max")
 
 
 @dataclass(frozen=True)
@@ -50,7 +51,8 @@ class RouterConfig:
     * ``norm_topk_prob``: divide the k weights by their sum.
     * ``n_group`` / ``topk_group``: group-limited routing (DeepSeek-V3): experts split into ``n_group``
       equal groups, a group scored by the sum of its two best scores, experts chosen among the best
-      ``topk_group`` groups only.
+      ``topk_group`` groups only. ``group_score="max"`` scores a group by its best expert instead
+      (DeepSeek-V2's ``group_limited_greedy``).
     * ``routed_scaling_factor``: multiplies the final weights (DeepSeek-V3's 2.5).
     """
 
@@ -62,8 +64,11 @@ class RouterConfig:
     n_group: int = 1
     topk_group: int = 1
     routed_scaling_factor: float = 1.0
+    group_score: str = "top2_sum"
 
     def __post_init__(self) -> None:
+        if self.group_score not in _GROUP_SCORES:
+            raise ValueError(f"RouterConfig.group_score must be one of {_GROUP_SCORES}, got {self.group_score!r}")
         for name in ("num_experts", "topk", "n_group", "topk_group"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -139,7 +144,8 @@ def _topk_indices(choice: torch.Tensor, config: RouterConfig) -> torch.Tensor:
     if config.n_group > 1:
         tokens = choice.shape[0]
         grouped = choice.view(tokens, config.n_group, -1)
-        group_scores = grouped.topk(min(2, grouped.shape[-1]), dim=-1).values.sum(-1)
+        best = 1 if config.group_score == "max" else min(2, grouped.shape[-1])
+        group_scores = grouped.topk(best, dim=-1).values.sum(-1)
         best_groups = group_scores.topk(config.topk_group, dim=-1).indices
         keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, best_groups, True)
         choice = grouped.masked_fill(~keep.unsqueeze(-1), float("-inf")).view(tokens, -1)

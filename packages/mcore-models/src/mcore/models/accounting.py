@@ -53,7 +53,7 @@ class ParameterCounts:
 
     ``mixers`` and ``mlps`` cover all layers' token mixers (attention: projections, biases, q/k norms) and MLPs;
     ``norms`` the pre-norm of every present sub-block and the final norm; ``output`` is 0 when the embedding is
-    tied.
+    tied; ``mtp`` the multi-token-prediction modules (DeepSeek-V3), 0 without them.
     """
 
     embedding: int
@@ -61,10 +61,11 @@ class ParameterCounts:
     mlps: int
     norms: int
     output: int
+    mtp: int = 0
 
     @property
     def total(self) -> int:
-        return self.embedding + self.mixers + self.mlps + self.norms + self.output
+        return self.embedding + self.mixers + self.mlps + self.norms + self.output + self.mtp
 
     @property
     def non_embedding(self) -> int:
@@ -97,7 +98,19 @@ def parameter_counts(config: TransformerConfig) -> ParameterCounts:
         mlps=mlps,
         norms=norms * _norm_params(config, h),
         output=0 if config.tie_word_embeddings else vocab * h,
+        mtp=mtp_parameters(config),
     )
+
+
+def mtp_parameters(config: TransformerConfig) -> int:
+    """Parameters of the MTP modules: per depth three norms, ``eh_proj`` and one layer of the last layer's parts."""
+    if not config.num_nextn_predict_layers:
+        return 0
+    last = config.num_hidden_layers - 1
+    mixer, mlp = layer_parts(config, last)
+    norm = _norm_params(config, config.hidden_size)
+    layer = mixer.parameters(config, last) + mlp.parameters(config, last) + 2 * norm
+    return config.num_nextn_predict_layers * (layer + 3 * norm + 2 * config.hidden_size**2)
 
 
 def _matmul_weights_of_layer(config: TransformerConfig, layer_index: int) -> int:
@@ -112,7 +125,15 @@ def matmul_weight_count(config: TransformerConfig) -> int:
     it adds no parameters; the embedding lookup (a gather) does not.
     """
     layers = sum(_matmul_weights_of_layer(config, i) for i in range(config.num_hidden_layers))
-    return layers + config.vocab_size * config.hidden_size
+    return (
+        layers + config.vocab_size * config.hidden_size + config.num_nextn_predict_layers * _mtp_depth_weights(config)
+    )
+
+
+def _mtp_depth_weights(config: TransformerConfig) -> int:
+    """Matmul weights of one MTP depth: ``eh_proj`` [h, 2h], a layer of the last layer's parts, the output layer."""
+    h = config.hidden_size
+    return 2 * h * h + _matmul_weights_of_layer(config, config.num_hidden_layers - 1) + config.vocab_size * h
 
 
 def _check_seq_len(seq_len: int) -> None:
@@ -140,8 +161,17 @@ def output_layer_flops_per_token(config: TransformerConfig) -> float:
 
 def model_flops_per_token(config: TransformerConfig, seq_len: int) -> float:
     """Training (forward + backward) model FLOPs per token at sequence length ``seq_len``: every layer plus the
-    output layer (for Llama-shaped models = 6 x ``matmul_weight_count`` + 12 x layers x q_size x seq_len)."""
-    return sum(layer_costs(config, seq_len)) + output_layer_flops_per_token(config)
+    output layer (for Llama-shaped models = 6 x ``matmul_weight_count`` + 12 x layers x q_size x seq_len), and the
+    MTP depths (each: its ``eh_proj``, one layer like the last, the output layer)."""
+    flops = sum(layer_costs(config, seq_len)) + output_layer_flops_per_token(config)
+    depth = config.num_nextn_predict_layers
+    if depth:
+        last = config.num_hidden_layers - 1
+        h = config.hidden_size
+        flops += depth * (
+            6 * 2 * h * h + layer_flops_per_token(config, seq_len, last) + output_layer_flops_per_token(config)
+        )
+    return flops
 
 
 def mfu(

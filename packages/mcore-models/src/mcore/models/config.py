@@ -99,6 +99,16 @@ class TransformerConfig:
     shared_expert_gate: bool = False  # its sigmoid gate
     router_aux_loss_coef: float = 0.0
     moe_router: dict[str, Any] | None = None  # training knobs: mcore.models.moe_fields.ROUTER_KNOBS
+    # DeepSeek-V2/V3 (HF DeepseekV3Config names; rules in mcore.models.mla_fields). ``kv_lora_rank`` set: every layer's
+    # default mixer is multi-head latent attention ("mla"), and ``head_dim`` is the rotary width (as in HF).
+    q_lora_rank: int | None = None  # None: a full-rank query projection (V2-Lite, Moonlight)
+    kv_lora_rank: int | None = None
+    qk_nope_head_dim: int | None = None
+    qk_rope_head_dim: int | None = None
+    v_head_dim: int | None = None
+    rope_interleave: bool = False  # rotary dims stored as (x0, x1) pairs, not halves (HF's flag; V2 always)
+    first_k_dense_replace: int = 0  # MoE models: the first k layers have the dense MLP
+    num_nextn_predict_layers: int = 0  # multi-token-prediction modules after the last layer (mcore.models.mtp)
     # Mamba-2 mixer (``mamba2`` layers only; NemotronH's config.json names): validated when a layer uses it.
     mamba_num_heads: int | None = None
     mamba_head_dim: int | None = None
@@ -135,6 +145,9 @@ class TransformerConfig:
             _bool(name, getattr(self, name))
         if not isinstance(self.model_type, str) or not self.model_type:
             raise TypeError(f"TransformerConfig.model_type must be a non-empty str, got {self.model_type!r}")
+        from mcore.models.mla_fields import check_mla_fields
+
+        check_mla_fields(self)  # before _check_heads: MLA's head_dim defaults to the rotary width
         self._check_heads()
         self._check_rope_scaling()
         self._check_attention_pattern()
@@ -308,13 +321,15 @@ class TransformerConfig:
         self._check_layer_index(layer_index)
         if self.layer_types is not None:
             return self.layer_types[layer_index]
+        if self.kv_lora_rank is not None:
+            return "mla"
         return "full_attention" if self.sliding_window is None else "sliding_attention"
 
     def mlp_type(self, layer_index: int) -> str:
         """The registered MLP of layer ``layer_index`` (global index)."""
         self._check_layer_index(layer_index)
         if self.mlp_layer_types is None:
-            return "dense" if self.num_experts is None else "moe"
+            return "dense" if self.num_experts is None or layer_index < self.first_k_dense_replace else "moe"
         return self.mlp_layer_types[layer_index]
 
     def window_for_layer(self, layer_index: int) -> int | None:

@@ -17,6 +17,7 @@ from mcore.models.layers.block import DecoderLayer
 from mcore.models.layers.embedding import build_embedding, build_output_layer, mask_padded_logits
 from mcore.models.layers.kv_cache import KVCache
 from mcore.models.layers.norm import build_norm
+from mcore.models.mtp import MultiTokenPrediction
 from mcore.models.parts.registry import NO_PART, PartContext
 from mcore.models.rope import RopeTables, RotaryTables
 from mcore.parallel.grid import ProcessGroups
@@ -83,11 +84,12 @@ class GPTModel(nn.Module):
 
         factory = dict(params_dtype=params_dtype, device=device)
         parallel = dict(tp_group=self.tp_group, sequence_parallel=sequence_parallel, **factory)
-        if pre_process or (post_process and config.tie_word_embeddings):
+        mtp = config.num_nextn_predict_layers > 0  # MTP modules look up the next tokens on the last stage
+        if pre_process or (post_process and (config.tie_word_embeddings or mtp)):
             self.embedding = build_embedding(config, self.padded_vocab_size, **parallel)
-            # Tied embeddings split over pipeline stages live twice (first stage: lookup, last stage: output
-            # layer); finalize_model_grads sums the gradients of every copy marked shared_embedding.
-            mark_shared_embedding(self.embedding.weight, config.tie_word_embeddings and groups.pp_size > 1)
+            # Tied embeddings (or MTP's lookups) split over pipeline stages live twice (first stage: lookup, last
+            # stage: output layer / MTP); finalize_model_grads sums the gradients of every copy marked shared_embedding.
+            mark_shared_embedding(self.embedding.weight, (config.tie_word_embeddings or mtp) and groups.pp_size > 1)
         context = PartContext(
             tp_group=self.tp_group,
             tp_size=tp,
@@ -108,6 +110,9 @@ class GPTModel(nn.Module):
                 )
             else:
                 self.output = build_output_layer(config, self.padded_vocab_size, **parallel)
+        # DeepSeek-V3's multi-token prediction (mcore.models.mtp), trained with mtp_loss_weight (the trainer sets it)
+        self.mtp = MultiTokenPrediction(config, context) if post_process and mtp else None
+        self.mtp_loss_weight = 0.1
 
     # --- weights --------------------------------------------------------------------------------------
 
@@ -135,7 +140,7 @@ class GPTModel(nn.Module):
         c = self.config
         ref = next(self.parameters())
         # Layers without attention need no key/value buffers (Mamba-2 keeps its state in ``KVCache.states``).
-        recurrent_or_none = ("mamba2", NO_PART)
+        recurrent_or_none = ("mamba2", "mla", NO_PART)  # MLA caches its latents in KVCache.states
         attends = [i for i in range(*self.layer_range) if c.mixer_type(i) not in recurrent_or_none]
         return KVCache(
             attends,
@@ -159,6 +164,7 @@ class GPTModel(nn.Module):
         cu_seqlens: torch.Tensor | None = None,
         kv_cache: KVCache | None = None,
         context_parallel: CPContext | None = None,
+        mtp_input_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Run this stage.
 
@@ -171,6 +177,8 @@ class GPTModel(nn.Module):
         this call's keys/values and positions the tokens after the cached ones. ``context_parallel`` (an
         ``mcore.parallel.cp_attention.CPContext``): the inputs are this rank's CP shard (its sharding's
         ``shard``), documents and positions come from the sharding, attention spans the CP group.
+        ``mtp_input_ids [b, s]``: the micro-batch's tokens, which a last stage with MTP modules needs when it is not
+        also the first (with ``labels`` the MTP loss joins the returned loss's backward; see ``mcore.models.mtp``).
         """
         if kv_cache is not None and (labels is not None or cu_seqlens is not None or self.sequence_parallel):
             raise ValueError("GPTModel: kv_cache is for inference: no labels, no cu_seqlens, no sequence parallel")
@@ -187,7 +195,15 @@ class GPTModel(nn.Module):
             kv_cache.advance(s)
         if not self.post_process:
             return x
-        return self._head(x, labels, b, s)
+        out = self._head(x, labels, b, s)
+        if self.mtp is None or labels is None:
+            return out
+        if context_parallel is not None:
+            raise ValueError("GPTModel: multi-token prediction under context parallelism is not supported")
+        ids = input_ids if mtp_input_ids is None else mtp_input_ids
+        if ids is None or tuple(ids.shape) != (b, s):
+            raise ValueError(f"GPTModel: a last stage with MTP modules needs mtp_input_ids [b, s] = [{b}, {s}]")
+        return self.mtp.attach(out, self.mtp.loss(self, x, ids, labels, rope, cu_seqlens, self.mtp_loss_weight))
 
     def _embed(
         self, input_ids: torch.Tensor | None, hidden_states: torch.Tensor | None
@@ -205,9 +221,7 @@ class GPTModel(nn.Module):
             b, s = input_ids.shape
             if self.sequence_parallel and s % tp != 0:
                 raise ValueError(f"GPTModel: sequence parallelism needs s ({s}) divisible by tp ({tp})")
-            x = self.embedding(input_ids.t())
-            # Falcon-H1's muP embedding multiplier (1.0 elsewhere: no extra op).
-            return (x if self.config.embedding_multiplier == 1.0 else x * self.config.embedding_multiplier), b, s
+            return self.embed_tokens(input_ids), b, s  # (with Falcon-H1's muP embedding multiplier)
         if hidden_states is None or input_ids is not None:
             raise ValueError("GPTModel: a later pipeline stage takes hidden_states [s, b, h] and no input_ids")
         if hidden_states.dim() != 3 or hidden_states.shape[-1] != self.config.hidden_size:
@@ -234,9 +248,19 @@ class GPTModel(nn.Module):
 
     def _head(self, x: torch.Tensor, labels: torch.Tensor | None, b: int, s: int) -> torch.Tensor:
         """Final norm and output layer: logits ``[b, s, V_pad / tp]`` or, with ``labels``, the loss ``[b, s]``."""
-        logits = self._logits(self.final_norm(x))  # [s, b, V_pad / tp]
         if labels is None:
+            logits = self._logits(self.final_norm(x))  # [s, b, V_pad / tp]
             return mask_padded_logits(logits, self.config.vocab_size, self.groups.tp_rank).transpose(0, 1)
+        return self.token_losses(self.final_norm(x), labels, b, s)
+
+    def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """``[s(/tp), b, h]`` embeddings of ``input_ids [b, s]`` (the first stage's lookup; MTP's on the last)."""
+        x = self.embedding(input_ids.t())
+        return x if self.config.embedding_multiplier == 1.0 else x * self.config.embedding_multiplier
+
+    def token_losses(self, normed: torch.Tensor, labels: torch.Tensor, b: int, s: int) -> torch.Tensor:
+        """Per-token cross entropy ``[b, s]`` fp32 (0 where ``labels == -100``) of normed hidden states."""
+        logits = self._logits(normed)
         if tuple(labels.shape) != (b, s):
             raise ValueError(f"GPTModel: labels must be [b, s] = [{b}, {s}], got {tuple(labels.shape)}")
         loss = vocab_parallel_cross_entropy(

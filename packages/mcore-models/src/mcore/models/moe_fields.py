@@ -19,6 +19,7 @@ ROUTER_KNOBS = (
     "n_group",
     "topk_group",
     "routed_scaling_factor",
+    "group_score",
     "expert_bias",
     "bias_update_rate",
     "aux_loss_type",

@@ -72,6 +72,7 @@ class MoEConfig:
     n_group: int = 1
     topk_group: int = 1
     routed_scaling_factor: float = 1.0
+    group_score: str = "top2_sum"
     expert_bias: bool = False
     bias_update_rate: float = 1e-3
     aux_loss_coef: float = 0.0
@@ -112,6 +113,7 @@ class MoEConfig:
             n_group=self.n_group,
             topk_group=self.topk_group,
             routed_scaling_factor=self.routed_scaling_factor,
+            group_score=self.group_score,
         )
 
     def check_layout(self, ep: int, etp: int) -> None:

@@ -50,6 +50,7 @@ __all__ = [
     "mark_shared_embedding",
     "mark_vocab_padded",
     "mark_wgrad_in_main_grad",
+    "persistent_buffers",
     "set_main_grad",
     "set_tensor_parallel_attributes",
     "take_wgrad_in_main_grad",
@@ -69,6 +70,14 @@ _MAIN_GRAD = "main_grad"
 _FUSE_WGRAD = "mcore_fuse_wgrad"
 _WGRAD_IN_MAIN_GRAD = "mcore_wgrad_in_main_grad"
 _GRAD_READY_HOOK = "mcore_grad_ready_hook"
+
+
+def persistent_buffers(module: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """(name, tensor) of the buffers ``module.state_dict()`` holds (the MoE layers' aux-loss-free expert bias):
+    model state that no optimizer updates, which checkpoints and the bridge save and load with the parameters.
+    Replicated over every parallel group (no layout attributes)."""
+    keys = set(module.state_dict(keep_vars=True))
+    return [(name, b) for name, b in module.named_buffers() if name in keys]
 
 
 # ------------------------------------------------------------------------------------------------ layout

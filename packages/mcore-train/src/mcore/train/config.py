@@ -166,11 +166,12 @@ class TrainSection:
     activation_offload: list[str] = field(default_factory=list)
     sample_prompt: str = "The "
     sample_tokens: int = 64
+    mtp_loss_weight: float = 0.1  # models with num_nextn_predict_layers > 0 (DeepSeek-V3 MTP)
 
     def __post_init__(self) -> None:
         for name in ("steps", "global_batch_size", "micro_batch_size", "max_nonfinite_steps"):
             _positive("train", name, getattr(self, name))
-        for name in ("eval_interval", "eval_steps", "hang_timeout", "sample_tokens"):
+        for name in ("eval_interval", "eval_steps", "hang_timeout", "sample_tokens", "mtp_loss_weight"):
             _non_negative("train", name, getattr(self, name))
         _positive("train", "initial_loss_scale", self.initial_loss_scale)
         if self.quant != "none" and self.precision in ("fp8", "fp4"):

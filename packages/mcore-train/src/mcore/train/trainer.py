@@ -40,7 +40,7 @@ from mcore.parallel.expert_parallel import moe_metrics
 from mcore.parallel.finalize import finalize_model_grads
 from mcore.parallel.loss_scaler import DynamicLossScaler
 from mcore.parallel.optimizer import MixedPrecisionOptimizer, StepResult, default_param_groups
-from mcore.parallel.param_attrs import is_shared_embedding
+from mcore.parallel.param_attrs import is_shared_embedding, persistent_buffers
 from mcore.parallel.pipeline import (
     GPipe,
     Interleaved1F1B,
@@ -167,6 +167,7 @@ class Trainer:
         )
         for chunk in self.chunks:
             apply_low_precision(config, chunk, groups.tp)
+            chunk.mtp_loss_weight = config.train.mtp_loss_weight
         self.activation_offload = None
         if config.train.activation_offload:
             from mcore.train.activation_offload import attach_activation_offload
@@ -174,7 +175,8 @@ class Trainer:
             names = config.train.activation_offload
             self.activation_offload = attach_activation_offload(self.chunks, names, self.device)
         if weights is not None:
-            load_model_weights(weights, self.named_local_parameters(), config.model, groups)
+            local = self.named_local_parameters() + self.named_local_buffers()
+            load_model_weights(weights, local, config.model, groups)
 
         self.iteration = 0
         self.consumed_samples = 0
@@ -287,6 +289,8 @@ class Trainer:
             kwargs["context_parallel"] = batch["context_parallel"]
         if chunk.post_process:
             kwargs["labels"] = batch["labels"]
+            if chunk.mtp is not None:  # MTP modules embed the next tokens on the last stage
+                kwargs["mtp_input_ids"] = batch["tokens"]
         if chunk.pre_process:
             out = module(batch["tokens"], **kwargs)
         else:
@@ -380,6 +384,11 @@ class Trainer:
         """(global name, parameter, chunk) of every parameter on this rank, shared copies included."""
         return [(name, p, chunk) for chunk in self.chunks for name, p in chunk.named_parameters()]
 
+    def named_local_buffers(self) -> list[tuple[str, torch.Tensor, GPTModel]]:
+        """(global name, buffer, chunk) of the persistent buffers on this rank (MoE expert biases): checkpointed
+        and loaded with the parameters, never in the optimizer."""
+        return [(name, b, chunk) for chunk in self.chunks for name, b in persistent_buffers(chunk)]
+
     # ------------------------------------------------------------------------------------------ state
     @property
     def has_optimizer(self) -> bool:
@@ -393,6 +402,7 @@ class Trainer:
             if is_shared_embedding(param) and not chunk.pre_process:
                 continue
             out[name] = param
+        out.update((name, b) for name, b, _ in self.named_local_buffers())
         return out
 
     def state_dict(self) -> dict[str, Any]:
@@ -422,7 +432,7 @@ class Trainer:
             raise ValueError(f"Trainer.load_state_dict: state lacks {missing}; it needs iteration and consumed_samples")
         if state.get("model") is not None:
             tensors = state["model"]
-            for name, param, _ in self.named_local_parameters():
+            for name, param, _ in self.named_local_parameters() + self.named_local_buffers():
                 if name in tensors:
                     param.copy_(tensors[name])
         if state.get("optimizer") is not None:

@@ -7,6 +7,8 @@ from typing import Any
 from mcore.bridge.errors import BridgeError
 from mcore.bridge.mappings import (
     bitnet,
+    deepseek_v2,
+    deepseek_v3,
     falcon_h1,
     llama,
     mamba2,
@@ -22,6 +24,7 @@ from mcore.bridge.mappings import (
 from mcore.bridge.mappings.base import FamilyMapping, TensorRule
 
 _BUILTIN = (llama, qwen2, qwen3, mistral, mixtral, qwen3_moe, qwen2_moe, olmoe, mamba2, nemotron_h, falcon_h1, bitnet)
+_BUILTIN += (deepseek_v3, deepseek_v2)
 FAMILIES: dict[str, FamilyMapping] = {m.MAPPING.name: m.MAPPING for m in _BUILTIN}
 
 

@@ -75,6 +75,12 @@ class FamilyMapping:
     description: str = ""
     # HF class names that read as this family; () takes the family's HF_ARCHITECTURE from mcore.models.families.
     hf_architectures: tuple[str, ...] = ()
+    # Multi-token-prediction depths (DeepSeek-V3), stored as HF layers num_hidden_layers + k: rules whose {layer} is
+    # k in the mcore name and num_hidden_layers + k in the HF names; each depth's decoder layer uses the per-layer
+    # rules of the last layer. ``mtp_copies``: (mcore name, HF pattern) of the shared tensors the checkpoints repeat
+    # in every depth (read and dropped on import, written from the main model's tensor on export).
+    mtp_tensors: tuple[TensorRule, ...] = ()
+    mtp_copies: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self) -> None:
         if not self.hf_architectures:

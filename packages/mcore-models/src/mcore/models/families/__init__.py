@@ -22,6 +22,8 @@ from typing import Any
 from mcore.models.config import TransformerConfig
 from mcore.models.families import (
     bitnet,
+    deepseek_v2,
+    deepseek_v3,
     falcon_h1,
     llama,
     mamba2,
@@ -37,6 +39,7 @@ from mcore.models.families import (
 
 _FAMILY_MODULES: tuple[ModuleType, ...] = (
     llama, qwen2, qwen3, mistral, mixtral, qwen3_moe, qwen2_moe, olmoe, mamba2, nemotron_h, falcon_h1, bitnet,
+    deepseek_v3, deepseek_v2,
 )  # fmt: skip
 
 _FAMILIES: dict[str, MappingProxyType[str, Any]] = {}

@@ -119,6 +119,7 @@ MIXERS = PartRegistry(
         "full_attention": "mcore.models.layers.attention:FULL_ATTENTION",
         "sliding_attention": "mcore.models.layers.attention:SLIDING_ATTENTION",
         "nope_attention": "mcore.models.layers.attention:NOPE_ATTENTION",
+        "mla": "mcore.models.layers.mla:MLA",
         "mamba2": "mcore.models.layers.mamba2:MAMBA2",
         "falcon_h1_parallel": "mcore.models.layers.falcon_h1:FALCON_H1_PARALLEL",
         NO_PART: "mcore.models.layers.block:NO_MIXER",

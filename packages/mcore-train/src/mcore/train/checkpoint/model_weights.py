@@ -21,6 +21,7 @@ import torch
 
 from mcore.models.gpt import GPTModel
 from mcore.parallel.grid import ProcessGroups
+from mcore.parallel.param_attrs import persistent_buffers
 from mcore.train.checkpoint.experts import expert_split, expert_tp, local_experts
 from mcore.train.checkpoint.format import tensor_meta_of
 from mcore.train.checkpoint.reader import CheckpointReader
@@ -142,6 +143,6 @@ def load_model(
 
 def _load_model(reader: CheckpointReader, device: torch.device, dtype: torch.dtype) -> GPTModel:
     model = GPTModel(reader.model_config, params_dtype=dtype, device=device)
-    named = [(name, param, model) for name, param in model.named_parameters()]
+    named = [(name, t, model) for name, t in [*model.named_parameters(), *persistent_buffers(model)]]
     load_model_weights(reader, named, reader.model_config, ProcessGroups.single())
     return model.eval()

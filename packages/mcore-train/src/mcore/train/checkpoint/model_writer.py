@@ -40,12 +40,15 @@ from mcore.train.checkpoint.safetensors_stream import SafetensorsStreamWriter
 
 
 def expected_model_tensors(model_config: Any) -> dict[str, TensorMeta]:
-    """Name -> :class:`TensorMeta` (layout tp=1, pp=1) of every parameter of the model ``model_config`` describes."""
+    """Name -> :class:`TensorMeta` (layout tp=1, pp=1) of every parameter of the model ``model_config`` describes,
+    then of its persistent buffers (the MoE expert biases)."""
     from mcore.models.gpt import GPTModel
+    from mcore.parallel.param_attrs import persistent_buffers
 
     with torch.device("meta"):
         model = GPTModel(model_config, device=torch.device("meta"))
-    return {name: tensor_meta_of(param, tp_size=1) for name, param in model.named_parameters()}
+    tensors = [*model.named_parameters(), *persistent_buffers(model)]
+    return {name: tensor_meta_of(param, tp_size=1) for name, param in tensors}
 
 
 class ModelCheckpointWriter:
