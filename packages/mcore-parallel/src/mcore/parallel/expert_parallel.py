@@ -139,6 +139,10 @@ class Router(nn.Module):
         with torch.no_grad():
             self.weight.copy_(full)
 
+    def logits(self, tokens: torch.Tensor) -> torch.Tensor:
+        """fp32 ``[T, E]`` router logits of ``tokens`` [T, H] (a subclass may add a bias: GPT-OSS)."""
+        return F.linear(tokens.float(), self.weight.float())
+
 
 class GroupedExperts(nn.Module):
     """``E_local`` SwiGLU experts as two stacked weights, ``[E_local, 2F/etp, H]`` (this etp rank's gate rows, then
@@ -278,7 +282,7 @@ class MoELayer(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         tokens = x.reshape(-1, shape[-1])
-        logits = F.linear(tokens.float(), self.router.weight.float())
+        logits = self.router.logits(tokens)
         routing = route(logits, self.router_config, self.expert_bias)
         cfg = self.config
         plan_kwargs = dict(align=cfg.align)

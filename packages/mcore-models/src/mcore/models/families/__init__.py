@@ -22,6 +22,7 @@ from typing import Any
 from mcore.models.config import TransformerConfig
 from mcore.models.families import (
     falcon_h1,
+    gpt_oss,
     llama,
     mamba2,
     mistral,
@@ -36,6 +37,7 @@ from mcore.models.families import (
 
 _FAMILY_MODULES: tuple[ModuleType, ...] = (
     llama, qwen2, qwen3, mistral, mixtral, qwen3_moe, qwen2_moe, olmoe, mamba2, nemotron_h, falcon_h1,
+    gpt_oss,
 )  # fmt: skip
 
 _FAMILIES: dict[str, MappingProxyType[str, Any]] = {}
