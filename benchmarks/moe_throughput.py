@@ -44,11 +44,49 @@ SHAPES: dict[str, dict[str, Any]] = {
                        moe_ffn=768, dense_ffn=6144, vocab=151936, seq=4096, mbs=2),
     "tiny": dict(family="qwen3_moe", hidden=64, layers=2, heads=4, kv=2, head_dim=16, experts=8, topk=2, moe_ffn=32,
                  dense_ffn=96, vocab=259, seq=64, mbs=2),
+    # gpt-oss-20b layers x 4 (sinks, sliding 128 / full, YaRN, biased experts, clamped SwiGLU); HF eager runs out of
+    # memory at micro-batch 2, so the mb2 shape runs ours only. gptoss_tiny is their dry run (window 16 < seq 64).
+    "gptoss4l": dict(family="gpt_oss", hidden=2880, layers=4, heads=64, kv=8, head_dim=64, experts=32, topk=4,
+                     moe_ffn=2880, vocab=201088, seq=4096, mbs=1),
+    "gptoss4l_mb2": dict(family="gpt_oss", hidden=2880, layers=4, heads=64, kv=8, head_dim=64, experts=32, topk=4,
+                         moe_ffn=2880, vocab=201088, seq=4096, mbs=2, baseline=False),
+    "gptoss_tiny": dict(family="gpt_oss", hidden=64, layers=2, heads=4, kv=2, head_dim=16, experts=4, topk=2,
+                        moe_ffn=32, vocab=259, seq=64, mbs=2, window=16),
 }  # fmt: skip
+# --dry-run runs "tiny", or the dry-run shape of the GPU shape asked for
+DRY_RUN_SHAPES = {"gptoss": "gptoss_tiny", "gptoss4l": "gptoss_tiny", "gptoss4l_mb2": "gptoss_tiny"}
+GPT_OSS_SHAPES = ("gptoss4l", "gptoss4l_mb2")  # --shape gptoss runs both
+
+
+def gpt_oss_model(shape: dict[str, Any], *, align: int) -> dict[str, Any]:
+    """The ``model`` section of a GPT-OSS shape: the family's fields, then the shape's sizes."""
+    from mcore.models.families import FAMILIES
+    from mcore.models.families.gpt_oss import alternating_layer_types
+
+    model = {k: (dict(v) if isinstance(v, dict) else v) for k, v in FAMILIES["gpt_oss"].items()}
+    model.update(
+        hidden_size=shape["hidden"],
+        num_hidden_layers=shape["layers"],
+        layer_types=alternating_layer_types(shape["layers"]),
+        num_attention_heads=shape["heads"],
+        num_key_value_heads=shape["kv"],
+        head_dim=shape["head_dim"],
+        intermediate_size=shape["moe_ffn"],
+        num_experts=shape["experts"],
+        num_experts_per_tok=shape["topk"],
+        vocab_size=shape["vocab"],
+        max_position_embeddings=shape["seq"],
+        sliding_window=shape.get("window", 128),
+    )
+    if align > 1:
+        model["moe_router"] = {**model["moe_router"], "align": align}
+    return model
 
 
 def moe_model(shape: dict[str, Any], *, align: int) -> dict[str, Any]:
     """The ``model`` section of ``shape`` with transformers' defaults of its family for the rest."""
+    if shape["family"] == "gpt_oss":
+        return gpt_oss_model(shape, align=align)
     mixtral = shape["family"] == "mixtral"
     return {
         "model_type": shape["family"],
@@ -117,7 +155,7 @@ def _runs(args: argparse.Namespace, shape: str, out: Path) -> list[tuple[str, li
     ours = [str(Path(__file__).resolve()), "--only", "mcore", "--shape", shape, "--iters", str(args.iters)]
     ours += ["--warmup", str(args.warmup), "--json", str(out / f"mcore_{shape}.json")]
     runs = [("mcore", ours + (["--dry-run"] if args.dry_run else []))]
-    if args.skip_baseline or args.dry_run:
+    if args.skip_baseline or args.dry_run or not SHAPES[shape].get("baseline", True):
         return runs
     for label, extra in BASELINES.items():
         argv = [str(args.hf_baseline), "--shape", shape, *extra, "--iters", str(args.iters)]
@@ -130,7 +168,9 @@ def orchestrate(args: argparse.Namespace) -> int:
     every run (a device call cut short still returns what finished)."""
     out: Path = args.json_dir
     out.mkdir(parents=True, exist_ok=True)
-    shapes = ["tiny"] if args.dry_run else (list(GPU_SHAPES) if args.shape == "all" else [args.shape])
+    shapes = [DRY_RUN_SHAPES.get(args.shape, "tiny")] if args.dry_run else None
+    named = {"all": list(GPU_SHAPES), "gptoss": list(GPT_OSS_SHAPES)}
+    shapes = shapes or named.get(args.shape, [args.shape])
     skip_baseline = args.skip_baseline or args.dry_run
     if not skip_baseline and not args.hf_baseline.is_file():
         raise SystemExit(f"--hf-baseline: {args.hf_baseline} does not exist; pass the path of hf_moe_baseline.py")
@@ -168,7 +208,8 @@ def orchestrate(args: argparse.Namespace) -> int:
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--shape", choices=[*GPU_SHAPES, "all", "tiny"], default="all", help="shape(s) to run (all)")
+    shape_names = [*GPU_SHAPES, *DRY_RUN_SHAPES, "all", "tiny", "gptoss_tiny"]
+    ap.add_argument("--shape", choices=shape_names, default="all", help="shape(s) to run (all)")
     ap.add_argument("--iters", type=int, default=None, help="timed steps (8, as the baseline; dry run 3)")
     ap.add_argument("--warmup", type=int, default=None, help="untimed steps after the first (2; dry run 1)")
     ap.add_argument("--skip-baseline", action="store_true", help="run mcore only")
@@ -184,9 +225,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args.warmup = args.warmup if args.warmup is not None else (1 if args.dry_run else 2)
     if args.iters < 1 or args.warmup < 0:
         ap.error(f"--iters must be >= 1 and --warmup >= 0, got {args.iters} and {args.warmup}")
-    if args.only and (args.json is None or args.shape == "all"):
+    if args.only and (args.json is None or args.shape in ("all", "gptoss")):
         ap.error("--only mcore needs --json FILE and one --shape")
-    if args.shape == "tiny" and not (args.dry_run or args.only):
+    if args.shape in ("tiny", "gptoss_tiny") and not (args.dry_run or args.only):
         ap.error("--shape tiny is the dry-run shape; use --dry-run")
     if args.json_dir is None and not args.only:
         args.json_dir = Path(tempfile.mkdtemp(prefix="mcore-moe-throughput-"))
