@@ -158,6 +158,8 @@ def _runs(args: argparse.Namespace, shape: str, out: Path) -> list[tuple[str, li
     if args.skip_baseline or args.dry_run or not SHAPES[shape].get("baseline", True):
         return runs
     for label, extra in BASELINES.items():
+        if args.skip_compile and "--compile" in extra:
+            continue
         argv = [str(args.hf_baseline), "--shape", shape, *extra, "--iters", str(args.iters)]
         runs.append((label, argv + ["--json", str(out / f"{label}_{shape}.json")]))
     return runs
@@ -214,6 +216,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--warmup", type=int, default=None, help="untimed steps after the first (2; dry run 1)")
     ap.add_argument("--skip-baseline", action="store_true", help="run mcore only")
     ap.add_argument("--skip-micro", action="store_true", help="leave out the micro-benchmarks")
+    ap.add_argument("--skip-compile", action="store_true", help="leave out the torch.compile baseline")
     ap.add_argument("--hf-baseline", type=Path, default=HF_MOE_BASELINE, help="path of hf_moe_baseline.py")
     ap.add_argument("--json-dir", type=Path, default=None, help="where the JSON files go (default: a temp dir)")
     ap.add_argument("--json", type=Path, help=argparse.SUPPRESS)
