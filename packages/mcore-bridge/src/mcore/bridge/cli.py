@@ -39,6 +39,13 @@ def _parser() -> argparse.ArgumentParser:
         "(for checkpoints that carry none, e.g. saved by training)",
     )
 
+    p.add_argument(
+        "--quantize",
+        choices=["mxfp4"],
+        help="mcore -> hf: write GPT-OSS's expert weights in MXFP4 (as the released checkpoints; an MXFP4 source "
+        "comes back bit-exact)",
+    )
+
     p = sub.add_parser("verify", help="run the HF and the mcore model on the same tokens and compare")
     p.add_argument("hf", metavar="HF", help="HF directory or hub id")
     p.add_argument("mcore", metavar="MCORE", help="mcore checkpoint")
@@ -69,6 +76,7 @@ def _convert(args: argparse.Namespace) -> int:
         overwrite=args.overwrite,
         progress=False if args.no_progress else None,
         hf_assets=args.hf_assets,
+        quantize=args.quantize,
     )
     print(
         f"{result.direction}: {result.family}, {result.tensors} tensors, {result.bytes_written / 2**20:.1f} MiB "

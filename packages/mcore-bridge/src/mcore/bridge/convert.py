@@ -8,6 +8,7 @@ model on the ``meta`` device) and no GPU is used. Peak memory is that of one fus
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import shutil
@@ -17,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from mcore.bridge import mxfp4
 from mcore.bridge.config_translation import hf_to_mcore, mcore_to_hf
 from mcore.bridge.conversion_plan import ExportPlan, ImportPlan, plan_export, plan_import
 from mcore.bridge.dtypes import parse_dtype_choice, parse_size, torch_dtype_from_name, torch_dtype_name
@@ -90,6 +92,9 @@ class HFToMcore:
             raise BridgeError(f"{path}: tensors have mixed dtypes {dtypes}; pass --dtype to store them as one")
         self.dtype = torch_dtype_from_name(dtypes[0])
         self.notes = [f"not carried: {s}" for s in self.hf.skipped]
+        if mxfp4.quantization_method(self.hf.config, where):
+            kept = f"{HF_SIDECAR}/{mxfp4.SCALES_FILE}"
+            self.notes.append(f"MXFP4 expert weights dequantized to bf16 (their scales kept in {kept})")
 
     @property
     def total_bytes(self) -> int:
@@ -117,6 +122,7 @@ class HFToMcore:
         sidecar.mkdir()
         shutil.copyfile(self.hf.path / CONFIG_FILE, sidecar / CONFIG_FILE)
         copy_side_files(self.hf.side_files, sidecar)
+        mxfp4.write_scales(self.hf.tensors, sidecar)  # an MXFP4 source's scales, for a bit-exact MXFP4 export
         return len(plan.steps)
 
 
@@ -138,9 +144,17 @@ class McoreToHF:
         target_dtype: torch.dtype | None,
         max_shard_bytes: int,
         assets: Path | None,
+        quantize: str | None = None,
     ):
         family = family_by_name(config.model_type, where)
         self.plan: ExportPlan = plan_export(family, config, saved, expected_model_tensors(config), target_dtype, where)
+        self.encode = _as_is
+        if quantize is not None:  # MXFP4 experts (GPT-OSS): keeps an MXFP4 source's scales where they still fit
+            if quantize != mxfp4.METHOD:
+                raise BridgeError(f"--quantize must be {mxfp4.METHOD!r}, got {quantize!r}")
+            outputs = mxfp4.quantized_outputs(self.plan.outputs, where)
+            self.plan = dataclasses.replace(self.plan, outputs=outputs)
+            self.encode = mxfp4.encoder(assets / mxfp4.SCALES_FILE if assets is not None else None)
         self.read_full = read_full
         self.max_shard_bytes = max_shard_bytes
         self.notes: list[str] = []
@@ -159,10 +173,16 @@ class McoreToHF:
         out_dtypes = sorted({torch_dtype_name(d) for _, d, _ in self.plan.outputs})
         weights_dtype = out_dtypes[0] if len(out_dtypes) == 1 else None
         self.hf_config = mcore_to_hf(config, family, original, weights_dtype=weights_dtype)
+        self.hf_config = mxfp4.set_quantization_config(self.hf_config, quantize, original)
 
     @classmethod
     def from_checkpoint(
-        cls, path: Path, target_dtype: torch.dtype | None, max_shard_bytes: int, assets: Path | None = None
+        cls,
+        path: Path,
+        target_dtype: torch.dtype | None,
+        max_shard_bytes: int,
+        assets: Path | None = None,
+        quantize: str | None = None,
     ) -> McoreToHF:
         reader = CheckpointReader(path)
         where = str(reader.path)
@@ -188,6 +208,7 @@ class McoreToHF:
             target_dtype=target_dtype,
             max_shard_bytes=max_shard_bytes,
             assets=assets if assets is not None else (sidecar if sidecar.is_dir() else None),
+            quantize=quantize,
         )
 
     @property
@@ -205,10 +226,11 @@ class McoreToHF:
             with Progress(self.total_bytes, len(specs), "mcore -> hf", progress) as bar:
                 for step in plan.steps:
                     full = self.read_full(step.mcore)
-                    for name, part in zip(step.hf, to_hf(step.op, full, **heads)):
-                        writer.write(name, part.to(dtype_of[name]))
-                        bar.advance(part.numel() * dtype_of[name].itemsize)
-                    del full, part
+                    for hf_name, hf_part in zip(step.hf, to_hf(step.op, full, **heads)):
+                        for name, part in self.encode(hf_name, hf_part):
+                            writer.write(name, part.to(dtype_of[name]))
+                            bar.advance(part.numel() * dtype_of[name].itemsize)
+                    del full, hf_part, part
                     release_freed_memory()
             writer.finish()
         except BaseException:
@@ -217,6 +239,10 @@ class McoreToHF:
         write_config(out, self.hf_config, self.original_config_file)
         copy_side_files(self.side_files, out)
         return len(specs)
+
+
+def _as_is(name: str, tensor: torch.Tensor):
+    yield name, tensor
 
 
 def assets_dir(hf_assets: str | os.PathLike | None) -> Path | None:
@@ -246,6 +272,7 @@ def convert(
     overwrite: bool = False,
     progress: bool | None = None,
     hf_assets: str | os.PathLike | None = None,
+    quantize: str | None = None,
 ) -> ConversionResult:
     """Convert SRC (HF directory, hub id, or mcore checkpoint) into DST, in the direction SRC implies.
 
@@ -257,6 +284,7 @@ def convert(
         progress: show the progress bar (``None``: only on a terminal).
         hf_assets: mcore -> HF only: a directory with the ``config.json`` (extra keys, spelling) and tokenizer files
             to write beside the weights, for a checkpoint that carries none (e.g. one saved by training).
+        quantize: mcore -> HF only: ``"mxfp4"`` writes GPT-OSS's expert weights in MXFP4 (``mcore.bridge.mxfp4``).
 
     Raises:
         BridgeError: for any problem with the input, before DST is touched.
@@ -278,11 +306,13 @@ def convert(
     check_destination(dst, overwrite, [source.path])
     try:
         if source.kind == "hf":
-            if hf_assets is not None:
-                raise BridgeError("--hf-assets applies to mcore -> hf conversions; SRC is a Hugging Face model")
+            if hf_assets is not None or quantize is not None:
+                flag = "--hf-assets" if hf_assets is not None else "--quantize"
+                raise BridgeError(f"{flag} applies to mcore -> hf conversions; SRC is a Hugging Face model")
             job: HFToMcore | McoreToHF = HFToMcore(source.path, target_dtype)
         else:
-            job = McoreToHF.from_checkpoint(source.path, target_dtype, max_shard_bytes, assets_dir(hf_assets))
+            assets = assets_dir(hf_assets)
+            job = McoreToHF.from_checkpoint(source.path, target_dtype, max_shard_bytes, assets, quantize)
         with staged_directory(dst, overwrite) as staged:
             count = job.write(staged, progress)
     except CheckpointError as exc:
