@@ -7,7 +7,7 @@ with a bias on each projection, and the experts' clamped SwiGLU.
   search of the offsets, on the device). ``gate_up_bias`` [E_local, 2F/etp] splits over etp like ``gate_up``
   (gate block then up block); ``down_bias`` [E_local, H] follows the down projection, whose partial outputs the
   dispatcher sums over etp: only etp rank 0 adds it, while every etp rank gets its full gradient (the rows' output
-  gradient is the same on each), so the replicas stay equal.
+  gradient is the same on each), so the replicas stay equal. Bias gradients are summed per expert in fp32.
 * :func:`use_gpt_oss_options` swaps them into a built layer (the ``moe`` MLP part calls it when a config asks).
 """
 
@@ -43,23 +43,32 @@ class BiasedRouter(Router):
         return torch.nn.functional.linear(tokens.float(), self.weight.float(), self.bias.float())
 
 
-class _AddOnFirstRank(torch.autograd.Function):
-    """``y + b`` on etp rank 0 and ``y`` elsewhere; ``b`` gets ``dy`` on every rank (see the module doc)."""
+class _AddExpertBias(torch.autograd.Function):
+    """``y + bias[expert]`` (``expert`` == E: a row of no expert, nothing added) when ``add``, else ``y``; ``bias``'s
+    gradient is the fp32 per-expert sum of ``dy`` on every rank either way (the etp rule in the module doc)."""
 
     @staticmethod
-    def forward(ctx, y, b, add):
-        return y + b if add else y.clone()
+    def forward(ctx, y, bias, expert, add):
+        ctx.save_for_backward(expert)
+        ctx.bias_shape, ctx.bias_dtype = bias.shape, bias.dtype
+        if not add:
+            return y.clone()
+        padded = torch.cat([bias, bias.new_zeros(1, bias.shape[1])])
+        return y + padded[expert]
 
     @staticmethod
     def backward(ctx, dy):
-        return dy, dy, None
+        (expert,) = ctx.saved_tensors
+        experts, width = ctx.bias_shape
+        dbias = torch.zeros(experts + 1, width, dtype=torch.float32, device=dy.device)
+        dbias.index_add_(0, expert, dy.float())
+        return dy, dbias[:experts].to(ctx.bias_dtype), None, None
 
 
-def _row_experts(offsets: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Local expert of each row (int64 [rows]) and whether the row belongs to one (``row < offsets[-1]``)."""
+def _row_experts(offsets: torch.Tensor, rows: int) -> torch.Tensor:
+    """Local expert of each row (int64 [rows]); ``E`` for rows past ``offsets[-1]``, which belong to none."""
     index = torch.arange(rows, device=offsets.device, dtype=offsets.dtype)
-    expert = torch.searchsorted(offsets, index, right=True).clamp_(max=offsets.shape[0] - 1)
-    return expert, (index < offsets[-1]).unsqueeze(1)
+    return torch.searchsorted(offsets, index, right=True)
 
 
 class BiasedGroupedExperts(GroupedExperts):
@@ -96,12 +105,12 @@ class BiasedGroupedExperts(GroupedExperts):
         x = rows.to(self.gate_up.dtype)
         h = grouped_gemm(x, self.gate_up, offsets)
         if self.gate_up_bias is not None:
-            expert, valid = _row_experts(offsets, x.shape[0])
-            h = h + torch.where(valid, self.gate_up_bias[expert], 0.0)
+            expert = _row_experts(offsets, x.shape[0])
+            h = _AddExpertBias.apply(h, self.gate_up_bias, expert, True)
         a = swiglu(h) if self.activation is None else clamped_swiglu(h, *self.activation)
         y = grouped_gemm(a, self.down, offsets)
         if self.down_bias is not None:
-            y = _AddOnFirstRank.apply(y, torch.where(valid, self.down_bias[expert], 0.0), self.etp_rank == 0)
+            y = _AddExpertBias.apply(y, self.down_bias, expert, self.etp_rank == 0)
         return y
 
 
