@@ -119,3 +119,16 @@ def test_plan_reads_the_memory_fields_other_sections_add_and_suggests_a_mode():
     config.parallel.dp_shard, config.optim.offload_fraction = False, 0.0
     text = format_plan(make_plan(config, 8, 80.0, H200))
     assert "does NOT fit in 80 GB" in text and "cheapest that fits: ZeRO-3: parallel.dp_shard=true" in text
+
+
+def test_cli_plan_names_the_fastest_memory_mode_for_a_full_8b_on_one_h200(capsys):
+    """The full Llama-3-8B (~176 GB of training state and activations) on one 141 GB H200 with 32 micro-batches
+    per step: offloading half the optimizer (one CPU step per 32 micro-batches) beats any recompute (one extra
+    forward per micro-batch), so the plan suggests it, and the config as given is refused in words."""
+    args = ["model=llama3-8b", "data.seq_length=4096", "train.device=cuda", "train.precision=bf16"]
+    args += ["parallel.distributed_optimizer=true", "train.micro_batch_size=1", "train.global_batch_size=32"]
+    code, out, _ = _run(capsys, "plan", *args, "--gpu-memory", "141", "--calibration", "h200-sxm")
+    assert code == 0, out
+    assert "does NOT fit in 141 GB" in out
+    suggestion = [line for line in out.splitlines() if line.strip().startswith("cheapest that fits")]
+    assert suggestion and suggestion[0].endswith("parallel.distributed_optimizer=true optim.offload_fraction=0.5")

@@ -54,6 +54,9 @@ class ActivationOffload:
             raise ValueError(f"ActivationOffload: min_numel must be an int >= 0, got {min_numel!r}")
         self.device = torch.device(device)
         self.cuda = self.device.type == "cuda"
+        if self.cuda and self.device.index is None:
+            # "cuda" != "cuda:0" as torch.device values: without the index no saved tensor would match below
+            self.device = torch.device("cuda", torch.cuda.current_device())
         self.min_numel = min_numel
         self.stream = torch.cuda.Stream(self.device) if self.cuda else None
         self._current: _Layer | None = None

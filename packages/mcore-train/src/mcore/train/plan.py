@@ -63,6 +63,18 @@ MEMORY_MODES: tuple[tuple[str, dict, list[str]], ...] = (
             "train.recompute=full",
         ],  # fmt: skip
     ),
+    # offloading half the optimizer costs a CPU step per optimizer step, recompute costs a forward per micro-batch:
+    # with many micro-batches per step the offload is the cheaper of the two, so both are tried apart
+    (
+        "ZeRO-1 + half the optimizer offloaded",
+        {"distributed_optimizer": True, "optimizer_offload_fraction": 0.5},
+        ["parallel.distributed_optimizer=true", "optim.offload_fraction=0.5"],
+    ),
+    (
+        "ZeRO-1 + selective recompute + half the optimizer offloaded",
+        {"distributed_optimizer": True, "recompute": "selective", "optimizer_offload_fraction": 0.5},
+        ["parallel.distributed_optimizer=true", "train.recompute=selective", "optim.offload_fraction=0.5"],
+    ),
     (
         "ZeRO-1 + full recompute + half the optimizer offloaded",
         {"distributed_optimizer": True, "recompute": "full", "optimizer_offload_fraction": 0.5},
