@@ -108,3 +108,53 @@ def test_bad_fields_are_one_clear_error(fields, error, pattern):
     base = get_config("gpt_oss-tiny").to_dict()
     with pytest.raises(error, match=pattern):
         TransformerConfig.from_dict({**base, **fields})
+
+
+@pytest.mark.gpu
+def test_cuda_equals_hf_and_bf16_tracks_fp32():
+    """On CUDA: fp32 (sinks through FlexAttention) equals HF, logits and every gradient; bf16 (sinks, windows and the
+    clamped SwiGLU through our Triton kernels) tracks fp32."""
+    from mcore.models.gpt import GPTModel
+    from tests.models.hf_weights import hf_model, load_hf_weights
+
+    config = get_config("gpt_oss-tiny", swiglu_limit=0.3)
+    hf = hf_model(config, seed=0).cuda()
+    ours = GPTModel(config, device="cuda")
+    ours.init_weights(1)
+    load_hf_weights(ours, hf, config)
+    ids = torch.randint(0, config.vocab_size, (2, 64), device="cuda")
+    ref = hf(ids).logits
+    logits = ours(ids)[..., : config.vocab_size]
+    assert (logits - ref).abs().max() <= LOGIT_ATOL
+    weights = torch.rand(ref.shape, device="cuda")
+    (ref * weights).sum().backward()
+    (logits * weights).sum().backward()
+    _assert_grads_equal(hf, ours, config)
+    bf16 = GPTModel(config, device="cuda")
+    load_hf_weights(bf16, hf, config)
+    bf16 = bf16.to(torch.bfloat16)
+    with torch.no_grad():
+        a, b = ours(ids, labels=ids), bf16(ids, labels=ids)
+    assert b.dtype == torch.float32 and (a - b).abs().mean() < 0.02
+    loss = bf16(ids, labels=ids).sum()
+    loss.backward()
+    assert all(torch.isfinite(p.grad).all() for p in bf16.parameters())
+    assert all(p.grad.abs().sum() > 0 for n, p in bf16.named_parameters() if n.endswith("sinks.weight"))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("window", [None, 128])
+def test_cuda_triton_sinks_gradient_against_float64(window):
+    torch.manual_seed(0)
+    b, s, hq, hkv, d = 1, 512, 8, 2, 64
+    q, k, v = (torch.randn(b, s, h, d, device="cuda") for h in (hq, hkv, hkv))
+    sinks = torch.randn(hq, device="cuda") * 2
+    dout = torch.randn(b, s, hq, d, device="cuda")
+    inputs = [t.to(torch.bfloat16).requires_grad_(True) for t in (q, k, v)] + [sinks.clone().requires_grad_(True)]
+    out = attention(*inputs[:3], sinks=inputs[3], window_size=window, backend="triton")
+    out.backward(dout.to(torch.bfloat16))
+    ref_inputs = [t.detach().double().requires_grad_(True) for t in inputs]
+    ref = _float64_attention(*[t.cpu() for t in ref_inputs[:3]], ref_inputs[3].cpu(), window)
+    ref.backward(dout.double().cpu())
+    assert (out.double().cpu() - ref).abs().max() < 3e-2
+    torch.testing.assert_close(inputs[3].grad.double().cpu(), ref_inputs[3].grad.cpu(), rtol=2e-2, atol=2e-2)
