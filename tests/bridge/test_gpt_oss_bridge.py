@@ -195,3 +195,22 @@ def test_import_layout_equals_transformers_dequantizer():
     want = convert_moe_packed_tensors(blocks, scales, dtype=torch.bfloat16)  # HF's [E, in, out] parameter
     ours = torch.stack([mxfp4.dequantize(blocks[e], scales[e]) for e in range(2)]).transpose(1, 2)
     assert want.shape == ours.shape == (2, 96, 6) and torch.equal(ours, want)
+
+
+def test_cli_quantize_and_load_hf_into_read_mxfp4(tmp_path):
+    from mcore.bridge import load_hf_into
+    from mcore.bridge.cli import main
+    from mcore.models.families import get_config
+    from mcore.models.gpt import GPTModel
+
+    hf, state = _mxfp4_dir(tmp_path)
+    assert main(["convert", str(hf), str(tmp_path / "mcore"), "--no-progress"]) == 0
+    argv = ["convert", str(tmp_path / "mcore"), str(tmp_path / "back"), "--quantize", "mxfp4", "--no-progress"]
+    assert main(argv) == 0
+    back = read_state(tmp_path / "back")
+    assert all(torch.equal(back[n], t) for n, t in state.items())
+    config = json.loads((hf / "config.json").read_text())
+    model = GPTModel(get_config("gpt_oss-tiny", vocab_size=config["vocab_size"]))
+    load_hf_into(model, hf)
+    want = _dequantized(state)["model.layers.1.mlp.experts.down_proj"].mT.float()
+    assert torch.equal(model.layers["1"].mlp.experts.down.detach(), want)
