@@ -101,7 +101,9 @@ class BiasedGroupedExperts(GroupedExperts):
                 if p is not None:
                     p.zero_()
 
-    def forward(self, rows: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    def forward(self, rows: torch.Tensor, offsets: torch.Tensor, tail_rows: int | None = None) -> torch.Tensor:
+        """``tail_rows`` (a dispatcher's bound on the rows past ``offsets[-1]``) is accepted for the dispatchers'
+        call; which rows lie past the offsets is read from the offsets themselves (they get no bias)."""
         x = rows.to(self.gate_up.dtype)
         h = grouped_gemm(x, self.gate_up, offsets)
         if self.gate_up_bias is not None:
