@@ -7,7 +7,7 @@ with a bias on each projection, and the experts' clamped SwiGLU.
   search of the offsets, on the device). ``gate_up_bias`` [E_local, 2F/etp] splits over etp like ``gate_up``
   (gate block then up block); ``down_bias`` [E_local, H] follows the down projection, whose partial outputs the
   dispatcher sums over etp: only etp rank 0 adds it, while every etp rank gets its full gradient (the rows' output
-  gradient is the same on each), so the replicas stay equal. Bias gradients are summed per expert in fp32.
+  gradient is the same on each), so the replicas stay equal. A bias's gradient is one GEMM (one-hot rows^T @ dy).
 * :func:`use_gpt_oss_options` swaps them into a built layer (the ``moe`` MLP part calls it when a config asks).
 """
 
@@ -45,7 +45,7 @@ class BiasedRouter(Router):
 
 class _AddExpertBias(torch.autograd.Function):
     """``y + bias[expert]`` (``expert`` == E: a row of no expert, nothing added) when ``add``, else ``y``; ``bias``'s
-    gradient is the fp32 per-expert sum of ``dy`` on every rank either way (the etp rule in the module doc)."""
+    gradient is the per-expert sum of ``dy`` on every rank either way (the etp rule in the module doc)."""
 
     @staticmethod
     def forward(ctx, y, bias, expert, add):
@@ -59,10 +59,11 @@ class _AddExpertBias(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         (expert,) = ctx.saved_tensors
-        experts, width = ctx.bias_shape
-        dbias = torch.zeros(experts + 1, width, dtype=torch.float32, device=dy.device)
-        dbias.index_add_(0, expert, dy.float())
-        return dy, dbias[:experts].to(ctx.bias_dtype), None, None
+        experts = ctx.bias_shape[0]
+        # per-expert sums of dy as one GEMM (one-hot^T @ dy, fp32 accumulation): deterministic, no atomics
+        one_hot = torch.nn.functional.one_hot(expert, experts + 1)[:, :experts].to(dy.dtype)
+        dbias = torch.mm(one_hot.t(), dy)
+        return dy, dbias.to(ctx.bias_dtype), None, None
 
 
 def _row_experts(offsets: torch.Tensor, rows: int) -> torch.Tensor:
