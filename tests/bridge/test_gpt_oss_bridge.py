@@ -161,7 +161,7 @@ def test_unknown_quantization_config_is_one_error_and_nothing_is_written(tmp_pat
     hf = _hf_dir(tmp_path)
     config = json.loads((hf / "config.json").read_text())
     (hf / "config.json").write_text(json.dumps({**config, "quantization_config": quant}))
-    with pytest.raises(BridgeError, match="quantization_config .* is not supported"):
+    with pytest.raises(BridgeError, match="quantization_config .* is not supported; the bridge reads plain weights"):
         convert(hf, tmp_path / "out", progress=False)
     assert not (tmp_path / "out").exists()
 

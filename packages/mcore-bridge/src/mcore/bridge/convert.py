@@ -92,7 +92,7 @@ class HFToMcore:
             raise BridgeError(f"{path}: tensors have mixed dtypes {dtypes}; pass --dtype to store them as one")
         self.dtype = torch_dtype_from_name(dtypes[0])
         self.notes = [f"not carried: {s}" for s in self.hf.skipped]
-        if mxfp4.quantization_method(self.hf.config, where):
+        if mxfp4.quantization_method(self.hf.config, where) == mxfp4.METHOD:
             kept = f"{HF_SIDECAR}/{mxfp4.SCALES_FILE}"
             self.notes.append(f"MXFP4 expert weights dequantized to bf16 (their scales kept in {kept})")
 

@@ -3,8 +3,8 @@
 The files hold each expert weight ``W`` (Hugging Face's ``[E, in, out]`` parameter) as ``W_blocks`` uint8
 ``[E, out, in/32, 16]`` (two E2M1 codes per byte, the lower index in the low nibble) and ``W_scales`` uint8
 ``[E, out, in/32]`` (E8M0: ``2^(s - 127)``, 255 is NaN), one scale per 32 consecutive inputs (OCP MX v1.0), and say
-so in ``config.json``: ``quantization_config: {"quant_method": "mxfp4", ...}``. Any other quantization config is
-refused before anything is written.
+so in ``config.json``: ``quantization_config: {"quant_method": "mxfp4", ...}``. A quantization config no reader
+handles is refused before anything is written (``mcore.bridge.quantization``).
 
 * Import: :func:`dequantized_view` replaces each ``_blocks`` / ``_scales`` pair by an entry that reads as the bf16
   tensor ``W`` (exact: every E2M1 value times a power of two is a bf16 number), expert by expert, so a conversion
@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from mcore.bridge.errors import BridgeError
+from mcore.bridge.quantization import QUANT_KEY, quant_method
 from mcore.bridge.safetensors_io import DerivedEntry, TensorEntry, read_header, read_tensor
 from mcore.kernels.microscaling import (
     MXTensor,
@@ -51,7 +52,6 @@ __all__ = [
     "write_scales",
 ]
 
-QUANT_KEY = "quantization_config"
 METHOD = "mxfp4"
 SCALES_FILE = "mxfp4_scales.safetensors"
 BLOCKS, SCALES = "_blocks", "_scales"
@@ -70,17 +70,9 @@ DEFAULT_CONFIG = {
 
 
 def quantization_method(config: dict[str, Any], where: str) -> str | None:
-    """``"mxfp4"`` or ``None`` from ``config.json``'s ``quantization_config``; any other value is a BridgeError."""
-    quant = config.get(QUANT_KEY)
-    if quant is None:
-        return None
-    method = quant.get("quant_method") if isinstance(quant, dict) else None
-    if method != METHOD:
-        raise BridgeError(
-            f"{where}: quantization_config {quant!r} is not supported (the bridge reads unquantized weights and "
-            f'MXFP4, quant_method "{METHOD}"); dequantize the checkpoint first'
-        )
-    return METHOD
+    """``config.json``'s ``quant_method`` (``None`` when plain); BridgeError for one the bridge cannot read
+    (``mcore.bridge.quantization``)."""
+    return quant_method(config, where)
 
 
 def dequantize(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
@@ -112,7 +104,7 @@ class MXFP4Entry(DerivedEntry):
 def dequantized_view(tensors: dict[str, TensorEntry], config: dict[str, Any], where: str) -> dict[str, TensorEntry]:
     """``tensors`` with each ``W_blocks`` + ``W_scales`` pair replaced by an :class:`MXFP4Entry` named ``W``, when
     ``config`` says MXFP4 (unchanged when it says nothing; BridgeError for another quantization or a lone half)."""
-    if quantization_method(config, where) is None:
+    if quantization_method(config, where) != METHOD:
         return tensors
     out: dict[str, TensorEntry] = {}
     for name, entry in tensors.items():
@@ -215,9 +207,12 @@ def quantized_outputs(
 
 
 def set_quantization_config(hf_config: dict[str, Any], method: str | None, original: dict | None) -> dict[str, Any]:
-    """``hf_config`` saying what the written weights are: no ``quantization_config`` for plain weights, the
-    original's (or the released checkpoints') for MXFP4."""
-    out = {k: v for k, v in hf_config.items() if k != QUANT_KEY}
+    """``hf_config`` saying what the written weights are: an MXFP4 ``quantization_config`` (the original's, or the
+    released checkpoints') when ``method`` is MXFP4, none carried over from an MXFP4 source otherwise (another
+    method's config is left to its own writer)."""
+    carried = hf_config.get(QUANT_KEY)
+    was_mxfp4 = isinstance(carried, dict) and carried.get("quant_method") == METHOD
+    out = {k: v for k, v in hf_config.items() if not (k == QUANT_KEY and was_mxfp4)}
     if method == METHOD:
         source = (original or {}).get(QUANT_KEY)
         ours = isinstance(source, dict) and source.get("quant_method") == METHOD
