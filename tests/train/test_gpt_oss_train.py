@@ -74,8 +74,8 @@ def test_gpt_oss_examples_load_and_fit_their_gpus(name, experts, world_size):
 
 
 def test_gpt_oss_120b_on_one_node_fits_only_with_the_optimizer_offloaded():
-    config = load_config(EXAMPLES / "gpt-oss-120b.yaml", ["parallel.pp=1"])
+    config = load_config(EXAMPLES / "gpt-oss-120b.yaml", ["parallel.tp=8", "parallel.pp=1"])
     assert not make_plan(config, 8, gpu_memory_gb=141.0).fits
-    offloaded = load_config(EXAMPLES / "gpt-oss-120b.yaml", ["parallel.pp=1", "train.recompute=full",
-                                                             "optim.offload_fraction=1"])  # fmt: skip
+    one_node = ["parallel.tp=8", "parallel.pp=1", "train.recompute=full", "optim.offload_fraction=1"]
+    offloaded = load_config(EXAMPLES / "gpt-oss-120b.yaml", one_node)
     assert make_plan(offloaded, 8, gpu_memory_gb=141.0).fits
