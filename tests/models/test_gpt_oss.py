@@ -143,16 +143,19 @@ def test_cuda_equals_hf_and_bf16_tracks_fp32():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["triton", "flex"])
 @pytest.mark.parametrize("window", [None, 128])
-def test_cuda_triton_sinks_gradient_against_float64(window):
+def test_cuda_sinks_gradient_against_float64(window, backend):
+    """Every CUDA backend that takes sinks trains them: our Triton kernel (bf16) and FlexAttention (fp32)."""
     torch.manual_seed(0)
     b, s, hq, hkv, d = 1, 512, 8, 2, 64
+    dtype = torch.bfloat16 if backend == "triton" else torch.float32
     q, k, v = (torch.randn(b, s, h, d, device="cuda") for h in (hq, hkv, hkv))
     sinks = torch.randn(hq, device="cuda") * 2
     dout = torch.randn(b, s, hq, d, device="cuda")
-    inputs = [t.to(torch.bfloat16).requires_grad_(True) for t in (q, k, v)] + [sinks.clone().requires_grad_(True)]
-    out = attention(*inputs[:3], sinks=inputs[3], window_size=window, backend="triton")
-    out.backward(dout.to(torch.bfloat16))
+    inputs = [t.to(dtype).requires_grad_(True) for t in (q, k, v)] + [sinks.clone().requires_grad_(True)]
+    out = attention(*inputs[:3], sinks=inputs[3], window_size=window, backend=backend)
+    out.backward(dout.to(dtype))
     ref_inputs = [t.detach().double().requires_grad_(True) for t in inputs]
     ref = _float64_attention(*[t.cpu() for t in ref_inputs[:3]], ref_inputs[3].cpu(), window)
     ref.backward(dout.double().cpu())
