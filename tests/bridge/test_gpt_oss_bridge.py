@@ -214,3 +214,13 @@ def test_cli_quantize_and_load_hf_into_read_mxfp4(tmp_path):
     load_hf_into(model, hf)
     want = _dequantized(state)["model.layers.1.mlp.experts.down_proj"].mT.float()
     assert torch.equal(model.layers["1"].mlp.experts.down.detach(), want)
+
+
+def test_inspect_describes_an_mxfp4_directory_as_its_bf16_weights(tmp_path):
+    from mcore.bridge.describe import describe
+
+    hf, _ = _mxfp4_dir(tmp_path)
+    d = describe(hf)
+    shapes = {t.name: (t.dtype, t.shape) for t in d.tensors}
+    assert d.family == "gpt_oss" and "model.layers.0.mlp.experts.gate_up_proj_blocks" not in shapes
+    assert shapes["model.layers.0.mlp.experts.gate_up_proj"] == ("bfloat16", [4, 64, 64])
