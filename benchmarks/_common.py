@@ -337,8 +337,8 @@ def _train_and_measure(spec: RunSpec, config: Any, runtime: Any, trainer: Any) -
 
         profile = profile_steps(profiled_step, range(measured_last + 1, last + 1), sync)
         profile = _gather(runtime, profile)
-    # Losses live on the last pipeline stage of every replica: sum over pp, mean over dp (one collective).
-    loss_tensor = trainer.reduce_across_stages_and_replicas(torch.stack(losses)) / g.dp_size
+    # Losses live on the last pipeline stage of every replica: sum over pp, mean over dp x cp (one collective).
+    loss_tensor = trainer.reduce_across_stages_and_replicas(torch.stack(losses)) / g.dp_cp_size
     per_rank_times = _gather(runtime, [t.seconds() for t in timers])
     return _Measured(
         steps=steps,

@@ -163,6 +163,7 @@ def _run_or_launch(args: argparse.Namespace, config, overrides: list[str], check
                 dp=config.parallel.dp,
                 ep=config.parallel.ep,
                 etp=config.parallel.etp,
+                cp=config.parallel.cp,
             ).resolve(nproc or 1)
         except ValueError as exc:
             raise UserError(f"parallel layout does not fit {nproc or 1} worker(s): {exc}") from None

@@ -32,7 +32,7 @@ from mcore.train.errors import UserError
 from mcore.train.low_precision import BitNetSection, Fp4Section, Fp8Section, KernelsSection
 from mcore.train.lr import LRSchedule
 from mcore.train.output_config import CheckpointSection, LogSection
-from mcore.train.parallel_config import ParallelSection
+from mcore.train.parallel_config import ParallelSection, check_context_parallel
 from mcore.train.typed_config import RawText, from_dict, set_dotted, to_dict
 
 # The embedded demo model: the byte-level vocabulary (256 bytes + 3 special tokens), ~1M parameters.
@@ -235,6 +235,7 @@ class Config:
                 f"parallel.sequence_parallel splits the sequence over tp={self.parallel.tp} ranks, so data.seq_length "
                 f"({self.data.seq_length}) must be a multiple of {self.parallel.tp}"
             )
+        check_context_parallel(self.parallel, self.model, self.data.seq_length)
         if self.data.seq_length > self.model.max_position_embeddings:
             raise ValueError(
                 f"data.seq_length ({self.data.seq_length}) exceeds model.max_position_embeddings "

@@ -313,7 +313,8 @@ def _print_header(config: Config, runtime: Runtime, trainer: Trainer, run_dir: P
         f"{config.model.num_hidden_layers} layers, hidden {config.model.hidden_size}, vocab {config.model.vocab_size}"
     )
     say(
-        f"layout: world {runtime.world_size} = tp {g.tp_size} x pp {g.pp_size} x dp {g.dp_size}"
+        f"layout: world {runtime.world_size} = tp {g.tp_size}{f' x cp {g.cp_size}' if g.cp_size > 1 else ''} "
+        f"x pp {g.pp_size} x dp {g.dp_size}"
         f"{f' (vpp {config.parallel.vpp})' if config.parallel.vpp > 1 else ''}; device {runtime.device}; "
         f"precision {trainer.precision}; {trainer.num_microbatches} micro-batch(es) of "
         f"{config.train.micro_batch_size} x {config.data.seq_length} tokens per rank and step; "

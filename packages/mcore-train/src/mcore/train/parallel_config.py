@@ -6,14 +6,22 @@ their cross-checks; ``config.py`` re-exports it.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from mcore.train.config_checks import positive as _positive
 
-__all__ = ["PIPELINE_LAYOUTS", "ParallelSection"]
+if TYPE_CHECKING:
+    from mcore.models.config import TransformerConfig
+
+__all__ = ["CP_COMM_TYPES", "CP_MIXERS", "PIPELINE_LAYOUTS", "ParallelSection", "check_context_parallel", "cp_granule"]
 
 PIPELINE_LAYOUTS = ("even", "balanced")
+# Megatron-Core's names (--cp-comm-type); the implementations are mcore.parallel.cp_attention's.
+CP_COMM_TYPES = ("p2p", "all_gather", "a2a", "a2a+p2p")
+# Token mixers whose attention runs over the CP group (mcore.models.layers.attention); the others see one shard.
+CP_MIXERS = ("full_attention", "sliding_attention", "nope_attention", "none")
 
 
 @dataclass
@@ -32,6 +40,15 @@ class ParallelSection:
     ``pipeline_layout``: ``even`` (the same number of layers per virtual stage), ``balanced`` (fewer layers on the
     stage that also runs the output layer and the loss, by their FLOPs: see
     ``mcore.parallel.pipeline.balanced_layout``) or a list of layers per virtual stage.
+
+    ``cp`` (context parallelism): each sequence is cut into ``2 * cp`` chunks and CP rank ``r`` holds chunks ``r``
+    and ``2cp-1-r`` (the causal work balanced); attention spans the CP group by ``cp_comm_type``: ``p2p`` (K/V
+    around a ring, overlapped with the blocks), ``all_gather`` (K/V gathered), ``a2a`` (Ulysses: heads traded for
+    sequence; the KV heads per TP rank must divide by cp) or ``a2a+p2p`` (a2a inside groups of ``cp_a2a_size``
+    consecutive CP ranks, a ring across the groups). The world is tp x cp x pp x dp; weights are replicated over
+    cp, gradients reduced over the dp x cp group. ``cp_dynamic`` (dynamic CP, see ``mcore.train.dynamic_cp``):
+    the training steps give each document of the global batch the CP group its length needs, out of all dp x cp
+    ranks (tp = pp = 1, p2p); the losses are static CP's.
     """
 
     tp: int = 1
@@ -52,9 +69,15 @@ class ParallelSection:
     # Attention keeps tp x cp x dp while experts use etp x ep x edp over the same ranks (parallel folding).
     ep: int = 1
     etp: int | None = None
+    # Context parallelism. Ranks are ordered as in Megatron-Core (tp-cp-ep-dp-pp, tp fastest; see
+    # mcore.parallel.grid): a CP group is cp ranks tp apart, so with tp x cp <= GPUs per node both stay on NVLink.
+    cp: int = 1
+    cp_comm_type: Literal["p2p", "all_gather", "a2a", "a2a+p2p"] = "p2p"
+    cp_a2a_size: int | None = None
+    cp_dynamic: bool = False
 
     def __post_init__(self) -> None:
-        for name in ("tp", "pp", "vpp", "bucket_size", "ep"):
+        for name in ("tp", "pp", "vpp", "bucket_size", "ep", "cp"):
             _positive("parallel", name, getattr(self, name))
         if self.etp is not None:
             _positive("parallel", "etp", self.etp)
@@ -73,6 +96,7 @@ class ParallelSection:
             )
         if self.dp_shard:
             self._check_dp_shard()
+        self._check_context_parallel()
         layout = self.pipeline_layout
         if isinstance(layout, str):
             if layout not in PIPELINE_LAYOUTS:
@@ -100,6 +124,95 @@ class ParallelSection:
                 "after FSDP has reduce-scattered the layer's gradients; use 1f1b or interleaved"
             )
 
+    def _check_context_parallel(self) -> None:
+        if self.cp_comm_type not in CP_COMM_TYPES:  # typed loading checks it too; direct construction does not
+            raise ValueError(f"parallel.cp_comm_type must be one of {list(CP_COMM_TYPES)}, got {self.cp_comm_type!r}")
+        if self.cp_dynamic:
+            self._check_dynamic_cp()
+        size = self.cp_a2a_size
+        if self.cp_comm_type != "a2a+p2p":
+            if size is not None:
+                raise ValueError(
+                    f"parallel.cp_a2a_size={size} is the a2a group size of parallel.cp_comm_type=a2a+p2p; drop it or "
+                    f"set cp_comm_type=a2a+p2p (now {self.cp_comm_type})"
+                )
+            return
+        divisors = [d for d in range(2, self.cp) if self.cp % d == 0]
+        if size is None or size not in divisors:
+            valid = f"one of {divisors}" if divisors else "none: cp must have a divisor between 2 and cp-1, e.g. cp=4"
+            raise ValueError(
+                f"parallel.cp_comm_type=a2a+p2p needs parallel.cp_a2a_size, the a2a group size, a divisor of "
+                f"parallel.cp={self.cp} between 2 and cp-1 ({valid}); got {size}"
+            )
+
+    def _check_dynamic_cp(self) -> None:
+        problems = [
+            msg
+            for bad, msg in (
+                (self.cp == 1, "parallel.cp > 1 (the static CP size: at most seq_length / cp tokens per rank)"),
+                (self.tp != 1 or self.pp != 1, f"tp = pp = 1 (got tp={self.tp}, pp={self.pp})"),
+                (self.cp_comm_type != "p2p", f"cp_comm_type=p2p (got {self.cp_comm_type})"),
+                (self.dp_shard, "no dp_shard (its groups run the DDP buffers' no_sync)"),
+            )
+            if bad
+        ]
+        if problems:
+            raise ValueError(f"parallel.cp_dynamic=true needs {'; '.join(problems)}")
+
     def world_size(self) -> int | None:
-        """tp * pp * dp, or ``None`` while dp is still to be derived."""
-        return None if self.dp is None else self.tp * self.pp * self.dp
+        """tp * cp * pp * dp, or ``None`` while dp is still to be derived."""
+        return None if self.dp is None else self.tp * self.cp * self.pp * self.dp
+
+
+def cp_granule(parallel: ParallelSection) -> int:
+    """Row lengths under CP are multiples of this: ``2 * cp`` chunks, each rank's ``s / cp`` split over tp with
+    sequence parallelism."""
+    granule = 2 * parallel.cp
+    return math.lcm(granule, parallel.cp * parallel.tp) if parallel.sequence_parallel else granule
+
+
+def check_context_parallel(parallel: ParallelSection, model: TransformerConfig, seq_length: int) -> None:
+    """Refuse, naming the key and the valid values, a CP layout this model and sequence length cannot run."""
+    cp = parallel.cp
+    if cp == 1:
+        return
+    granule = cp_granule(parallel)
+    if seq_length % granule:
+        why = f"lcm(2 x cp, cp x tp) = {granule} with sequence parallelism" if parallel.sequence_parallel else (
+            f"2 x parallel.cp = {granule}"
+        )  # fmt: skip
+        raise ValueError(
+            f"data.seq_length ({seq_length}) must be a multiple of {why}: each sequence is cut into 2 x cp chunks; "
+            f"use e.g. {-(-seq_length // granule) * granule}"
+        )
+    mixers = sorted({model.mixer_type(i) for i in range(model.num_hidden_layers)} - set(CP_MIXERS))
+    if mixers:
+        raise ValueError(
+            f"parallel.cp={cp}: layers with token mixer(s) {mixers} cannot run context-parallel (only "
+            f"{list(CP_MIXERS)} can); use parallel.cp=1"
+        )
+    if parallel.ep > 1:
+        raise ValueError(f"parallel.cp={cp} with parallel.ep={parallel.ep} is not supported yet; use ep=1 or cp=1")
+    if getattr(model, "attention_sinks", False):  # GPT-OSS (the gptoss branch): the CP path does not pass them yet
+        raise ValueError(f"parallel.cp={cp} with model.attention_sinks=true is not supported yet; use cp=1")
+    router = model.moe_router or {}
+    if model.num_experts is not None and (model.router_aux_loss_coef or router.get("z_loss_coef")):
+        # the MoE layers' aux losses are those of the tokens of their tp ranks; under CP they would need the
+        # statistics of the whole tp x cp group and a cp-scaled gradient
+        raise ValueError(
+            f"parallel.cp={cp} with MoE aux losses (model.router_aux_loss_coef={model.router_aux_loss_coef}, "
+            f"model.moe_router.z_loss_coef={router.get('z_loss_coef')}) is not supported yet; set them to 0 (the "
+            "aux-loss-free expert_bias works) or use cp=1"
+        )
+    if parallel.cp_dynamic and model.num_experts is not None:
+        raise ValueError("parallel.cp_dynamic=true does not run MoE models yet (their aux losses); use static CP")
+    if parallel.cp_comm_type in ("a2a", "a2a+p2p"):
+        size = cp if parallel.cp_comm_type == "a2a" else parallel.cp_a2a_size
+        heads = {"num_attention_heads": model.num_attention_heads, "num_key_value_heads": model.num_key_value_heads}
+        for key, count in heads.items():
+            if (count // parallel.tp) % size:
+                raise ValueError(
+                    f"parallel.cp_comm_type={parallel.cp_comm_type} splits each TP rank's heads over {size} ranks, but "
+                    f"model.{key}={count} / parallel.tp={parallel.tp} = {count // parallel.tp} is not divisible by "
+                    f"{size}; use cp_comm_type p2p or all_gather, or a size dividing it"
+                )

@@ -119,6 +119,7 @@ class Plan:
     prediction: StepPrediction | None = None
     calibration: str | None = None
     modes: tuple[MemoryMode, ...] = field(default=())
+    cp: int = 1
 
     @property
     def worst(self) -> StageMemory:
@@ -143,8 +144,8 @@ def layout_of(config: Config, world_size: int) -> Layout:
     parallel = config.parallel
     cp, ep, etp = getattr(parallel, "cp", 1) or 1, getattr(parallel, "ep", 1) or 1, getattr(parallel, "etp", None)
     try:
-        resolved = ParallelConfig(tp=parallel.tp, pp=parallel.pp, vpp=parallel.vpp, dp=parallel.dp).resolve(
-            world_size // cp
+        resolved = ParallelConfig(tp=parallel.tp, pp=parallel.pp, vpp=parallel.vpp, dp=parallel.dp, cp=cp).resolve(
+            world_size
         )
     except ValueError as exc:
         raise UserError(f"parallel layout does not fit {world_size} rank(s): {exc}") from None
@@ -221,6 +222,7 @@ def make_plan(config: Config, world_size: int, gpu_memory_gb: float, network: Ne
         pp=layout.pp,
         dp=layout.dp,
         vpp=layout.vpp,
+        cp=layout.cp,
         precision=layout.precision,
         total_parameters=parameter_counts(config.model).total,
         flops_per_step=shape.model_flops_per_token(layout.seq_length) * layout.global_batch * layout.seq_length,

@@ -48,7 +48,8 @@ def format_plan(plan: Plan, peak_flops_per_gpu: float | None = None) -> str:
     """A human-readable report of ``plan``."""
     lines = [
         f"parameters: {plan.total_parameters / 1e9:.3f} B ({plan.total_parameters:,})",
-        f"layout: {plan.world_size} rank(s) = tp {plan.tp} x pp {plan.pp} x dp {plan.dp}"
+        f"layout: {plan.world_size} rank(s) = tp {plan.tp}{f' x cp {plan.cp}' if plan.cp > 1 else ''} x pp {plan.pp} "
+        f"x dp {plan.dp}"
         + (f" (vpp {plan.vpp})" if plan.vpp > 1 else "")
         + f"; {plan.num_microbatches} micro-batch(es) per step; pipeline bubble {100 * plan.bubble_fraction:.1f}%",
         f"tokens per step: {plan.tokens_per_step:,}; model FLOPs per step: {plan.flops_per_step:.3e} "

@@ -108,6 +108,7 @@ def init_runtime(config: Config, *, timeout_s: float = 1800.0) -> Runtime:
             dp=config.parallel.dp,
             ep=config.parallel.ep,
             etp=config.parallel.etp,
+            cp=config.parallel.cp,
         ).resolve(world)
     except ValueError as exc:
         raise UserError(f"parallel layout does not fit {world} process(es): {exc}") from None

@@ -53,6 +53,7 @@ from mcore.parallel.pipeline import (
 from mcore.parallel.sharded_optimizer import FullyShardedOptimizer
 from mcore.train.checkpoint.model_weights import load_model_weights
 from mcore.train.config import Config
+from mcore.train.context_parallel import CPBatches
 from mcore.train.errors import UserError
 from mcore.train.low_precision import apply_low_precision, base_precision
 from mcore.train.runtime import Runtime
@@ -179,6 +180,13 @@ class Trainer:
         self.consumed_samples = 0
         self.lr_schedule = config.lr_schedule()
         self.num_microbatches = config.num_microbatches(groups.dp_size)
+        # parallel.cp: every micro-batch is cut into this rank's CP shard before the schedule runs it
+        self.context_parallel = CPBatches.build(config.parallel, groups)
+        self.dynamic_cp = None  # parallel.cp_dynamic: training steps place each document by its length
+        if config.parallel.cp_dynamic and with_optimizer:
+            from mcore.train.dynamic_cp import DynamicCP
+
+            self.dynamic_cp = DynamicCP(config, groups, self.device)
         self.optimizer: MixedPrecisionOptimizer | None = None
         self.ddp_chunks: list[DistributedDataParallel] = []
         if with_optimizer:
@@ -220,7 +228,7 @@ class Trainer:
         return [
             DistributedDataParallel(
                 chunk,
-                groups.dp,
+                groups.dp_cp,  # CP ranks are replicas too: their gradients are summed with the dp ranks' ones
                 bucket_size=cfg.parallel.bucket_size,
                 overlap_grad_reduce=cfg.parallel.overlap_grad_reduce,
                 overlap_param_gather=cfg.parallel.overlap_param_gather,
@@ -237,7 +245,7 @@ class Trainer:
         cls = schedule_class(cfg)
         try:
             shape = p2p_activation_shape(
-                cfg.data.seq_length,
+                cfg.data.seq_length // cfg.parallel.cp,  # each CP rank sends its own tokens' activations
                 cfg.train.micro_batch_size,
                 cfg.model.hidden_size,
                 tp_size=groups.tp_size,
@@ -252,6 +260,8 @@ class Trainer:
                 device=self.device,
                 finalize_grads=self._finalize_grads,
                 grad_scale_func=self.optimizer.scale_loss if self.optimizer is not None else None,
+                # packed documents under CP are padded per micro-batch: the row length varies
+                variable_shapes=cfg.parallel.cp > 1 and cfg.data.packing,
             )
         except ValueError as exc:
             raise UserError(f"pipeline schedule {cls.__name__}: {exc}") from None
@@ -273,6 +283,8 @@ class Trainer:
         chunk = self.chunks[chunk_index]
         module = self.ddp_chunks[chunk_index] if self.ddp_chunks else chunk
         kwargs: dict[str, Any] = {"position_ids": batch["position_ids"], "cu_seqlens": batch.get("cu_seqlens")}
+        if "context_parallel" in batch:
+            kwargs["context_parallel"] = batch["context_parallel"]
         if chunk.post_process:
             kwargs["labels"] = batch["labels"]
         if chunk.pre_process:
@@ -282,6 +294,8 @@ class Trainer:
         if not chunk.post_process:
             return out
         mask = batch["loss_mask"]
+        if "context_parallel" in batch:  # cp x this shard's share of the micro-batch mean (DDP averages over dp x cp)
+            return (out * mask).sum() * self.groups.cp_size / batch["loss_tokens"].clamp(min=1.0)
         # Mean over the tokens that count; clamp keeps an all-masked micro-batch at 0 instead of NaN.
         return (out * mask).sum() / mask.sum().clamp(min=1.0)
 
@@ -295,11 +309,10 @@ class Trainer:
         for module in (m for chunk in self.chunks for m in chunk.modules()):
             if hasattr(module, "aux_loss_scale"):  # MoE layers: their aux losses' gradient, scaled as the loss is
                 module.aux_loss_scale = self.optimizer.loss_scale / self.num_microbatches
-        losses = self.schedule.run(self._forward_step, list(microbatches))
+        loss = self._forward_backward(microbatches)
         result: StepResult = self.optimizer.step()
         self.iteration += 1
         self.consumed_samples += self.config.train.global_batch_size
-        loss = torch.stack(losses).mean() if losses else torch.zeros((), device=self.device)
         return StepOutput(
             loss=loss,
             grad_norm=result.grad_norm,
@@ -308,6 +321,21 @@ class Trainer:
             loss_scale=result.loss_scale,
             moe=moe_metrics(self.chunks),
         )
+
+    def _forward_backward(self, microbatches: Sequence[Mapping[str, Any]]) -> torch.Tensor:
+        """The step's forward and backward passes, gradients reduced; returns the mean micro-batch loss of this
+        rank's data-parallel replica (0 off the last pipeline stage)."""
+        if self.dynamic_cp is not None:
+            loss = self.dynamic_cp.forward_backward(microbatches, self.ddp_chunks[0], self.optimizer.scale_loss)
+            self._finalize_grads()
+            return loss
+        losses = self.schedule.run(self._forward_step, self._local_microbatches(microbatches))
+        loss = torch.stack(losses).mean() if losses else torch.zeros((), device=self.device)
+        if self.context_parallel is not None:  # the shards' losses add up to cp x the micro-batch mean
+            loss = loss.detach().clone()
+            dist.all_reduce(loss, group=self.groups.cp)
+            loss /= self.groups.cp_size
+        return loss
 
     @torch.no_grad()
     def evaluate(self, batches: Iterable[Sequence[Mapping[str, Any]]]) -> torch.Tensor:
@@ -321,7 +349,8 @@ class Trainer:
         count = torch.zeros((), dtype=torch.float64, device=self.device)
         try:
             for microbatches in batches:
-                losses = self.schedule.run(self._forward_step, list(microbatches), forward_only=True)
+                local = self._local_microbatches(microbatches)
+                losses = self.schedule.run(self._forward_step, local, forward_only=True)
                 if losses:
                     total += torch.stack(losses).double().sum()
                     count += len(losses)
@@ -332,9 +361,16 @@ class Trainer:
         self.reduce_across_stages_and_replicas(pair)
         return (pair[0] / pair[1].clamp(min=1.0)).float()
 
+    def _local_microbatches(self, microbatches: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
+        """The micro-batches as this rank runs them: its CP shard of each under context parallelism."""
+        if self.context_parallel is None:
+            return list(microbatches)
+        return [self.context_parallel.shard(mb) for mb in microbatches]
+
     def reduce_across_stages_and_replicas(self, tensor: torch.Tensor) -> torch.Tensor:
-        """Sum ``tensor`` in place over the pipeline group (only the last stage holds losses) and the dp group."""
-        for group in (self.groups.pp, self.groups.dp):
+        """Sum ``tensor`` in place over the pipeline group (only the last stage holds losses) and the dp x cp
+        group (CP ranks hold shares of the same micro-batches: the sum of their losses counts cp times)."""
+        for group in (self.groups.pp, self.groups.dp_cp):
             if group is not None and dist.get_world_size(group) > 1:
                 dist.all_reduce(tensor, group=group)
         return tensor

@@ -202,7 +202,7 @@ class CheckpointSaver:
             raise RuntimeError("cannot save a training checkpoint of a Trainer without optimizer")
         state = trainer.state_dict()  # collective for the distributed optimizer
         opt_state, params = state["optimizer"], state["model"]
-        writer = g.dp_rank == 0
+        writer = g.dp_rank == 0 and g.cp_rank == 0  # one writer per (tp, pp) shard: CP ranks are replicas
         # a fully sharded (dp_shard) parameter is all-gathered over dp here, on every rank (collective)
         whole = {n: full_tensor(p.detach()) for n, p in params.items()}
         model = {n: t.to("cpu", copy=True) for n, t in whole.items()} if writer else {}

@@ -1,0 +1,52 @@
+"""``parallel.cp=2`` on two CUDA GPUs through the real launcher (NCCL, our Triton attention blocks in the ring):
+the per-step losses and gradient norms of cp2 runs (p2p and a2a, packed documents and not, dynamic CP) equal one
+GPU's (skipped with fewer than two GPUs)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.train.tiny import TINY, train_records
+
+pytestmark = pytest.mark.multigpu
+
+GPU = [o for o in TINY if not o.startswith("train.device")] + ["train.device=cuda"]
+STEPS = ["train.steps=4", "train.global_batch_size=8", "train.micro_batch_size=2", "optim.eps=1e-6"]
+# fp32: exact products in the kernels, so only the summation order differs; bf16: its rounding
+PRECISION = {"fp32": 1e-4, "bf16": 3e-2}
+
+
+def _run(run_dir, nproc, *extra):
+    argv = [sys.executable, "-m", "mcore.train", *(["--nproc-per-node", str(nproc)] if nproc > 1 else [])]
+    argv += [*GPU, *STEPS, *extra, f"log.run_dir={run_dir}", "checkpoint.save_at_end=false"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    return proc.stdout, train_records(run_dir)
+
+
+@pytest.mark.parametrize("precision", sorted(PRECISION))
+@pytest.mark.parametrize(
+    "comm_type,data",
+    [
+        ("p2p", []),
+        ("p2p", ["data.mock=true", "data.packing=true"]),
+        ("a2a", ["data.mock=true", "data.packing=true"]),
+        ("p2p", ["data.packing=true", "data.seq_length=64", "parallel.cp_dynamic=true"]),  # dynamic CP
+    ],
+)
+def test_cp2_on_two_gpus_trains_like_one_gpu(tmp_path, precision, comm_type, data):
+    common = [f"train.precision={precision}", *(o for o in data if not o.startswith("parallel."))]
+    layout = ["parallel.cp=2", f"parallel.cp_comm_type={comm_type}", *(o for o in data if o.startswith("parallel."))]
+    _, single = _run(tmp_path / "single", 1, *common)
+    out, got = _run(tmp_path / "cp2", 2, *common, *layout)
+    assert "world 2 = tp 1 x cp 2 x pp 1 x dp 1" in out
+    assert sorted(got) == sorted(single) == [1, 2, 3, 4]
+    for step in single:
+        for key in ("loss", "grad_norm"):
+            want = single[step][key]
+            assert got[step][key] == pytest.approx(want, rel=PRECISION[precision]), (step, key)
