@@ -86,3 +86,11 @@ def test_gpt_oss_120b_on_one_node_fits_only_with_the_optimizer_offloaded():
     one_node = ["parallel.tp=8", "parallel.pp=1", "train.recompute=full", "optim.offload_fraction=1"]
     offloaded = load_config(EXAMPLES / "gpt-oss-120b.yaml", one_node)
     assert make_plan(offloaded, 8, gpu_memory_gb=141.0).fits
+
+
+def test_context_parallel_refuses_the_sinks():
+    from mcore.train.errors import UserError
+    from tests.train.tiny import TINY
+
+    with pytest.raises(UserError, match="attention_sinks=true is not supported yet"):
+        load_config(None, [*TINY, "model=gpt_oss-tiny", "parallel.cp=2", "train.global_batch_size=2"])
