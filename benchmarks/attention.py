@@ -7,14 +7,19 @@ Effective TFLOP/s count the issue's way: forward ``4 * L^2 / 2 * H * D`` per doc
 2.5x that, forward + backward 3.5x. SDPA runs only where the case is one plain document; ``varlen_attn``
 gets K/V repeated to Hq heads outside the timed region when its torch lacks ``enable_gqa``.
 
+FlexAttention is timed as the issue measured it: compiled once, its block mask built once, both outside the timed
+call. ``auto`` is the op's own choice of backend (``mcore.kernels.attention`` logs which and why).
+
 Correctness: ours against SDPA (one document) or compiled FlexAttention (documents) on the same inputs:
 relative L2 error of the output and of dQ, dK, dV (and the sinks' gradient), which must stay under 2e-2.
-``--sweep`` also times a few tile configurations of our forward and backward kernels (the defaults come from
-this table). JSON goes to ``--out`` (``$OUT`` on the device) after every case, so a run cut short keeps what
-finished. ``--dry-run`` runs the same path on the CPU with tiny shapes (ours under ``TRITON_INTERPRET=1``).
+``--sweep`` (``--only-sweep``: without the comparison table) first times our kernels one by one at candidate tile
+configurations (``attention_sweep.py``; the defaults in ``mcore.kernels.triton.flash_configs`` come from it).
+JSON goes to ``--out`` (``$OUT`` on the device) after every case, so a run cut short keeps what finished.
+``--dry-run`` runs the same path on the CPU with tiny shapes (ours under ``TRITON_INTERPRET=1``).
 
-    python benchmarks/attention.py --out $OUT --sweep      # one H200: about 4 minutes
-    python benchmarks/attention.py --dry-run --out /tmp/attn
+    python benchmarks/attention.py --out $OUT --only-sweep   # one H200: about 3 minutes
+    python benchmarks/attention.py --out $OUT                # the comparison table: about 3 minutes
+    python benchmarks/attention.py --dry-run --sweep --out /tmp/attn
 """
 
 from __future__ import annotations
@@ -51,9 +56,6 @@ DRY_CASES = [
     ("4x16 mla 24/16", 4, 16, {}, 24, 16),
 ]
 CHECK_TOLERANCE = 2e-2
-SWEEP_FORWARD = [(128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 4, 3), (64, 64, 4, 3), (128, 32, 4, 4)]
-SWEEP_BACKWARD = [(64, 64, 8, 2), (128, 64, 8, 2), (128, 32, 8, 2), (64, 32, 4, 2), (64, 64, 4, 3)]
-DRY_SWEEP = [(16, 16, 1, 1), (32, 16, 1, 1)]  # interpreter tiles; only the first dry case is swept
 
 
 @dataclasses.dataclass
@@ -99,14 +101,16 @@ def _impls(docs: int, length: int, kwargs: dict, cu: torch.Tensor, shape: Shape,
     window = kwargs.get("window_size")
     doc_kwargs = {} if docs == 1 else {"cu_seqlens": cu}
     impls = {
+        # the op's own choice (the dispatcher's log line says which backend and why)
+        "auto": lambda q, k, v, s: attention(q, k, v, sinks=s, window_size=window, **doc_kwargs),
         "ours": lambda q, k, v, s: attention(q, k, v, sinks=s, window_size=window, backend="triton", **doc_kwargs),
-        "ours-deterministic": lambda q, k, v, s: attention(
-            q, k, v, sinks=s, window_size=window, backend="triton", deterministic=True, **doc_kwargs
+        "ours-atomic-dq": lambda q, k, v, s: attention(
+            q, k, v, sinks=s, window_size=window, backend="triton", deterministic=False, **doc_kwargs
         ),
     }
     if docs == 1 and "sinks" not in kwargs and window is None:
         impls["sdpa"] = lambda q, k, v, s: attention(q, k, v, backend="sdpa")
-    impls["flex"] = lambda q, k, v, s: attention(q, k, v, sinks=s, window_size=window, backend="flex", **doc_kwargs)
+    impls["flex"] = _flex_prebuilt(docs, length, window, cu, shape)
     if shape.device != "cuda":  # the dry run's check reference: torch's flex has no CPU backward
         impls["reference"] = lambda q, k, v, s: attention(
             q, k, v, sinks=s, window_size=window, backend="reference", **doc_kwargs
@@ -115,6 +119,32 @@ def _impls(docs: int, length: int, kwargs: dict, cu: torch.Tensor, shape: Shape,
     if varlen is not None:
         impls["varlen_attn"] = varlen
     return impls
+
+
+def _flex_prebuilt(docs: int, length: int, window: int | None, cu: torch.Tensor, shape: Shape):
+    """Compiled FlexAttention as the issue timed it: the block mask built once and the kernel compiled once,
+    both outside the timed call (mcore's ``flex`` backend builds the mask per call)."""
+    from torch.nn.attention import flex_attention as flex
+
+    from mcore.kernels.attention_torch import _document_ids, _flex_block_mask, _flex_kernel
+
+    tokens, device = docs * length, torch.device(shape.device)
+    bounds = None if docs == 1 else cu.tolist()
+    doc_ids = None if docs == 1 else _document_ids(cu.to(device), 1, tokens)
+    block_mask = _flex_block_mask(1, tokens, True, window, bounds, doc_ids, device)
+    kernel = _flex_kernel(shape.device)
+
+    def run(q, k, v, s):
+        args = (q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+        kwargs = dict(block_mask=block_mask, scale=q.shape[-1] ** -0.5, enable_gqa=q.shape[2] != k.shape[2])
+        if s is None:
+            return kernel(*args, **kwargs).transpose(1, 2)
+        out, aux = kernel(*args, **kwargs, return_aux=flex.AuxRequest(lse=True))
+        # softmax over [scores, sink] without the sink column = softmax(scores) * Z / (Z + e^sink)
+        keep = torch.sigmoid(aux.lse.float() - s.float()[None, :, None])
+        return (out.float() * keep[..., None]).to(q.dtype).transpose(1, 2)
+
+    return run
 
 
 def _varlen(cu: torch.Tensor, length: int, window: int | None, shape: Shape):
@@ -213,46 +243,6 @@ def bench_case(case, shape: Shape, reps: int) -> dict:
     return result
 
 
-def sweep_case(case, shape: Shape, reps: int, forward_tiles, backward_tiles) -> list[dict]:
-    """Time our kernels at other tile configurations (the defaults are chosen from this table)."""
-    from mcore.kernels.triton import flash_attention, flash_backward
-
-    name, docs, length, kwargs, d_qk, d_v = case
-    q, k, v, sinks, cu = _inputs(docs, length, shape, d_qk, d_v, kwargs.get("sinks", False))
-    fn = _impls(docs, length, kwargs, cu, shape, d_qk, d_v)["ours"]
-    flops = fwd_flops(docs, length, shape.heads, d_qk, d_v, kwargs.get("window_size"))
-    grad_out = torch.randn(1, docs * length, shape.heads, d_v, device=shape.device, dtype=shape.dtype)
-    rows = []
-    fwd_default, bwd_default = flash_attention.forward_config, flash_backward.backward_configs
-    try:
-        for fwd_cfg in forward_tiles:
-            config = flash_attention.FlashConfig(*fwd_cfg)
-            flash_attention.forward_config = lambda *a, c=config: c
-            rows.append(_sweep_row(name, "fwd", fwd_cfg, lambda: fn(q, k, v, sinks), flops, shape, reps))
-        flash_attention.forward_config = fwd_default
-        leaves = [t.detach().requires_grad_() for t in (q, k, v)]
-        for bwd_cfg in backward_tiles:
-            config = flash_attention.FlashConfig(*bwd_cfg)
-            flash_backward.backward_configs = lambda *a, c=config: (c, c)
-            out = fn(*leaves, sinks)
-            step = lambda out=out: torch.autograd.grad(out, leaves, grad_out, retain_graph=True)  # noqa: E731
-            rows.append(_sweep_row(name, "bwd", bwd_cfg, step, 2.5 * flops, shape, reps))
-            del out
-    finally:
-        flash_attention.forward_config, flash_backward.backward_configs = fwd_default, bwd_default
-    return rows
-
-
-def _sweep_row(case, mode, cfg, fn, flops, shape, reps) -> dict:
-    row = {"case": case, "mode": mode, "block_m": cfg[0], "block_n": cfg[1], "warps": cfg[2], "stages": cfg[3]}
-    try:
-        row["ms"] = _time_ms(fn, shape.device, reps)
-        row["tflops"] = flops / row["ms"] / 1e9
-    except Exception as exc:  # e.g. out of shared memory for this tile
-        row["error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
-    return row
-
-
 def markdown(report: dict) -> str:
     lines = [
         f"{report['device']}; torch {report['torch']}; triton {report['triton']}; {report['date']}",
@@ -271,11 +261,42 @@ def markdown(report: dict) -> str:
     return "\n".join(lines)
 
 
+def _run_sweep(args, shape, cases, reps, report, out_dir: Path) -> None:
+    import attention_sweep
+
+    if args.dry_run:
+        sweep_cases = cases[:1]
+    else:
+        sweep_cases = [c for name in attention_sweep.SWEEP_ORDER for c in cases if c[0] == name]
+    jobs = args.jobs if args.jobs is not None else (0 if args.dry_run else 8)
+    if jobs > 0:
+        start = time.perf_counter()
+        report["precompile_errors"] = attention_sweep.precompile(sweep_cases, shape, jobs, args.dry_run)
+        report["precompile_s"] = round(time.perf_counter() - start, 1)
+        print(f"precompiled in {report['precompile_s']} s; errors: {report['precompile_errors']}", flush=True)
+    flops = {c[0]: fwd_flops(c[1], c[2], shape.heads, c[4], c[5], c[3].get("window_size")) for c in cases}
+    for case in sweep_cases:
+        start = time.perf_counter()
+        rows = attention_sweep.sweep_case(case, shape, lambda fn: _time_ms(fn, shape.device, reps), args.dry_run)
+        report["sweep"].extend(rows)
+        (out_dir / "attention.json").write_text(json.dumps(report, indent=1))
+        table = attention_sweep.markdown(report["sweep"], flops)
+        (out_dir / "attention_sweep.md").write_text(table + "\n")
+        print(attention_sweep.markdown(rows, flops), f"\n({case[0]}: {time.perf_counter() - start:.1f} s)", flush=True)
+        if shape.device == "cuda":
+            torch.cuda.empty_cache()
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=os.environ.get("OUT", "."), help="folder for attention.json / .md")
     parser.add_argument("--dry-run", action="store_true", help="CPU, tiny shapes, ours under the interpreter")
-    parser.add_argument("--sweep", action="store_true", help="also time other tile configurations of ours")
+    parser.add_argument("--sweep", action="store_true", help="first time our kernels at candidate tile configs")
+    parser.add_argument("--only-sweep", action="store_true", help="the sweep without the comparison table")
+    parser.add_argument(
+        "--jobs", type=int, default=None, help="processes compiling the sweep's kernels first (8; dry run: 0)"
+    )
+    parser.add_argument("--cases", default=None, help="comma-separated case names to run (default: all)")
     parser.add_argument("--reps", type=int, default=None)
     args = parser.parse_args(argv)
     if not args.dry_run and not torch.cuda.is_available():
@@ -288,6 +309,13 @@ def main(argv: list[str] | None = None) -> int:
         shape, cases, reps = Shape(4, 2, torch.float32, "cpu"), DRY_CASES, args.reps or 1
     else:
         shape, cases, reps = Shape(32, 8, torch.bfloat16, "cuda"), GPU_CASES, args.reps or 10
+    if args.cases:
+        wanted = [name.strip() for name in args.cases.split(",")]
+        unknown = sorted(set(wanted) - {c[0] for c in cases})
+        if unknown:
+            print(f"--cases: unknown {unknown}; known: {[c[0] for c in cases]}", file=sys.stderr)
+            return 2
+        cases = [c for c in cases if c[0] in wanted]
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     report = {
@@ -302,19 +330,19 @@ def main(argv: list[str] | None = None) -> int:
         "sweep": [],
     }
     ok = True
-    for case in cases:
+    if args.sweep or args.only_sweep:
+        _run_sweep(args, shape, cases, reps, report, out_dir)
+        ok = all(row.get("ok", False) for row in report["sweep"] if row["kernel"].startswith("total"))
+    for case in [] if args.only_sweep else cases:
         result = bench_case(case, shape, reps)
         report["cases"].append(result)
         ok &= result.get("check", {}).get("ok", False)
-        if args.sweep and not args.dry_run and not case[3] and case[4] == case[5]:  # the issue's four cases
-            report["sweep"].extend(sweep_case(case, shape, reps, SWEEP_FORWARD, SWEEP_BACKWARD))
-        elif args.sweep and case is cases[0]:
-            report["sweep"].extend(sweep_case(case, shape, reps, DRY_SWEEP, DRY_SWEEP))
         (out_dir / "attention.json").write_text(json.dumps(report, indent=1))
         (out_dir / "attention.md").write_text(markdown(report) + "\n")
         print("\n".join(markdown({**report, "cases": [result]}).splitlines()[4:]), flush=True)
-    print(markdown(report))
-    print("correctness:", "ok" if ok else "FAILED", [c.get("check") for c in report["cases"]])
+    if report["cases"]:
+        print(markdown(report))
+        print("correctness:", "ok" if ok else "FAILED", [c.get("check") for c in report["cases"]])
     return 0 if ok else 1
 
 

@@ -14,7 +14,8 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_attention_benchmark_dry_run(tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "", "TRITON_INTERPRET": "1"}
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "attention.py"), "--dry-run", "--sweep", "--out", str(tmp_path)],
+        [sys.executable, str(ROOT / "benchmarks" / "attention.py"), "--dry-run", "--sweep", "--jobs", "1",
+         "--out", str(tmp_path)],
         capture_output=True, text=True, env=env, timeout=600,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -35,6 +36,17 @@ def test_attention_benchmark_dry_run(tmp_path):
         assert max(v for k, v in check.items() if k not in ("against", "ok")) < 1e-5  # fp32 on the CPU
         assert {"dq", "dk", "dv"} <= set(check) and ("dsinks" in check) == ("sinks" in case["case"])
         assert "error" not in case["impls"]["flex"] and "fwd_ms" in case["impls"]["flex"]
-    modes = {(row["mode"], row["block_m"]) for row in report["sweep"]}
-    assert modes == {("fwd", 16), ("fwd", 32), ("bwd", 16), ("bwd", 32)}
-    assert all("ms" in row for row in report["sweep"])
+    # The sweep: every candidate of every kernel ran, was checked against the reference and timed; then the
+    # whole forward/backward with the best of each beside the defaults, checked too.
+    sweep = report["sweep"]
+    kernels = {(row["kernel"], tuple(row["config"])) for row in sweep if not row["kernel"].startswith("total")}
+    assert kernels == {(k, t) for k in ("fwd", "kv", "dq") for t in ((16, 16, 1, 1), (32, 16, 1, 1))} | {
+        ("kv-atomic", (16, 16, 1, 1))
+    }
+    assert all(row["ok"] and "error" not in row for row in sweep), [r for r in sweep if not r.get("ok")]
+    assert all(max(row["errors"].values()) < 1e-5 for row in sweep)
+    assert all("ms" in row for row in sweep if not row["kernel"].startswith("total"))
+    assert {row["kernel"] for row in sweep if row["kernel"].startswith("total")} == {"total-best", "total-defaults"}
+    assert report["precompile_errors"] == []  # the compile pool ran every candidate once (here interpreted)
+    table = (tmp_path / "attention_sweep.md").read_text()
+    assert "| 1x48 | kv |" in table and "total-best" in table

@@ -12,6 +12,9 @@ from mcore.kernels.attention_layout import AttentionLayout
 from mcore.kernels.triton.flash_schedule import build_blocks
 
 CU = [0, 7, 40, 45, 57, 80]  # 5 documents over 2 rows of 40, crossing 16-token blocks, a boundary at 40
+# Documents of at most 16 tokens (the interpreter's key block; x8 on the GPU: at most 128): dQ is stored by the
+# dK/dV kernel, the dQ kernel does not run.
+SHORT_CU = [0, 7, 16, 20, 32, 40, 45, 57, 64, 80]
 
 CASES = {
     "causal_mha": dict(s=40, n_kv=4),
@@ -24,6 +27,9 @@ CASES = {
     "sinks": dict(s=24, n_kv=2, sinks=True),
     "window_documents_sinks": dict(s=40, n_kv=2, window_size=6, cu_seqlens=CU, sinks=True, softmax_scale=0.3),
     "mla_head_dims": dict(s=40, n_kv=4, d_qk=24, d_v=16, cu_seqlens=CU),
+    "short_documents": dict(s=40, n_kv=2, cu_seqlens=SHORT_CU),
+    "short_documents_window_sinks": dict(s=40, n_kv=1, window_size=5, cu_seqlens=SHORT_CU, sinks=True),
+    "short_documents_bidirectional_mla": dict(s=40, n_kv=2, causal=False, d_qk=24, d_v=16, cu_seqlens=SHORT_CU),
 }
 
 
@@ -113,6 +119,78 @@ def test_triton_vs_float64(case_name, interpreter):
     assert _rel(lse, ref_lse) < 1e-6
     for name, got, want in zip(["q", "k", "v", "sinks"], leaves, ref_leaves):
         assert _rel(got.grad, want.grad) < 1e-5, name
+
+
+@pytest.mark.parametrize("deterministic", [True, False])
+def test_short_documents_store_dq_in_the_kv_kernel(deterministic, interpreter, spy, forbid):
+    """Every document fits in one key block: the dK/dV kernel writes dQ (no dQ kernel, no atomics)."""
+    from mcore.kernels.triton.flash_backward_kernels import DQ_STORE
+
+    calls = spy("mcore.kernels.triton.flash_backward", "launch_kv")
+    forbid("mcore.kernels.triton.flash_backward", "launch_dq")
+    case = CASES["short_documents_window_sinks"]
+    out, lse, ref_out, ref_lse, leaves, ref_leaves = _run_case(case, interpreter, torch.float32, deterministic, True)
+    assert [call[0][-1] for call in calls] == [DQ_STORE]
+    for name, got, want in zip(["q", "k", "v", "sinks"], leaves, ref_leaves):
+        assert _rel(got.grad, want.grad) < 1e-5, name
+
+
+@pytest.mark.parametrize("case_name", ["window_documents_sinks", "short_documents_window_sinks"])
+def test_packed_gqa_heads(case_name, interpreter, monkeypatch):
+    """Tiles whose rows are (query, head) pairs of a GQA group (groups of 2 and 4 here; the second case also
+    stores dQ from the dK/dV kernel) give the same outputs, LSE and gradients as one head per tile."""
+    from mcore.kernels.triton import flash_attention as fa
+    from mcore.kernels.triton import flash_backward as fb
+
+    config = fb.FlashConfig(16, 16, 1, 1, True, True)
+    assert fb.gqa_pack(config, 4, 16) == 4 and fb.gqa_pack(config, 3, 16) == 1 and fb.gqa_pack(config, 32, 16) == 1
+    monkeypatch.setattr(fa, "forward_config", lambda *args: config)
+    monkeypatch.setattr(fb, "backward_configs", lambda *args: (config, config))
+    for deterministic in (True, False):
+        out, lse, ref_out, ref_lse, leaves, ref_leaves = _run_case(
+            CASES[case_name], interpreter, torch.float32, deterministic, True
+        )
+        assert _rel(out, ref_out) < 1e-5 and _rel(lse, ref_lse) < 1e-6
+        for name, got, want in zip(["q", "k", "v", "sinks"], leaves, ref_leaves):
+            assert _rel(got.grad, want.grad) < 1e-5, (name, deterministic)
+
+
+def test_fused_dq_needs_one_key_block_per_query():
+    from mcore.kernels.triton.flash_configs import fused_dq_possible
+
+    short = AttentionLayout.from_documents(2, 40, 40, causal=True, bounds=SHORT_CU)
+    assert fused_dq_possible(short, 16) and not fused_dq_possible(short, 8)  # a 12-token document needs 16
+    assert not fused_dq_possible(AttentionLayout.from_documents(2, 40, 40, causal=True, bounds=CU), 16)
+    assert fused_dq_possible(AttentionLayout.from_documents(2, 16, 16, causal=False), 16)
+    *_, ring = _ring_layouts()  # queries paired with two key segments, positions shifted: not fusable
+    assert not fused_dq_possible(ring, 64)
+    cross = AttentionLayout(1, 8, 12, False, None, ((0, 0, 8, 0, 0, 12, 0),))
+    assert not fused_dq_possible(cross, 16)
+
+
+def test_table_keys_by_head_dim_and_visible_span():
+    from mcore.kernels.triton.flash_configs import _TABLE, kernel_configs, longest_key_span
+
+    docs = AttentionLayout.from_documents(1, 16384, 16384, causal=True, bounds=docs_bounds(4096))
+    window = AttentionLayout.from_documents(1, 16384, 16384, causal=True, window_size=128, bounds=docs_bounds(4096))
+    assert longest_key_span(docs) == 4096 and longest_key_span(window) == 128
+    assert kernel_configs(128, 128, 4096, False) == _TABLE[(128, None)]
+    assert kernel_configs(128, 128, 128, False) == _TABLE[(128, 128)]
+    assert kernel_configs(64, 64, 512, False) == _TABLE[(64, 1024)]
+    assert kernel_configs(192, 128, 16384, False) == _TABLE[(256, None)]
+
+
+def docs_bounds(length, tokens=16384):
+    return list(range(0, tokens + 1, length))
+
+
+def test_bad_tile_configs():
+    from mcore.kernels.triton.flash_configs import FlashConfig
+
+    with pytest.raises(ValueError, match=r"block_n must be a power of two >= 16, got 48"):
+        FlashConfig(64, 48, 4, 2)
+    with pytest.raises(ValueError, match=r"num_stages must be an int >= 1, got 0"):
+        FlashConfig(64, 64, 4, 0)
 
 
 def test_deterministic_backward_is_bitwise_repeatable(interpreter):
@@ -236,13 +314,16 @@ def test_gpu_triton_vs_float64(case_name, dtype, cuda_triton):
             assert _rel(got.grad.cpu(), want.grad) < 3e-2, name
 
 
-@pytest.mark.parametrize("tiles", [(32, 16), (16, 32)], ids=["tall", "wide"])
-def test_unequal_tile_shapes(tiles, interpreter, monkeypatch):
-    """The GPU tiles differ between the two sides (128 x 64); the clipping of ranges must not assume squares."""
+@pytest.mark.parametrize(
+    "tiles,one_loop", [((32, 16), True), ((16, 32), True), ((32, 16), False)], ids=["tall", "wide", "three_loops"]
+)
+def test_unequal_tile_shapes(tiles, one_loop, interpreter, monkeypatch):
+    """The GPU tiles differ between the two sides (128 x 64); the clipping of ranges must not assume squares.
+    Both loop structures (one loop masking its edge blocks, or edge/interior/diagonal loops) give the same."""
     from mcore.kernels.triton import flash_attention as fa
     from mcore.kernels.triton import flash_backward as fb
 
-    config = fa.FlashConfig(*tiles, 1, 1)
+    config = fa.FlashConfig(*tiles, 1, 1, one_loop)
     monkeypatch.setattr(fa, "forward_config", lambda *args: config)
     monkeypatch.setattr(fb, "backward_configs", lambda *args: (config, config))
     case = dict(CASES["window_documents_sinks"], s=40)
@@ -253,3 +334,26 @@ def test_unequal_tile_shapes(tiles, interpreter, monkeypatch):
         assert _rel(out, ref_out) < 1e-5 and _rel(lse, ref_lse) < 1e-6
         for name, got, want in zip(["q", "k", "v", "sinks"], leaves, ref_leaves):
             assert _rel(got.grad, want.grad) < 1e-5, (name, deterministic)
+
+
+def _table_cases():
+    from mcore.kernels.triton.flash_configs import _TABLE
+
+    for dim, longest in _TABLE:
+        d_qk, d_v = (192, 128) if dim == 256 else (dim, dim)
+        length = {128: 128, 1024: 512}.get(longest, 1536)  # a document inside each length bucket
+        yield pytest.param(d_qk, d_v, length, id=f"d{dim}-len{longest}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("d_qk,d_v,length", list(_table_cases()))
+def test_gpu_every_table_entry_against_float64(d_qk, d_v, length, cuda_triton):
+    """Each default configuration of flash_configs compiles and is right on CUDA (bf16, documents, GQA)."""
+    docs = 3072 // length if length < 1536 else 1
+    case = dict(s=docs * length, n_kv=2, d_qk=d_qk, d_v=d_v)
+    if docs > 1:
+        case.update(s=length * 2, cu_seqlens=list(range(0, docs * length + 1, length)))
+    out, lse, ref_out, ref_lse, leaves, ref_leaves = _run_case(case, cuda_triton, torch.bfloat16, True, True)
+    assert _rel(out.cpu(), ref_out) < 1.5e-2 and _rel(lse.cpu(), ref_lse) < 1e-3
+    for name, got, want in zip(["q", "k", "v"], leaves, ref_leaves):
+        assert _rel(got.grad.cpu(), want.grad) < 3e-2, name

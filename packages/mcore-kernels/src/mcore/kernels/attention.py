@@ -7,25 +7,33 @@ Backends (``backend=`` keyword or ``MCORE_KERNELS_BACKEND``):
 - ``sdpa``, ``flex``, ``reference``: torch's fused SDPA, FlexAttention and a plain-torch reference
   (:mod:`mcore.kernels.attention_torch`). SDPA can express neither sinks nor a returned log-sum-exp.
 
-Default choice on CUDA, from one H200 (2026-12-01, bf16, Hq 32, Hkv 8, D 128, forward + backward, 16,384
-tokens per call, TFLOP/s on the causal work; issue #18's table):
+Default choice on CUDA, from one H200 (``benchmarks/attention.py``, bf16, Hq 32, Hkv 8, D 128, forward +
+backward, 16,384 tokens per call, effective TFLOP/s on the causal work as issue #18 counts them; ours from its
+kernel sweep at commit 5be4d1b, 2026-12-01; SDPA and MLA from the same benchmark the session before, FlexAttention
+and varlen_attn from issue #18's table):
 
-============================  ======  ======================  =================
-case                          SDPA    FlexAttention compiled  torch varlen_attn
-============================  ======  ======================  =================
-1 document x 16384            541     381                     316
-4 x 4096 / 32 x 512 / 128x128 n/a     334 / 140 / 46          263 / 110 / 39
-============================  ======  ======================  =================
+=====================  ============  ========  ======================  =================
+case                   ours (triton) SDPA      FlexAttention compiled  torch varlen_attn
+=====================  ============  ========  ======================  =================
+1 x 16384              355           532       381                     316
+4 x 4096               325           n/a       334                     277
+32 x 512               189           n/a       140                     128
+128 x 128              91            n/a       46                      48
+4 x 4096, window 128   98 (+sinks)   n/a       n/a                     n/a
+1 x 16384 MLA 192/128  188           495       138                     n/a
+=====================  ============  ========  ======================  =================
 
-so: one plain causal (or full) document, no sinks, no LSE, v head dim equal to q's -> ``sdpa`` (fastest
-there); documents, windows, sinks, a returned LSE or a different v head dim in bf16/fp16 -> ``triton``,
-whose tiles follow the documents where FlexAttention falls to 46 TFLOP/s on 128-token documents
-(``benchmarks/attention.py`` measures ours beside the three on the same cases, each called as mcore calls it, the
-block mask included; H200, 2026-12-01, commit ``caebd24``, fwd+bwd TFLOP/s, ours with its deterministic backward
-/ our ``flex`` backend: 1 x 16384 219 / 201, 4 x 4096 199 / 77, 32 x 512 116 / 42, 128 x 128 51 / 10.5;
-``docs/performance.md``); fp32/fp64 with those features -> ``flex``. Elsewhere (CPU): ``sdpa`` for plain
-attention and ``reference`` otherwise (the interpreter is for tests, eager flex has no CPU backward). The
-choice is logged once per case class.
+so:
+
+- one plain causal (or full) document, no sinks, no returned LSE -> ``sdpa``, the fastest there (also with
+  MLA's v head dim different from q's, which SDPA takes);
+- packed documents, a window, sinks or a returned LSE in bf16/fp16 -> ``triton``: its tiles follow the documents
+  and only it has sinks and the LSE (on 4 x 4096 it is level with compiled FlexAttention, which builds its block
+  mask per layout and compiles per shape);
+- fp32/fp64 with those features -> ``flex``.
+
+Elsewhere (CPU): ``sdpa`` for plain attention and ``reference`` otherwise (the interpreter is for tests, eager
+flex has no CPU backward). The choice is logged once per case class.
 """
 
 from __future__ import annotations
@@ -107,7 +115,7 @@ def attention(
     if sinks is not None:
         check_sinks(sinks, q, n_heads)
 
-    plain = window_size is None and cu_seqlens is None and sinks is None and v.shape[-1] == q.shape[-1]
+    plain = window_size is None and cu_seqlens is None and sinks is None
     name = _select_backend(q, k, v, sinks, backend, plain=plain, return_lse=return_lse)
     if name == SDPA and (sinks is not None or return_lse):
         what = "add sinks to the softmax denominator" if sinks is not None else "return the log-sum-exp"
@@ -149,9 +157,9 @@ def _select_backend(
         return dispatch.choose("attention", *tensors, backend=backend, extra=(SDPA, FLEX))
     if q.device.type == "cuda":
         if plain and not return_lse:
-            name, why = SDPA, "one plain document: SDPA's fused kernel is the fastest measured"
+            name, why = SDPA, "one plain document: SDPA's fused kernel is the fastest measured (532 vs ours 355)"
         elif q.dtype in _TENSOR_CORE_DTYPES and dispatch.triton_available():
-            name, why = dispatch.TRITON, "documents/window/sinks/LSE/v head dim: our kernel visits only their tiles"
+            name, why = dispatch.TRITON, "documents/window/sinks/LSE: our kernel visits only their tiles"
         else:
             name, why = FLEX, f"{q.dtype} with documents/window/sinks/LSE: compiled FlexAttention"
     elif plain and not return_lse:

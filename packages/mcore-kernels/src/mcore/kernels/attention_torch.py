@@ -214,6 +214,17 @@ def _flex_block_mask(
     return mask
 
 
+@functools.lru_cache(maxsize=16)
+def _cached_block_mask(b: int, s: int, causal: bool, window_size: int | None, bounds: tuple | None, device: str):
+    """:func:`_flex_block_mask` once per layout: every layer of a step (and every step of a fixed layout) shares
+    one ``BlockMask``, so the mask is not rebuilt and shipped per call (the compiled kernel sees the same one)."""
+    device = torch.device(device)
+    doc_ids = None
+    if bounds is not None:
+        doc_ids = _document_ids(torch.tensor(bounds, dtype=torch.int32).to(device, non_blocking=True), b, s)
+    return _flex_block_mask(b, s, causal, window_size, None if bounds is None else list(bounds), doc_ids, device)
+
+
 def _flex_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -232,7 +243,8 @@ def _flex_attention(
 
     block_mask = None
     if causal or doc_ids is not None:
-        block_mask = _flex_block_mask(q.shape[0], q.shape[1], causal, window_size, bounds, doc_ids, q.device)
+        bounds_key = None if bounds is None else tuple(bounds)
+        block_mask = _cached_block_mask(q.shape[0], q.shape[1], causal, window_size, bounds_key, str(q.device))
     kernel = _flex_kernel(q.device.type)
     args = (q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
     kwargs = dict(block_mask=block_mask, scale=softmax_scale, enable_gqa=q.shape[2] != k.shape[2])
