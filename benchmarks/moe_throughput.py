@@ -29,6 +29,8 @@ from pathlib import Path
 from typing import Any
 
 from _common import RunSpec, check_spec, child_env, launch_workers, report_launch, run_spec, write_json
+from gpt_oss_bench import DRY_RUN_SHAPES, GPT_OSS_SHAPES, gpt_oss_model
+from gpt_oss_bench import SHAPES as GPT_OSS_BENCH_SHAPES
 from moe_micro import run_micro
 from train_throughput import ratios, render
 
@@ -44,43 +46,8 @@ SHAPES: dict[str, dict[str, Any]] = {
                        moe_ffn=768, dense_ffn=6144, vocab=151936, seq=4096, mbs=2),
     "tiny": dict(family="qwen3_moe", hidden=64, layers=2, heads=4, kv=2, head_dim=16, experts=8, topk=2, moe_ffn=32,
                  dense_ffn=96, vocab=259, seq=64, mbs=2),
-    # gpt-oss-20b layers x 4 (sinks, sliding 128 / full, YaRN, biased experts, clamped SwiGLU); HF eager runs out of
-    # memory at micro-batch 2, so the mb2 shape runs ours only. gptoss_tiny is their dry run (window 16 < seq 64).
-    "gptoss4l": dict(family="gpt_oss", hidden=2880, layers=4, heads=64, kv=8, head_dim=64, experts=32, topk=4,
-                     moe_ffn=2880, vocab=201088, seq=4096, mbs=1),
-    "gptoss4l_mb2": dict(family="gpt_oss", hidden=2880, layers=4, heads=64, kv=8, head_dim=64, experts=32, topk=4,
-                         moe_ffn=2880, vocab=201088, seq=4096, mbs=2, baseline=False),
-    "gptoss_tiny": dict(family="gpt_oss", hidden=64, layers=2, heads=4, kv=2, head_dim=16, experts=4, topk=2,
-                        moe_ffn=32, vocab=259, seq=64, mbs=2, window=16),
 }  # fmt: skip
-# --dry-run runs "tiny", or the dry-run shape of the GPU shape asked for
-DRY_RUN_SHAPES = {"gptoss": "gptoss_tiny", "gptoss4l": "gptoss_tiny", "gptoss4l_mb2": "gptoss_tiny"}
-GPT_OSS_SHAPES = ("gptoss4l", "gptoss4l_mb2")  # --shape gptoss runs both
-
-
-def gpt_oss_model(shape: dict[str, Any], *, align: int) -> dict[str, Any]:
-    """The ``model`` section of a GPT-OSS shape: the family's fields, then the shape's sizes."""
-    from mcore.models.families import FAMILIES
-    from mcore.models.families.gpt_oss import alternating_layer_types
-
-    model = {k: (dict(v) if isinstance(v, dict) else v) for k, v in FAMILIES["gpt_oss"].items()}
-    model.update(
-        hidden_size=shape["hidden"],
-        num_hidden_layers=shape["layers"],
-        layer_types=alternating_layer_types(shape["layers"]),
-        num_attention_heads=shape["heads"],
-        num_key_value_heads=shape["kv"],
-        head_dim=shape["head_dim"],
-        intermediate_size=shape["moe_ffn"],
-        num_experts=shape["experts"],
-        num_experts_per_tok=shape["topk"],
-        vocab_size=shape["vocab"],
-        max_position_embeddings=shape["seq"],
-        sliding_window=shape.get("window", 128),
-    )
-    if align > 1:
-        model["moe_router"] = {**model["moe_router"], "align": align}
-    return model
+SHAPES.update(GPT_OSS_BENCH_SHAPES)
 
 
 def moe_model(shape: dict[str, Any], *, align: int) -> dict[str, Any]:
