@@ -60,12 +60,17 @@ def _shape_micro(shape: dict[str, Any], iters: int, dry_run: bool) -> dict[str, 
     plan = plan_permutation(routing.indices, e, align=align)
     xr = x.clone().requires_grad_(True)
     rows = permute(xr, plan)
-    out["permute_fwd_bwd_ms"] = 1e3 * _timer(lambda: permute(xr, plan).backward(torch.ones_like(rows)), iters, cuda)
     y = rows.detach().clone().requires_grad_(True)
     weights = routing.weights.detach().clone().requires_grad_(True)
-    combined = unpermute(y, weights, plan)
-    probe = torch.ones_like(combined)
-    out["unpermute_fwd_bwd_ms"] = 1e3 * _timer(lambda: unpermute(y, weights, plan).backward(probe), iters, cuda)
+    probe = torch.ones_like(x)
+    # the default backend (Triton on CUDA), then the pure-torch reference it replaced
+    for suffix, backend in (("", None), ("_reference", "reference")):
+        out[f"permute_fwd_bwd_ms{suffix}"] = 1e3 * _timer(
+            lambda b=backend: permute(xr, plan, backend=b).backward(torch.ones_like(rows)), iters, cuda
+        )
+        out[f"unpermute_fwd_bwd_ms{suffix}"] = 1e3 * _timer(
+            lambda b=backend: unpermute(y, weights, plan, backend=b).backward(probe), iters, cuda
+        )
 
     n_rows = plan.num_rows
     a = rows.detach().clone().requires_grad_(True)
@@ -87,7 +92,65 @@ def _shape_micro(shape: dict[str, Any], iters: int, dry_run: bool) -> dict[str, 
         tokens_per_expert_max=int(plan.tokens_per_expert.max()),
         tokens_per_expert_mean=tokens * k / e,
     )
+    if cuda and hasattr(torch, "_grouped_mm"):
+        out["grouped_gemm_layouts_tflops"] = _layouts(a.detach(), w.detach(), dy, plan.offsets, tokens * k, iters)
+        out.update(_with_main_grad(a.detach(), w.detach(), dy, plan.offsets, flops, iters))
     return out
+
+
+def _with_main_grad(x, w, dy, offsets, flops: float, iters: int) -> dict[str, float]:
+    """The gate_up GEMMs forward + backward with the weight gradient landing in an fp32 ``main_grad`` as training
+    does: grouped (bf16 weight gradient, then added) against one cuBLAS GEMM per expert from host offsets (one
+    sync per layer) whose weight gradient accumulates in fp32 inside the GEMM (``addmm(out_dtype=float32)``)."""
+    import torch
+
+    main_grad = torch.zeros(w.shape, dtype=torch.float32, device=w.device)
+    ends = offsets.tolist()
+    starts = [0, *ends[:-1]]
+
+    def grouped():
+        torch._grouped_mm(x, w.transpose(-2, -1), offs=offsets)
+        torch._grouped_mm(dy, w, offs=offsets)
+        main_grad.add_(torch._grouped_mm(dy.t(), x, offs=offsets))
+
+    def per_expert():
+        for g, (lo, hi) in enumerate(zip(starts, ends)):
+            torch.mm(x[lo:hi], w[g].t())
+            torch.mm(dy[lo:hi], w[g])
+            torch.addmm(main_grad[g], dy[lo:hi].t(), x[lo:hi], out_dtype=torch.float32, out=main_grad[g])
+
+    out = {}
+    for name, fn in (("grouped", grouped), ("per_expert_mm", per_expert)):
+        try:
+            seconds = _timer(fn, iters, True)
+        except (RuntimeError, TypeError) as exc:  # e.g. a torch without addmm's out_dtype
+            out[f"{name}_with_main_grad_error"] = repr(exc)[:200]
+            continue
+        out[f"{name}_with_main_grad_ms"] = 1e3 * seconds
+        out[f"{name}_with_main_grad_tflops"] = flops / seconds / 1e12
+    return out
+
+
+def _layouts(x, w, dy, offsets, routed_rows: int, iters: int) -> dict[str, float]:
+    """TFLOP/s of each of the three expert GEMMs through ``torch._grouped_mm`` with the weight stored [E, N, K]
+    (nn.Linear's, ours) or [E, K, N], and the weight gradient from ``dy^T x`` or ``(x^T dy)^T``: which operand
+    layouts hit the fast kernel."""
+    import torch
+
+    n, k_dim = w.shape[1], w.shape[2]
+    flops = 2 * routed_rows * n * k_dim
+    w_kn = w.transpose(-2, -1).contiguous()  # [E, K, N]
+    dy_t = dy.t().contiguous()
+    cases = {
+        "fwd_w_enk": lambda: torch._grouped_mm(x, w.transpose(-2, -1), offs=offsets),
+        "fwd_w_ekn": lambda: torch._grouped_mm(x, w_kn, offs=offsets),
+        "dgrad_w_enk": lambda: torch._grouped_mm(dy, w, offs=offsets),
+        "dgrad_w_ekn": lambda: torch._grouped_mm(dy, w_kn.transpose(-2, -1), offs=offsets),
+        "wgrad_dyT_x": lambda: torch._grouped_mm(dy.t(), x, offs=offsets),
+        "wgrad_dyT_contiguous_x": lambda: torch._grouped_mm(dy_t, x, offs=offsets),
+        "wgrad_xT_dy": lambda: torch._grouped_mm(x.t(), dy, offs=offsets),
+    }
+    return {name: flops / _timer(fn, iters, True) / 1e12 for name, fn in cases.items()}
 
 
 def run_micro(shapes: list[dict[str, Any]], *, iters: int, dry_run: bool) -> list[dict[str, Any]]:

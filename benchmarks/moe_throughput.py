@@ -8,6 +8,10 @@ data, then the baseline eager and with ``torch.compile``, each in its own proces
 keys: tokens/s, TFLOP/s/GPU and MFU on active parameters (6 x active matmul weights + attention, the formula of
 the baseline's docstring; peak 989.4 TFLOP/s), peak memory, first-step time.
 
+``--profile-steps N`` (default 1 on the GPU): N more steps after the timed ones run under the CUDA profiler; the
+record gets ``profile`` (``step_profile``'s breakdown) and ``time_breakdown`` (``moe_profile``: router, permute,
+unpermute, grouped GEMMs, expert activation, attention, other GEMMs, optimizer, rest, idle; ms and %).
+
 ``--micro`` (run first, in this process): the expert GEMMs of each shape through ``mcore.kernels.grouped_gemm``
 (forward + both backward GEMMs) against one dense GEMM of the same FLOPs, and the router / permute / unpermute
 ops, each timed with CUDA events (median of ``--iters``). The expert rows are padded to multiples of 8 per expert
@@ -32,6 +36,7 @@ from _common import RunSpec, check_spec, child_env, launch_workers, report_launc
 from gpt_oss_bench import DRY_RUN_SHAPES, GPT_OSS_SHAPES, gpt_oss_model
 from gpt_oss_bench import SHAPES as GPT_OSS_BENCH_SHAPES
 from moe_micro import run_micro
+from moe_profile import moe_time_breakdown, render_moe_breakdowns
 from train_throughput import ratios, render
 
 HF_MOE_BASELINE = Path(__file__).resolve().parents[2] / "shared" / "bench" / "hf_moe_baseline.py"
@@ -50,11 +55,16 @@ SHAPES: dict[str, dict[str, Any]] = {
 SHAPES.update(GPT_OSS_BENCH_SHAPES)
 
 
-def moe_model(shape: dict[str, Any], *, align: int) -> dict[str, Any]:
+def moe_model(shape: dict[str, Any], *, align: int, expert_gemm: str = "grouped") -> dict[str, Any]:
     """The ``model`` section of ``shape`` with transformers' defaults of its family for the rest."""
     if shape["family"] == "gpt_oss":
+        if expert_gemm != "grouped":
+            raise SystemExit("--expert-gemm: GPT-OSS's biased experts run as grouped GEMMs only")
         return gpt_oss_model(shape, align=align)
     mixtral = shape["family"] == "mixtral"
+    router: dict[str, Any] = {"align": align} if align > 1 else {}
+    if expert_gemm != "grouped":
+        router["expert_gemm"] = expert_gemm
     return {
         "model_type": shape["family"],
         "hidden_size": shape["hidden"],
@@ -74,11 +84,29 @@ def moe_model(shape: dict[str, Any], *, align: int) -> dict[str, Any]:
         "rms_norm_eps": 1e-5 if mixtral else 1e-6,
         "tie_word_embeddings": False,
         "router_aux_loss_coef": 0.0,
-        "moe_router": {"align": align} if align > 1 else None,
+        "moe_router": router or None,
     }
 
 
-def build_spec(shape_name: str, *, iters: int, warmup: int, dry_run: bool) -> RunSpec:
+# ``--fsdp``: the same step with FSDP2 (fp32 parameters that are the master weights, bf16 compute, fp32 gradients:
+# HF's policy and its 16 bytes per parameter; the distributed optimizer at dp=1 holds 18: bf16 weights besides them)
+FSDP_OVERRIDES = [
+    "parallel.dp_shard=true",
+    "parallel.distributed_optimizer=false",
+    "parallel.overlap_param_gather=false",
+]
+
+
+def build_spec(
+    shape_name: str,
+    *,
+    iters: int,
+    warmup: int,
+    dry_run: bool,
+    profile_steps: int = 0,
+    fsdp: bool = False,
+    expert_gemm: str = "grouped",
+) -> RunSpec:
     shape = SHAPES[shape_name]
     overrides = [
         f"train.device={'cpu' if dry_run else 'cuda'}",
@@ -87,32 +115,49 @@ def build_spec(shape_name: str, *, iters: int, warmup: int, dry_run: bool) -> Ru
         f"data.seq_length={shape['seq']}",
         f"train.micro_batch_size={shape['mbs']}",
         f"train.global_batch_size={shape['mbs']}",
-        f"train.steps={1 + warmup + iters}",
+        f"train.steps={1 + warmup + iters + profile_steps}",
         "lr.schedule=constant",
         "lr.max_lr=1e-4",
         "lr.min_lr=1e-4",
         "lr.warmup_steps=0",
     ]
-    return RunSpec(f"mcore_{shape_name}", 1, overrides, moe_model(shape, align=1 if dry_run else 8), 1 + warmup)
+    if fsdp:
+        overrides = [o for o in overrides if not o.startswith("parallel.distributed_optimizer")] + FSDP_OVERRIDES
+    model = moe_model(shape, align=1 if dry_run else 8, expert_gemm=expert_gemm)
+    name = f"mcore{'-fsdp' if fsdp else ''}_{shape_name}"
+    return RunSpec(name, 1, overrides, model, 1 + warmup, profile_steps=profile_steps)
 
 
 def run_ours(args: argparse.Namespace) -> int:
     """``--only mcore``: measure one shape in this process and write its JSON (the baseline's keys first)."""
-    result, runtime = run_spec(build_spec(args.shape, iters=args.iters, warmup=args.warmup, dry_run=args.dry_run))
+    spec = build_spec(
+        args.shape,
+        iters=args.iters,
+        warmup=args.warmup,
+        dry_run=args.dry_run,
+        profile_steps=args.profile_steps,
+        fsdp=args.fsdp,
+        expert_gemm=args.expert_gemm,
+    )
+    result, runtime = run_spec(spec)
     runtime.shutdown()
     keys = ("params", "tokens_per_s", "step_s", "tflops_per_gpu", "mfu", "peak_mem_gb", "first_step_s", "gpu", "torch")
     record = {
-        "impl": "mcore" + ("-dryrun" if args.dry_run else ""),
+        "impl": "mcore" + ("-fsdp" if args.fsdp else "") + ("-dryrun" if args.dry_run else ""),
         "shape": args.shape,
         **SHAPES[args.shape],
         **{k: result[k] for k in keys},
         "precision": result["precision"],
+        "expert_gemm": args.expert_gemm,
         "flops_per_token": result["flops_per_token"],
         "iters": args.iters,
         "warmup": args.warmup,
         "step_times_s": result["step_times_s"],
         "losses": result["losses"],
     }
+    if result["profile"]:
+        record["profile"] = result["profile"][0]
+        record["time_breakdown"] = moe_time_breakdown(result["profile"][0])
     write_json(args.json, record)
     print(json.dumps({k: record[k] for k in ("impl", "shape", "tokens_per_s", "tflops_per_gpu", "mfu", "peak_mem_gb")}))
     return 0
@@ -120,8 +165,19 @@ def run_ours(args: argparse.Namespace) -> int:
 
 def _runs(args: argparse.Namespace, shape: str, out: Path) -> list[tuple[str, list[str]]]:
     ours = [str(Path(__file__).resolve()), "--only", "mcore", "--shape", shape, "--iters", str(args.iters)]
-    ours += ["--warmup", str(args.warmup), "--json", str(out / f"mcore_{shape}.json")]
+    ours += [
+        "--warmup",
+        str(args.warmup),
+        "--profile-steps",
+        str(args.profile_steps),
+        "--expert-gemm",
+        args.expert_gemm,
+    ]
+    ours += ["--json", str(out / f"mcore_{shape}.json")]
     runs = [("mcore", ours + (["--dry-run"] if args.dry_run else []))]
+    if args.fsdp:
+        fsdp = [a.replace(f"mcore_{shape}.json", f"mcore-fsdp_{shape}.json") for a in runs[0][1]]
+        runs.append(("mcore-fsdp", fsdp + ["--fsdp"]))
     if args.skip_baseline or args.dry_run or not SHAPES[shape].get("baseline", True):
         return runs
     for label, extra in BASELINES.items():
@@ -167,12 +223,35 @@ def orchestrate(args: argparse.Namespace) -> int:
             if results[label] is None:
                 summary["failures"].append(f"{label} on {shape}: exit {launch.returncode} (log {launch.log})")
             baseline = "skipped" if skip_baseline else str(args.hf_baseline)
-            summary["shapes"][shape] = {"results": results, "ratios": ratios(results), "baseline": baseline}
-            write_json(out / "summary.json", {**summary, "markdown": render(summary)})
-    print(render(summary), flush=True)
+            entry = {"results": results, "ratios": ratios(results), "baseline": baseline}
+            if args.fsdp:
+                entry["ratios_fsdp"] = ratios({**results, "mcore": results.get("mcore-fsdp")})
+            summary["shapes"][shape] = entry
+            write_json(out / "summary.json", {**summary, "markdown": _render(summary)})
+    print(_render(summary), flush=True)
     for failure in summary["failures"]:
         print(f"FAILED: {failure}", flush=True)
     return 1 if summary["failures"] else 0
+
+
+def _render(summary: dict[str, Any]) -> str:
+    """The throughput table and ratios, then the time breakdown of each shape that was profiled."""
+    breakdowns = {
+        f"{shape} {label}": res["time_breakdown"]
+        for shape, entry in summary["shapes"].items()
+        for label, res in entry["results"].items()
+        if (res or {}).get("time_breakdown")
+    }
+    lines = [render(summary)]
+    for shape, entry in summary["shapes"].items():
+        r = entry.get("ratios_fsdp")
+        if r and r["tokens_per_s_vs_hf"] is not None:
+            lines.append(
+                f"- {shape} with FSDP2: tokens/s vs HF-eager {r['tokens_per_s_vs_hf']:.3f}, peak memory vs HF-eager "
+                f"{r['peak_mem_vs_hf']:.3f}"
+            )
+    profiled = render_moe_breakdowns(breakdowns)
+    return "\n".join(lines) + ("\n\n" + profiled if profiled else "")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -190,9 +269,19 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--only", choices=["mcore"], help=argparse.SUPPRESS)
     ap.add_argument("--timeout", type=float, default=600.0, help="seconds per run (600)")
     ap.add_argument("--dry-run", action="store_true", help="CPU, tiny fp32 shape, 3 iterations, no baseline")
+    ap.add_argument("--fsdp", action="store_true", help="also run ours with FSDP2 (parallel.dp_shard=true)")
+    ap.add_argument(
+        "--expert-gemm", choices=["grouped", "per_expert"], default="grouped", help="moe_router.expert_gemm (grouped)"
+    )
+    ap.add_argument(
+        "--profile-steps", type=int, default=None, help="steps after the timed ones under the CUDA profiler (1; dry 0)"
+    )
     args = ap.parse_args(argv)
     args.iters = args.iters if args.iters is not None else (3 if args.dry_run else 8)
     args.warmup = args.warmup if args.warmup is not None else (1 if args.dry_run else 2)
+    args.profile_steps = args.profile_steps if args.profile_steps is not None else (0 if args.dry_run else 1)
+    if args.profile_steps < 0 or (args.dry_run and args.profile_steps):
+        ap.error(f"--profile-steps must be >= 0 and needs a GPU (0 in dry runs), got {args.profile_steps}")
     if args.iters < 1 or args.warmup < 0:
         ap.error(f"--iters must be >= 1 and --warmup >= 0, got {args.iters} and {args.warmup}")
     if args.only and (args.json is None or args.shape in ("all", "gptoss")):

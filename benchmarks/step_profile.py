@@ -9,10 +9,17 @@ streams; ``idle`` = window - busy (the GPU waiting for the host: launch latency,
 Communication that runs beside compute is reported twice: its total, and the part not hidden under compute
 kernels (``exposed``), which is what costs time. Implicit host syncs inside the step (``.item()``, ``.cpu()``, ...)
 are counted with CUDA's sync debug mode, by the Python line that caused them.
+
+Scopes: a kernel launched inside one of ``SCOPES``' ``record_function`` ranges (the MoE layer marks its router,
+permute, experts and unpermute) is put in that scope's category, in forward and in backward. Backward kernels are
+found through autograd's sequence numbers: the backward node that launched a kernel carries the sequence number of
+the forward op that recorded it, and that op lay inside the scope. In a scope, GEMM and communication kernels keep
+their kind (``"moe experts: gemm"``: the grouped GEMMs); the others take the scope's name alone.
 """
 
 from __future__ import annotations
 
+import bisect
 import json
 import re
 import tempfile
@@ -36,6 +43,15 @@ CATEGORIES: tuple[tuple[str, str], ...] = (
     ("embedding", r"embedding|index_select|indexselect|index_put|scatter|gather"),
 )
 OTHER = "other elementwise/reduction"
+# record_function range -> category (the ranges mcore.parallel.expert_parallel opens)
+SCOPES: dict[str, str] = {
+    "mcore.moe.router": "moe router",
+    "mcore.moe.permute": "moe permute",
+    "mcore.moe.experts": "moe experts",
+    "mcore.moe.unpermute": "moe unpermute",
+}
+_KEPT_IN_SCOPE = ("gemm", "communication")
+_BACKWARD_NODE = "autograd::engine::evaluate_function:"
 _COMPILED = [(name, re.compile(pat, re.IGNORECASE)) for name, pat in CATEGORIES]
 _DEVICE_CATS = {"kernel", "gpu_memcpy", "gpu_memset"}
 STEP_MARK = "mcore_profiled_step"
@@ -63,6 +79,87 @@ def _exposed(comm: Sequence[tuple[float, float]], compute: Sequence[tuple[float,
     return _union_length([*comm, *compute]) - _union_length(compute)
 
 
+class _Ranges:
+    """Labelled time ranges of one host thread; ``at(ts)`` is the label of the innermost range holding ``ts``."""
+
+    def __init__(self, ranges: list[tuple[float, float, str]]) -> None:
+        self.ranges = sorted(ranges)
+        self.starts = [r[0] for r in self.ranges]
+        self.max_end: list[float] = []
+        for _, end, _ in self.ranges:
+            self.max_end.append(max(end, self.max_end[-1]) if self.max_end else end)
+
+    def at(self, ts: float) -> str | None:
+        i = bisect.bisect_right(self.starts, ts) - 1
+        while i >= 0 and self.max_end[i] >= ts:  # nested ranges: the latest start that still holds ts is innermost
+            if self.ranges[i][1] >= ts:
+                return self.ranges[i][2]
+            i -= 1
+        return None
+
+
+def _by_thread(ranges: list[tuple[Any, float, float, str]]) -> dict[Any, _Ranges]:
+    grouped: dict[Any, list[tuple[float, float, str]]] = defaultdict(list)
+    for tid, start, end, label in ranges:
+        grouped[tid].append((start, end, label))
+    return {tid: _Ranges(r) for tid, r in grouped.items()}
+
+
+def scope_labeller(events: Sequence[dict[str, Any]], scopes: dict[str, str]) -> Callable[[dict[str, Any]], str | None]:
+    """A function giving each GPU kernel event the category of the ``scopes`` range it was launched in (forward:
+    the range around the launching op; backward: the range around the forward op whose autograd node launched
+    it), or ``None``. Kernels are matched to their host launch by ``correlation``, else by ``External id``."""
+    host = [e for e in events if e.get("cat") in ("cpu_op", "user_annotation", "cuda_runtime") and "dur" in e]
+    forward = _by_thread(
+        [(e.get("tid"), e["ts"], e["ts"] + e["dur"], scopes[e["name"]]) for e in host if e["name"] in scopes]
+    )
+    seq_scope: dict[int, str] = {}
+    for e in host:
+        seq = e.get("args", {}).get("Sequence number")
+        if seq is not None and e["cat"] == "cpu_op" and not e["name"].startswith(_BACKWARD_NODE):
+            label = forward[e.get("tid")].at(e["ts"]) if e.get("tid") in forward else None
+            if label is not None:
+                seq_scope.setdefault(seq, label)
+    backward = _by_thread(
+        [
+            (e.get("tid"), e["ts"], e["ts"] + e["dur"], seq_scope[e["args"]["Sequence number"]])
+            for e in host
+            if e["name"].startswith(_BACKWARD_NODE) and e.get("args", {}).get("Sequence number") in seq_scope
+        ]
+    )
+    launches: dict[tuple[str, Any], dict[str, Any]] = {}
+    for e in host:
+        args = e.get("args", {})
+        if e["cat"] == "cuda_runtime" and "correlation" in args:
+            launches[("correlation", args["correlation"])] = e
+        elif e["cat"] == "cpu_op" and "External id" in args:
+            launches.setdefault(("External id", args["External id"]), e)
+
+    def label(kernel: dict[str, Any]) -> str | None:
+        args = kernel.get("args", {})
+        launch = launches.get(("correlation", args.get("correlation"))) or launches.get(
+            ("External id", args.get("External id"))
+        )
+        if launch is None:
+            return None
+        tid, ts = launch.get("tid"), launch["ts"]
+        for ranges in (forward, backward):  # a recomputed forward inside a backward node: its scope wins
+            found = ranges[tid].at(ts) if tid in ranges else None
+            if found is not None:
+                return found
+        return None
+
+    return label
+
+
+def _category(kernel: dict[str, Any], label: Callable[[dict[str, Any]], str | None]) -> str:
+    kind = categorize(kernel["name"])
+    scope = label(kernel)
+    if scope is None:
+        return kind
+    return f"{scope}: {kind}" if kind in _KEPT_IN_SCOPE else scope
+
+
 def breakdown_from_trace(trace: dict[str, Any], top: int = 25) -> dict[str, Any]:
     """The per-category breakdown of a Chrome trace holding steps marked with ``STEP_MARK`` (times in ms, averaged
     over the marked steps)."""
@@ -75,6 +172,7 @@ def breakdown_from_trace(trace: dict[str, Any], top: int = 25) -> dict[str, Any]
     if not marks:
         raise ValueError(f"the trace has no '{STEP_MARK}' annotations; were the steps run under profile_steps?")
     kernels = [e for e in events if e.get("cat") in _DEVICE_CATS and "dur" in e]
+    label = scope_labeller(events, SCOPES)
     if not kernels:
         raise ValueError("the trace has no GPU kernels (was the profiler given ProfilerActivity.CUDA?)")
     starts = [m[0] for m in marks] + [float("inf")]
@@ -86,7 +184,7 @@ def breakdown_from_trace(trace: dict[str, Any], top: int = 25) -> dict[str, Any]
                 break
     n = len(marks)
     cat_us: dict[str, float] = defaultdict(float)
-    by_name: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
+    by_name: dict[tuple[str, str], list[float]] = defaultdict(lambda: [0.0, 0])
     window_us = busy_us = exposed_comm_us = 0.0
     for (mark_start, _), ks in zip(marks, per_step):
         if not ks:
@@ -96,11 +194,11 @@ def breakdown_from_trace(trace: dict[str, Any], top: int = 25) -> dict[str, Any]
         busy_us += _union_length(intervals)
         comm, compute = [], []
         for k, iv in zip(ks, intervals):
-            cat = categorize(k["name"])
+            cat = _category(k, label)
             cat_us[cat] += k["dur"]
-            by_name[k["name"]][0] += k["dur"]
-            by_name[k["name"]][1] += 1
-            (comm if cat == "communication" else compute).append(iv)
+            by_name[(k["name"], cat)][0] += k["dur"]  # one kernel may run in several scopes
+            by_name[(k["name"], cat)][1] += 1
+            (comm if cat.endswith("communication") else compute).append(iv)
         exposed_comm_us += _exposed(comm, compute)
     window_ms = window_us / n / 1e3
     categories = {c: cat_us[c] / n / 1e3 for c in sorted(cat_us, key=cat_us.get, reverse=True)}
@@ -114,8 +212,8 @@ def breakdown_from_trace(trace: dict[str, Any], top: int = 25) -> dict[str, Any]
         "categories_percent_of_window": {c: 100 * v / window_ms for c, v in categories.items()},
         "exposed_communication_ms": exposed_comm_us / n / 1e3,
         "top_kernels": [
-            {"name": name[:160], "category": categorize(name), "ms_per_step": t / n / 1e3, "calls_per_step": c / n}
-            for name, (t, c) in top_kernels
+            {"name": name[:160], "category": cat, "ms_per_step": t / n / 1e3, "calls_per_step": c / n}
+            for (name, cat), (t, c) in top_kernels
         ],
     }
 

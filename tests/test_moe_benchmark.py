@@ -74,3 +74,69 @@ def test_flops_match_the_baseline_formula(dry_run):
     tiny = moe_throughput.SHAPES["tiny"]
     want = 6 * baseline.active_matmul_weights(tiny) + baseline.attention_flops_per_token(tiny)
     assert record["flops_per_token"] == pytest.approx(want, rel=1e-9)
+
+
+def test_profile_steps_run_after_the_timed_ones():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import moe_throughput
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    spec = moe_throughput.build_spec("mixtral2l", iters=8, warmup=2, dry_run=False, profile_steps=2)
+    assert spec.profile_steps == 2 and "train.steps=13" in spec.overrides
+    assert spec.model["moe_router"] == {"align": 8}
+    per_expert = moe_throughput.build_spec("mixtral2l", iters=1, warmup=0, dry_run=False, expert_gemm="per_expert")
+    assert per_expert.model["moe_router"] == {"align": 8, "expert_gemm": "per_expert"}
+    assert moe_throughput.parse_args(["--json-dir", "/tmp/x"]).profile_steps == 1
+    with pytest.raises(SystemExit):
+        moe_throughput.parse_args(["--dry-run", "--profile-steps", "1"])
+
+
+def test_fsdp_variant_swaps_the_optimizer_layout():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import moe_throughput
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    spec = moe_throughput.build_spec("mixtral2l", iters=1, warmup=0, dry_run=False, fsdp=True)
+    assert spec.name == "mcore-fsdp_mixtral2l" and "parallel.dp_shard=true" in spec.overrides
+    assert "parallel.distributed_optimizer=true" not in spec.overrides
+    args = moe_throughput.parse_args(["--fsdp", "--json-dir", "/tmp/x", "--shape", "mixtral2l"])
+    labels = [label for label, _ in moe_throughput._runs(args, "mixtral2l", Path("/tmp/x"))]
+    assert labels == ["mcore", "mcore-fsdp", "hf", "hf-compile"]
+
+
+def test_memory_breakdown_dry_run(tmp_path):
+    out = tmp_path / "memory.json"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
+    script = ROOT / "benchmarks" / "moe_memory.py"
+    proc = subprocess.run(
+        [sys.executable, str(script), "--dry-run", "--steps", "2", "--json", str(out)],
+        capture_output=True,
+        text=True,
+        env=env,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    record = json.loads(out.read_text())
+    assert record["shape"] == "tiny" and record["layout"] == "zero1" and record["params"] > 0
+    assert len(record["steps"]) == 3 and record["peak_gb"] is None  # after the build, then 2 steps; CPU: no CUDA
+    assert set(record["steps"][1]) >= {"start_gb", "forward_backward_peak_gb", "optimizer_peak_gb", "end_gb"}
+
+
+def test_summary_renders_every_profiled_run_and_the_fsdp_ratios():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import moe_throughput
+        from moe_profile import moe_time_breakdown
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    b = moe_time_breakdown({"step_window_ms": 10.0, "idle_ms": 1.0, "categories_ms": {"moe experts: gemm": 9.0}})
+    run = {"impl": "mcore", "tokens_per_s": 2.0, "step_s": 1.0, "tflops_per_gpu": 1.0, "mfu": 0.1, "peak_mem_gb": 1.0}
+    run |= {"first_step_s": 1.0, "time_breakdown": b}
+    hf = {**run, "impl": "hf-transformers", "tokens_per_s": 1.0, "peak_mem_gb": 2.0}
+    results = {"mcore": run, "mcore-fsdp": {**run, "impl": "mcore-fsdp"}, "hf": hf}
+    entry = {"results": results, "ratios": moe_throughput.ratios(results)}
+    entry["ratios_fsdp"] = moe_throughput.ratios({**results, "mcore": results["mcore-fsdp"]})
+    text = moe_throughput._render({"shapes": {"s": entry}, "failures": []})
+    assert "| part | s mcore | s mcore-fsdp |" in text and "| grouped GEMMs | 9.00 (90.0%) |" in text
+    assert "s with FSDP2: tokens/s vs HF-eager 2.000, peak memory vs HF-eager 0.500" in text

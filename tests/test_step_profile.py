@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import sys
+import tempfile
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -91,3 +94,89 @@ def test_multi_gpu_report_lists_each_ranks_breakdown():
     # step 0.4 ms: GEMM 0.3, communication 0.2 of which 0.1 exposed, no idle
     assert rows[1].split("|")[2:9] == [" 1 ", " 0.4 ", " 0.3 ", " 0 ", " 0.2 ", " 0.1 ", " 0 "]
     assert multi_gpu.render_profiles({"tp2": {"profile": None}}) == ""
+
+
+def _moe_trace_on_cpu():
+    """A real CPU profiler trace of an MoE layer between two dense linears, forward and backward, inside a step
+    mark; every GEMM op is given a fake GPU kernel (same time, linked by External id) named like a cuBLAS one."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    from mcore.parallel.expert_parallel import MoEConfig, MoELayer
+
+    torch.manual_seed(0)
+    layer = MoELayer(MoEConfig(hidden_size=16, num_experts=4, topk=2, moe_intermediate_size=8))
+    layer.router.reset_parameters()
+    layer.experts.reset_parameters()
+    dense = torch.nn.Linear(16, 16)
+    x = torch.randn(2, 6, 16, requires_grad=True)
+    with profile(activities=[ProfilerActivity.CPU]) as prof, record_function(step_profile.STEP_MARK):
+        dense(layer(dense(x))).square().sum().backward()
+    with tempfile.TemporaryDirectory() as tmp:
+        prof.export_chrome_trace(f"{tmp}/trace.json")
+        events = json.loads(Path(f"{tmp}/trace.json").read_text())["traceEvents"]
+    gemms = [e for e in events if e.get("cat") == "cpu_op" and e["name"] in ("aten::mm", "aten::addmm")]
+    kernels = [
+        {
+            "name": "nvjet_gemm",
+            "cat": "kernel",
+            "ts": e["ts"],
+            "dur": e["dur"],
+            "args": {"External id": e["args"]["External id"]},
+        }
+        for e in gemms
+    ]
+    return events + kernels, gemms
+
+
+def test_moe_scopes_follow_kernels_into_backward():
+    events, gemms = _moe_trace_on_cpu()
+    label = step_profile.scope_labeller(events, step_profile.SCOPES)
+    found = Counter(label({"args": {"External id": e["args"]["External id"]}}) for e in gemms)
+    # experts (reference grouped GEMM, 4 experts): 2 GEMMs x 4 forward, 2 x 2 x 4 backward; router: its linear
+    # forward, dgrad, wgrad; the two dense linears: 1 forward + 2 backward each, in no scope
+    assert found == {"moe experts": 24, "moe router": 3, None: 6}
+    b = step_profile.breakdown_from_trace({"traceEvents": events})
+    assert set(b["categories_ms"]) == {"moe experts: gemm", "moe router: gemm", "gemm"}
+    assert {k["category"] for k in b["top_kernels"]} == set(b["categories_ms"])
+
+
+def test_scopes_by_correlation_and_nested_ranges():
+    # forward op 1 (seq 7) inside the permute range launches kernel a; backward node (seq 7) launches kernel b
+    # through a cuda_runtime event linked by correlation; an unscoped op launches c
+    ann = {"cat": "user_annotation", "ph": "X", "tid": 1}
+    op = {"cat": "cpu_op", "ph": "X"}
+    events = [
+        {**ann, "name": "mcore.moe.permute", "ts": 0, "dur": 10},
+        {**op, "name": "aten::index", "tid": 1, "ts": 2, "dur": 1, "args": {"External id": 1, "Sequence number": 7}},
+        {**op, "name": "aten::add", "tid": 1, "ts": 20, "dur": 1, "args": {"External id": 2, "Sequence number": 8}},
+        {**op, "name": "autograd::engine::evaluate_function: X", "tid": 2, "ts": 30, "dur": 10,
+         "args": {"External id": 3, "Sequence number": 7}},
+        {"cat": "cuda_runtime", "name": "cudaLaunchKernel", "ph": "X", "tid": 2, "ts": 35, "dur": 1,
+         "args": {"correlation": 99}},
+    ]  # fmt: skip
+    label = step_profile.scope_labeller(events, step_profile.SCOPES)
+    assert label({"args": {"External id": 1}}) == "moe permute"
+    assert label({"args": {"correlation": 99, "External id": 3}}) == "moe permute"
+    assert label({"args": {"External id": 2}}) is None
+    assert label({"args": {}}) is None
+    nested = step_profile._Ranges([(0, 100, "outer"), (10, 20, "inner"), (30, 40, "second")])
+    assert [nested.at(t) for t in (5, 15, 25, 35, 101)] == ["outer", "inner", "outer", "second", None]
+
+
+def test_moe_rows_fold_the_categories():
+    import moe_profile
+
+    b = {
+        "step_window_ms": 10.0,
+        "idle_ms": 1.0,
+        "categories_ms": {"moe experts: gemm": 4.0, "moe experts": 1.0, "moe router: gemm": 0.5, "moe router": 0.5,
+                          "moe permute": 0.5, "gemm": 1.0, "attention": 1.0, "norm": 0.3, "loss": 0.2},
+    }  # fmt: skip
+    rows = moe_profile.moe_time_breakdown(b)["rows"]
+    assert rows["grouped GEMMs"] == {"ms": 4.0, "percent": 40.0}
+    assert rows["router"]["ms"] == 1.0 and rows["permute"]["ms"] == 0.5 and rows["unpermute"]["ms"] == 0.0
+    assert rows["rest"]["ms"] == pytest.approx(0.5) and rows["idle"]["ms"] == 1.0
+    assert sum(r["ms"] for r in rows.values()) == pytest.approx(10.0)
+    text = moe_profile.render_moe_breakdowns({"s": moe_profile.moe_time_breakdown(b)})
+    assert "| grouped GEMMs | 4.00 (40.0%) |" in text

@@ -27,9 +27,9 @@ def _inputs(dtype, device="cpu"):
     return x, w, torch.tensor(OFFSETS, dtype=torch.int32, device=device)
 
 
-def _check(backend, dtype, device="cpu", rtol=1e-5, atol=1e-5):
+def _check(backend, dtype, device="cpu", rtol=1e-5, atol=1e-5, tail_rows=None):
     x, w, offsets = _inputs(dtype, device)
-    y = grouped_gemm(x, w, offsets, backend=backend)
+    y = grouped_gemm(x, w, offsets, backend=backend, tail_rows=tail_rows)
     assert y.dtype == dtype and y.shape == (ROWS, M)
     x64, w64 = (t.detach().cpu().double().requires_grad_(True) for t in (x, w))
     want = _float64(x64, w64, OFFSETS)
@@ -54,6 +54,16 @@ def test_torch_grouped_mm_on_cpu_matches_float64():
     if not hasattr(torch, "_grouped_mm"):
         pytest.skip("torch._grouped_mm is not in this torch")
     _check("grouped_mm", torch.float32)
+
+
+@pytest.mark.parametrize("tail_rows", [4, 7])
+def test_tail_rows_hint_still_zeroes_the_unused_rows(tail_rows):
+    # the plan says at most tail_rows last rows lie past offsets[-1] (here exactly 4): only those are cleared
+    if not hasattr(torch, "_grouped_mm"):
+        pytest.skip("torch._grouped_mm is not in this torch")
+    _check("grouped_mm", torch.float32, tail_rows=tail_rows)
+    with pytest.raises(ValueError, match="tail_rows must be an int >= 0"):
+        grouped_gemm(*_inputs(torch.float32), tail_rows=-1)
 
 
 def test_default_backend_off_cuda_is_the_reference(spy):
@@ -84,3 +94,48 @@ def test_cuda_bf16_grouped_mm_matches_float64_without_host_sync():
     finally:
         torch.cuda.set_sync_debug_mode("default")
     _check(None, torch.bfloat16, "cuda", rtol=1.6e-2, atol=1.6e-2)
+    _check(None, torch.bfloat16, "cuda", rtol=1.6e-2, atol=1.6e-2, tail_rows=4)  # only the last 4 rows cleared
+
+
+@pytest.mark.parametrize("backend", ["reference", "grouped_mm"])
+def test_grouped_gemm_of_activation_matches_float64_and_keeps_h_only(backend):
+    from mcore.kernels import swiglu
+    from mcore.kernels.moe import grouped_gemm_of_activation
+
+    if backend == "grouped_mm" and not hasattr(torch, "_grouped_mm"):
+        pytest.skip("torch._grouped_mm is not in this torch")
+    h = torch.randn(ROWS, 2 * K, requires_grad=True)
+    w = torch.randn(len(OFFSETS), M, K, requires_grad=True)
+    offsets = torch.tensor(OFFSETS, dtype=torch.int32)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        y = grouped_gemm_of_activation(h, w, offsets, swiglu, backend=backend)
+    # what backward keeps: h, the weight, the offsets; not the [ROWS, K] activation
+    assert sorted(tuple(t.shape) for t in saved) == sorted([(ROWS, 2 * K), (len(OFFSETS), M, K), (len(OFFSETS),)])
+    h64, w64 = (t.detach().double().requires_grad_(True) for t in (h, w))
+    gate, up = h64.chunk(2, dim=-1)
+    want = _float64(torch.nn.functional.silu(gate) * up, w64, OFFSETS)
+    torch.testing.assert_close(y.double(), want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+    probe = torch.randn(ROWS, M)
+    (y * probe).sum().backward()
+    (want * probe.double()).sum().backward()
+    for ours, ref in ((h, h64), (w, w64)):
+        torch.testing.assert_close(ours.grad.double(), ref.grad, rtol=1e-5, atol=1e-5 * ref.grad.abs().max().item())
+    assert torch.all(h.grad[OFFSETS[-1] :] == 0)
+
+
+def test_grouped_gemm_of_activation_equals_the_unfused_composition():
+    from mcore.kernels import swiglu
+    from mcore.kernels.moe import grouped_gemm_of_activation
+
+    h = torch.randn(ROWS, 2 * K, requires_grad=True)
+    w = torch.randn(len(OFFSETS), M, K, requires_grad=True)
+    offsets = torch.tensor(OFFSETS, dtype=torch.int32)
+    probe = torch.randn(ROWS, M)
+    fused = grouped_gemm_of_activation(h, w, offsets, swiglu, backend="reference")
+    dh, dw = torch.autograd.grad((fused * probe).sum(), (h, w))
+    plain = grouped_gemm(swiglu(h), w, offsets, backend="reference")
+    dh0, dw0 = torch.autograd.grad((plain * probe).sum(), (h, w))
+    assert torch.equal(fused, plain) and torch.equal(dh, dh0) and torch.equal(dw, dw0)
+    with pytest.raises(ValueError, match="2-D"):
+        grouped_gemm_of_activation(h[0], w, offsets, swiglu)

@@ -1,6 +1,6 @@
 """mcore-train with GPT-OSS (sinks, sliding/full layers, YaRN, router bias, biased experts with the clamped SwiGLU):
 tp2 (experts at etp2), ep2, pp2 and tp2 x ep2 on 4 gloo ranks give the losses and gradient norms of one process
-within 1e-5 over 4 optimizer steps, and so does a checkpoint saved at tp2 and resumed in one process; the example
+within 1e-5 over 4 optimizer steps, and so do checkpoints saved at tp2 and at ep2 and resumed in one process; the example
 configs load and plan."""
 
 from __future__ import annotations
@@ -46,8 +46,10 @@ def _layout_curves(rank: int, world: int, run_root: str) -> dict:
     for name, overrides in LAYOUTS.items():
         train(f"{run_root}/{name}", *GPT_OSS, *overrides)
         out[name] = _curve(f"{run_root}/{name}")
-    # a checkpoint saved at tp2 after 2 steps (sinks, router and expert biases split or replicated over tp / etp)
-    train(f"{run_root}/tp2-saved", *GPT_OSS, "parallel.tp=2", "train.stop_at_step=2", "checkpoint.save_at_end=true")
+    # checkpoints saved after 2 steps at tp2 (sinks, router and expert biases split or replicated over tp / etp) and
+    # at ep2 (expert biases gathered over ep)
+    for name, layout in (("tp2", "parallel.tp=2"), ("ep2", "parallel.ep=2")):
+        train(f"{run_root}/{name}-saved", *GPT_OSS, layout, "train.stop_at_step=2", "checkpoint.save_at_end=true")
     return out
 
 
@@ -58,10 +60,11 @@ def test_parallel_layouts_equal_one_process(tmp_path):
     reference = _curve(str(tmp_path / "single"))
     assert len(reference) == 4 and reference[-1][0] < reference[0][0]
     curves = run_workers(4, _layout_curves, str(tmp_path))[0]
-    # the tp2 checkpoint resumed in one process continues the single-process run
-    saved = tmp_path / "tp2-saved" / "checkpoints" / "iter_0000002"
-    train(tmp_path / "resumed", *GPT_OSS, f"checkpoint.load={saved}")
-    curves["tp2-saved-then-tp1"] = reference[:2] + _curve(str(tmp_path / "resumed"))
+    # each checkpoint resumed in one process continues the single-process run
+    for name in ("tp2", "ep2"):
+        saved = tmp_path / f"{name}-saved" / "checkpoints" / "iter_0000002"
+        train(tmp_path / f"{name}-resumed", *GPT_OSS, f"checkpoint.load={saved}")
+        curves[f"{name}-saved-then-one-process"] = reference[:2] + _curve(str(tmp_path / f"{name}-resumed"))
     for name, got in curves.items():
         assert len(got) == 4, name
         for (loss, norm), (ref_loss, ref_norm) in zip(got, reference):

@@ -29,6 +29,11 @@ def _losses(rank: int, world: int, run_root: str) -> dict:
         run_dir = f"{run_root}/ep{ep}"
         train(run_dir, *MOE, f"parallel.ep={ep}")
         out[ep] = [r["loss"] for _, r in sorted(train_records(run_dir).items())]
+    # the per-expert GEMMs on each ep rank's local experts (offsets of the received rows)
+    run_dir = f"{run_root}/ep2-per-expert"
+    router = "{z_loss_coef: 0.001, expert_bias: true, bias_update_rate: 0.01, expert_gemm: per_expert}"
+    train(run_dir, *MOE, "parallel.ep=2", f"model.moe_router={router}")
+    out["ep2-per-expert"] = [r["loss"] for _, r in sorted(train_records(run_dir).items())]
     return out
 
 
@@ -79,6 +84,8 @@ def test_dropless_losses_do_not_depend_on_ep(tmp_path):
     assert len(losses[1]) == 4 and losses[1][0] > losses[1][-1]
     for a, b in zip(losses[1], losses[2]):
         assert abs(a - b) <= 1e-5 * abs(a), (losses[1], losses[2])
+    for a, b in zip(losses["ep2-per-expert"], losses[2], strict=True):
+        assert abs(a - b) <= 1e-5 * abs(b), (losses["ep2-per-expert"], losses[2])
 
 
 @pytest.mark.parametrize(
@@ -88,7 +95,7 @@ def test_dropless_losses_do_not_depend_on_ep(tmp_path):
         (["parallel.etp=5"], r"moe_intermediate_size=96 not divisible by etp=5; valid etp: \[1, 2, 4, 8, 16, 32\]"),
         (["model=llama-tiny", "parallel.ep=2"], "need an MoE model"),
         (["model.moe_router={capacity: 1.0}"], r"unknown keys \['capacity'\]; valid keys"),
-        (["parallel.ep=2", "checkpoint.save_at_end=true"], "checkpoints of expert-parallel layouts"),
+        (["parallel.ep=2", "parallel.dp_shard=true"], "does not reduce expert parameters over the expert grid"),
     ],
 )
 def test_bad_expert_layouts_name_valid_values(overrides, match):
@@ -104,3 +111,15 @@ def test_moe_examples_load(name, experts, tp):
     config = load_config(EXAMPLES / name)
     assert config.model.num_experts == experts and config.parallel.tp == tp
     assert config.model.mlp_type(0) == "moe" and config.model.router_aux_loss_coef > 0
+
+
+def test_per_expert_gemm_trains_like_grouped(tmp_path):
+    from tests.train.tiny import train, train_records
+
+    losses = {}
+    for gemm in ("grouped", "per_expert"):
+        train(tmp_path / gemm, *MOE, f"model.moe_router={{expert_gemm: {gemm}}}")
+        losses[gemm] = [r["loss"] for _, r in sorted(train_records(tmp_path / gemm).items())]
+    assert len(losses["grouped"]) == 4
+    for a, b in zip(losses["per_expert"], losses["grouped"]):
+        assert abs(a - b) <= 1e-5 * abs(b), losses

@@ -11,32 +11,52 @@ Backends:
 Both share one autograd function with a hand-written backward: ``dx = dy @ w[g]`` (a grouped GEMM of the same
 kind) and ``dw[g] = dy[rows of g].T @ x[rows of g]`` (the 2-D x 2-D grouped form). Rows at or past
 ``offsets[-1]`` belong to no expert: their output is zero and they get no gradient.
+
+:func:`grouped_gemm_of_activation` is ``grouped_gemm(activation(h), w, offsets)`` that keeps ``h`` for backward
+and recomputes ``activation(h)`` there instead of keeping it: for an MoE's SwiGLU experts the activation output is
+``rows x F`` (half of ``h``), one elementwise pass to recompute, and it is live only inside the backward.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 
 from mcore.kernels import dispatch
 
-__all__ = ["GROUPED_MM", "grouped_gemm"]
+__all__ = ["GROUPED_MM", "grouped_gemm", "grouped_gemm_of_activation"]
 
 GROUPED_MM = "grouped_mm"
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 def grouped_gemm(
-    x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, *, backend: str | None = None
+    x: torch.Tensor,
+    w: torch.Tensor,
+    offsets: torch.Tensor,
+    *,
+    backend: str | None = None,
+    tail_rows: int | None = None,
 ) -> torch.Tensor:
     """``x`` [N, K] rows grouped by expert, ``w`` [E, M, K] (each expert's ``[out, in]`` weight, as
     ``nn.Linear``), ``offsets`` [E] int32 cumulative segment ends (``offsets[-1] <= N``): returns [N, M].
 
     ``backend`` is ``"grouped_mm"``, ``"reference"`` or ``None`` (CUDA bf16 -> grouped_mm, else reference);
-    ``MCORE_KERNELS_BACKEND=reference`` forces the loop.
+    ``MCORE_KERNELS_BACKEND=reference`` forces the loop. ``tail_rows``: at most that many last rows can lie past
+    ``offsets[-1]`` (the caller's plan knows; ``None``: any row): only those are zeroed, not the whole output.
     """
     _check(x, w, offsets)
     chosen = _choose(x, w, backend)
-    return _GroupedGemm.apply(x, w, offsets, chosen)
+    return _GroupedGemm.apply(x, w, offsets, chosen, _tail(tail_rows, x.shape[0]))
+
+
+def _tail(tail_rows: int | None, rows: int) -> int:
+    if tail_rows is None:
+        return rows
+    if isinstance(tail_rows, bool) or not isinstance(tail_rows, int) or tail_rows < 0:
+        raise ValueError(f"grouped_gemm: tail_rows must be an int >= 0 or None, got {tail_rows!r}")
+    return min(tail_rows, rows)
 
 
 def _check(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> None:
@@ -67,12 +87,18 @@ def _choose(x: torch.Tensor, w: torch.Tensor, backend: str | None) -> str:
     return chosen
 
 
-def _row_mask(rows: int, offsets: torch.Tensor) -> torch.Tensor:
-    """[rows, 1] bool: the rows that belong to some expert (``row < offsets[-1]``), computed on the device."""
-    return (torch.arange(rows, device=offsets.device) < offsets[-1]).unsqueeze(1)
+def _zero_unused_rows_(y: torch.Tensor, offsets: torch.Tensor, tail: int) -> torch.Tensor:
+    """Zero the rows of ``y`` at or past ``offsets[-1]`` among its last ``tail`` rows, on the device (no sync)."""
+    rows = y.shape[0]
+    if tail:
+        start = rows - tail
+        used = (torch.arange(start, rows, device=offsets.device) < offsets[-1]).unsqueeze(1)
+        y[start:].masked_fill_(~used, 0)
+    return y
 
 
-def _reference_forward(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+def _reference_forward(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, tail=None) -> torch.Tensor:
+    # ``tail`` is unused: the output starts as zeros, so rows past offsets[-1] stay zero
     y = x.new_zeros(x.shape[0], w.shape[1])
     start = 0
     for g, end in enumerate(offsets.tolist()):  # host sync: the reference only
@@ -82,7 +108,7 @@ def _reference_forward(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) 
     return y
 
 
-def _reference_backward(dy, x, w, offsets, need_dx, need_dw):
+def _reference_backward(dy, x, w, offsets, need_dx, need_dw, tail=None):  # zero-initialised: no tail to clear
     dx = torch.zeros_like(x) if need_dx else None
     dw = torch.zeros_like(w) if need_dw else None
     start = 0
@@ -97,18 +123,18 @@ def _reference_backward(dy, x, w, offsets, need_dx, need_dw):
     return dx, dw
 
 
-def _grouped_mm_forward(x, w, offsets):
+def _grouped_mm_forward(x, w, offsets, tail):
     y = torch._grouped_mm(x, w.transpose(-2, -1), offs=offsets)
     # rows past offsets[-1] are left uninitialised by the kernel; zero them on the device (no sync)
-    return y.masked_fill_(~_row_mask(x.shape[0], offsets), 0)
+    return _zero_unused_rows_(y, offsets, tail)
 
 
-def _grouped_mm_backward(dy, x, w, offsets, need_dx, need_dw):
-    dy = dy.contiguous().masked_fill(~_row_mask(dy.shape[0], offsets), 0)
+def _grouped_mm_backward(dy, x, w, offsets, need_dx, need_dw, tail):
+    # dy's rows past offsets[-1] belong to no group: neither GEMM reads them, so dy is used as it is (no copy)
+    dy = dy.contiguous()
     dx = dw = None
     if need_dx:
-        dx = torch._grouped_mm(dy, w, offs=offsets)
-        dx.masked_fill_(~_row_mask(x.shape[0], offsets), 0)
+        dx = _zero_unused_rows_(torch._grouped_mm(dy, w, offs=offsets), offsets, tail)
     if need_dw:
         dw = torch._grouped_mm(dy.t(), x, offs=offsets)  # [E, M, K]; an expert without rows gets zeros
     return dx, dw
@@ -116,17 +142,59 @@ def _grouped_mm_backward(dy, x, w, offsets, need_dx, need_dw):
 
 class _GroupedGemm(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, w, offsets, backend):
+    def forward(ctx, x, w, offsets, backend, tail):
         ctx.save_for_backward(x, w, offsets)
-        ctx.backend = backend
-        if backend == GROUPED_MM:
-            return _grouped_mm_forward(x, w, offsets)
-        return _reference_forward(x, w, offsets)
+        ctx.backend, ctx.tail = backend, tail
+        forward_fn = _grouped_mm_forward if backend == GROUPED_MM else _reference_forward
+        return forward_fn(x, w, offsets, tail)
 
     @staticmethod
     def backward(ctx, dy):
         x, w, offsets = ctx.saved_tensors
         need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         backward_fn = _grouped_mm_backward if ctx.backend == GROUPED_MM else _reference_backward
-        dx, dw = backward_fn(dy, x, w, offsets, need_dx, need_dw)
-        return dx, dw, None, None
+        dx, dw = backward_fn(dy, x, w, offsets, need_dx, need_dw, ctx.tail)
+        return dx, dw, None, None, None
+
+
+def grouped_gemm_of_activation(
+    h: torch.Tensor,
+    w: torch.Tensor,
+    offsets: torch.Tensor,
+    activation: Callable[[torch.Tensor], torch.Tensor],
+    *,
+    backend: str | None = None,
+    tail_rows: int | None = None,
+) -> torch.Tensor:
+    """``grouped_gemm(activation(h), w, offsets)`` (same shapes and backends) saving ``h``, not the activation's
+    output: backward recomputes it. ``activation`` is any differentiable ``[N, *] -> [N, K]`` row-wise function
+    (e.g. :func:`mcore.kernels.swiglu`); its own backward gives ``h``'s gradient. ``tail_rows``: as in
+    :func:`grouped_gemm`."""
+    if not isinstance(h, torch.Tensor) or h.dim() != 2:
+        raise ValueError(f"grouped_gemm_of_activation: h must be a 2-D [rows, *] tensor, got {getattr(h, 'shape', h)}")
+    with torch.no_grad():
+        a = activation(h)
+    _check(a, w, offsets)
+    tail = _tail(tail_rows, h.shape[0])
+    return _GroupedGemmOfActivation.apply(h, w, offsets, activation, _choose(a, w, backend), a, tail)
+
+
+class _GroupedGemmOfActivation(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, h, w, offsets, activation, backend, a, tail):
+        ctx.save_for_backward(h, w, offsets)
+        ctx.activation, ctx.backend, ctx.tail = activation, backend, tail
+        forward_fn = _grouped_mm_forward if backend == GROUPED_MM else _reference_forward
+        return forward_fn(a, w, offsets, tail)
+
+    @staticmethod
+    def backward(ctx, dy):
+        h, w, offsets = ctx.saved_tensors
+        need_dh, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        with torch.enable_grad():
+            h_leaf = h.detach().requires_grad_(need_dh)
+            a = ctx.activation(h_leaf)  # the recompute: one elementwise pass over h
+        backward_fn = _grouped_mm_backward if ctx.backend == GROUPED_MM else _reference_backward
+        da, dw = backward_fn(dy, a.detach(), w, offsets, need_dh, need_dw, ctx.tail)
+        dh = torch.autograd.grad(a, h_leaf, da)[0] if need_dh else None
+        return dh, dw, None, None, None, None, None

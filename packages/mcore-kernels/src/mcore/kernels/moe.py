@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from mcore.kernels.grouped_gemm import grouped_gemm
+from mcore.kernels.grouped_gemm import grouped_gemm, grouped_gemm_of_activation
 from mcore.kernels.moe_permute import PermutePlan, permute, plan_permutation, unpermute
 
 __all__ = [
@@ -24,6 +24,7 @@ __all__ = [
     "Routing",
     "expert_bias_update",
     "grouped_gemm",
+    "grouped_gemm_of_activation",
     "load_balancing_loss",
     "load_balancing_loss_from_stats",
     "load_balancing_stats",

@@ -14,7 +14,9 @@ rows (no host sync, shapes fixed for CUDA graphs / torch.compile):
 
 Padding rows hold zeros and a dropped choice contributes nothing to its token's output. ``permute`` and
 ``unpermute`` are autograd functions whose forward and backward are both gathers (deterministic: no
-atomics, no ``index_add_``).
+atomics, no ``index_add_``). On CUDA they run as Triton kernels (``mcore.kernels.triton.moe_permute``: one pass
+each, the routing-weight multiply fused into the gather, the weights' gradient into the rows' one); the pure-torch
+reference here is the definition (``backend="reference"`` or ``MCORE_KERNELS_BACKEND=reference``).
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ import math
 from dataclasses import dataclass
 
 import torch
+
+from mcore.kernels import dispatch
 
 __all__ = ["PermutePlan", "permute", "plan_permutation", "unpermute"]
 
@@ -36,7 +40,10 @@ class PermutePlan:
     * ``slot_of_choice`` [T, k] int64: its row in the permuted buffer, ``-1`` when dropped;
     * ``choice_of_slot`` [rows] int64: the flat choice index ``t * k + j`` a row holds, ``-1`` for padding;
     * ``offsets`` [E] int32: end row of each expert's segment (cumulative; ``grouped_gemm``'s ``offs``);
-    * ``tokens_per_expert`` [E] int64: choices kept per expert; ``dropped`` 0-d int64: choices dropped.
+    * ``tokens_per_expert`` [E] int64: choices kept per expert; ``dropped`` 0-d int64: choices dropped;
+    * ``max_unused_tail``: how many last rows at most lie past ``offsets[-1]`` (known without a sync: dropless
+      ``E * (align - 1)``, padded capacity 0), ``None`` when any may (capacity dropping); ``grouped_gemm``'s
+      ``tail_rows``.
     """
 
     slot_of_choice: torch.Tensor
@@ -44,6 +51,7 @@ class PermutePlan:
     offsets: torch.Tensor
     tokens_per_expert: torch.Tensor
     dropped: torch.Tensor
+    max_unused_tail: int | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -118,6 +126,7 @@ def plan_permutation(
         offsets=ends.to(torch.int32),
         tokens_per_expert=kept_counts,
         dropped=counts.sum() - kept_counts.sum(),
+        max_unused_tail=rows - n if capacity_factor is None else (0 if pad_to_capacity else None),
     )
 
 
@@ -146,14 +155,23 @@ def _with_zero_row(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((x, x.new_zeros(1, x.shape[1])))
 
 
-def permute(x: torch.Tensor, plan: PermutePlan) -> torch.Tensor:
-    """Rows of ``x`` [T, H] in the planned expert-contiguous order: ``[plan.num_rows, H]``, padding zero."""
+def _triton_impl():
+    from mcore.kernels.triton import moe_permute as triton_permute
+
+    return triton_permute
+
+
+def permute(x: torch.Tensor, plan: PermutePlan, *, backend: str | None = None) -> torch.Tensor:
+    """Rows of ``x`` [T, H] in the planned expert-contiguous order: ``[plan.num_rows, H]``, padding zero.
+
+    ``backend``: ``"triton"``, ``"reference"`` or ``None`` (CUDA -> Triton)."""
     if x.dim() != 2 or x.shape[0] != plan.num_tokens:
         raise ValueError(f"permute: x must be [{plan.num_tokens}, hidden] (the planned tokens), got {tuple(x.shape)}")
-    return _Permute.apply(x, plan.choice_of_slot, plan.slot_of_choice)
+    chosen = dispatch.choose("moe_permute", x, backend=backend)
+    return _Permute.apply(x, plan.choice_of_slot, plan.slot_of_choice, chosen)
 
 
-def unpermute(y: torch.Tensor, weights: torch.Tensor, plan: PermutePlan) -> torch.Tensor:
+def unpermute(y: torch.Tensor, weights: torch.Tensor, plan: PermutePlan, *, backend: str | None = None) -> torch.Tensor:
     """``out[t] = sum_j weights[t, j] * y[slot_of_choice[t, j]]`` over kept choices: ``[T, H]`` in y's dtype.
 
     ``weights`` [T, k] (fp32 from the router) are applied in fp32; gradients flow to ``y`` and ``weights``.
@@ -162,35 +180,49 @@ def unpermute(y: torch.Tensor, weights: torch.Tensor, plan: PermutePlan) -> torc
         raise ValueError(f"unpermute: y must be [{plan.num_rows}, hidden] (the planned rows), got {tuple(y.shape)}")
     if tuple(weights.shape) != (plan.num_tokens, plan.topk):
         raise ValueError(f"unpermute: weights must be [{plan.num_tokens}, {plan.topk}], got {tuple(weights.shape)}")
-    return _Unpermute.apply(y, weights, plan.choice_of_slot, plan.slot_of_choice)
+    chosen = dispatch.choose("moe_permute", y, backend=backend)
+    return _Unpermute.apply(y, weights, plan.choice_of_slot, plan.slot_of_choice, chosen)
 
 
 class _Permute(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, choice_of_slot, slot_of_choice):
-        k = slot_of_choice.shape[1]
-        token_of_slot = torch.where(choice_of_slot >= 0, choice_of_slot // k, -1)
+    def forward(ctx, x, choice_of_slot, slot_of_choice, backend):
         ctx.save_for_backward(slot_of_choice)
+        ctx.backend = backend
+        k = slot_of_choice.shape[1]
+        if backend == dispatch.TRITON:
+            return _triton_impl().permute_forward(x, choice_of_slot, k)
+        token_of_slot = torch.where(choice_of_slot >= 0, choice_of_slot // k, -1)
         return _with_zero_row(x)[token_of_slot]
 
     @staticmethod
     def backward(ctx, dy):
         (slot_of_choice,) = ctx.saved_tensors
+        if ctx.backend == dispatch.TRITON:
+            return _triton_impl().permute_backward(dy, slot_of_choice), None, None, None
         # each token's gradient is the sum over its kept choices' rows (fp32 sum of k rows)
         dx = _with_zero_row(dy)[slot_of_choice].float().sum(1).to(dy.dtype)
-        return dx, None, None
+        return dx, None, None, None
 
 
 class _Unpermute(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, y, weights, choice_of_slot, slot_of_choice):
-        gathered = _with_zero_row(y)[slot_of_choice]  # [T, k, H]
+    def forward(ctx, y, weights, choice_of_slot, slot_of_choice, backend):
         ctx.save_for_backward(y, weights, choice_of_slot, slot_of_choice)
+        ctx.backend = backend
+        if backend == dispatch.TRITON:
+            return _triton_impl().unpermute_forward(y, weights, slot_of_choice)
+        gathered = _with_zero_row(y)[slot_of_choice]  # [T, k, H]
         return torch.einsum("tkh,tk->th", gathered.float(), weights.float()).to(y.dtype)
 
     @staticmethod
     def backward(ctx, dout):
         y, weights, choice_of_slot, slot_of_choice = ctx.saved_tensors
+        if ctx.backend == dispatch.TRITON:
+            dy, dweights = _triton_impl().unpermute_backward(dout, y, weights, slot_of_choice)
+            dy = dy if ctx.needs_input_grad[0] else None
+            dweights = dweights.to(weights.dtype) if ctx.needs_input_grad[1] else None
+            return dy, dweights, None, None, None
         k = slot_of_choice.shape[1]
         dout_f = dout.float()
         dweights = None
@@ -203,4 +235,4 @@ class _Unpermute(torch.autograd.Function):
             choice = choice_of_slot.clamp(min=0)
             scale = torch.where(valid, weights.reshape(-1).float()[choice], 0.0)
             dy = (dout_f[choice // k] * scale[:, None]).to(y.dtype)
-        return dy, dweights, None, None
+        return dy, dweights, None, None, None

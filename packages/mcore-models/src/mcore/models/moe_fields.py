@@ -28,6 +28,7 @@ ROUTER_KNOBS = (
     "pad_to_capacity",
     "align",
     "dispatcher",
+    "expert_gemm",
 )
 
 

@@ -13,13 +13,15 @@ with a bias on each projection, and the experts' clamped SwiGLU.
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 from torch import nn
 
 from mcore.kernels import swiglu
 from mcore.kernels.clamped_swiglu import clamped_swiglu
-from mcore.kernels.moe import grouped_gemm
-from mcore.parallel.expert_parallel import GroupedExperts, MoELayer, Router
+from mcore.kernels.moe import grouped_gemm, grouped_gemm_of_activation
+from mcore.parallel.expert_parallel import GroupedExperts, MoELayer, Router, router_logits
 from mcore.parallel.tensor_parallel import set_tensor_parallel_attributes
 
 __all__ = ["BiasedGroupedExperts", "BiasedRouter", "use_gpt_oss_options"]
@@ -40,7 +42,7 @@ class BiasedRouter(Router):
             self.bias.copy_(full)
 
     def logits(self, tokens: torch.Tensor) -> torch.Tensor:
-        return torch.nn.functional.linear(tokens.float(), self.weight.float(), self.bias.float())
+        return router_logits(tokens, self.weight) + self.bias.float()
 
 
 class _AddExpertBias(torch.autograd.Function):
@@ -103,15 +105,17 @@ class BiasedGroupedExperts(GroupedExperts):
                     p.zero_()
 
     def forward(self, rows: torch.Tensor, offsets: torch.Tensor, tail_rows: int | None = None) -> torch.Tensor:
-        """``tail_rows`` (a dispatcher's bound on the rows past ``offsets[-1]``) is accepted for the dispatchers'
-        call; which rows lie past the offsets is read from the offsets themselves (they get no bias)."""
+        """``tail_rows``: at most that many last rows lie past ``offsets[-1]`` (see ``grouped_gemm``); such rows
+        get no bias."""
         x = rows.to(self.gate_up.dtype)
-        h = grouped_gemm(x, self.gate_up, offsets)
+        h = grouped_gemm(x, self.gate_up, offsets, tail_rows=tail_rows)
         if self.gate_up_bias is not None:
             expert = _row_experts(offsets, x.shape[0])
             h = _AddExpertBias.apply(h, self.gate_up_bias, expert, True)
-        a = swiglu(h) if self.activation is None else clamped_swiglu(h, *self.activation)
-        y = grouped_gemm(a, self.down, offsets)
+        activation = swiglu if self.activation is None else partial(clamped_swiglu, alpha=self.activation[0],
+                                                                        limit=self.activation[1])  # fmt: skip
+        # the activation's output ([rows, F/etp]) is recomputed in backward rather than kept, as GroupedExperts does
+        y = grouped_gemm_of_activation(h, self.down, offsets, activation, tail_rows=tail_rows)
         if self.down_bias is not None:
             y = _AddExpertBias.apply(y, self.down_bias, expert, self.etp_rank == 0)
         return y
@@ -132,6 +136,11 @@ def use_gpt_oss_options(
         layer.router.bias.sequence_parallel = layer.router.weight.sequence_parallel
     if expert_biases or activation is not None:
         old = layer.experts
+        if getattr(old, "gemm", "grouped") != "grouped":
+            raise ValueError(
+                f"moe_router.expert_gemm={old.gemm!r} does not take GPT-OSS's expert biases and clamped SwiGLU; "
+                "use expert_gemm='grouped'"
+            )
         layer.experts = BiasedGroupedExperts(
             old.gate_up.shape[0],
             old.gate_up.shape[2],

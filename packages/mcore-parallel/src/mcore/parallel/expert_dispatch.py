@@ -13,6 +13,10 @@ Experts are laid out in blocks: ep rank ``r`` holds global experts ``[r * E_loca
   computes its own experts on the rows routed to them, and reduce-scatters the (partial) outputs. No host sync
   and no split exchange; the gathered tokens cost ``ep * etp`` times the activation memory, so it suits small
   ep or expert TP alone. Every rank of the block must route the same number of tokens (fixed micro-batches).
+
+Both open ``record_function`` ranges ``mcore.moe.permute`` / ``experts`` / ``unpermute`` (the router's is
+``mcore.moe.router``, in the layer): ``benchmarks/step_profile.py`` files each kernel, forward and backward, under
+its part of the layer. They cost a few microseconds per layer.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from torch.profiler import record_function
 
 from mcore.kernels.moe import permute, plan_permutation, unpermute
 from mcore.parallel.comm import all_gather_into, group_rank, group_size
@@ -31,8 +36,9 @@ __all__ = ["DISPATCHERS", "AllGatherDispatcher", "AllToAllDispatcher"]
 
 DISPATCHERS = ("alltoall", "allgather")
 
-# experts(rows [N, H], offsets [E_local] int32) -> [N, H]
-ExpertsFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+# experts(rows [N, H], offsets [E_local] int32, tail_rows=None) -> [N, H]; ``tail_rows``: at most that many last
+# rows lie past offsets[-1] (None: unknown)
+ExpertsFn = Callable[..., torch.Tensor]
 
 
 @dataclass
@@ -110,10 +116,15 @@ class AllToAllDispatcher:
 
     def __call__(self, x, routing, experts: ExpertsFn, **plan_kwargs) -> tuple[torch.Tensor, object]:
         """Route ``x`` [T, H] by ``routing`` through ``experts``; returns ``([T, H], plan)``."""
-        plan = plan_permutation(routing.indices, self.num_experts, weights=routing.weights, **plan_kwargs)
-        rows, local_offsets, state = self.dispatch(permute(x, plan), plan.offsets)
-        y = self.combine(experts(rows, local_offsets), state)
-        return unpermute(y, routing.weights, plan), plan
+        with record_function("mcore.moe.permute"):
+            plan = plan_permutation(routing.indices, self.num_experts, weights=routing.weights, **plan_kwargs)
+            rows, local_offsets, state = self.dispatch(permute(x, plan), plan.offsets)
+        # received rows (ep/etp > 1) fill their segments exactly; the local plan's tail is known from its shape
+        tail = plan.max_unused_tail if state.order is None else 0
+        with record_function("mcore.moe.experts"):
+            y = experts(rows, local_offsets, tail_rows=tail)
+        with record_function("mcore.moe.unpermute"):
+            return unpermute(self.combine(y, state), routing.weights, plan), plan
 
 
 class AllGatherDispatcher:
@@ -134,15 +145,19 @@ class AllGatherDispatcher:
         if plan_kwargs.get("capacity_factor") is not None:
             raise ValueError("the allgather dispatcher is dropless: set capacity_factor=None or use 'alltoall'")
         tokens = x.shape[0]
-        x_all = self._gather(x)
-        weights_all = self._gather(routing.weights)
-        with torch.no_grad():
-            indices_all = self._gather(routing.indices)
-            local = indices_all - self.ep_rank * self.local_experts
-            # another rank's experts go to one extra bucket past the local ones, which no GEMM reads
-            local = torch.where((local >= 0) & (local < self.local_experts), local, self.local_experts)
-        plan = plan_permutation(local, self.local_experts + 1, align=plan_kwargs.get("align", 1))
-        y = experts(permute(x_all, plan), plan.offsets[: self.local_experts])
-        out = unpermute(y, weights_all, plan)
-        out = reduce_scatter_rows(out, [tokens * self.ep] * self.etp, self.etp_group)
-        return reduce_scatter_rows(out, [tokens] * self.ep, self.ep_group), plan
+        with record_function("mcore.moe.permute"):
+            x_all = self._gather(x)
+            weights_all = self._gather(routing.weights)
+            with torch.no_grad():
+                indices_all = self._gather(routing.indices)
+                local = indices_all - self.ep_rank * self.local_experts
+                # another rank's experts go to one extra bucket past the local ones, which no GEMM reads
+                local = torch.where((local >= 0) & (local < self.local_experts), local, self.local_experts)
+            plan = plan_permutation(local, self.local_experts + 1, align=plan_kwargs.get("align", 1))
+            rows = permute(x_all, plan)
+        with record_function("mcore.moe.experts"):
+            y = experts(rows, plan.offsets[: self.local_experts])
+        with record_function("mcore.moe.unpermute"):
+            out = unpermute(y, weights_all, plan)
+            out = reduce_scatter_rows(out, [tokens * self.ep] * self.etp, self.etp_group)
+            return reduce_scatter_rows(out, [tokens] * self.ep, self.ep_group), plan

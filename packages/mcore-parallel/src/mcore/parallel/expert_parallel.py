@@ -25,12 +25,14 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.profiler import record_function
 
 from mcore.kernels import swiglu
 from mcore.kernels.moe import (
     RouterConfig,
     expert_bias_update,
     grouped_gemm,
+    grouped_gemm_of_activation,
     load_balancing_loss_from_stats,
     load_balancing_stats,
     route,
@@ -39,12 +41,14 @@ from mcore.kernels.moe import (
 )
 from mcore.parallel.comm import group_rank, group_size, reduce_from_tp_region
 from mcore.parallel.expert_dispatch import DISPATCHERS, AllGatherDispatcher, AllToAllDispatcher
+from mcore.parallel.expert_gemm import expert_bounds, per_expert_linear, per_expert_linear_of_activation
 from mcore.parallel.grid import ProcessGroups
 from mcore.parallel.tensor_parallel import set_tensor_parallel_attributes
 
 __all__ = ["GroupedExperts", "MoEConfig", "MoELayer", "Router", "moe_metrics", "update_expert_biases"]
 
 _AUX_LOSS_TYPES = ("micro_batch", "sequence")
+EXPERT_GEMMS = ("grouped", "per_expert")
 
 
 @dataclass(frozen=True)
@@ -53,7 +57,9 @@ class MoEConfig:
 
     ``capacity_factor=None`` is dropless; ``align`` pads each expert's rows (16 for FP8 grouped GEMMs);
     ``aux_loss_type`` ``"micro_batch"`` or ``"sequence"`` (per sequence, hidden states ``[s, b, h]``).
-    ``expert_bias`` enables aux-loss-free balancing with step ``bias_update_rate``.
+    ``expert_bias`` enables aux-loss-free balancing with step ``bias_update_rate``. ``expert_gemm``: ``"grouped"``
+    (``torch._grouped_mm``, no host sync) or ``"per_expert"`` (one cuBLAS GEMM per expert, fp32 weight gradients
+    straight into ``main_grad``; one host sync per layer; for a few large experts, see ``expert_gemm.py``).
     """
 
     hidden_size: int
@@ -76,6 +82,7 @@ class MoEConfig:
     pad_to_capacity: bool = False
     align: int = 1
     dispatcher: str = "alltoall"
+    expert_gemm: str = "grouped"
 
     def __post_init__(self) -> None:
         for name in ("hidden_size", "moe_intermediate_size"):
@@ -83,6 +90,8 @@ class MoEConfig:
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"MoEConfig.{name} must be a positive int, got {value!r}")
         self.router_config()  # validates the routing fields
+        if self.expert_gemm not in EXPERT_GEMMS:
+            raise ValueError(f"MoEConfig.expert_gemm must be one of {EXPERT_GEMMS}, got {self.expert_gemm!r}")
         if self.dispatcher not in DISPATCHERS:
             raise ValueError(f"MoEConfig.dispatcher must be one of {DISPATCHERS}, got {self.dispatcher!r}")
         if self.dispatcher == "allgather" and self.capacity_factor is not None:
@@ -141,7 +150,7 @@ class Router(nn.Module):
 
     def logits(self, tokens: torch.Tensor) -> torch.Tensor:
         """fp32 ``[T, E]`` router logits of ``tokens`` [T, H] (a subclass may add a bias: GPT-OSS)."""
-        return F.linear(tokens.float(), self.weight.float())
+        return router_logits(tokens, self.weight)
 
 
 class GroupedExperts(nn.Module):
@@ -160,9 +169,11 @@ class GroupedExperts(nn.Module):
         init_std: float = 0.02,
         params_dtype: torch.dtype = torch.float32,
         device: torch.device | str | None = None,
+        gemm: str = "grouped",
     ) -> None:
         super().__init__()
         local_ffn = ffn_size // etp
+        self.gemm = gemm
         self.ffn_size, self.etp, self.etp_rank = ffn_size, etp, etp_rank
         self.first_expert, self.init_std = first_expert, init_std
         kw = dict(dtype=params_dtype, device=device)
@@ -193,9 +204,39 @@ class GroupedExperts(nn.Module):
         down = torch.stack([torch.empty(h, f).normal_(0.0, std, generator=g) for g in gens])
         self.load_full_experts(gate_up, down)
 
-    def forward(self, rows: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-        h = grouped_gemm(rows.to(self.gate_up.dtype), self.gate_up, offsets)
-        return grouped_gemm(swiglu(h), self.down, offsets)
+    def forward(self, rows: torch.Tensor, offsets: torch.Tensor, tail_rows: int | None = None) -> torch.Tensor:
+        """``tail_rows``: at most that many last rows lie past ``offsets[-1]`` (``None``: unknown), see
+        ``grouped_gemm``."""
+        rows = rows.to(self.gate_up.dtype)
+        if self.gemm == "per_expert":
+            bounds = expert_bounds(offsets)  # the host sync of this mode (see expert_gemm.py)
+            h = per_expert_linear(rows, self.gate_up, bounds)
+            return per_expert_linear_of_activation(h, self.down, bounds, swiglu)
+        h = grouped_gemm(rows, self.gate_up, offsets, tail_rows=tail_rows)
+        # the SwiGLU output ([rows, F/etp], half of h) is recomputed in backward rather than kept
+        return grouped_gemm_of_activation(h, self.down, offsets, swiglu, tail_rows=tail_rows)
+
+
+class _RouterLogits(torch.autograd.Function):
+    """fp32 ``x @ w.T`` from ``x`` in the model's dtype, saving ``x`` as it is (not its fp32 copy: tokens x hidden x 4
+    bytes per layer) and upcasting it again in backward; the same numbers as ``F.linear(x.float(), w.float())``."""
+
+    @staticmethod
+    def forward(ctx, x, weight):
+        ctx.save_for_backward(x, weight)
+        return F.linear(x.float(), weight.float())
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        dx = grad.matmul(weight.float()).to(x.dtype) if ctx.needs_input_grad[0] else None
+        dw = grad.t().matmul(x.float()).to(weight.dtype) if ctx.needs_input_grad[1] else None
+        return dx, dw
+
+
+def router_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """The router's fp32 logits ``[T, E]`` of tokens ``x`` [T, H] (any float dtype) and ``weight`` [E, H]."""
+    return _RouterLogits.apply(x, weight)
 
 
 class _AttachAuxLoss(torch.autograd.Function):
@@ -258,6 +299,7 @@ class MoELayer(nn.Module):
             init_std=init_std,
             params_dtype=params_dtype,
             device=device,
+            gemm=config.expert_gemm,
         )
         dispatcher_cls = AllToAllDispatcher if config.dispatcher == "alltoall" else AllGatherDispatcher
         self.dispatcher = dispatcher_cls(config.num_experts, ep_group, etp_group)
@@ -282,8 +324,9 @@ class MoELayer(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         tokens = x.reshape(-1, shape[-1])
-        logits = self.router.logits(tokens)
-        routing = route(logits, self.router_config, self.expert_bias)
+        with record_function("mcore.moe.router"):
+            logits = self.router.logits(tokens)
+            routing = route(logits, self.router_config, self.expert_bias)
         cfg = self.config
         plan_kwargs = dict(align=cfg.align)
         if cfg.capacity_factor is not None:
@@ -292,10 +335,11 @@ class MoELayer(nn.Module):
             )
         out, plan = self.dispatcher(tokens, routing, self.experts, **plan_kwargs)
         out = out.to(x.dtype).view(shape)
-        counts = tokens_per_expert(routing.indices, cfg.num_experts)
-        if self.training and self.expert_bias is not None:
-            self.step_tokens_per_expert += counts
-        aux = self._aux_losses(logits, routing, shape)
+        with record_function("mcore.moe.router"):
+            counts = tokens_per_expert(routing.indices, cfg.num_experts)
+            if self.training and self.expert_bias is not None:
+                self.step_tokens_per_expert += counts
+            aux = self._aux_losses(logits, routing, shape)
         self.stats = {"tokens_per_expert": counts, "dropped": plan.dropped, **{k: v.detach() for k, v in aux.items()}}
         coefs = {"aux_loss": cfg.aux_loss_coef, "z_loss": cfg.z_loss_coef}
         weighted = [coefs[name] * value for name, value in aux.items() if value.requires_grad]

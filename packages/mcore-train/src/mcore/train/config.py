@@ -260,19 +260,13 @@ class Config:
             moe_layer_config(self.model).check_layout(ep, self.parallel.tp if etp is None else etp)
         except ValueError as exc:
             raise ValueError(f"parallel.ep / parallel.etp: {exc}") from None
-        ck = self.checkpoint
         folded = ep > 1 or (etp is not None and etp != self.parallel.tp)
         if folded and self.parallel.dp_shard:
             raise ValueError(
                 "parallel.dp_shard (FSDP) does not reduce expert parameters over the expert grid yet; with "
                 f"parallel.ep={ep} / parallel.etp={etp} use parallel.distributed_optimizer=true instead"
             )
-        if folded and (ck.save_at_end or ck.save_interval or ck.load):
-            # checkpoints gather shards over tp and pp only: expert shards spread over ep would be lost
-            raise ValueError(
-                f"checkpoints of expert-parallel layouts (parallel.ep={ep}, parallel.etp={etp}) are not supported "
-                "yet; set checkpoint.save_at_end=false, checkpoint.save_interval=0 and no checkpoint.load, or ep=1"
-            )
+        # checkpoints gather experts over ep (and over etp when it differs from tp): checkpoint/experts.py
 
     @property
     def decay_steps(self) -> int:

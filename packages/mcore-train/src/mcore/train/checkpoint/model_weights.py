@@ -12,6 +12,7 @@ parameters, names and process groups, not the trainer (so neither module imports
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Iterable
 from typing import Any
@@ -20,6 +21,7 @@ import torch
 
 from mcore.models.gpt import GPTModel
 from mcore.parallel.grid import ProcessGroups
+from mcore.train.checkpoint.experts import expert_split, expert_tp, local_experts
 from mcore.train.checkpoint.format import tensor_meta_of
 from mcore.train.checkpoint.reader import CheckpointReader
 from mcore.train.checkpoint.resharding import Target
@@ -74,6 +76,27 @@ def target_of(param: torch.Tensor, tp_size: int = 1, tp_rank: int = 0) -> Target
     )
 
 
+def read_param(
+    reader: CheckpointReader,
+    name: str,
+    param: torch.Tensor,
+    groups: ProcessGroups,
+    *,
+    kind: str = "model",
+    key: str | None = None,
+    dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """This rank's value of ``param`` (or, with ``kind="optim"`` and ``key``, of one of its optimizer states): its
+    TP slice (etp for expert weights), and for an expert-parallel parameter its own experts' rows (see
+    ``checkpoint.experts``)."""
+    target = target_of(param, *expert_tp(param, groups))  # expert weights follow etp, the rest tp
+    ep, _ = expert_split(param, groups)
+    if ep > 1:  # read every expert of this TP slice, keep this ep rank's
+        target = dataclasses.replace(target, full_shape=(target.full_shape[0] * ep, *target.full_shape[1:]))
+    full = reader.read_local(name, target, kind=kind, key=key, dtype=dtype)
+    return local_experts(full, param, groups)
+
+
 @torch.no_grad()
 def load_model_weights(
     reader: CheckpointReader,
@@ -93,8 +116,7 @@ def load_model_weights(
             f"it was saved from a different model"
         )
     for name, param, _ in local:
-        target = target_of(param, groups.tp_size, groups.tp_rank)
-        param.data.copy_(reader.read_local(name, target, dtype=param.dtype))
+        param.data.copy_(read_param(reader, name, param, groups, dtype=param.dtype))
 
 
 def load_model(

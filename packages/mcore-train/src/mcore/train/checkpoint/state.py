@@ -26,6 +26,7 @@ from safetensors.torch import save_file
 from mcore.parallel.fsdp import full_tensor
 from mcore.parallel.random import get_rng_tracker
 from mcore.train.checkpoint.directory import CheckpointDirectory
+from mcore.train.checkpoint.experts import expert_tp, full_expert_meta, gather_experts, saved_unsplit_over_etp
 from mcore.train.checkpoint.format import (
     FORMAT_NAME,
     FORMAT_VERSION,
@@ -38,7 +39,7 @@ from mcore.train.checkpoint.format import (
     write_json_atomic,
 )
 from mcore.train.checkpoint.hf_assets import write_hf_assets
-from mcore.train.checkpoint.model_weights import target_of
+from mcore.train.checkpoint.model_weights import read_param
 from mcore.train.checkpoint.reader import CheckpointReader
 from mcore.train.errors import CheckpointError
 from mcore.train.trainer import Trainer
@@ -97,10 +98,11 @@ def load_training_state(
     if load_optimizer and trainer.has_optimizer:
         tensors = {}
         for name, param, _ in trainer.named_local_parameters():
-            target = target_of(param, trainer.groups.tp_size, trainer.groups.tp_rank)
             for kind in OPTIM_KINDS:
                 key = f"{name}/{kind}"
-                tensors[key] = reader.read_local(name, target, kind="optim", key=key, dtype=torch.float32)
+                tensors[key] = read_param(
+                    reader, name, param, trainer.groups, kind="optim", key=key, dtype=torch.float32
+                )
         optim = state["optimizer"]
         scaler = optim.get("loss_scaler")
         restored["optimizer"] = {"step": int(optim["step"]), "tensors": tensors, "loss_scaler": scaler}
@@ -203,15 +205,26 @@ class CheckpointSaver:
         state = trainer.state_dict()  # collective for the distributed optimizer
         opt_state, params = state["optimizer"], state["model"]
         writer = g.dp_rank == 0 and g.cp_rank == 0  # one writer per (tp, pp) shard: CP ranks are replicas
-        # a fully sharded (dp_shard) parameter is all-gathered over dp here, on every rank (collective)
-        whole = {n: full_tensor(p.detach()) for n, p in params.items()}
-        model = {n: t.to("cpu", copy=True) for n, t in whole.items()} if writer else {}
-        optim = {}
-        if writer:
-            for key, tensor in opt_state["tensors"].items():
-                if key.rsplit("/", 1)[0] in params:
+        # a fully sharded (dp_shard) parameter is all-gathered over dp here, on every rank (collective); an expert-
+        # parallel one over ep (collective too), so that the file holds every expert whatever the ep. One tensor at a
+        # time: the device holds at most one gathered copy beside the live state.
+        model, optim = {}, {}
+
+        def writes(p) -> bool:  # an expert weight gathered over etp goes into the tp-rank-0 file only
+            return writer and (g.tp_rank == 0 or not saved_unsplit_over_etp(p, g))
+
+        for n, p in params.items():
+            whole = gather_experts(full_tensor(p.detach()), p, g)
+            if writes(p):
+                model[n] = whole.to("cpu", copy=True)
+            del whole
+        for key, tensor in opt_state["tensors"].items():
+            name = key.rsplit("/", 1)[0]
+            if name in params:
+                tensor = gather_experts(tensor, params[name], g)
+                if writes(params[name]):
                     optim[key] = tensor.detach().to("cpu", copy=True)
-        metas = {n: tensor_meta_of(p, g.tp_size).to_dict() for n, p in params.items()}
+        metas = {n: full_expert_meta(tensor_meta_of(p, expert_tp(p, g)[0]), p, g).to_dict() for n, p in params.items()}
         token = uuid.uuid4().hex[:12]
         if rt.distributed:
             gathered: list[Any] = [None] * rt.world_size
