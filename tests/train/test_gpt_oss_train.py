@@ -1,7 +1,7 @@
 """mcore-train with GPT-OSS (sinks, sliding/full layers, YaRN, router bias, biased experts with the clamped SwiGLU):
 tp2 (experts at etp2), ep2, pp2 and tp2 x ep2 on 4 gloo ranks give the losses and gradient norms of one process
-within 1e-5 over 4 optimizer steps, and so do checkpoints saved at tp2 and at ep2 and resumed in one process; the example
-configs load and plan."""
+within 1e-5 over 4 optimizer steps, and so do checkpoints saved at tp2 and at ep2 and resumed in one process; the
+example configs load and plan."""
 
 from __future__ import annotations
 
