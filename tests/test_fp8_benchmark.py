@@ -37,3 +37,9 @@ def test_fp8_benchmark_dry_run(tmp_path):
         assert len(row["losses"]) == 4  # the untimed first step and 3 timed ones
     assert training["tensorwise"]["losses"] != training["bf16"]["losses"]  # the recipe really ran
     assert "| 8b4l-blockwise |" in (tmp_path / "fp8.md").read_text()
+    experts = {(r["gemm"], r["impl"]): r for r in data["experts"]}
+    assert set(experts) == {(g, i) for g in ("gate_up", "down") for i in ("bf16", "fp8-rowwise")}
+    assert all(r["ms"] > 0 and "error" not in r for r in experts.values())
+    moe = {r["recipe"]: r for r in data["moe_training"]}
+    assert set(moe) == {"bf16", "rowwise"} and moe["rowwise"]["precision"] == "fp8" and "error" not in moe["rowwise"]
+    assert moe["rowwise"]["final_loss"] != moe["bf16"]["final_loss"]

@@ -60,6 +60,11 @@ def hf_config_kwargs(config: TransformerConfig) -> dict[str, Any]:
     special = adapter(config.model_type)
     if special is not None:
         return special.config_kwargs(config)
+    return llama_shaped_config_kwargs(config)
+
+
+def llama_shaped_config_kwargs(config: TransformerConfig) -> dict[str, Any]:
+    """The keyword arguments of a Llama-shaped family's HF config (shared with the adapters that extend them)."""
     rope = {"rope_type": "default"} if config.rope_scaling is None else dict(config.rope_scaling)
     kwargs = {name: getattr(config, name) for name in _HF_FIELDS}
     if config.layer_types is not None:

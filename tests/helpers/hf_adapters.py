@@ -248,7 +248,35 @@ def _falcon_h1_parts(model: torch.nn.Module, config: TransformerConfig) -> tuple
     return mixers, sum(p.numel() for n, p in params.items() if ".feed_forward." in n)
 
 
+def bitnet_config_kwargs(config: TransformerConfig) -> dict[str, Any]:
+    """Llama's keyword arguments without our per-layer part names (HF BitNet has no layer list)."""
+    from tests.helpers.families import llama_shaped_config_kwargs
+
+    kwargs = llama_shaped_config_kwargs(config)
+    kwargs.pop("layer_types", None)
+    return kwargs
+
+
+def bitnet_to_mcore_state(hf_state, config):
+    """Llama's renaming plus the two sub-norms (ours sit inside out_proj and down)."""
+    from tests.models.hf_weights import llama_shaped_to_mcore_state
+
+    out = llama_shaped_to_mcore_state(hf_state, config)
+    for i in range(config.num_hidden_layers):
+        hf, ours = f"model.layers.{i}.", f"layers.{i}."
+        out[ours + "attention.out_proj.sub_norm.weight"] = hf_state[hf + "self_attn.attn_sub_norm.weight"]
+        out[ours + "mlp.down.sub_norm.weight"] = hf_state[hf + "mlp.ffn_sub_norm.weight"]
+    return out
+
+
+def _llama_parts(model: torch.nn.Module, config: TransformerConfig) -> tuple[int, int]:
+    params = dict(model.named_parameters())
+    attention = sum(p.numel() for n, p in params.items() if ".self_attn." in n)
+    return attention, sum(p.numel() for n, p in params.items() if ".mlp." in n)
+
+
 ADAPTERS: dict[str, HfAdapter] = {
+    "bitnet": HfAdapter(bitnet_config_kwargs, bitnet_to_mcore_state, _llama_parts),
     "falcon_h1": HfAdapter(falcon_h1_config_kwargs, falcon_h1_to_mcore_state, _falcon_h1_parts),
     "nemotron_h": HfAdapter(
         nemotron_h_config_kwargs, nemotron_h_to_mcore_state, _nemotron_h_parts, hf_hidden_act_key="mamba_hidden_act"

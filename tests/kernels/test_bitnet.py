@@ -56,3 +56,33 @@ def test_straight_through_gradients():
     torch.testing.assert_close(via_recipe, bitnet_linear(x.detach(), w.detach(), b.detach()))
     with pytest.raises(ValueError, match="does not match weight"):
         bitnet_linear(torch.randn(2, 8), w)
+
+
+def test_row_segments_give_each_fused_projection_its_own_scale(monkeypatch):
+    """A fused [q; k; v] weight with segments quantizes like the three projections apart (HF's three linears)."""
+    gen = torch.Generator().manual_seed(4)
+    parts = [torch.randn(rows, 64, generator=gen) * s for rows, s in ((32, 0.02), (16, 0.2), (16, 1.0))]
+    segments = torch.cat([torch.full((p.shape[0],), i) for i, p in enumerate(parts)])
+    fused = ternary_weight(torch.cat(parts), row_segments=segments)
+    torch.testing.assert_close(fused, torch.cat([ternary_weight(p) for p in parts]), rtol=0, atol=0)
+    assert not torch.equal(ternary_weight(torch.cat(parts)), fused)  # one scale over all is another quantizer
+    # summed over the shards' ranks: two halves of each segment, added as sum_reduce would
+    halves = [torch.cat([p[: p.shape[0] // 2] for p in parts]), torch.cat([p[p.shape[0] // 2 :] for p in parts])]
+    seg_half = torch.cat([torch.full((p.shape[0] // 2,), i) for i, p in enumerate(parts)])
+    other = {}
+
+    def reduce_with(other_half):
+        def reduce(stats):
+            rows = other_half.float().abs().sum(1, dtype=torch.float64)
+            totals = torch.zeros_like(rows).index_add_(0, seg_half, rows)
+            counts = torch.zeros_like(rows).index_add_(0, seg_half, torch.full_like(rows, 64.0))
+            stats += torch.stack((totals, counts))
+
+        return reduce
+
+    for i in (0, 1):
+        other[i] = ternary_weight(halves[i], row_segments=seg_half, sum_reduce=reduce_with(halves[1 - i]))
+    joined = torch.cat([torch.cat([other[0][a:b], other[1][a:b]]) for a, b in ((0, 16), (16, 24), (24, 32))])
+    torch.testing.assert_close(joined, fused, rtol=0, atol=0)
+    with pytest.raises(ValueError, match="row_segments must be"):
+        ternary_weight(torch.cat(parts), row_segments=segments[:5])

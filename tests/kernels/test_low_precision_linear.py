@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mcore.kernels.fp8_gemm import scaled_matmul
+from mcore.kernels.fp8_gemm import blockwise_scales, scaled_matmul
 from mcore.kernels.low_precision_linear import (
     EMULATED_RECIPES,
     FP8_RECIPES,
@@ -17,7 +17,7 @@ from mcore.kernels.low_precision_linear import (
 )
 from mcore.kernels.quantization import E4M3, E5M2, quantize_fp8, quantize_fp8_pair
 
-PAIRS = [("tensor", "tensor"), ("row", "row"), ("1x128", "128x128")]
+PAIRS = [("tensor", "tensor"), ("row", "row"), ("1x128", "128x128"), ("1x128", "1x128")]
 # relative error (Frobenius) of y, dx, dW against float64 F.linear: fp8 e4m3 ~ 2^-4 per element, averaged down
 TOLERANCE = {"tensorwise": 0.08, "delayed": 0.08, "rowwise": 0.08, "blockwise": 0.08, "mxfp8": 0.08}
 TOLERANCE.update(mxfp4=0.3, nvfp4=0.25)
@@ -50,16 +50,97 @@ def test_gemm_rejects_mismatched_operands():
         scaled_matmul(a, quantize_fp8(torch.randn(4, 32), granularity="row"))
 
 
+@pytest.mark.parametrize("k", [128, 384, 512, 640])
+def test_blockwise_scales_are_in_the_layouts_torchs_block_scaled_mm_checks(k):
+    """torch's ``_scaled_mm_v2`` rules (CUDA-only code, so checked here by shape and stride): 1x128 scales
+    ``[R, K/128]`` R-major; 128x128 scales of b ``[round_up(K/128, 4), N/128]`` with strides ``(1, round_up)``."""
+    gen = torch.Generator().manual_seed(4)
+    m, n, kb = 48, 256, k // 128
+    a = quantize_fp8(torch.randn(m, k, generator=gen), E4M3, "1x128")
+    for granularity in ("128x128", "1x128"):
+        b = quantize_fp8(torch.randn(n, k, generator=gen), E4M3, granularity)
+        scale_a, scale_b = blockwise_scales(a, b)
+        assert scale_a.shape == (m, kb) and (scale_a.stride() == (1, m) or kb == 1) and scale_a.stride(0) == 1
+        assert torch.equal(scale_a, a.scale)
+        if granularity == "1x128":
+            assert scale_b.shape == (n, kb) and scale_b.stride(0) == 1 and (kb == 1 or scale_b.stride(1) == n)
+            assert torch.equal(scale_b, b.scale)
+            continue
+        padded = -(-kb // 4) * 4
+        assert scale_b.shape == (padded, n // 128) and scale_b.stride() == (1, padded)
+        assert torch.equal(scale_b[:kb], b.scale.t())  # the padding rows follow the real K blocks
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("pair", PAIRS)
-def test_cuda_scaled_mm_equals_the_reference(pair):
+@pytest.mark.parametrize("m, n, k", [(256, 384, 512), (128, 256, 384), (256, 128, 128)])
+def test_cuda_scaled_mm_equals_the_reference(pair, m, n, k):
+    """Also K/128 = 3 and 1 (the 128x128 scales' padded column) and a single N block."""
     gen = torch.Generator().manual_seed(0)
-    a, b = _operands(256, 384, 512, gen, "cuda")
+    a, b = _operands(m, n, k, gen, "cuda")
     qa, qb = quantize_fp8(a, E4M3, pair[0]), quantize_fp8(b, E4M3, pair[1])
-    fast = scaled_matmul(qa, qb, out_dtype=torch.bfloat16)
+    fast = scaled_matmul(qa, qb, out_dtype=torch.bfloat16, backend="scaled_mm")  # torch's kernels, no fallback
     ref = scaled_matmul(qa, qb, out_dtype=torch.float32, backend="reference")
     torch.testing.assert_close(fast.float(), ref, rtol=1.6e-2, atol=1.6e-2 * ref.abs().max().item())
+
+
+def test_a_block_pair_torch_refuses_falls_back_to_the_triton_gemm(interpreter, monkeypatch, caplog):
+    import mcore.kernels.fp8_gemm as fp8_gemm
+
+    def refuse(a, b, out_dtype):
+        raise ValueError("Invalid scaling configuration.")
+
+    monkeypatch.setattr(fp8_gemm, "_blockwise_cuda", refuse)
+    monkeypatch.setattr(fp8_gemm, "_CUBLAS_REFUSED", set())
+    monkeypatch.setattr(fp8_gemm, "_choose", lambda a, b, backend: backend or fp8_gemm.CUDA_BACKEND)  # as on CUDA
+    gen = torch.Generator().manual_seed(7)
+    a, b = _operands(128, 128, 256, gen)
+    qa, qb = _stand_in(quantize_fp8(a, E4M3, "1x128")), _stand_in(quantize_fp8(b, E4M3, "1x128"))
+    with caplog.at_level("WARNING", logger="mcore.kernels"):
+        got = scaled_matmul(qa, qb, out_dtype=torch.float32)
+    assert {("1x128", "1x128")} == fp8_gemm._CUBLAS_REFUSED and "using mcore's Triton GEMM" in caplog.text
+    want = scaled_matmul(qa, qb, out_dtype=torch.float32, backend="reference")
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+    with pytest.raises(ValueError, match="Invalid scaling"):
+        scaled_matmul(qa, qb, backend="scaled_mm")  # asked for torch's kernel: no fallback
+
+
+def _stand_in(q):
+    """``q`` with its fp8 values held in fp16 (exact: fp16 holds every e4m3 and e5m2 value): the interpreter's dot
+    does not take fp8."""
+    return type(q)(q.data.to(torch.float16), q.scale, q.granularity)
+
+
+@pytest.mark.parametrize("b_granularity", ["128x128", "1x128"])
+@pytest.mark.parametrize("m, n, k", [(200, 256, 384), (64, 136, 320)])  # partial tiles along every dimension
+def test_triton_block_scaled_gemm_math_under_the_interpreter(interpreter, b_granularity, m, n, k):
+    gen = torch.Generator().manual_seed(5)
+    a, b = _operands(m, n, k, gen)
+    qa, qb = quantize_fp8(a, E5M2, "1x128"), quantize_fp8(b, E4M3, b_granularity)
+    got = scaled_matmul(_stand_in(qa), _stand_in(qb), out_dtype=torch.float32, backend="triton")
+    want = qa.dequantize(torch.float64) @ qb.dequantize(torch.float64).t()
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+    with pytest.raises(ValueError, match="block-scaled pairs only"):
+        scaled_matmul(quantize_fp8(a), quantize_fp8(b), backend="triton")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("b_granularity", ["128x128", "1x128"])
+@pytest.mark.parametrize("a_format", [E4M3, E5M2])
+def test_cuda_triton_block_scaled_gemm_equals_the_reference(cuda_triton, b_granularity, a_format):
+    """Real fp8 dots (mixed formats upcast); the default backend takes it for an e5m2 operand, refused by cuBLAS."""
+    gen = torch.Generator().manual_seed(6)
+    a, b = _operands(384, 256, 640, gen, "cuda")
+    qa, qb = quantize_fp8(a, a_format, "1x128"), quantize_fp8(b, E4M3, b_granularity)
+    ref = scaled_matmul(qa, qb, out_dtype=torch.float32, backend="reference")
+    for backend in ("triton", None):
+        fast = scaled_matmul(qa, qb, out_dtype=torch.bfloat16, backend=backend)
+        torch.testing.assert_close(fast.float(), ref, rtol=1.6e-2, atol=1.6e-2 * ref.abs().max().item())
+    if a_format == E5M2:
+        with pytest.raises(ValueError, match="e4m3 operands only"):
+            scaled_matmul(qa, qb, backend="scaled_mm")
 
 
 def _float64_linear(x, w, b, g):
@@ -159,23 +240,15 @@ def test_bad_recipe_fields():
         Recipe("rowwise", grad_format="e4m4")
     with pytest.raises(ValueError, match="amax_history_len"):
         Recipe("delayed", amax_history_len=0)
+    # gradient formats by default: e5m2 under one tensor-wide scale, e4m3 where finer scales give the range
+    assert [Recipe(n).grad_format for n in FP8_RECIPES] == ["e5m2", "e5m2", "e4m3", "e4m3"]
     with pytest.raises(ValueError, match="does not match weight"):
         LowPrecisionLinear(Recipe())(torch.randn(2, 8), torch.randn(4, 16))
 
 
-# Block-wise FP8 on sm90 fails there today; strict, so the test says when it starts to pass.
-BLOCKWISE_FAILS_ON_SM90 = pytest.mark.xfail(
-    strict=True,
-    reason="measured on an H200 (2026-12-01, torch 2.11, commit 21e1484): torch's block-scaled scaled_mm rejects "
-    "our scale layouts (small shapes: 'scale_b must have shape 4 x 3'; dgrad: an e5m2 operand); open in #19",
-)
-
-
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize(
-    "name", ["tensorwise", "delayed", "rowwise", pytest.param("blockwise", marks=BLOCKWISE_FAILS_ON_SM90)]
-)
+@pytest.mark.parametrize("name", ["tensorwise", "delayed", "rowwise", "blockwise"])
 def test_cuda_linear_equals_the_reference_path(name):
     gen = torch.Generator().manual_seed(3)
     x = torch.randn(512, 1024, generator=gen).cuda().bfloat16()

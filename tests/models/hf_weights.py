@@ -46,6 +46,13 @@ def hf_to_mcore_state(hf_state: dict[str, torch.Tensor], config: TransformerConf
     special = adapter(config.model_type)
     if special is not None:
         return special.to_mcore_state(hf_state, config)
+    return llama_shaped_to_mcore_state(hf_state, config)
+
+
+def llama_shaped_to_mcore_state(
+    hf_state: dict[str, torch.Tensor], config: TransformerConfig
+) -> dict[str, torch.Tensor]:
+    """The renaming of a Llama-shaped family (shared with the adapters that extend it)."""
     out: dict[str, torch.Tensor] = {"embedding.weight": hf_state["model.embed_tokens.weight"]}
     out["final_norm.weight"] = hf_state["model.norm.weight"]
     if not config.tie_word_embeddings:

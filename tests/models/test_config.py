@@ -119,7 +119,7 @@ def test_overrides_and_family_behaviour_is_data():
     for name in ("llama3-8b", "llama3-70b", "qwen3-8b", "qwen2.5-7b", "mistral-7b", "llama2-7b"):
         assert name in preset_names()
     moe = {"mixtral", "qwen3_moe", "qwen2_moe", "olmoe"}
-    assert set(FAMILIES) == {"llama", "qwen2", "qwen3", "mistral", *moe, "mamba2", "nemotron_h", "falcon_h1"}
+    assert set(FAMILIES) == {"llama", "qwen2", "qwen3", "mistral", *moe, "mamba2", "nemotron_h", "falcon_h1", "bitnet"}
 
 
 def test_presets_cannot_be_mutated_through_a_config():

@@ -83,7 +83,7 @@ def _mixed_config(**overrides):
 def test_unknown_part_names_are_refused_naming_the_registered_ones():
     expected = (
         r"mlp_layer_types entries must be registered mlp parts "
-        r"\['dense', 'relu2', 'falcon_h1_mlp', 'none', 'moe'\].*'sparse9'"
+        r"\['dense', 'relu2', 'falcon_h1_mlp', 'none', 'moe', 'bitnet_mlp'\].*'sparse9'"
     )
     with pytest.raises(ValueError, match=expected):
         get_config("llama-tiny", mlp_layer_types=["dense", "sparse9"])

@@ -68,16 +68,24 @@ def _data():
     return [(torch.randn(M, H, generator=gen) * scale, torch.randn(M, H, generator=gen)) for _ in range(STEPS)]
 
 
-def _compare(recipe_name: str, tp_group, amax_group, sp: bool = False) -> dict[str, float]:
+def _compare(recipe_name: str, tp_group, amax_group, sp: bool = False, segments: bool = False) -> dict[str, float]:
     recipe = Recipe(recipe_name)
     torch.manual_seed(0)
     single = _MLP(None)
+    if segments:  # a fused weight of two projections interleaved in 64-row chunks, one 10x the other
+        ids = (torch.arange(FFN) // 64) % 2
+        with torch.no_grad():
+            single.up.weight[ids == 1] *= 10
+        single.up.register_buffer("weight_row_segments", ids, persistent=False)
     enable_low_precision(single, recipe, keep=())
     sharded = _MLP(tp_group, sp)
     rank, size = group_rank(tp_group), group_size(tp_group)
     with torch.no_grad():
         sharded.up.weight.copy_(partition_slice(single.up.weight, 0, rank, size))
         sharded.down.weight.copy_(partition_slice(single.down.weight, 1, rank, size))
+    if segments:
+        local_ids = partition_slice(single.up.weight_row_segments, 0, rank, size)
+        sharded.up.register_buffer("weight_row_segments", local_ids, persistent=False)
     enable_low_precision(sharded, recipe, tp_group=amax_group, keep=())
     data = _data()
     loss_single, loss_tp = _train(single, data), _train(sharded, data, tp_group=tp_group, sp=sp)
@@ -99,6 +107,8 @@ def _cases(rank: int, world_size: int):
         cases[f"wrong-{name}"] = lambda name=name: _compare(name, tp, alone)
     for name in ("tensorwise", "rowwise", "blockwise"):
         cases[f"sp-{name}"] = lambda name=name: _compare(name, tp, tp, sp=True)
+    cases["right-bitnet-segments"] = lambda: _compare("bitnet", tp, tp, segments=True)
+    cases["wrong-bitnet-segments"] = lambda: _compare("bitnet", tp, alone, segments=True)
     return run_cases(cases)
 
 
@@ -117,6 +127,14 @@ def test_right_group_equals_single_process(results, recipe):
 def test_sequence_parallel_equals_single_process(results, recipe):
     for errors in case_result(results, f"sp-{recipe}"):
         assert max(errors.values()) < TOL, errors
+
+
+def test_bitnet_row_segments_sum_over_the_tp_group(results):
+    """One absmean per projection of a fused weight, each summed over the ranks that hold its rows."""
+    for errors in case_result(results, "right-bitnet-segments"):
+        assert max(errors.values()) < TOL, errors
+    for errors in case_result(results, "wrong-bitnet-segments"):
+        assert max(errors.values()) > 100 * TOL, errors
 
 
 @pytest.mark.parametrize("recipe", NEEDS_REDUCTION)

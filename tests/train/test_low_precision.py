@@ -42,6 +42,7 @@ def test_config_sections_and_their_errors():
         load_config(None, ["fp8.recipe=int8"])
     with pytest.raises(UserError, match="min_features must be >= 0"):
         load_config(None, ["fp4.min_features=-1"])
+    assert load_config(None, ["fp8.recipe=blockwise", "fp8.grad_format=e5m2"]).fp8.to_recipe().grad_format == "e5m2"
 
 
 def test_trainer_quantizes_the_tp_linears_but_the_kept_ones():
@@ -65,6 +66,21 @@ def test_a_recipe_that_does_not_fit_names_the_layer_and_the_rule():
         Trainer(config, init_runtime(config))
     fallback = load_config(None, [*TINY, "train.precision=fp8", "fp8.recipe=blockwise", "fp8.on_mismatch=fallback"])
     assert all(m.low_precision is None for m in _linears(Trainer(fallback, init_runtime(fallback))).values())
+
+
+def test_moe_experts_train_in_fp8_and_follow_fp32(tmp_path):
+    from mcore.kernels.fp8_grouped_gemm import fp8_grouped_gemm
+    from mcore.parallel.expert_parallel import MoELayer
+
+    moe = ["model=mixtral-tiny", "train.steps=8"]
+    config = load_config(None, [*TINY, *moe, "train.precision=fp8", "fp8.recipe=rowwise"])
+    layers = [m for chunk in Trainer(config, init_runtime(config)).chunks for m in chunk.modules()]
+    layers = [m for m in layers if isinstance(m, MoELayer)]
+    assert len(layers) == 2
+    assert all(m.experts.low_precision is fp8_grouped_gemm and m.config.align == 16 for m in layers)
+    ref, _ = train(tmp_path / "fp32", *moe)
+    low, _ = train(tmp_path / "fp8", *moe, "train.precision=fp8", "fp8.recipe=rowwise")
+    assert low.final_loss != ref.final_loss and abs(low.final_loss - ref.final_loss) / ref.final_loss < 0.02
 
 
 @pytest.fixture(scope="module")
@@ -96,6 +112,8 @@ def test_convergence_script_dry_run(tmp_path):
     assert data["summary"]["fp8-rowwise"]["precision"] == "fp8"
     assert data["curves"]["fp8-rowwise"] != data["curves"]["baseline"]
     assert "fp8-rowwise" in (tmp_path / "low_precision_convergence.md").read_text()
+    assert data["text"]["documents"] > 0 and "standard library" in data["text"]["text"]  # real text, named
+    assert (tmp_path / "low_precision_convergence.png").stat().st_size > 0
 
 
 def test_bitnet_quant_trains_and_rejects_fp8(tmp_path, fp32_run):
@@ -109,6 +127,16 @@ def test_bitnet_quant_trains_and_rejects_fp8(tmp_path, fp32_run):
         load_config(None, ["train.quant=bitnet", "train.precision=fp8"])
 
 
+def test_bitnet_family_trains_with_per_projection_scales(tmp_path):
+    config = load_config(None, [*TINY, "model=bitnet-tiny", "train.quant=bitnet"])
+    linears = _linears(Trainer(config, init_runtime(config)))
+    qkv = linears["layers.0.attention.qkv"].low_precision
+    assert qkv.recipe.name == "bitnet" and sorted(set(qkv.row_segments.tolist())) == [0, 1, 2]  # q, k, v
+    assert linears["layers.0.mlp.down"].low_precision.row_segments is None
+    result, _ = train(tmp_path / "bitnet", "model=bitnet-tiny", "train.quant=bitnet", "train.steps=6")
+    assert result.status == "finished" and result.final_loss < 5.77  # ln(320) at init
+
+
 @pytest.mark.skipif(__import__("mcore.kernels.te_backend").kernels.te_backend.te_available(), reason="TE installed")
 def test_te_backend_without_te_is_one_clear_error():
     for extra in ([], ["train.precision=fp8"]):
@@ -117,19 +145,9 @@ def test_te_backend_without_te_is_one_clear_error():
             Trainer(config, init_runtime(config))
 
 
-# Block-wise FP8 on sm90 fails there today; strict, so the test says when it starts to pass.
-BLOCKWISE_FAILS_ON_SM90 = pytest.mark.xfail(
-    strict=True,
-    reason="measured on an H200 (2026-12-01, torch 2.11, commit 21e1484): torch's block-scaled scaled_mm rejects "
-    "our scale layouts (small shapes: 'scale_b must have shape 4 x 3'; dgrad: an e5m2 operand); open in #19",
-)
-
-
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize(
-    "recipe", ["tensorwise", "delayed", "rowwise", pytest.param("blockwise", marks=BLOCKWISE_FAILS_ON_SM90)]
-)
+@pytest.mark.parametrize("recipe", ["tensorwise", "delayed", "rowwise", "blockwise", "blockwise:e5m2"])
 def test_cuda_fp8_training_follows_bf16(tmp_path, recipe):
     """The real kernels (Triton casts, torch's scaled_mm) in the demo for 60 steps: within 2% of bf16."""
     cuda = ["train.device=cuda", "train.steps=60", "log.interval=60", "train.eval_interval=0", "train.sample_tokens=0"]
@@ -142,6 +160,8 @@ def test_cuda_fp8_training_follows_bf16(tmp_path, recipe):
         return run_training(config, init_runtime(config), stream=__import__("io").StringIO())
 
     bf16 = run("bf16", "train.precision=bf16")
-    fp8 = run(recipe, "train.precision=fp8", f"fp8.recipe={recipe}")
+    name, _, grads = recipe.partition(":")  # blockwise:e5m2 runs mcore's Triton block-scaled GEMM for dgrad/wgrad
+    extra = [f"fp8.grad_format={grads}"] if grads else []
+    fp8 = run(name + grads, "train.precision=fp8", f"fp8.recipe={name}", *extra)
     assert fp8.final_loss != bf16.final_loss
     assert abs(fp8.final_loss - bf16.final_loss) / bf16.final_loss < 0.02

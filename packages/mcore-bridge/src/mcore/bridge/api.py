@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 
+from mcore.bridge.bitnet_packing import PackedSources, is_packed_config
 from mcore.bridge.config_translation import hf_to_mcore
 from mcore.bridge.conversion_plan import plan_import
 from mcore.bridge.convert import ConversionResult, McoreToHF, assets_dir, convert
@@ -76,7 +77,9 @@ def load_hf_into(model: torch.nn.Module, path: str | os.PathLike, *, check_confi
         if differ:
             detail = ", ".join(f"{k}: model {ours[k]!r} vs config.json {theirs[k]!r}" for k in differ)
             raise BridgeError(f"{where} describes another model than model.config ({detail})")
-    plan = plan_import(family, hf_config, hf.tensors, expected_model_tensors(hf_config), None, str(source.path))
+    packed = PackedSources(hf.tensors, str(source.path)) if is_packed_config(hf.config) else None
+    tensors = hf.tensors if packed is None else packed.view  # packed BitNet linears read unpacked
+    plan = plan_import(family, hf_config, tensors, expected_model_tensors(hf_config), None, str(source.path))
     steps = {s.mcore: s for s in plan.steps}
     params = dict(model.named_parameters())
     unknown = [n for n in params if n not in steps]
@@ -87,7 +90,7 @@ def load_hf_into(model: torch.nn.Module, path: str | os.PathLike, *, check_confi
     with torch.no_grad():
         for name, param in params.items():
             step = steps[name]
-            inputs = [read_tensor(plan.sources[h]) for h in step.hf]
+            inputs = [read_tensor(e) if packed is None else packed.read(h, e) for h, e in _sources(plan, step)]
             padded = None
             if vocab_padding(param) is not None:
                 padded = param.shape[0] * (tp_size if is_tensor_parallel(param) else 1)
@@ -99,6 +102,10 @@ def load_hf_into(model: torch.nn.Module, path: str | os.PathLike, *, check_confi
                 )
             param.copy_(local)
     return list(params)
+
+
+def _sources(plan, step):
+    return [(h, plan.sources[h]) for h in step.hf]
 
 
 def _full_model_tensors(model: torch.nn.Module, config: TransformerConfig) -> dict[str, torch.Tensor]:
@@ -122,10 +129,13 @@ def export_hf(
     overwrite: bool = False,
     hf_assets: str | os.PathLike | None = None,
     progress: bool | None = False,
+    bitnet_packed: bool | None = None,
 ) -> ConversionResult:
     """Write a Hugging Face directory from an mcore ``GPTModel`` (whole, in this process) or an mcore checkpoint
     (any tp/pp, model-only or training). ``hf_assets``: an HF directory whose ``config.json`` extras and tokenizer
-    files are written along (a checkpoint converted by the bridge carries its own)."""
+    files are written along (a checkpoint converted by the bridge carries its own). ``bitnet_packed`` (a bitnet
+    model): write HF's packed ternary weights (``True``) or plain ones (``False``); ``None``: as the HF files
+    the model came from (a checkpoint always follows the files it was converted from)."""
     if not isinstance(model_or_checkpoint, torch.nn.Module):
         return convert(
             model_or_checkpoint,
@@ -160,6 +170,7 @@ def export_hf(
         target_dtype=parse_dtype_choice(dtype),
         max_shard_bytes=parse_size(max_shard_size),
         assets=assets_dir(hf_assets),
+        bitnet_packed=bitnet_packed,
     )
     with staged_directory(dst, overwrite) as staged:
         count = job.write(staged, progress)

@@ -38,6 +38,12 @@ def _parser() -> argparse.ArgumentParser:
         help="mcore -> hf: HF directory whose config.json extras and tokenizer files to write along "
         "(for checkpoints that carry none, e.g. saved by training)",
     )
+    p.add_argument(
+        "--bitnet-packed",
+        choices=["yes", "no"],
+        help="mcore -> hf of a bitnet model: write HF's packed ternary weights (2 bits each + weight_scale) or plain "
+        "ones (default: as the HF files it was converted from)",
+    )
 
     p.add_argument(
         "--quantize",
@@ -76,6 +82,7 @@ def _convert(args: argparse.Namespace) -> int:
         overwrite=args.overwrite,
         progress=False if args.no_progress else None,
         hf_assets=args.hf_assets,
+        bitnet_packed=None if args.bitnet_packed is None else args.bitnet_packed == "yes",
         quantize=args.quantize,
     )
     print(

@@ -19,6 +19,15 @@ from pathlib import Path
 import torch
 
 from mcore.bridge import mxfp4
+from mcore.bridge.bitnet_packing import (
+    OFFLINE_CONFIG,
+    SCALE_SUFFIX,
+    PackedSources,
+    is_packed_config,
+    is_packed_name,
+    packed_outputs,
+    quantize_weight,
+)
 from mcore.bridge.config_translation import hf_to_mcore, mcore_to_hf
 from mcore.bridge.conversion_plan import ExportPlan, ImportPlan, plan_export, plan_import
 from mcore.bridge.dtypes import parse_dtype_choice, parse_size, torch_dtype_from_name, torch_dtype_name
@@ -83,8 +92,11 @@ class HFToMcore:
         where = str(path / CONFIG_FILE)
         family = family_for_hf_config(self.hf.config, where)
         config = hf_to_mcore(self.hf.config, family, where)
+        # packed BitNet linears are read unpacked (the latent weights the online quantizer turns back into them)
+        self.packed = PackedSources(self.hf.tensors, str(path)) if is_packed_config(self.hf.config) else None
+        tensors = self.hf.tensors if self.packed is None else self.packed.view
         self.plan: ImportPlan = plan_import(
-            family, config, self.hf.tensors, expected_model_tensors(config), target_dtype, str(path)
+            family, config, tensors, expected_model_tensors(config), target_dtype, str(path)
         )
         dtypes = sorted({m.dtype for m in self.plan.outputs.values()})
         if len(dtypes) != 1:
@@ -109,7 +121,7 @@ class HFToMcore:
         ):
             for step in plan.steps:
                 # cast each input as it is read, so that at most one input exists in both dtypes
-                inputs = [read_tensor(plan.sources[h]).to(self.dtype) for h in step.hf]
+                inputs = [self._read(h, plan.sources[h]).to(self.dtype) for h in step.hf]
                 meta = plan.outputs[step.mcore]
                 padded = meta.shape[meta.vocab_padded_dim] if meta.vocab_padded_dim is not None else None
                 tensor = to_mcore(step.op, inputs, padded_rows=padded, **heads)
@@ -124,6 +136,9 @@ class HFToMcore:
         copy_side_files(self.hf.side_files, sidecar)
         mxfp4.write_scales(self.hf.tensors, sidecar)  # an MXFP4 source's scales, for a bit-exact MXFP4 export
         return len(plan.steps)
+
+    def _read(self, name: str, entry) -> torch.Tensor:
+        return read_tensor(entry) if self.packed is None else self.packed.read(name, entry)
 
 
 class McoreToHF:
@@ -145,6 +160,7 @@ class McoreToHF:
         max_shard_bytes: int,
         assets: Path | None,
         quantize: str | None = None,
+        bitnet_packed: bool | None = None,
     ):
         family = family_by_name(config.model_type, where)
         self.plan: ExportPlan = plan_export(family, config, saved, expected_model_tensors(config), target_dtype, where)
@@ -174,6 +190,15 @@ class McoreToHF:
         weights_dtype = out_dtypes[0] if len(out_dtypes) == 1 else None
         self.hf_config = mcore_to_hf(config, family, original, weights_dtype=weights_dtype)
         self.hf_config = mxfp4.set_quantization_config(self.hf_config, quantize, original)
+        # packed BitNet weights when asked, else as the checkpoint was imported (bitnet_packing.py)
+        self.pack = is_packed_config(original) if bitnet_packed is None else bitnet_packed
+        if self.pack and family.name != "bitnet":
+            raise BridgeError(f"{where}: packed ternary weights are the bitnet family's format, not {family.name}'s")
+        self.outputs = packed_outputs(self.plan.outputs) if self.pack else self.plan.outputs
+        if self.pack:
+            self.hf_config["quantization_config"] = (original or {}).get("quantization_config") or OFFLINE_CONFIG
+        elif is_packed_config(self.hf_config):
+            del self.hf_config["quantization_config"]  # the weights written are plain
 
     @classmethod
     def from_checkpoint(
@@ -183,6 +208,7 @@ class McoreToHF:
         max_shard_bytes: int,
         assets: Path | None = None,
         quantize: str | None = None,
+        bitnet_packed: bool | None = None,
     ) -> McoreToHF:
         reader = CheckpointReader(path)
         where = str(reader.path)
@@ -209,28 +235,31 @@ class McoreToHF:
             max_shard_bytes=max_shard_bytes,
             assets=assets if assets is not None else (sidecar if sidecar.is_dir() else None),
             quantize=quantize,
+            bitnet_packed=bitnet_packed,
         )
 
     @property
     def total_bytes(self) -> int:
-        return sum(_nbytes(shape, dtype) for _, dtype, shape in self.plan.outputs)
+        return sum(_nbytes(shape, dtype) for _, dtype, shape in self.outputs)
 
     def write(self, out: Path, progress: bool | None) -> int:
         plan, config = self.plan, self.plan.config
         heads = _head_args(config)
         out.mkdir()
-        specs = [TensorSpec(name, dtype, shape) for name, dtype, shape in plan.outputs]
+        specs = [TensorSpec(name, dtype, shape) for name, dtype, shape in self.outputs]
         dtype_of = {s.name: s.dtype for s in specs}
         writer = HFWriter(out, specs, self.max_shard_bytes)
         try:
             with Progress(self.total_bytes, len(specs), "mcore -> hf", progress) as bar:
                 for step in plan.steps:
                     full = self.read_full(step.mcore)
-                    for hf_name, hf_part in zip(step.hf, to_hf(step.op, full, **heads)):
-                        for name, part in self.encode(hf_name, hf_part):
-                            writer.write(name, part.to(dtype_of[name]))
-                            bar.advance(part.numel() * dtype_of[name].itemsize)
-                    del full, hf_part, part
+                    for name, part in zip(step.hf, to_hf(step.op, full, **heads)):
+                        # MXFP4 pairs of GPT-OSS's experts (mcore.bridge.mxfp4), then BitNet's packing
+                        for hf_name, hf_part in self.encode(name, part):
+                            for written, tensor in self._encoded(hf_name, hf_part):
+                                writer.write(written, tensor.to(dtype_of[written]))
+                                bar.advance(tensor.numel() * dtype_of[written].itemsize)
+                    del full, part
                     release_freed_memory()
             writer.finish()
         except BaseException:
@@ -239,6 +268,13 @@ class McoreToHF:
         write_config(out, self.hf_config, self.original_config_file)
         copy_side_files(self.side_files, out)
         return len(specs)
+
+    def _encoded(self, name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+        """The HF tensors of ``name``: itself, or its packed ternary weight and ``weight_scale``."""
+        if not (self.pack and is_packed_name(name)):
+            return [(name, tensor)]
+        packed, scale = quantize_weight(tensor)
+        return [(name, packed), (name + SCALE_SUFFIX, scale)]
 
 
 def _as_is(name: str, tensor: torch.Tensor):
@@ -273,6 +309,7 @@ def convert(
     progress: bool | None = None,
     hf_assets: str | os.PathLike | None = None,
     quantize: str | None = None,
+    bitnet_packed: bool | None = None,
 ) -> ConversionResult:
     """Convert SRC (HF directory, hub id, or mcore checkpoint) into DST, in the direction SRC implies.
 
@@ -284,6 +321,8 @@ def convert(
         progress: show the progress bar (``None``: only on a terminal).
         hf_assets: mcore -> HF only: a directory with the ``config.json`` (extra keys, spelling) and tokenizer files
             to write beside the weights, for a checkpoint that carries none (e.g. one saved by training).
+        bitnet_packed: mcore -> HF of a bitnet model only: write HF's packed ternary weights (``True``) or plain
+            ones (``False``); ``None``: as the HF files the checkpoint was converted from.
         quantize: mcore -> HF only: ``"mxfp4"`` writes GPT-OSS's expert weights in MXFP4 (``mcore.bridge.mxfp4``).
 
     Raises:
@@ -306,13 +345,16 @@ def convert(
     check_destination(dst, overwrite, [source.path])
     try:
         if source.kind == "hf":
-            if hf_assets is not None or quantize is not None:
-                flag = "--hf-assets" if hf_assets is not None else "--quantize"
-                raise BridgeError(f"{flag} applies to mcore -> hf conversions; SRC is a Hugging Face model")
+            flags = {"--hf-assets": hf_assets, "--bitnet-packed": bitnet_packed, "--quantize": quantize}
+            given = [flag for flag, value in flags.items() if value is not None]
+            if given:
+                raise BridgeError(f"{given[0]} applies to mcore -> hf conversions; SRC is a Hugging Face model")
             job: HFToMcore | McoreToHF = HFToMcore(source.path, target_dtype)
         else:
             assets = assets_dir(hf_assets)
-            job = McoreToHF.from_checkpoint(source.path, target_dtype, max_shard_bytes, assets, quantize)
+            job = McoreToHF.from_checkpoint(
+                source.path, target_dtype, max_shard_bytes, assets, bitnet_packed=bitnet_packed, quantize=quantize
+            )
         with staged_directory(dst, overwrite) as staged:
             count = job.write(staged, progress)
     except CheckpointError as exc:

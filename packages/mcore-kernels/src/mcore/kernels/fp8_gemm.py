@@ -1,13 +1,18 @@
 """FP8 GEMM ``a @ b^T`` of two operands quantized along their shared reduction dimension K.
 
 On CUDA: ``torch._scaled_mm`` for tensor-wise and row-wise scales, and ``torch.nn.functional.scaled_mm`` for
-``1x128`` (a) x ``128x128`` (b) block scales, the block-scaled path cuBLAS runs on sm90 (torch >= 2.10).
-Elsewhere (and with ``backend="reference"``) the reference: dequantize both operands to fp32 and multiply.
-Both see the same fp8 values and scales, so on CUDA they differ only by accumulation order.
+the block-scaled pairs cuBLAS runs on sm90 (torch >= 2.10): ``1x128`` x ``128x128`` (DeepSeek-V3's forward and
+input-gradient GEMMs: activation or gradient tiles times weight blocks) and ``1x128`` x ``1x128`` (the weight
+gradient, both operands tiled along the tokens it contracts over). Elsewhere (and with ``backend="reference"``)
+the reference: dequantize both operands to fp32 and multiply. Both see the same fp8 values and scales, so on
+CUDA they differ only by accumulation order.
 
 Shape rules of the CUDA kernels (checked before any launch, with the rule in the message): K and N
 multiples of 16 (tensor- and row-wise); K and N multiples of 128 for block-wise; the row- and block-wise
-kernels write bf16 (other output dtypes are cast from it).
+kernels write bf16 (other output dtypes are cast from it). cuBLAS's block-scaled kernels take e4m3 operands
+only, and want the scales in the layouts :func:`blockwise_scales` builds (measured on an H200 with torch 2.11;
+the rules are torch's ``_scaled_mm_v2`` checks); a block pair with an e5m2 operand (gradients in e5m2) runs our
+Triton block-scaled GEMM (``triton/block_scaled_mm.py``) instead.
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ from mcore.kernels.quantization import BLOCK, Quantized
 
 logger = logging.getLogger("mcore.kernels")
 
-PAIRS = {("tensor", "tensor"), ("row", "row"), ("1x128", "128x128")}
+PAIRS = {("tensor", "tensor"), ("row", "row"), ("1x128", "128x128"), ("1x128", "1x128")}
 CUDA_BACKEND = "scaled_mm"
 
 
@@ -30,19 +35,43 @@ def scaled_matmul(
 ) -> torch.Tensor:
     """``a [M, K] @ b [N, K]^T -> [M, N]`` in ``out_dtype`` from fp8 operands and their scales.
 
-    ``backend``: ``"scaled_mm"`` (torch's fp8 kernels, CUDA only), ``"reference"`` or ``None`` (by device).
+    ``backend``: ``"scaled_mm"`` (torch's fp8 kernels, CUDA only), ``"triton"`` (our block-scaled GEMM, block
+    pairs only; also under the Triton interpreter), ``"reference"`` or ``None`` (by device: on CUDA torch's
+    kernels, and ours for a block pair with an e5m2 operand, which cuBLAS refuses).
     """
     check_operands(a, b)
-    chosen = _choose(a, backend)
+    chosen = _choose(a, b, backend)
     if chosen == dispatch.REFERENCE:
         return reference_scaled_matmul(a, b, out_dtype)
+    if chosen == dispatch.TRITON:
+        return _blockwise_triton(a, b, out_dtype)
     check_cuda_shapes(a.granularity, a.shape[0], b.shape[0], a.shape[1])
     if a.granularity == "tensor":
         return torch._scaled_mm(a.data, b.data.t(), a.scale, b.scale, out_dtype=out_dtype)
     if a.granularity == "row":
         out = torch._scaled_mm(a.data, b.data.t(), a.scale, b.scale.reshape(1, -1), out_dtype=torch.bfloat16)
         return out.to(out_dtype)
-    return _blockwise_cuda(a, b, out_dtype)
+    pair = (a.granularity, b.granularity)
+    if backend is None and pair in _CUBLAS_REFUSED:
+        return _blockwise_triton(a, b, out_dtype)
+    try:
+        return _blockwise_cuda(a, b, out_dtype)
+    except (RuntimeError, ValueError) as exc:  # this torch / cuBLAS lacks the pair: ours runs it, logged once
+        if backend is not None:
+            raise
+        _CUBLAS_REFUSED.add(pair)
+        logger.warning("scaled_matmul: torch refused block pair %s (%s); using mcore's Triton GEMM", pair, exc)
+        return _blockwise_triton(a, b, out_dtype)
+
+
+# block pairs the running torch refused (its CUDA build's cuBLAS lacks them): the Triton GEMM takes them instead
+_CUBLAS_REFUSED: set[tuple[str, str]] = set()
+
+
+def _blockwise_triton(a: Quantized, b: Quantized, out_dtype: torch.dtype) -> torch.Tensor:
+    from mcore.kernels.triton.block_scaled_mm import block_scaled_mm
+
+    return block_scaled_mm(a.data, b.data, a.scale, b.scale, b.granularity == "128x128", out_dtype)
 
 
 def reference_scaled_matmul(a: Quantized, b: Quantized, out_dtype: torch.dtype) -> torch.Tensor:
@@ -80,30 +109,60 @@ def check_cuda_shapes(granularity: str, m: int, n: int, k: int) -> None:
         raise ValueError(f"scaled_matmul: {problem} (pad the dimension or keep this GEMM in bf16)")
 
 
-def _choose(a: Quantized, backend: str | None) -> str:
-    if backend is not None and backend not in (CUDA_BACKEND, dispatch.REFERENCE):
-        raise ValueError(f"scaled_matmul: unknown backend {backend!r}; expected {CUDA_BACKEND!r} or 'reference'")
+def _choose(a: Quantized, b: Quantized, backend: str | None) -> str:
+    allowed = (CUDA_BACKEND, dispatch.TRITON, dispatch.REFERENCE)
+    if backend is not None and backend not in allowed:
+        raise ValueError(f"scaled_matmul: unknown backend {backend!r}; expected one of {allowed}")
+    block = a.granularity == "1x128"
+    if backend == dispatch.TRITON:
+        if not block:
+            raise ValueError(f"scaled_matmul: backend 'triton' runs block-scaled pairs only, got {a.granularity!r}")
+        if not (a.data.is_cuda or dispatch.triton_interpreting()):
+            raise ValueError("scaled_matmul: backend 'triton' needs CUDA tensors or TRITON_INTERPRET=1")
+        return dispatch.TRITON
     if backend == dispatch.REFERENCE or (backend is None and not a.data.is_cuda):
         return dispatch.REFERENCE
     if not a.data.is_cuda:
         raise ValueError("scaled_matmul: backend='scaled_mm' needs CUDA tensors (torch's fp8 GEMMs are GPU-only)")
+    if backend is None and block and torch.float8_e5m2 in (a.data.dtype, b.data.dtype):
+        return dispatch.TRITON  # cuBLAS's block-scaled GEMMs take e4m3 only
     return CUDA_BACKEND
+
+
+def blockwise_scales(a: Quantized, b: Quantized) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(scale_a, scale_b)`` in the layouts torch's block-scaled ``scaled_mm`` accepts for ``a @ b^T``.
+
+    ``1x128`` scales ``[R, K/128]`` go in as R-major (strides ``(1, R)``); ``128x128`` scales of ``b`` go in as
+    ``[round_up(K/128, 4), N/128]`` with strides ``(1, round_up(K/128, 4))``: each column of K blocks padded to
+    16 bytes (the padding is never read as a scale of real data).
+    """
+    scale_a = a.scale.t().contiguous().t()
+    if b.granularity == "1x128":
+        return scale_a, b.scale.t().contiguous().t()
+    n_blocks, k_blocks = b.scale.shape
+    padded = torch.ones(n_blocks, -(-k_blocks // 4) * 4, dtype=torch.float32, device=b.scale.device)
+    padded[:, :k_blocks] = b.scale
+    return scale_a, padded.t()
 
 
 def _blockwise_cuda(a: Quantized, b: Quantized, out_dtype: torch.dtype) -> torch.Tensor:
     from torch.nn.functional import ScalingType, scaled_mm
 
-    # the layouts cuBLAS accepts: scale_a [M, K/128] M-major (strides (1, M)), scale_b [K/128, N/128] as the
-    # transpose of the contiguous [N/128, K/128]
-    scale_a = a.scale.t().contiguous().t()
-    scale_b = b.scale.t()
+    for name, q in (("a", a), ("b", b)):
+        if q.data.dtype != torch.float8_e4m3fn:
+            raise ValueError(
+                f"scaled_matmul: cuBLAS's block-scaled fp8 GEMMs take e4m3 operands only, got {name} in "
+                f"{q.data.dtype}: use backend='triton' (or None) or quantize gradients in e4m3"
+            )
+    recipe = {"1x128": ScalingType.BlockWise1x128, "128x128": ScalingType.BlockWise128x128}
+    scale_a, scale_b = blockwise_scales(a, b)
     out = scaled_mm(
         a.data,
         b.data.t(),
         scale_a,
-        ScalingType.BlockWise1x128,
+        recipe[a.granularity],
         scale_b,
-        ScalingType.BlockWise128x128,
+        recipe[b.granularity],
         output_dtype=torch.bfloat16,  # the output dtype measured on sm90; others are cast from it
     )
     return out.to(out_dtype)

@@ -6,19 +6,21 @@ high-precision (fp32 master / bf16 model) copy, and its gradient comes back in t
 
 Per GEMM, operands are quantized along the reduction dimension (see ``quantization.py``):
 
-========  ========================  ==============================  ===============================
-GEMM      A (row-major, along K)    B (row-major, along K)          fp8 formats
-========  ========================  ==============================  ===============================
-forward   x [M, K]                  W [N, K]                        e4m3, e4m3
-dgrad     grad [M, N]               W^T [K, N]                      ``grad_format``, e4m3
-wgrad     grad^T [N, M]             x^T [K, M]                      ``grad_format``, e4m3
-========  ========================  ==============================  ===============================
+========  ========================  ==============================  ===========================  ===============
+GEMM      A (row-major, along K)    B (row-major, along K)          fp8 formats                  block-wise
+========  ========================  ==============================  ===========================  ===============
+forward   x [M, K]                  W [N, K]                        e4m3, e4m3                   1x128, 128x128
+dgrad     grad [M, N]               W^T [K, N]                      ``grad_format``, e4m3        1x128, 128x128
+wgrad     grad^T [N, M]             x^T [K, M]                      ``grad_format``, e4m3        1x128, 1x128
+========  ========================  ==============================  ===========================  ===============
 
 Recipes: ``tensorwise`` (current scaling; x, W and grad quantized together with their transposes in one
 pass, the fp8 transposes saved for backward), ``delayed`` (tensor-wise, scale from the max of the last
-``amax_history_len`` amaxes), ``rowwise``, ``blockwise`` (A operands 1x128, B operands 128x128: DeepSeek-V3's
-tiles), the emulated ``mxfp8``, ``mxfp4``, ``nvfp4`` (quantize-dequantize, then a high-precision GEMM), and
-``bitnet`` (BitNet b1.58: ternary weights, int8 per-token activations, straight-through gradients; ``bitnet.py``).
+``amax_history_len`` amaxes), ``rowwise``, ``blockwise`` (DeepSeek-V3's tiles: activations and gradients in
+1x128 tiles along the GEMM's reduction dimension, weights in 128x128 blocks; the weight gradient contracts over
+tokens, so both its operands are 1x128 tiles along the tokens; e4m3 by default), the emulated ``mxfp8``,
+``mxfp4``, ``nvfp4`` (quantize-dequantize, then a high-precision GEMM), and ``bitnet`` (BitNet b1.58:
+ternary weights, int8 per-token activations, straight-through gradients; ``bitnet.py``).
 
 Tensor parallelism: a rank holding a shard of a logical tensor must scale it like the whole tensor, or the
 quantized values (and the training run) silently differ from a single process. ``sharded`` names the GEMM
@@ -44,13 +46,18 @@ FP8_RECIPES = ("tensorwise", "delayed", "rowwise", "blockwise")
 FP4_RECIPES = ("mxfp4", "nvfp4")
 EMULATED_RECIPES = ("mxfp8",) + FP4_RECIPES
 RECIPES = FP8_RECIPES + EMULATED_RECIPES + ("bitnet",)
-# granularity of the A and B operands of each fp8 recipe
+# granularity of the A and B operands of each fp8 recipe's forward and dgrad GEMMs (wgrad: _WGRAD_GRANULARITY)
 _GRANULARITY = {
     "tensorwise": ("tensor", "tensor"),
     "delayed": ("tensor", "tensor"),
     "rowwise": ("row", "row"),
     "blockwise": ("1x128", "128x128"),
 }
+_WGRAD_GRANULARITY = {**_GRANULARITY, "blockwise": ("1x128", "1x128")}
+# the gradient format when Recipe.grad_format is None: the "hybrid" e5m2 for tensor-wise scales (one scale over
+# the whole gradient needs the range), e4m3 where finer scales give the range (cuBLAS's block-scaled GEMMs take
+# e4m3 only; with e5m2 block-wise runs our Triton GEMM)
+_DEFAULT_GRAD_FORMAT = {"tensorwise": "e5m2", "delayed": "e5m2"}
 _EMULATED_BLOCK = {"mxfp8": MX_BLOCK, "mxfp4": MX_BLOCK, "nvfp4": NVFP4_BLOCK}
 AmaxReduce = Callable[[torch.Tensor], None]
 
@@ -60,12 +67,14 @@ class Recipe:
     """How a linear's GEMMs are quantized.
 
     ``grad_format``: fp8 format of the gradient operands (``e5m2``: more range, the "hybrid" format; ``e4m3``:
-    more precision). ``amax_history_len`` / ``amax_compute`` (``max`` or ``most_recent``): delayed scaling.
+    more precision; ``None``: e5m2 for the tensor-wise recipes, e4m3 otherwise; block-wise e5m2 runs our Triton
+    block-scaled GEMM on CUDA, e4m3 cuBLAS's).
+    ``amax_history_len`` / ``amax_compute`` (``max`` or ``most_recent``): delayed scaling.
     ``quantize_grads`` (emulated recipes): also quantize the gradient operands of dgrad and wgrad.
     """
 
     name: str = "tensorwise"
-    grad_format: str = "e5m2"
+    grad_format: str | None = None
     amax_history_len: int = 16
     amax_compute: str = "max"
     quantize_grads: bool = True
@@ -73,6 +82,8 @@ class Recipe:
     def __post_init__(self) -> None:
         if self.name not in RECIPES:
             raise ValueError(f"Recipe.name must be one of {RECIPES}, got {self.name!r}")
+        if self.grad_format is None:
+            object.__setattr__(self, "grad_format", _DEFAULT_GRAD_FORMAT.get(self.name, "e4m3"))
         fp8_dtype(self.grad_format)  # raises naming the valid formats
         if self.amax_history_len < 1:
             raise ValueError(f"Recipe.amax_history_len must be >= 1, got {self.amax_history_len}")
@@ -136,6 +147,7 @@ class LowPrecisionLinear:
         sum_reduce: AmaxReduce | None = None,
         name: str = "",
         backend: str | None = None,
+        row_segments: torch.Tensor | None = None,
     ) -> None:
         if sharded not in (None, "n", "k"):
             raise ValueError(f"LowPrecisionLinear: sharded must be None, 'n' or 'k', got {sharded!r}")
@@ -147,6 +159,7 @@ class LowPrecisionLinear:
             backend,
         )
         self.sum_reduce = sum_reduce  # BitNet's weight mean over the shards (a SUM all-reduce)
+        self.row_segments = row_segments  # BitNet: one weight scale per fused projection (``bitnet.py``)
         self.histories = {op: AmaxHistory(recipe.amax_history_len, recipe.amax_compute) for op in ("x", "w", "g")}
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -163,6 +176,7 @@ class LowPrecisionLinear:
                 bias,
                 sum_reduce=self.sum_reduce if sharded else None,
                 max_reduce=self.amax_reduce if self.sharded == "k" else None,
+                row_segments=self.row_segments,
             )
         fn = _EmulatedLinearFunction if self.recipe.emulated else _Fp8LinearFunction
         return fn.apply(x, weight, bias, self)
@@ -182,9 +196,12 @@ class LowPrecisionLinear:
             return self.amax_reduce
         return None
 
-    def quantize(self, t: torch.Tensor, tensor: str, dim: str, operand: int, *, transpose: bool = False) -> Quantized:
-        """``t`` (or ``t^T``) quantized as GEMM operand ``operand`` (0: A, 1: B) reducing over ``dim``."""
-        granularity = _GRANULARITY[self.recipe.name][operand]
+    def quantize(
+        self, t: torch.Tensor, tensor: str, dim: str, operand: int, *, transpose: bool = False, wgrad: bool = False
+    ) -> Quantized:
+        """``t`` (or ``t^T``) quantized as operand ``operand`` (0: A, 1: B) of the forward/dgrad GEMM (or of the
+        wgrad GEMM with ``wgrad``) reducing over ``dim``."""
+        granularity = (_WGRAD_GRANULARITY if wgrad else _GRANULARITY)[self.recipe.name][operand]
         dtype = fp8_dtype(self.recipe.grad_format) if tensor == "g" else E4M3
         reduce = self._reduce_fn(tensor, dim, granularity)
         return quantize_fp8(
@@ -255,13 +272,14 @@ class _Fp8LinearFunction(torch.autograd.Function):
             x2, weight = ctx.saved_tensors
             qg = layer.quantize(g2, "g", "n", 0)
             qw_t = layer.quantize(weight, "w", "n", 1, transpose=True)
-            qg_t = layer.quantize(g2, "g", "m", 0, transpose=True)
-            qx_t = layer.quantize(x2, "x", "m", 1, transpose=True)
+            qg_t = layer.quantize(g2, "g", "m", 0, transpose=True, wgrad=True)
+            qx_t = layer.quantize(x2, "x", "m", 1, transpose=True, wgrad=True)
         grad_x = grad_w = grad_b = None
         if ctx.needs_input_grad[0]:
             grad_x = layer.matmul(qg, qw_t, grad_out.dtype).reshape(ctx.x_shape)
         if ctx.needs_input_grad[1]:
-            grad_w = layer.matmul(qg_t, qx_t, torch.float32).to(ctx.weight_dtype)
+            # straight into the weight's dtype: the kernels accumulate in fp32 whatever they write
+            grad_w = layer.matmul(qg_t, qx_t, ctx.weight_dtype)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_b = g2.sum(0)
         return grad_x, grad_w, grad_b, None

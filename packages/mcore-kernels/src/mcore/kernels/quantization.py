@@ -115,8 +115,7 @@ def quantize_fp8(
     source = x.t() if transpose else x
     if granularity in ("tensor", "row"):
         if amax is None:
-            amax = source.abs().amax() if granularity == "tensor" else source.abs().amax(dim=1, keepdim=True)
-            amax = amax.to(torch.float32)
+            amax = abs_max(source, None if granularity == "tensor" else 1).to(torch.float32)
             if amax_reduce is not None:
                 amax_reduce(amax)
         multiplier, scale = scale_from_amax(amax, FP8_MAX[dtype])
@@ -155,7 +154,7 @@ def quantize_fp8_pair(
     _check_input(x, "tensor", amax, amax_reduce)
     measured = None
     if amax is None:
-        measured = x.abs().amax().to(torch.float32)
+        measured = abs_max(x).to(torch.float32)
         amax = measured.clone()
         if amax_reduce is not None:
             amax_reduce(amax)
@@ -174,6 +173,14 @@ def quantize_fp8_pair(
     if amax_out is not None and measured is not None:
         amax_out.copy_(measured)
     return Quantized(data, scale, "tensor"), Quantized(data_t, scale, "tensor")
+
+
+def abs_max(x: torch.Tensor, dim: int | None = None) -> torch.Tensor:
+    """``max |x|`` (over ``dim``, kept) without the ``|x|`` temporary ``x.abs().amax()`` writes and reads back: the
+    infinity norm is one fused reduction. Exact (a max), and NaN propagates as with ``amax``."""
+    if dim is None:
+        return torch.linalg.vector_norm(x, float("inf"))
+    return torch.linalg.vector_norm(x, float("inf"), dim=dim, keepdim=True)
 
 
 def _check_input(x, granularity, amax, amax_reduce) -> None:

@@ -16,7 +16,7 @@ from mcore.models.parts.registry import MIXERS, MLPS
 
 NORMALIZATIONS = ("rmsnorm", "layernorm")
 # HF ``hidden_act`` names of the gated MLP activations the kernels provide (silu -> swiglu, gelu -> geglu).
-GATED_ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
+GATED_ACTIVATIONS = ("silu", "gelu_pytorch_tanh", "relu2")
 # rope_scaling["rope_type"] -> the keys that type needs (as in HF ``config.json``).
 ROPE_SCALING_KEYS: dict[str, tuple[str, ...]] = {
     "default": (),

@@ -186,6 +186,8 @@ class GroupedExperts(nn.Module):
         set_tensor_parallel_attributes(self.down, tensor_parallel=etp > 1, partition_dim=2)
         for p in (self.gate_up, self.down):
             p.expert_parallel = True
+        # an fp8 grouped GEMM with grouped_gemm's signature, set by mcore.parallel.low_precision (None: bf16)
+        self.low_precision = None
 
     @torch.no_grad()
     def load_full_experts(self, gate_up: torch.Tensor, down: torch.Tensor) -> None:
@@ -208,6 +210,9 @@ class GroupedExperts(nn.Module):
         """``tail_rows``: at most that many last rows lie past ``offsets[-1]`` (``None``: unknown), see
         ``grouped_gemm``."""
         rows = rows.to(self.gate_up.dtype)
+        if self.low_precision is not None:  # fp8 experts (mcore.parallel.low_precision): both GEMMs quantized
+            h = self.low_precision(rows, self.gate_up, offsets)
+            return self.low_precision(swiglu(h), self.down, offsets)
         if self.gemm == "per_expert":
             bounds = expert_bounds(offsets)  # the host sync of this mode (see expert_gemm.py)
             h = per_expert_linear(rows, self.gate_up, bounds)

@@ -9,6 +9,12 @@
   ``on_mismatch="error"`` this raises one ``ValueError`` naming the layer and the rule; with ``"fallback"`` the
   layer stays in high precision and the log says why.
 
+The experts of every MoE layer (``MoELayer.experts``) get row-wise FP8 grouped GEMMs under any fp8 recipe
+(``mcore.kernels.fp8_grouped_gemm``: torch's fp8 grouped kernel on sm90 takes row-wise scales), with the same
+``keep`` / ``min_features`` / mismatch rules; their layer then pads each expert's rows to 16 (the kernel's
+alignment). Expert tensor parallelism (etp > 1) keeps them in high precision: row-wise scales along the
+etp-sharded FFN dimension would differ from the single-process run.
+
 The weights are untouched (fp32 masters stay with the optimizer; checkpoints stay in high precision). The
 amax reduction is a MAX all-reduce over ``tp_group`` (BitNet's weight mean a SUM): a column-parallel layer shards
 N, a row-parallel layer K.
@@ -17,16 +23,20 @@ N, a row-parallel layer K.
 
 from __future__ import annotations
 
+import dataclasses
 import fnmatch
 import logging
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch.distributed as dist
 from torch import nn
 
-from mcore.kernels.low_precision_linear import LowPrecisionLinear, Recipe, recipe_shape_problem
+from mcore.kernels.fp8_grouped_gemm import ALIGN, fp8_grouped_gemm
+from mcore.kernels.low_precision_linear import FP8_RECIPES, LowPrecisionLinear, Recipe, recipe_shape_problem
 from mcore.parallel.comm import group_size
+from mcore.parallel.expert_parallel import MoELayer
 from mcore.parallel.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 
 __all__ = ["LayerDecision", "Recipe", "disable_low_precision", "enable_low_precision", "tp_reduce"]
@@ -118,13 +128,58 @@ def enable_low_precision(
         # the GEMM dimension this layer splits: N for column-parallel, K for row-parallel
         sharded = "n" if isinstance(module, ColumnParallelLinear) else "k"
         sharded = None if group_size(module.tp_group) == 1 else sharded
+        # a fused weight's projections (q, k, v; gate, up) as row segments: BitNet scales each on its own
+        segments = getattr(module, "weight_row_segments", None)
         module.low_precision = LowPrecisionLinear(
-            recipe, sharded=sharded, amax_reduce=reduce, sum_reduce=sum_reduce, name=name
+            recipe, sharded=sharded, amax_reduce=reduce, sum_reduce=sum_reduce, name=name, row_segments=segments
         )
         decisions.append(LayerDecision(name, recipe.name))
+    decisions += _enable_fp8_experts(model, recipe, backend, keep, min_features, on_mismatch, prefix)
     converted = sum(d.recipe is not None for d in decisions)
     what = f"{backend}:{recipe.name if recipe else 'high precision'}"
-    logger.info("low precision: %d of %d linears use %s", converted, len(decisions), what)
+    logger.info("low precision: %d of %d linears and expert groups use %s", converted, len(decisions), what)
+    return decisions
+
+
+def _expert_reason(layer: MoELayer, recipe, backend, min_features: int) -> tuple[str, bool]:
+    """Why ``layer``'s experts stay in high precision (empty: they do not), and whether it is a shape mismatch."""
+    hidden, local_ffn = layer.experts.down.shape[1], layer.experts.down.shape[2]
+    if backend != "mcore" or recipe is None or recipe.name not in FP8_RECIPES:
+        what = f"{backend}:{recipe.name if recipe else 'high precision'}"
+        return f"fp8 experts need the mcore backend and an fp8 recipe, not {what}", False
+    if layer.etp > 1:
+        return "expert tensor parallelism (etp > 1) splits the FFN dimension the row-wise scales run along", False
+    if min(hidden, local_ffn) < min_features:
+        return f"hidden {hidden} or expert FFN {local_ffn} is below min_features={min_features}", False
+    if hidden % ALIGN or local_ffn % ALIGN:
+        return f"hidden {hidden} and expert FFN {local_ffn} must be multiples of {ALIGN} for fp8 expert GEMMs", True
+    return "", False
+
+
+def _enable_fp8_experts(model, recipe, backend, keep, min_features, on_mismatch, prefix) -> list[LayerDecision]:
+    """Row-wise FP8 grouped GEMMs for the experts of every MoE layer under ``model`` (see the module docstring)."""
+    decisions = []
+    for layer_name, layer in model.named_modules(prefix=prefix):
+        if not isinstance(layer, MoELayer):
+            continue
+        name = f"{layer_name}.experts" if layer_name else "experts"
+        if any(fnmatch.fnmatchcase(name, pattern) for pattern in keep):
+            reason, mismatch = f"matches a keep pattern of {list(keep)}", False
+        else:
+            reason, mismatch = _expert_reason(layer, recipe, backend, min_features)
+        if mismatch and on_mismatch == "error":
+            raise ValueError(f"layer {name!r}: {reason}; keep it in high precision with a keep pattern or 'fallback'")
+        if reason:
+            layer.experts.low_precision = None
+            decisions.append(LayerDecision(name, None, reason))
+            logger.info("low precision: %s stays in high precision: %s", name, reason)
+            continue
+        layer.experts.low_precision = fp8_grouped_gemm
+        align = math.lcm(layer.config.align, ALIGN)
+        if align != layer.config.align:
+            layer.config = dataclasses.replace(layer.config, align=align)
+            logger.info("low precision: %s pads each expert's rows to %d (fp8 grouped GEMM alignment)", name, align)
+        decisions.append(LayerDecision(name, "rowwise-grouped"))
     return decisions
 
 
@@ -133,3 +188,5 @@ def disable_low_precision(model: nn.Module) -> None:
     for module in model.modules():
         if isinstance(module, ColumnParallelLinear | RowParallelLinear):
             module.low_precision = None
+        elif isinstance(module, MoELayer):
+            module.experts.low_precision = None

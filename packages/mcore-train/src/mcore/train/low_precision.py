@@ -43,7 +43,8 @@ class Fp8Section(_LowPrecisionSection):
     ``recipe``: ``tensorwise`` (current scaling), ``delayed`` (tensor-wise from an amax history of
     ``amax_history_len`` steps, ``amax_compute`` max or most_recent), ``rowwise``, ``blockwise`` (1x128
     activations and gradients, 128x128 weights) or ``mxfp8`` (emulated). ``grad_format``: e4m3 or e5m2 for
-    the gradient operands (default e5m2 for tensor-wise recipes, e4m3 for row- and block-wise ones).
+    the gradient operands (default e5m2 for tensor-wise recipes, e4m3 for row- and block-wise ones; block-wise
+    with e5m2 runs mcore's Triton block-scaled GEMM on CUDA, as cuBLAS's takes e4m3 only).
     ``keep`` / ``min_features`` / ``on_mismatch``: which linears stay in high precision, and what a linear
     whose shape does not fit the recipe does (``error`` or ``fallback`` to high precision, logged).
     """
@@ -54,9 +55,8 @@ class Fp8Section(_LowPrecisionSection):
     amax_compute: Literal["max", "most_recent"] = "max"
 
     def to_recipe(self) -> Recipe:
-        grad = self.grad_format or ("e5m2" if self.recipe in ("tensorwise", "delayed") else "e4m3")
         history, compute = self.amax_history_len, self.amax_compute
-        return Recipe(self.recipe, grad_format=grad, amax_history_len=history, amax_compute=compute)
+        return Recipe(self.recipe, grad_format=self.grad_format, amax_history_len=history, amax_compute=compute)
 
 
 @dataclass

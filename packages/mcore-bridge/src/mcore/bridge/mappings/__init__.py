@@ -6,6 +6,7 @@ from typing import Any
 
 from mcore.bridge.errors import BridgeError
 from mcore.bridge.mappings import (
+    bitnet,
     falcon_h1,
     gpt_oss,
     llama,
@@ -21,7 +22,7 @@ from mcore.bridge.mappings import (
 )
 from mcore.bridge.mappings.base import FamilyMapping, TensorRule
 
-_BUILTIN = (llama, qwen2, qwen3, mistral, mixtral, qwen3_moe, qwen2_moe, olmoe, mamba2, nemotron_h, falcon_h1)
+_BUILTIN = (llama, qwen2, qwen3, mistral, mixtral, qwen3_moe, qwen2_moe, olmoe, mamba2, nemotron_h, falcon_h1, bitnet)
 _BUILTIN += (gpt_oss,)
 FAMILIES: dict[str, FamilyMapping] = {m.MAPPING.name: m.MAPPING for m in _BUILTIN}
 

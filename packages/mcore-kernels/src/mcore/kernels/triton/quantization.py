@@ -1,7 +1,10 @@
 """Triton fp8 cast kernels, each reading its input once and writing fp8 in the layout the next GEMM wants.
 
-* ``_cast_kernel``: scaled cast with a given multiplier (one value, or one per output row), writing ``q``,
-  ``q^T`` or both from the same tile (tensor-wise and row-wise scaling, where the amax is known beforehand).
+* ``_tiled_cast_kernel``: scaled cast with a given multiplier (one value, or one per output row) writing ``q`` or
+  ``q^T`` (tensor-wise and row-wise scaling, where the amax is known beforehand), tiled like the block kernel.
+* ``_cast_kernel``: ``q`` and ``q^T`` from the same tile (tensor-wise pairs), measuring the amax in the same pass
+  when asked (delayed scaling). ``_tiled_cast_kernel`` also casts the grouped weight gradient's operands with
+  jagged row-wise scales (one multiplier per expert and column).
 * ``_block_quant_kernel``: amax, scale and cast of ``1x128`` or ``128x128`` groups in one pass, reading the
   source transposed when the GEMM needs ``x^T`` (the tile is loaded along x's contiguous dimension and
   transposed in registers, so the global reads stay coalesced).
@@ -58,7 +61,6 @@ def _cast_kernel(
     FMAX: tl.constexpr,
     MBITS: tl.constexpr,
     MIN_EXP: tl.constexpr,
-    MULT_PER: tl.constexpr,  # 0: one multiplier, 1: one per x row, 2: one per x column
     WRITE_Y: tl.constexpr,
     WRITE_YT: tl.constexpr,
     RECORD_AMAX: tl.constexpr,  # also max |x| of the tile into AMAX_OUT (delayed scaling: one read)
@@ -75,16 +77,7 @@ def _cast_kernel(
     x = tl.load(X + r64[:, None] * stride_xr + c64[None, :] * stride_xc, mask=mask, other=0.0).to(tl.float32)
     if RECORD_AMAX:
         tl.atomic_max(AMAX_OUT, tl.max(tl.max(tl.abs(x), axis=1), axis=0))
-    if MULT_PER == 0:
-        m = tl.load(MULT)
-        v = x * m
-    elif MULT_PER == 1:
-        m = tl.load(MULT + rows, mask=rmask, other=1.0)
-        v = x * m[:, None]
-    else:
-        m = tl.load(MULT + cols, mask=cmask, other=1.0)
-        v = x * m[None, :]
-    v = _round_to_fp8(v, FMAX, MBITS, MIN_EXP)
+    v = _round_to_fp8(x * tl.load(MULT), FMAX, MBITS, MIN_EXP)
     if WRITE_Y:
         tl.store(Y + r64[:, None] * n_cols + c64[None, :], v.to(Y.dtype.element_ty), mask=mask)
     if WRITE_YT:
@@ -123,13 +116,15 @@ def _block_quant_kernel(
         x = tl.trans(xt).to(tl.float32)
     else:
         x = tl.load(X + r64[:, None] * stride_x0 + c64[None, :] * stride_x1, mask=mask, other=0.0).to(tl.float32)
-    a = tl.abs(x)
+    # NaN counts as an infinite amax, so its group keeps multiplier 1 like the reference (torch's amax propagates
+    # NaN); the GPU's max instruction drops NaN and would scale the rest of the group by the finite values instead
+    a = tl.where(x != x, float("inf"), tl.abs(x))
     if SQUARE:
         amax = tl.max(tl.max(a, axis=1), axis=0)
     else:
         amax = tl.max(a, axis=1)
     ok = (amax > 0.0) & (amax < float("inf"))
-    zero = amax * 0.0  # a scalar (128x128) or a vector (1x128), like amax
+    zero = tl.zeros_like(amax)  # a scalar (128x128) or a vector (1x128), like amax (amax * 0 is NaN for inf)
     mult = tl.where(ok, tl.math.div_rn(zero + FMAX, tl.where(ok, amax, 1.0)), 1.0)
     scale = tl.math.div_rn(zero + 1.0, mult)
     if SQUARE:
@@ -142,7 +137,52 @@ def _block_quant_kernel(
     tl.store(Y + r64[:, None] * n_cols + c64[None, :], v.to(Y.dtype.element_ty), mask=mask)
 
 
-def _launch_cast(x, multiplier, y, yt, mult_per: int, dtype: torch.dtype, amax_out=None) -> None:
+@triton.jit
+def _tiled_cast_kernel(
+    X,
+    MULT,
+    GROUP,
+    Y,
+    n_rows,
+    n_cols,
+    stride_x0,
+    stride_x1,
+    stride_y,
+    FMAX: tl.constexpr,
+    MBITS: tl.constexpr,
+    MIN_EXP: tl.constexpr,
+    MULT_MODE: tl.constexpr,  # 0: one multiplier, 1: one per output row, 2: MULT[GROUP[out col], out row]
+    TRANSPOSED: tl.constexpr,  # output (r, c) reads x[c, r]
+    BLOCK_R: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+):
+    """A scaled cast with a given multiplier, tiled like ``_block_quant_kernel`` (16 x 128 output tiles; the
+    transposed source tile loaded along x's contiguous dimension and transposed in registers)."""
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    rmask = rows < n_rows
+    mask = rmask[:, None] & (cols < n_cols)[None, :]
+    r64 = rows.to(tl.int64)
+    c64 = cols.to(tl.int64)
+    if TRANSPOSED:
+        mask_t = (cols < n_cols)[:, None] & rmask[None, :]
+        xt = tl.load(X + c64[:, None] * stride_x0 + r64[None, :] * stride_x1, mask=mask_t, other=0.0)
+        x = tl.trans(xt).to(tl.float32)
+    else:
+        x = tl.load(X + r64[:, None] * stride_x0 + c64[None, :] * stride_x1, mask=mask, other=0.0).to(tl.float32)
+    if MULT_MODE == 0:
+        v = x * tl.load(MULT)
+    elif MULT_MODE == 1:
+        v = x * tl.load(MULT + rows, mask=rmask, other=1.0)[:, None]
+    else:  # jagged: the group of each source row (an output column), MULT [groups, n_rows] row-major
+        group = tl.load(GROUP + cols, mask=cols < n_cols, other=0).to(tl.int64)
+        v = x * tl.load(MULT + group[None, :] * n_rows + r64[:, None], mask=mask, other=1.0)
+    v = _round_to_fp8(v, FMAX, MBITS, MIN_EXP)
+    tl.store(Y + r64[:, None] * stride_y + c64[None, :], v.to(Y.dtype.element_ty), mask=mask)
+
+
+def _launch_cast(x, multiplier, y, yt, dtype: torch.dtype, amax_out=None) -> None:
+    """``q`` into ``y`` and / or ``q^T`` into ``yt`` (contiguous) with one multiplier, from one read of ``x``."""
     rows, cols = x.shape
     if rows == 0 or cols == 0:
         return
@@ -160,7 +200,6 @@ def _launch_cast(x, multiplier, y, yt, mult_per: int, dtype: torch.dtype, amax_o
         FMAX=FP8_MAX[dtype],
         MBITS=_FORMAT_BITS[dtype][0],
         MIN_EXP=_FORMAT_BITS[dtype][1],
-        MULT_PER=mult_per,
         WRITE_Y=y is not None,
         WRITE_YT=yt is not None,
         RECORD_AMAX=amax_out is not None,
@@ -172,14 +211,52 @@ def _launch_cast(x, multiplier, y, yt, mult_per: int, dtype: torch.dtype, amax_o
 
 def cast_scaled(x: torch.Tensor, multiplier: torch.Tensor, dtype: torch.dtype, *, transpose: bool) -> torch.Tensor:
     """``cast(clamp(src * multiplier))`` of ``src = x`` or ``x^T``; ``multiplier`` is ``[]`` or one per src row."""
-    per_row = multiplier.dim() == 2  # [rows, 1] for row-wise scaling, [] for tensor-wise
-    mult_per = 0 if not per_row else (2 if transpose else 1)
+    rows, cols = (x.shape[1], x.shape[0]) if transpose else x.shape
+    out = torch.empty((rows, cols), dtype=dtype, device=x.device)
+    # [rows, 1] for row-wise scaling, [] for tensor-wise
+    _launch_tiled_cast(x, multiplier, None, out, 1 if multiplier.dim() == 2 else 0, transpose)
+    return out
+
+
+def _launch_tiled_cast(x, multiplier, group, out, mode: int, transpose: bool) -> None:
+    """``out`` (``[rows, cols]``, any row stride) = the cast of ``x`` or ``x^T``; see ``_tiled_cast_kernel``."""
+    rows, cols = out.shape
+    if rows == 0 or cols == 0:
+        return
+    multiplier = multiplier.to(torch.float32).reshape(-1).contiguous()
+    grid = (triton.cdiv(rows, _BLOCK_ROWS_1X128), triton.cdiv(cols, BLOCK))
+    _tiled_cast_kernel[grid](
+        x,
+        multiplier,
+        group if group is not None else multiplier,
+        out,
+        rows,
+        cols,
+        x.stride(0),
+        x.stride(1),
+        out.stride(0),
+        FMAX=FP8_MAX[out.dtype],
+        MBITS=_FORMAT_BITS[out.dtype][0],
+        MIN_EXP=_FORMAT_BITS[out.dtype][1],
+        MULT_MODE=mode,
+        TRANSPOSED=transpose,
+        BLOCK_R=_BLOCK_ROWS_1X128,
+        BLOCK_C=BLOCK,
+        num_warps=4,
+    )
+
+
+def cast_grouped_columns(
+    x: torch.Tensor, multiplier: torch.Tensor, group: torch.Tensor, dtype: torch.dtype
+) -> torch.Tensor:
+    """``cast(clamp(x * multiplier[group[r], c]))`` written transposed: ``[cols, round_up(rows, 16)]``, the
+    padding columns zero (torch's fp8 grouped GEMM wants K, here the tokens, a multiple of 16): the jagged
+    row-wise scales of the grouped weight gradient (one per expert and column, over that expert's rows)."""
     rows, cols = x.shape
-    out = torch.empty((cols, rows) if transpose else (rows, cols), dtype=dtype, device=x.device)
-    if transpose:
-        _launch_cast(x, multiplier.to(torch.float32), None, out, mult_per, dtype)
-    else:
-        _launch_cast(x, multiplier.to(torch.float32), out, None, mult_per, dtype)
+    padded = -(-rows // 16) * 16  # torch's grouped kernel wants the token count (the GEMM's K) a multiple of 16
+    out = torch.empty((cols, padded), dtype=dtype, device=x.device)
+    out[:, rows:] = 0  # past offsets[-1]: never read, but defined
+    _launch_tiled_cast(x, multiplier, group.to(torch.int32).contiguous(), out[:, :rows], 2, transpose=True)
     return out
 
 
@@ -193,7 +270,7 @@ def cast_scaled_pair(
     out_t = torch.empty((cols, rows), dtype=dtype, device=x.device)
     if amax_out is not None:
         amax_out.zero_()
-    _launch_cast(x, multiplier.to(torch.float32), out, out_t, 0, dtype, amax_out)
+    _launch_cast(x, multiplier.to(torch.float32), out, out_t, dtype, amax_out)
     return out, out_t
 
 
@@ -230,3 +307,35 @@ def quantize_blocks(
         num_warps=8 if square else 4,
     )
     return data, scale
+
+
+@triton.jit
+def _jagged_column_amax_kernel(X, ENDS, AMAX, n_cols, stride_xr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    """``AMAX[e, c] = max |X[r, c]|`` over expert ``e``'s rows ``[ENDS[e-1], ENDS[e])``: one program per (expert,
+    column block), reading only that expert's rows (the rows are sorted by expert), no atomics."""
+    expert = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    cmask = cols < n_cols
+    start = tl.load(ENDS + expert - 1, mask=expert > 0, other=0)
+    end = tl.load(ENDS + expert)
+    amax = tl.zeros((BLOCK_C,), dtype=tl.float32)
+    for row0 in range(start, end, BLOCK_R):
+        rows = row0 + tl.arange(0, BLOCK_R)
+        mask = (rows < end)[:, None] & cmask[None, :]
+        x = tl.load(X + rows.to(tl.int64)[:, None] * stride_xr + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        amax = tl.maximum(amax, tl.max(tl.where(x != x, float("inf"), tl.abs(x)), axis=0))
+    tl.store(AMAX + expert.to(tl.int64) * n_cols + cols, amax, mask=cmask)
+
+
+def jagged_column_amax(x: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """``[E + 1, C]`` fp32: the column amax of each expert's rows of ``x`` [T, C] (row ``E``, no expert: zeros)."""
+    rows, cols = x.shape
+    experts = offsets.shape[0]
+    out = torch.zeros((experts + 1, cols), dtype=torch.float32, device=x.device)
+    if rows == 0 or cols == 0 or experts == 0:
+        return out
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    grid = (experts, triton.cdiv(cols, 128))
+    _jagged_column_amax_kernel[grid](x, offsets, out, cols, x.stride(0), BLOCK_R=32, BLOCK_C=128, num_warps=4)
+    return out

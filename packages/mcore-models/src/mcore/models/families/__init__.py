@@ -21,6 +21,7 @@ from typing import Any
 
 from mcore.models.config import TransformerConfig
 from mcore.models.families import (
+    bitnet,
     falcon_h1,
     gpt_oss,
     llama,
@@ -36,7 +37,7 @@ from mcore.models.families import (
 )
 
 _FAMILY_MODULES: tuple[ModuleType, ...] = (
-    llama, qwen2, qwen3, mistral, mixtral, qwen3_moe, qwen2_moe, olmoe, mamba2, nemotron_h, falcon_h1,
+    llama, qwen2, qwen3, mistral, mixtral, qwen3_moe, qwen2_moe, olmoe, mamba2, nemotron_h, falcon_h1, bitnet,
     gpt_oss,
 )  # fmt: skip
 

@@ -13,8 +13,15 @@ from mcore.models.parts.registry import PartContext, PartSpec
 from mcore.parallel.init import normal_init
 from mcore.parallel.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 
+
+def _relu2_gated(gate_up: torch.Tensor) -> torch.Tensor:
+    """HF's ``relu2`` in a gated MLP (BitNet): ``relu(gate)^2 * up`` from ``cat([gate, up], -1)`` (torch ops)."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return torch.relu(gate).square() * up
+
+
 # HF hidden_act -> the fused kernel computing act(gate) * up from cat([gate, up], -1).
-_GATED = {"silu": swiglu, "gelu_pytorch_tanh": functools.partial(geglu, approximate="tanh")}
+_GATED = {"silu": swiglu, "gelu_pytorch_tanh": functools.partial(geglu, approximate="tanh"), "relu2": _relu2_gated}
 
 
 class GatedMLP(nn.Module):

@@ -122,6 +122,7 @@ MIXERS = PartRegistry(
         "mamba2": "mcore.models.layers.mamba2:MAMBA2",
         "falcon_h1_parallel": "mcore.models.layers.falcon_h1:FALCON_H1_PARALLEL",
         NO_PART: "mcore.models.layers.block:NO_MIXER",
+        "bitnet_attention": "mcore.models.layers.bitnet:BITNET_ATTENTION",
     },
 )
 # ``mlp_layer_types`` names; "dense" is the gated MLP of every Llama-family layer.
@@ -133,5 +134,6 @@ MLPS = PartRegistry(
         "falcon_h1_mlp": "mcore.models.layers.falcon_h1:FALCON_H1_MLP",
         NO_PART: "mcore.models.layers.block:NO_MLP",
         "moe": "mcore.models.layers.moe:MOE_MLP",
+        "bitnet_mlp": "mcore.models.layers.bitnet:BITNET_MLP",
     },
 )

@@ -1,0 +1,180 @@
+"""FP8 grouped GEMM for MoE experts with row-wise scales: ``grouped_gemm``'s contract, all three GEMMs in fp8.
+
+``x`` [T, K] rows grouped by expert (``offsets`` [E] int32 cumulative segment ends), ``w`` [E, N, K], ``dy``
+[T, N]. Each operand is quantized (e4m3) along its GEMM's reduction dimension, one scale per row of it:
+
+=======  ===================================  ======================================  ==========================
+GEMM     A                                    B                                       ``torch._scaled_grouped_mm``
+=======  ===================================  ======================================  ==========================
+forward  x [T, K]: one scale per row          w[e] [N, K]: one per (e, n)             2-D x 3-D, offsets on T
+dgrad    dy [T, N]: one scale per row         w[e]^T [K, N]: one per (e, k)           2-D x 3-D, offsets on T
+wgrad    dy^T [N, T]: one per (e, n) over     x^T [K, T]: one per (e, k) over the     2-D x 2-D, offsets on T
+         the expert's rows ("jagged")         expert's rows                           (the reduction dim)
+=======  ===================================  ======================================  ==========================
+
+Backends: ``"scaled_grouped_mm"`` (CUDA, sm90: ``torch._scaled_grouped_mm``, one launch per GEMM, offsets
+read on the device; K and N multiples of 16 and every expert's row count a multiple of 16, which MoE layers
+with fp8 experts guarantee by padding each expert's rows, ``align=16``) and ``"reference"`` (CPU: the same fp8
+values and scales, dequantized and multiplied per expert in fp32; it reads the offsets on the host). Both see
+identical quantized operands, so they differ only by accumulation order. Rows at or past ``offsets[-1]``
+belong to no expert: zero output, no gradient.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from mcore.kernels import dispatch
+from mcore.kernels.quantization import E4M3, FP8_MAX, Quantized, quantize_fp8, reference_cast, scale_from_amax
+
+__all__ = ["ALIGN", "SCALED_GROUPED_MM", "fp8_grouped_gemm"]
+
+SCALED_GROUPED_MM = "scaled_grouped_mm"
+ALIGN = 16  # rows per expert, K and N: multiples of this for torch's fp8 grouped kernel (16-byte fp8 rows)
+
+
+def fp8_grouped_gemm(
+    x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, *, backend: str | None = None
+) -> torch.Tensor:
+    """``y[rows of e] = x[rows of e] @ w[e]^T`` with fp8 operands: ``x`` [T, K], ``w`` [E, N, K] -> [T, N].
+
+    ``backend``: ``"scaled_grouped_mm"``, ``"reference"`` or ``None`` (CUDA -> scaled_grouped_mm).
+    """
+    from mcore.kernels.grouped_gemm import _check
+
+    _check(x, w, offsets)
+    return _Fp8GroupedGemm.apply(x, w, offsets, _choose(x, w, backend))
+
+
+def _choose(x: torch.Tensor, w: torch.Tensor, backend: str | None) -> str:
+    chosen = dispatch.choose("fp8_grouped_gemm", x, w, backend=backend, extra=(SCALED_GROUPED_MM,))
+    if chosen == dispatch.TRITON:  # torch's kernel is the CUDA path
+        chosen = SCALED_GROUPED_MM
+    if chosen != SCALED_GROUPED_MM:
+        return dispatch.REFERENCE
+    if not x.is_cuda or not hasattr(torch, "_scaled_grouped_mm"):
+        raise ValueError("fp8_grouped_gemm: backend 'scaled_grouped_mm' needs CUDA and torch._scaled_grouped_mm")
+    for name, value in (("K", w.shape[2]), ("N", w.shape[1])):
+        if value % ALIGN:
+            raise ValueError(f"fp8_grouped_gemm: {name}={value} must be a multiple of {ALIGN} for fp8 expert GEMMs")
+    return SCALED_GROUPED_MM
+
+
+def _cast_backend(backend: str) -> str | None:
+    return "reference" if backend == dispatch.REFERENCE else None
+
+
+def quantize_expert_weights(w: torch.Tensor, *, transpose: bool, backend: str) -> Quantized:
+    """Row-wise e4m3 ``w[e]`` (``[E, N, K]``, a scale per (e, n)) or ``w[e]^T`` (``[E, K, N]``, per (e, k))."""
+    experts = w.shape[0]
+    if not transpose:
+        q = quantize_fp8(w.reshape(-1, w.shape[2]), E4M3, "row", backend=_cast_backend(backend))
+        return Quantized(q.data.view(w.shape), q.scale.view(experts, w.shape[1]), "row")
+    # one transposing cast per expert: each reads w[e] once and writes w[e]^T in fp8
+    parts = [quantize_fp8(w[e], E4M3, "row", transpose=True, backend=_cast_backend(backend)) for e in range(experts)]
+    return Quantized(torch.stack([p.data for p in parts]), torch.stack([p.scale.reshape(-1) for p in parts]), "row")
+
+
+def row_groups(offsets: torch.Tensor, rows: int) -> torch.Tensor:
+    """The expert of each row (int64 [rows]); ``E`` for rows at or past ``offsets[-1]``. On the device."""
+    return torch.searchsorted(offsets, torch.arange(rows, device=offsets.device, dtype=offsets.dtype), right=True)
+
+
+def jagged_transpose_quantize(t: torch.Tensor, offsets: torch.Tensor, groups: torch.Tensor, backend: str):
+    """``t^T`` [C, T] in e4m3 with one scale per (expert, column) over that expert's rows of ``t`` [T, C].
+
+    Returns ``(data [C, T], scale [E + 1, C])``; row ``E`` of the scales belongs to the rows of no expert (scale 1).
+    """
+    experts, cols = offsets.shape[0], t.shape[1]
+    if backend == dispatch.REFERENCE:
+        # max |t| per (expert, column) from a max and a min (no |t| temporary), the rows of no expert left out
+        index = groups.clamp(max=experts).unsqueeze(1).expand(-1, cols)
+        high = t.new_zeros(experts + 1, cols).scatter_reduce_(0, index, t, "amax")
+        low = t.new_zeros(experts + 1, cols).scatter_reduce_(0, index, t, "amin")
+        amax = torch.maximum(high, -low).float()
+        amax[experts] = 0.0
+        multiplier, scale = scale_from_amax(amax, FP8_MAX[E4M3])
+        return reference_cast(t, multiplier[groups], E4M3).t().contiguous(), scale
+    from mcore.kernels.triton import quantization as tq
+
+    # one pass over each expert's rows for the amax (the rows are sorted by expert), one cast pass
+    multiplier, scale = scale_from_amax(tq.jagged_column_amax(t, offsets), FP8_MAX[E4M3])
+    return tq.cast_grouped_columns(t, multiplier, groups, E4M3), scale
+
+
+def _row_mask(rows: int, offsets: torch.Tensor) -> torch.Tensor:
+    return (torch.arange(rows, device=offsets.device) < offsets[-1]).unsqueeze(1)
+
+
+def _segments(offsets: torch.Tensor):
+    start = 0
+    for expert, end in enumerate(offsets.tolist()):  # host sync: the reference only
+        if end > start:
+            yield expert, start, end
+        start = end
+
+
+def _deq(data: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """Row-wise dequantization: ``data [..., R, C] * scale [..., R]`` in fp32."""
+    return data.float() * scale.unsqueeze(-1)
+
+
+def _grouped_2d_3d(qa: Quantized, qb: Quantized, offsets: torch.Tensor, backend: str) -> torch.Tensor:
+    """``out[rows of e] = a[rows of e] @ b[e]^T`` of row-quantized ``a`` [T, K] and ``b`` [E, N, K]: [T, N] fp32
+    (reference) or bf16 (CUDA); rows of no expert are zero."""
+    rows = qa.data.shape[0]
+    if backend == SCALED_GROUPED_MM:
+        out = torch._scaled_grouped_mm(
+            qa.data,
+            qb.data.transpose(-2, -1),
+            qa.scale.reshape(-1),
+            qb.scale,
+            offs=offsets,
+            out_dtype=torch.bfloat16,
+        )
+        return out.masked_fill_(~_row_mask(rows, offsets), 0)
+    out = torch.zeros(rows, qb.data.shape[1], dtype=torch.float32, device=qa.data.device)
+    a = _deq(qa.data, qa.scale.reshape(-1))
+    for expert, start, end in _segments(offsets):
+        out[start:end] = a[start:end] @ _deq(qb.data[expert], qb.scale[expert]).t()
+    return out
+
+
+def _weight_grad(dy, x, offsets, experts: int, backend: str) -> torch.Tensor:
+    """``dw[e] = dy[rows of e]^T @ x[rows of e]`` with jagged row-wise fp8 operands: [E, N, K]."""
+    groups = row_groups(offsets, x.shape[0])
+    dy_t, dy_scale = jagged_transpose_quantize(dy, offsets, groups, backend)
+    x_t, x_scale = jagged_transpose_quantize(x, offsets, groups, backend)
+    if backend == SCALED_GROUPED_MM:  # dy_t [N, T16] and x_t [K, T16]: tokens padded to 16, past offsets[-1]
+        scale_a, scale_b = dy_scale[:experts].reshape(-1), x_scale[:experts].reshape(-1)
+        return torch._scaled_grouped_mm(dy_t, x_t.t(), scale_a, scale_b, offs=offsets, out_dtype=torch.bfloat16)
+    dw = torch.zeros(experts, dy.shape[1], x.shape[1], dtype=torch.float32, device=x.device)
+    for expert, start, end in _segments(offsets):
+        a = dy_t[:, start:end].float() * dy_scale[expert].unsqueeze(1)
+        b = x_t[:, start:end].float() * x_scale[expert].unsqueeze(1)
+        dw[expert] = a @ b.t()
+    return dw
+
+
+class _Fp8GroupedGemm(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, w, offsets, backend):
+        ctx.save_for_backward(x, w, offsets)
+        ctx.backend = backend
+        qx = quantize_fp8(x, E4M3, "row", backend=_cast_backend(backend))
+        qw = quantize_expert_weights(w, transpose=False, backend=backend)
+        return _grouped_2d_3d(qx, qw, offsets, backend).to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, w, offsets = ctx.saved_tensors
+        backend = ctx.backend
+        dy = dy.contiguous().masked_fill(~_row_mask(dy.shape[0], offsets), 0)
+        dx = dw = None
+        if ctx.needs_input_grad[0]:
+            qdy = quantize_fp8(dy, E4M3, "row", backend=_cast_backend(backend))
+            qw_t = quantize_expert_weights(w, transpose=True, backend=backend)
+            dx = _grouped_2d_3d(qdy, qw_t, offsets, backend).to(x.dtype)
+        if ctx.needs_input_grad[1]:
+            dw = _weight_grad(dy, x, offsets, w.shape[0], backend).to(w.dtype)
+        return dx, dw, None, None

@@ -1,0 +1,144 @@
+"""fp8_grouped_gemm: row-wise / jagged scales against float64, the reference GEMMs against float64 products of the
+dequantized operands, autograd against the float64 grouped GEMM, the Triton jagged cast against its reference."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mcore.kernels.fp8_grouped_gemm import (
+    SCALED_GROUPED_MM,
+    fp8_grouped_gemm,
+    jagged_transpose_quantize,
+    quantize_expert_weights,
+    row_groups,
+)
+from mcore.kernels.quantization import E4M3
+
+# experts of 32, 0 (no rows), 48 and 16 rows, then 16 rows past offsets[-1] (no expert): multiples of 16
+OFFSETS = [32, 32, 80, 96]
+ROWS, K, N = 112, 64, 48
+
+
+def _float64_grouped(x, w, offsets):
+    y = torch.zeros(x.shape[0], w.shape[1], dtype=torch.float64)
+    start = 0
+    for e, end in enumerate(offsets):
+        y[start:end] = x[start:end].double() @ w[e].double().t()
+        start = end
+    return y
+
+
+def _inputs(device="cpu", dtype=torch.float32, seed=0, rows=ROWS):
+    gen = torch.Generator().manual_seed(seed)
+    x = (torch.randn(rows, K, generator=gen) * torch.logspace(-1, 1, K)).to(device, dtype).requires_grad_()
+    w = (torch.randn(len(OFFSETS), N, K, generator=gen) * 0.1).to(device, dtype).requires_grad_()
+    return x, w, torch.tensor(OFFSETS, dtype=torch.int32, device=device)
+
+
+def test_row_groups_name_each_rows_expert():
+    groups = row_groups(torch.tensor(OFFSETS, dtype=torch.int32), ROWS)
+    want = [0] * 32 + [2] * 48 + [3] * 16 + [4] * 16  # 4 = no expert
+    assert groups.tolist() == want
+
+
+def test_jagged_scales_are_the_amax_of_each_experts_rows():
+    x, _, offsets = _inputs()
+    t = x.detach()
+    t[OFFSETS[-1] :] = 1e6  # rows of no expert: they must not enter any scale
+    data, scale = jagged_transpose_quantize(t, offsets, row_groups(offsets, ROWS), "reference")
+    assert data.shape == (K, ROWS) and data.dtype == E4M3 and scale.shape == (len(OFFSETS) + 1, K)
+    start = 0
+    for e, end in enumerate([*OFFSETS, ROWS]):
+        if end == start or e == len(OFFSETS):
+            assert torch.all(scale[e] == 1.0)  # no rows: the all-zero group's scale
+            continue
+        amax = t[start:end].double().abs().amax(0)
+        torch.testing.assert_close(scale[e].double(), amax / 448.0, rtol=1e-6, atol=0)
+        # every element of the expert dequantizes to itself within e4m3's relative step (2^-3 / 2)
+        deq = data[:, start:end].double() * scale[e].double().unsqueeze(1)
+        assert ((deq - t[start:end].double().t()).abs() <= amax.unsqueeze(1) * 2**-4 + 1e-12).all()
+        start = end
+
+
+def test_triton_jagged_cast_equals_the_reference(interpreter):
+    x, _, offsets = _inputs(seed=1)
+    t = x.detach().to(torch.float16)[:104]  # 104 rows: the transposed rows get padded to 16 bytes
+    groups = row_groups(offsets, t.shape[0])
+    t[OFFSETS[-1] :] *= 1000  # rows of no expert: left out of every scale by both
+    ref = jagged_transpose_quantize(t, offsets, groups, "reference")
+    tri = jagged_transpose_quantize(t, offsets, groups, SCALED_GROUPED_MM)  # the CUDA path's Triton kernels
+    assert tri[0].shape == (K, 112) and torch.all(tri[0][:, 104:].float() == 0)  # tokens padded to 16
+    assert torch.equal(tri[0][:, :104].float(), ref[0].float()) and torch.equal(tri[1], ref[1])
+
+
+def test_expert_weights_quantized_along_their_reduction_dims():
+    _, w, _ = _inputs()
+    w = w.detach()
+    for transpose, dim in ((False, 2), (True, 1)):
+        q = quantize_expert_weights(w, transpose=transpose, backend="reference")
+        amax = w.double().abs().amax(dim)  # [E, N] along K, [E, K] along N
+        torch.testing.assert_close(q.scale.double(), amax / 448.0, rtol=1e-6, atol=0)
+        deq = q.data.double() * q.scale.double().unsqueeze(-1)
+        want = w.double().transpose(1, 2) if transpose else w.double()
+        assert ((deq - want).abs() <= amax.unsqueeze(-1) * 2**-4 + 1e-12).all()
+
+
+def test_reference_forward_is_the_float64_product_of_the_dequantized_operands():
+    x, w, offsets = _inputs()
+    y = fp8_grouped_gemm(x, w, offsets, backend="reference")
+    from mcore.kernels.quantization import quantize_fp8
+
+    qx = quantize_fp8(x.detach(), E4M3, "row")
+    qw = quantize_expert_weights(w.detach(), transpose=False, backend="reference")
+    want = _float64_grouped(qx.dequantize(torch.float64), qw.data.double() * qw.scale.double()[..., None], OFFSETS)
+    torch.testing.assert_close(y.double(), want, rtol=1e-5, atol=1e-6 * want.abs().max().item())
+    assert torch.all(y[OFFSETS[-1] :] == 0)
+
+
+def test_autograd_tracks_the_float64_grouped_gemm_and_really_quantizes():
+    x, w, offsets = _inputs(seed=2)
+    y = fp8_grouped_gemm(x, w, offsets)  # CPU: the reference
+    probe = torch.randn(ROWS, N, generator=torch.Generator().manual_seed(5))
+    (y * probe).sum().backward()
+    x64, w64 = x.detach().double().requires_grad_(), w.detach().double().requires_grad_()
+    want = _float64_grouped(x64, w64, OFFSETS)
+    (want * probe.double()).sum().backward()
+    for got, ref in ((y, want), (x.grad, x64.grad), (w.grad, w64.grad)):
+        rel = ((got.detach().double() - ref).norm() / ref.norm()).item()
+        assert 1e-4 < rel < 0.08, rel  # fp8 error: present, and what e4m3 allows
+    assert torch.all(x.grad[OFFSETS[-1] :] == 0) and torch.all(w.grad[1] == 0)  # no expert / an empty expert
+
+
+def test_bad_inputs_are_named():
+    x, w, offsets = _inputs()
+    with pytest.raises(ValueError, match="same K"):
+        fp8_grouped_gemm(x[:, :32], w, offsets)
+    with pytest.raises(ValueError, match="needs CUDA"):
+        fp8_grouped_gemm(x, w, offsets, backend=SCALED_GROUPED_MM)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("rows", [ROWS, 104])  # 104: not a multiple of 16 (the dispatcher's spare rows)
+def test_cuda_scaled_grouped_mm_equals_the_reference_path(cuda_triton, rows):
+    outs = []
+    for backend in (None, "reference"):
+        x, w, offsets = _inputs("cuda", torch.bfloat16, seed=3, rows=rows)
+        y = fp8_grouped_gemm(x, w, offsets, backend=backend)
+        y.backward(torch.randn(rows, N, generator=torch.Generator().manual_seed(6)).cuda().bfloat16())
+        outs.append((y.float(), x.grad.float(), w.grad.float()))
+    for fast, ref in zip(*outs, strict=True):
+        torch.testing.assert_close(fast, ref, rtol=2e-2, atol=2e-2 * ref.abs().max().item())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_fp8_grouped_gemm_needs_no_host_sync(cuda_triton):
+    x, w, offsets = _inputs("cuda", torch.bfloat16, seed=4)
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        fp8_grouped_gemm(x, w, offsets).sum().backward()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert torch.all(w.grad[1] == 0)
