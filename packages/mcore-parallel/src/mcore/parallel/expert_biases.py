@@ -108,14 +108,21 @@ class BiasedGroupedExperts(GroupedExperts):
         """``tail_rows``: at most that many last rows lie past ``offsets[-1]`` (see ``grouped_gemm``); such rows
         get no bias."""
         x = rows.to(self.gate_up.dtype)
-        h = grouped_gemm(x, self.gate_up, offsets, tail_rows=tail_rows)
+        fp8 = self.low_precision  # fp8 experts (mcore.parallel.low_precision): both GEMMs quantized
+        h = (
+            fp8(x, self.gate_up, offsets)
+            if fp8 is not None
+            else grouped_gemm(x, self.gate_up, offsets, tail_rows=tail_rows)
+        )
         if self.gate_up_bias is not None:
             expert = _row_experts(offsets, x.shape[0])
             h = _AddExpertBias.apply(h, self.gate_up_bias, expert, True)
         activation = swiglu if self.activation is None else partial(clamped_swiglu, alpha=self.activation[0],
                                                                         limit=self.activation[1])  # fmt: skip
-        # the activation's output ([rows, F/etp]) is recomputed in backward rather than kept, as GroupedExperts does
-        y = grouped_gemm_of_activation(h, self.down, offsets, activation, tail_rows=tail_rows)
+        if fp8 is not None:
+            y = fp8(activation(h), self.down, offsets)
+        else:  # the activation's output ([rows, F/etp]) is recomputed in backward rather than kept
+            y = grouped_gemm_of_activation(h, self.down, offsets, activation, tail_rows=tail_rows)
         if self.down_bias is not None:
             y = _AddExpertBias.apply(y, self.down_bias, expert, self.etp_rank == 0)
         return y
