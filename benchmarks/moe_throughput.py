@@ -35,6 +35,9 @@ from pathlib import Path
 from typing import Any
 
 from _common import RunSpec, check_spec, child_env, launch_workers, report_launch, run_spec, write_json
+from gpt_oss_bench import DRY_RUN_SHAPES as GPT_OSS_DRY_RUN
+from gpt_oss_bench import GPT_OSS_SHAPES, gpt_oss_model
+from gpt_oss_bench import SHAPES as GPT_OSS_BENCH_SHAPES
 from moe_micro import run_micro
 from moe_profile import moe_time_breakdown, render_moe_breakdowns
 from train_throughput import ratios, render
@@ -60,12 +63,17 @@ SHAPES: dict[str, dict[str, Any]] = {
                      moe_ffn=32, shared=2, dense_ffn=96, first_dense=1, kv_lora=32, qk_nope=24, qk_rope=8, v_head=16,
                      vocab=259, seq=64, mbs=2),
 }  # fmt: skip
+SHAPES.update(GPT_OSS_BENCH_SHAPES)
 
 
 def moe_model(shape: dict[str, Any], *, align: int, expert_gemm: str = "grouped") -> dict[str, Any]:
     """The ``model`` section of ``shape`` with transformers' defaults of its family for the rest."""
     if shape["family"] == "deepseek_v3":
         return mla_moe_model(shape, align=align, expert_gemm=expert_gemm)
+    if shape["family"] == "gpt_oss":
+        if expert_gemm != "grouped":
+            raise SystemExit("--expert-gemm: GPT-OSS's biased experts run as grouped GEMMs only")
+        return gpt_oss_model(shape, align=align)
     mixtral = shape["family"] == "mixtral"
     router: dict[str, Any] = {"align": align} if align > 1 else {}
     if expert_gemm != "grouped":
@@ -216,9 +224,11 @@ def _runs(args: argparse.Namespace, shape: str, out: Path) -> list[tuple[str, li
     if args.fsdp:
         fsdp = [a.replace(f"mcore_{shape}.json", f"mcore-fsdp_{shape}.json") for a in runs[0][1]]
         runs.append(("mcore-fsdp", fsdp + ["--fsdp"]))
-    if args.skip_baseline or args.dry_run:
+    if args.skip_baseline or args.dry_run or not SHAPES[shape].get("baseline", True):
         return runs
     for label, extra in BASELINES.items():
+        if args.skip_compile and "--compile" in extra:
+            continue
         argv = [str(args.hf_baseline), "--shape", shape, *extra, "--iters", str(args.iters)]
         runs.append((label, argv + ["--json", str(out / f"{label}_{shape}.json")]))
     return runs
@@ -229,7 +239,11 @@ def orchestrate(args: argparse.Namespace) -> int:
     every run (a device call cut short still returns what finished)."""
     out: Path = args.json_dir
     out.mkdir(parents=True, exist_ok=True)
-    shapes = list(DRY_RUN_SHAPES) if args.dry_run else (list(GPU_SHAPES) if args.shape == "all" else [args.shape])
+    if args.dry_run:  # the GPT-OSS shapes have their own tiny stand-in; every other request runs the MoE ones
+        shapes = [GPT_OSS_DRY_RUN[args.shape]] if args.shape in GPT_OSS_DRY_RUN else list(DRY_RUN_SHAPES)
+    else:
+        named = {"all": list(GPU_SHAPES), "gptoss": list(GPT_OSS_SHAPES)}
+        shapes = named.get(args.shape, [args.shape])
     skip_baseline = args.skip_baseline or args.dry_run
     if not skip_baseline and not args.hf_baseline.is_file():
         raise SystemExit(f"--hf-baseline: {args.hf_baseline} does not exist; pass the path of hf_moe_baseline.py")
@@ -290,12 +304,13 @@ def _render(summary: dict[str, Any]) -> str:
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    shapes = [*GPU_SHAPES, "all", *DRY_RUN_SHAPES]
-    ap.add_argument("--shape", choices=shapes, default="all", help="shape(s) to run (all)")
+    shape_names = [*GPU_SHAPES, *GPT_OSS_DRY_RUN, "all", *DRY_RUN_SHAPES, "gptoss_tiny"]
+    ap.add_argument("--shape", choices=shape_names, default="all", help="shape(s) to run (all)")
     ap.add_argument("--iters", type=int, default=None, help="timed steps (8, as the baseline; dry run 3)")
     ap.add_argument("--warmup", type=int, default=None, help="untimed steps after the first (2; dry run 1)")
     ap.add_argument("--skip-baseline", action="store_true", help="run mcore only")
     ap.add_argument("--skip-micro", action="store_true", help="leave out the micro-benchmarks")
+    ap.add_argument("--skip-compile", action="store_true", help="leave out the torch.compile baseline")
     ap.add_argument("--hf-baseline", type=Path, default=HF_MOE_BASELINE, help="path of hf_moe_baseline.py")
     ap.add_argument("--json-dir", type=Path, default=None, help="where the JSON files go (default: a temp dir)")
     ap.add_argument("--json", type=Path, help=argparse.SUPPRESS)
@@ -317,9 +332,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         ap.error(f"--profile-steps must be >= 0 and needs a GPU (0 in dry runs), got {args.profile_steps}")
     if args.iters < 1 or args.warmup < 0:
         ap.error(f"--iters must be >= 1 and --warmup >= 0, got {args.iters} and {args.warmup}")
-    if args.only and (args.json is None or args.shape == "all"):
+    if args.only and (args.json is None or args.shape in ("all", "gptoss")):
         ap.error("--only mcore needs --json FILE and one --shape")
-    if args.shape in DRY_RUN_SHAPES and not (args.dry_run or args.only):
+    if args.shape in (*DRY_RUN_SHAPES, "gptoss_tiny") and not (args.dry_run or args.only):
         ap.error("--shape tiny is the dry-run shape; use --dry-run")
     if args.json_dir is None and not args.only:
         args.json_dir = Path(tempfile.mkdtemp(prefix="mcore-moe-throughput-"))

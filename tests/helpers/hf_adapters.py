@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from mcore.models.config import TransformerConfig
+from tests.helpers.gpt_oss_adapter import gpt_oss_config_kwargs, gpt_oss_parts, gpt_oss_to_mcore_state
 
 
 @dataclass(frozen=True)
@@ -306,6 +307,7 @@ ADAPTERS: dict[str, HfAdapter] = {
         nemotron_h_config_kwargs, nemotron_h_to_mcore_state, _nemotron_h_parts, hf_hidden_act_key="mamba_hidden_act"
     ),
     "mamba2": HfAdapter(mamba2_config_kwargs, mamba2_to_mcore_state, _mixer_only, head_dim_field="mamba_head_dim"),
+    "gpt_oss": HfAdapter(gpt_oss_config_kwargs, gpt_oss_to_mcore_state, gpt_oss_parts),
 }
 
 

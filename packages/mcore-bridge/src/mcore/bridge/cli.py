@@ -50,6 +50,13 @@ def _parser() -> argparse.ArgumentParser:
         help="mcore -> hf: linear weights in DeepSeek's block-wise FP8 (e4m3 + weight_scale_inv per 128x128 block)",
     )
 
+    p.add_argument(
+        "--quantize",
+        choices=["mxfp4"],
+        help="mcore -> hf: write GPT-OSS's expert weights in MXFP4 (as the released checkpoints; an MXFP4 source "
+        "comes back bit-exact)",
+    )
+
     p = sub.add_parser("verify", help="run the HF and the mcore model on the same tokens and compare")
     p.add_argument("hf", metavar="HF", help="HF directory or hub id")
     p.add_argument("mcore", metavar="MCORE", help="mcore checkpoint")
@@ -82,6 +89,7 @@ def _convert(args: argparse.Namespace) -> int:
         fp8_blocks=args.fp8_blocks,
         hf_assets=args.hf_assets,
         bitnet_packed=None if args.bitnet_packed is None else args.bitnet_packed == "yes",
+        quantize=args.quantize,
     )
     print(
         f"{result.direction}: {result.family}, {result.tensors} tensors, {result.bytes_written / 2**20:.1f} MiB "

@@ -13,11 +13,13 @@ from dataclasses import dataclass
 
 import torch
 
+from mcore.bridge import stacked_experts
 from mcore.bridge.dtypes import cast_dtype, torch_dtype_from_name, torch_dtype_name
 from mcore.bridge.errors import BridgeError
 from mcore.bridge.mappings import FamilyMapping
 from mcore.bridge.mappings.base import EXPERT_OPS, Op
 from mcore.bridge.safetensors_io import TensorEntry
+from mcore.bridge.stacked_experts import STACKED_OPS
 from mcore.models.config import TransformerConfig
 from mcore.models.layers.block import layer_module_names
 from mcore.train.checkpoint.format import TensorMeta
@@ -97,6 +99,8 @@ def hf_shapes(step: Step, mcore_shape: tuple[int, ...], config: TransformerConfi
         return (q, kv, kv)
     if step.op == "gate_up":
         return ((mcore_shape[0] // 2, *rest),) * 2
+    if step.op in STACKED_OPS:  # one stacked HF tensor, transposed and/or interleaved
+        return (stacked_experts.hf_shape(step.op, mcore_shape),)
     if step.op == "experts":  # [E, out, in] from E tensors [out, in]
         return (tuple(mcore_shape[1:]),) * mcore_shape[0]
     if step.op == "experts_gate_up":  # [E, 2F, H] from E gate [F, H] then E up [F, H]

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from mcore.bridge import mxfp4
 from mcore.bridge.bitnet_packing import (
     OFFLINE_CONFIG,
     SCALE_SUFFIX,
@@ -120,6 +121,9 @@ class HFToMcore:
             raise BridgeError(f"{path}: tensors have mixed dtypes {dtypes}; pass --dtype to store them as one")
         self.dtype = torch_dtype_from_name(dtypes[0])
         self.notes = [f"not carried: {s}" for s in self.hf.skipped] + mtp_note
+        if mxfp4.quantization_method(self.hf.config, where) == mxfp4.METHOD:
+            kept = f"{HF_SIDECAR}/{mxfp4.SCALES_FILE}"
+            self.notes.append(f"MXFP4 expert weights dequantized to bf16 (their scales kept in {kept})")
 
     @property
     def total_bytes(self) -> int:
@@ -149,6 +153,7 @@ class HFToMcore:
         copy_side_files(self.hf.side_files, sidecar)
         if self.fp8 is not None:  # the source's scales, for an FP8 export that gives back the same bytes
             save_scales(self.fp8.scales(), sidecar / SCALES_FILE)
+        mxfp4.write_scales(self.hf.tensors, sidecar)  # an MXFP4 source's scales, for a bit-exact MXFP4 export
         return len(plan.steps)
 
     def _read(self, name: str, entry) -> torch.Tensor:
@@ -185,11 +190,19 @@ class McoreToHF:
         target_dtype: torch.dtype | None,
         max_shard_bytes: int,
         assets: Path | None,
+        quantize: str | None = None,
         bitnet_packed: bool | None = None,
         fp8_blocks: bool = False,
     ):
         family = family_by_name(config.model_type, where)
         self.plan: ExportPlan = plan_export(family, config, saved, expected_model_tensors(config), target_dtype, where)
+        self.encode = _as_is
+        if quantize is not None:  # MXFP4 experts (GPT-OSS): keeps an MXFP4 source's scales where they still fit
+            if quantize != mxfp4.METHOD:
+                raise BridgeError(f"--quantize must be {mxfp4.METHOD!r}, got {quantize!r}")
+            outputs = mxfp4.quantized_outputs(self.plan.outputs, where)
+            self.plan = dataclasses.replace(self.plan, outputs=outputs)
+            self.encode = mxfp4.encoder(assets / mxfp4.SCALES_FILE if assets is not None else None)
         self.read_full = read_full
         self.max_shard_bytes = max_shard_bytes
         self.notes: list[str] = []
@@ -208,6 +221,7 @@ class McoreToHF:
         out_dtypes = sorted({torch_dtype_name(d) for _, d, _ in self.plan.outputs})
         weights_dtype = out_dtypes[0] if len(out_dtypes) == 1 else None
         self.hf_config = mcore_to_hf(config, family, original, weights_dtype=weights_dtype)
+        self.hf_config = mxfp4.set_quantization_config(self.hf_config, quantize, original)
         # packed BitNet weights when asked, else as the checkpoint was imported (bitnet_packing.py)
         self.pack = is_packed_config(original) if bitnet_packed is None else bitnet_packed
         if self.pack and family.name != "bitnet":
@@ -249,6 +263,7 @@ class McoreToHF:
         target_dtype: torch.dtype | None,
         max_shard_bytes: int,
         assets: Path | None = None,
+        quantize: str | None = None,
         bitnet_packed: bool | None = None,
         fp8_blocks: bool = False,
     ) -> McoreToHF:
@@ -276,6 +291,7 @@ class McoreToHF:
             target_dtype=target_dtype,
             max_shard_bytes=max_shard_bytes,
             assets=assets if assets is not None else (sidecar if sidecar.is_dir() else None),
+            quantize=quantize,
             bitnet_packed=bitnet_packed,
             fp8_blocks=fp8_blocks,
         )
@@ -298,9 +314,11 @@ class McoreToHF:
                 for step in plan.steps:
                     full = self.read_full(step.mcore)
                     for name, part in zip(step.hf, to_hf(step.op, full, **heads)):
-                        for written, tensor in self._encoded(name, part):
-                            writer.write(written, tensor.to(dtype_of[written]))
-                        bar.advance(part.numel() * dtype_of[name].itemsize)
+                        # MXFP4 pairs of GPT-OSS's experts (mcore.bridge.mxfp4), then BitNet's packing
+                        for hf_name, hf_part in self.encode(name, part):
+                            for written, tensor in self._encoded(hf_name, hf_part):
+                                writer.write(written, tensor.to(dtype_of[written]))
+                                bar.advance(tensor.numel() * dtype_of[written].itemsize)
                     del full, part
                     release_freed_memory()
             writer.finish()
@@ -320,6 +338,10 @@ class McoreToHF:
             return [(name, tensor)]
         packed, scale = quantize_weight(tensor)
         return [(name, packed), (name + SCALE_SUFFIX, scale)]
+
+
+def _as_is(name: str, tensor: torch.Tensor):
+    yield name, tensor
 
 
 def assets_dir(hf_assets: str | os.PathLike | None) -> Path | None:
@@ -349,6 +371,7 @@ def convert(
     overwrite: bool = False,
     progress: bool | None = None,
     hf_assets: str | os.PathLike | None = None,
+    quantize: str | None = None,
     bitnet_packed: bool | None = None,
     fp8_blocks: bool = False,
 ) -> ConversionResult:
@@ -366,6 +389,7 @@ def convert(
             ones (``False``); ``None``: as the HF files the checkpoint was converted from.
         fp8_blocks: mcore -> HF only: write the linear projections in DeepSeek's block-wise FP8 (e4m3 weights and
             fp32 ``weight_scale_inv`` per block); an FP8 source converted to mcore comes back byte for byte.
+        quantize: mcore -> HF only: ``"mxfp4"`` writes GPT-OSS's expert weights in MXFP4 (``mcore.bridge.mxfp4``).
 
     Raises:
         BridgeError: for any problem with the input, before DST is touched.
@@ -387,14 +411,22 @@ def convert(
     check_destination(dst, overwrite, [source.path])
     try:
         if source.kind == "hf":
-            if hf_assets is not None or bitnet_packed is not None or fp8_blocks:
-                what = "--hf-assets" if hf_assets is not None else "--fp8-blocks" if fp8_blocks else "--bitnet-packed"
-                raise BridgeError(f"{what} applies to mcore -> hf conversions; SRC is a Hugging Face model")
+            flags = {"--hf-assets": hf_assets, "--bitnet-packed": bitnet_packed, "--quantize": quantize}
+            given = [flag for flag, value in flags.items() if value is not None]
+            given += ["--fp8-blocks"] if fp8_blocks else []
+            if given:
+                raise BridgeError(f"{given[0]} applies to mcore -> hf conversions; SRC is a Hugging Face model")
             job: HFToMcore | McoreToHF = HFToMcore(source.path, target_dtype)
         else:
             assets = assets_dir(hf_assets)
             job = McoreToHF.from_checkpoint(
-                source.path, target_dtype, max_shard_bytes, assets, bitnet_packed, fp8_blocks=fp8_blocks
+                source.path,
+                target_dtype,
+                max_shard_bytes,
+                assets,
+                bitnet_packed=bitnet_packed,
+                quantize=quantize,
+                fp8_blocks=fp8_blocks,
             )
         with staged_directory(dst, overwrite) as staged:
             count = job.write(staged, progress)

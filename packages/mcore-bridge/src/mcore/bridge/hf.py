@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from mcore.bridge import mxfp4
 from mcore.bridge.errors import BridgeError
 from mcore.bridge.safetensors_io import TensorEntry, TensorSpec, read_header
 from mcore.train.checkpoint.safetensors_stream import SafetensorsStreamWriter
@@ -110,6 +111,7 @@ def read_hf_dir(path: str | os.PathLike) -> HFCheckpoint:
                 "the index and shards disagree"
             )
     side_files, skipped = list_side_files(path, set(headers))
+    tensors = mxfp4.dequantized_view(tensors, config, str(path / CONFIG_FILE))  # MXFP4 pairs read as bf16
     return HFCheckpoint(path, config, tensors, side_files, skipped)
 
 

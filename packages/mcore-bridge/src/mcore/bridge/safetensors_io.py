@@ -112,8 +112,18 @@ def read_header(path: str | os.PathLike) -> SafetensorsHeader:
     return SafetensorsHeader(path, {e.name: e for e in entries}, metadata)
 
 
+class DerivedEntry(TensorEntry):
+    """A tensor the bridge computes from stored ones (MXFP4 weights dequantized: ``mcore.bridge.mxfp4``); its
+    ``read()`` returns it, and :func:`read_tensor` calls that."""
+
+    def read(self) -> torch.Tensor:
+        raise NotImplementedError
+
+
 def read_tensor(entry: TensorEntry) -> torch.Tensor:
     """Read one tensor into a fresh buffer of exactly its size (no memory map, no intermediate copy)."""
+    if isinstance(entry, DerivedEntry):
+        return entry.read()
     buffer = torch.empty(entry.nbytes, dtype=torch.uint8)
     if entry.nbytes:
         with open(entry.path, "rb", buffering=0) as f:

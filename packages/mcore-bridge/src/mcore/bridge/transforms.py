@@ -11,6 +11,9 @@ from __future__ import annotations
 
 import torch
 
+from mcore.bridge import stacked_experts
+from mcore.bridge.stacked_experts import STACKED_OPS
+
 
 def _check_rows(name: str, tensor: torch.Tensor, rows: int) -> None:
     if tensor.shape[0] != rows:
@@ -97,6 +100,8 @@ def to_mcore(
         return pad_vocab(inputs[0], padded_rows)
     if op == "copy":
         return inputs[0]
+    if op in STACKED_OPS:
+        return stacked_experts.to_mcore(op, inputs[0])
     if op == "experts":
         return torch.stack(inputs)
     if op == "experts_gate_up":
@@ -113,6 +118,8 @@ def to_hf(op: str, tensor: torch.Tensor, *, num_heads: int, num_kv_heads: int, h
         return list(split_gate_up(tensor))
     if op in ("vocab", "copy"):
         return [tensor]
+    if op in STACKED_OPS:
+        return [stacked_experts.to_hf(op, tensor)]
     if op == "experts":
         return [t.contiguous() for t in tensor.unbind(0)]
     if op == "experts_gate_up":

@@ -133,6 +133,14 @@ class TransformerConfig:
     ssm_out_multiplier: float = 1.0
     ssm_multipliers: tuple[float, ...] = (1.0, 1.0, 1.0, 1.0, 1.0)
     mlp_multipliers: tuple[float, ...] = (1.0, 1.0)
+    # GPT-OSS (validated in mcore.models.gpt_oss_fields): learned per-head attention sinks, a router bias, biases on
+    # every expert's two projections, and the experts' clamped SwiGLU (HF's swiglu_alpha / swiglu_limit; both None:
+    # plain SwiGLU).
+    attention_sinks: bool = False
+    router_bias: bool = False
+    expert_biases: bool = False
+    swiglu_alpha: float | None = None
+    swiglu_limit: float | None = None
 
     def __post_init__(self) -> None:
         for name in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size"):
@@ -168,6 +176,9 @@ class TransformerConfig:
             raise ValueError(
                 "TransformerConfig.qk_norm_scope='projection' is an RMSNorm (OLMoE); set normalization=rmsnorm"
             )
+        from mcore.models.gpt_oss_fields import check_gpt_oss_fields
+
+        check_gpt_oss_fields(self)
         if self.num_experts is not None:
             from mcore.models.moe_fields import check_moe_fields
 

@@ -150,6 +150,10 @@ class Router(nn.Module):
         with torch.no_grad():
             self.weight.copy_(full)
 
+    def logits(self, tokens: torch.Tensor) -> torch.Tensor:
+        """fp32 ``[T, E]`` router logits of ``tokens`` [T, H] (a subclass may add a bias: GPT-OSS)."""
+        return router_logits(tokens, self.weight)
+
 
 class GroupedExperts(nn.Module):
     """``E_local`` SwiGLU experts as two stacked weights, ``[E_local, 2F/etp, H]`` (this etp rank's gate rows, then
@@ -328,7 +332,7 @@ class MoELayer(nn.Module):
         shape = x.shape
         tokens = x.reshape(-1, shape[-1])
         with record_function("mcore.moe.router"):
-            logits = router_logits(tokens, self.router.weight)
+            logits = self.router.logits(tokens)
             routing = route(logits, self.router_config, self.expert_bias)
         cfg = self.config
         plan_kwargs = dict(align=cfg.align)

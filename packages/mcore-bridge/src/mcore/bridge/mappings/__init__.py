@@ -10,6 +10,7 @@ from mcore.bridge.mappings import (
     deepseek_v2,
     deepseek_v3,
     falcon_h1,
+    gpt_oss,
     llama,
     mamba2,
     mistral,
@@ -25,6 +26,7 @@ from mcore.bridge.mappings.base import FamilyMapping, TensorRule
 
 _BUILTIN = (llama, qwen2, qwen3, mistral, mixtral, qwen3_moe, qwen2_moe, olmoe, mamba2, nemotron_h, falcon_h1, bitnet)
 _BUILTIN += (deepseek_v3, deepseek_v2)
+_BUILTIN += (gpt_oss,)
 FAMILIES: dict[str, FamilyMapping] = {m.MAPPING.name: m.MAPPING for m in _BUILTIN}
 
 

@@ -13,10 +13,14 @@ from typing import Any, Literal
 
 from mcore.bridge.mappings.config_rules import ConfigRule
 
-Op = Literal["copy", "qkv", "gate_up", "vocab", "experts", "experts_gate_up"]
+Op = Literal[
+    "copy", "qkv", "gate_up", "vocab", "experts", "experts_gate_up",
+    "gate_up_interleaved", "bias_interleaved", "transposed",  # stacked experts (mcore.bridge.stacked_experts)
+]  # fmt: skip
 # ``experts`` stacks one HF tensor per expert into [E, ...]; ``experts_gate_up`` stacks each expert's gate and up
 # rows fused ([E, 2F, H]): their patterns use ``{expert}`` and expand to num_experts tensors each.
 _SOURCES_PER_OP = {"copy": 1, "vocab": 1, "qkv": 3, "gate_up": 2, "experts": 1, "experts_gate_up": 2}
+_SOURCES_PER_OP.update(gate_up_interleaved=1, bias_interleaved=1, transposed=1)
 EXPERT_OPS = ("experts", "experts_gate_up")
 
 

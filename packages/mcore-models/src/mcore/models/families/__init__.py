@@ -25,6 +25,7 @@ from mcore.models.families import (
     deepseek_v2,
     deepseek_v3,
     falcon_h1,
+    gpt_oss,
     llama,
     mamba2,
     mistral,
@@ -40,6 +41,7 @@ from mcore.models.families import (
 _FAMILY_MODULES: tuple[ModuleType, ...] = (
     llama, qwen2, qwen3, mistral, mixtral, qwen3_moe, qwen2_moe, olmoe, mamba2, nemotron_h, falcon_h1, bitnet,
     deepseek_v3, deepseek_v2,
+    gpt_oss,
 )  # fmt: skip
 
 _FAMILIES: dict[str, MappingProxyType[str, Any]] = {}

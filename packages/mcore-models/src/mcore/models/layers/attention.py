@@ -15,6 +15,7 @@ from torch.utils.checkpoint import checkpoint
 
 from mcore.kernels import apply_rotary, attention
 from mcore.models.config import TransformerConfig
+from mcore.models.layers.attention_sinks import AttentionSinks
 from mcore.models.layers.kv_cache import KVCache
 from mcore.models.layers.norm import build_norm
 from mcore.models.layers.projection_norm import ProjectionRMSNorm
@@ -73,6 +74,9 @@ class SelfAttention(nn.Module):
             self.k_norm = build_norm(config, config.head_dim, **norm_kwargs)
         else:
             self.q_norm = self.k_norm = None
+        self.sinks = None  # GPT-OSS: per-head logits in the softmax denominator
+        if config.attention_sinks:
+            self.sinks = AttentionSinks(config, ctx.tp_group, tp_size, params_dtype, device)
         self.out_proj = RowParallelLinear(
             config.q_size,
             config.hidden_size,
@@ -116,6 +120,8 @@ class SelfAttention(nn.Module):
         if kv_cache is not None:
             out = self._attend_with_cache(q, k, v, kv_cache, cu_seqlens)
         elif context_parallel is not None:
+            if self.sinks is not None:
+                raise ValueError("attention sinks (GPT-OSS) under context parallelism are not supported; set cp=1")
             core = lambda q, k, v: context_parallel.attention(q, k, v, window_size=self.window)  # noqa: E731
             recompute = self.recompute_core and torch.is_grad_enabled()
             out = checkpoint(core, q, k, v, use_reentrant=False) if recompute else core(q, k, v)
@@ -127,7 +133,8 @@ class SelfAttention(nn.Module):
         return self.out_proj(out.transpose(0, 1).reshape(s, b, -1))
 
     def _core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor | None) -> torch.Tensor:
-        return attention(q, k, v, causal=True, window_size=self.window, cu_seqlens=cu_seqlens)
+        sinks = None if self.sinks is None else self.sinks.logits()
+        return attention(q, k, v, causal=True, window_size=self.window, cu_seqlens=cu_seqlens, sinks=sinks)
 
     def _attend_with_cache(
         self,
@@ -151,7 +158,7 @@ class SelfAttention(nn.Module):
         if self.window is not None:
             start = max(0, offset + 1 - self.window)
             keys, values = keys[:, start:], values[:, start:]
-        return attention(q, keys, values, causal=False)
+        return attention(q, keys, values, causal=False, sinks=None if self.sinks is None else self.sinks.logits())
 
 
 def check_attention_tensor_parallel(config: TransformerConfig, tp: int) -> None:
@@ -173,6 +180,8 @@ def attention_parameters(config: TransformerConfig, layer_index: int = 0) -> int
         n += qkv_out
     if config.attention_out_bias:
         n += h
+    if config.attention_sinks:
+        n += config.num_attention_heads
     if config.qk_norm and config.qk_norm_scope == "projection":
         n += config.q_size + config.kv_size
     elif config.qk_norm:

@@ -17,10 +17,12 @@ from typing import Any
 import torch
 from torch import nn
 
+from mcore.models.gpt_oss_fields import expert_activation, expert_bias_parameters
 from mcore.models.layers.mlp import GatedMLP
 from mcore.models.moe_fields import moe_layer_config
 from mcore.models.parts.registry import PartContext, PartSpec
 from mcore.parallel.comm import gather_from_sequence_parallel_region, scatter_to_sequence_parallel_region
+from mcore.parallel.expert_biases import use_gpt_oss_options
 from mcore.parallel.expert_parallel import MoELayer
 from mcore.parallel.tensor_parallel import set_tensor_parallel_attributes
 
@@ -62,6 +64,9 @@ class MoEMLP(MoELayer):
         self.tp_group = ctx.tp_group
         self.split_sequence = ctx.tp_size > 1 and not ctx.sequence_parallel
         self.router.weight.sequence_parallel = ctx.tp_size > 1  # tokens differ per tp rank: grads summed over tp
+        # GPT-OSS: router bias, expert biases, clamped SwiGLU (mcore.parallel.expert_biases)
+        options = dict(router_bias=config.router_bias, expert_biases=config.expert_biases)
+        use_gpt_oss_options(self, **options, activation=expert_activation(config))
         self.shared_expert = self.shared_expert_gate = None
         if config.shared_expert_intermediate_size is not None:
             shared = dataclasses.replace(config, intermediate_size=config.shared_expert_intermediate_size)
@@ -90,7 +95,8 @@ def moe_parameters(config: Any, layer_index: int = 0) -> int:
     h, e = config.hidden_size, config.num_experts
     ffn = moe_layer_config(config).moe_intermediate_size
     shared = config.shared_expert_intermediate_size or 0
-    return h * e + e * 3 * h * ffn + 3 * h * shared + (h if config.shared_expert_gate else 0)
+    total = h * e + e * 3 * h * ffn + 3 * h * shared + (h if config.shared_expert_gate else 0)
+    return total + expert_bias_parameters(config)
 
 
 def moe_matmul_weights(config: Any, layer_index: int = 0) -> int:
