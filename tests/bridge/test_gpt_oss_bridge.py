@@ -156,7 +156,7 @@ def test_mxfp4_export_without_kept_scales_keeps_every_value(tmp_path):
         assert torch.equal(_reference_dequantize(back[name], back[scales]), want), name
 
 
-@pytest.mark.parametrize("quant", [{"quant_method": "fp8", "weight_block_size": [128, 128]}, "mxfp4", {"bits": 4}])
+@pytest.mark.parametrize("quant", [{"quant_method": "gptq", "bits": 4}, "mxfp4", {"bits": 4}])
 def test_unknown_quantization_config_is_one_error_and_nothing_is_written(tmp_path, quant):
     hf = _hf_dir(tmp_path)
     config = json.loads((hf / "config.json").read_text())

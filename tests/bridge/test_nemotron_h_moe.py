@@ -1,12 +1,13 @@
 """The bridge on Nemotron-H with MoE layers: config.json both ways (the MoE keys become num_experts... and the
 router's knobs; a model without MoE layers has no experts whatever the file's default MoE keys say), the tensor
-rules of the experts, and the refusals (latent experts; the score-correction bias buffer, not carried yet)."""
+rules of the experts, and the refusal of latent experts, and the score-correction bias buffer carried both ways."""
 
 from __future__ import annotations
 
 import json
 
 import pytest
+import torch
 
 from mcore.bridge.config_translation import hf_to_mcore, mcore_to_hf
 from mcore.bridge.conversion_plan import steps_for
@@ -65,6 +66,15 @@ def test_refusals_name_the_key_or_tensor(moe_dir, tmp_path):
     original = json.loads((moe_dir / "config.json").read_text())
     with pytest.raises(BridgeError, match="moe_latent_size=64 .* is not supported"):
         hf_to_mcore({**original, "moe_latent_size": 64}, FAMILY)
-    # The router's score-correction bias is a buffer; until buffers travel with the parameters it is refused.
-    with pytest.raises(BridgeError, match=r"no nemotron_h mapping consumes: .*gate\.e_score_correction_bias"):
-        convert(moe_dir, tmp_path / "out", to="mcore", progress=False)
+
+
+def test_score_correction_bias_round_trips(moe_dir, tmp_path):
+    """The router's e_score_correction_bias (a buffer, our mlp.expert_bias) comes back bit for bit."""
+    from safetensors.torch import load_file
+
+    convert(moe_dir, tmp_path / "mcore", to="mcore", progress=False)
+    convert(tmp_path / "mcore", tmp_path / "hf", to="hf", progress=False)
+    source = {k: v for f in moe_dir.glob("*.safetensors") for k, v in load_file(f).items()}
+    back = {k: v for f in (tmp_path / "hf").glob("*.safetensors") for k, v in load_file(f).items()}
+    biases = [k for k in source if k.endswith("gate.e_score_correction_bias")]
+    assert biases and all(torch.equal(source[k], back[k]) for k in biases)

@@ -47,9 +47,9 @@ class BlockFormat:
 def block_format(config: dict[str, Any], where: str) -> BlockFormat | None:
     """The block format ``config.json``'s ``quantization_config`` announces (None: not quantized)."""
     q = config.get("quantization_config")
-    if q is None:
-        return None
-    if not isinstance(q, dict) or q.get("quant_method") != "fp8" or q.get("fmt", "e4m3") != "e4m3":
+    if not isinstance(q, dict) or q.get("quant_method") != "fp8":
+        return None  # not this format (other methods are checked, or refused, by mcore.bridge.quantization)
+    if q.get("fmt", "e4m3") != "e4m3":
         raise BridgeError(
             f"{where}: quantization_config {q!r} is not supported; the bridge reads DeepSeek's block-wise FP8 "
             "(quant_method 'fp8', fmt 'e4m3', weight_block_size [rows, cols])"

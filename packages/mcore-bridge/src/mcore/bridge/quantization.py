@@ -18,6 +18,7 @@ QUANT_KEY = "quantization_config"
 READERS: dict[str, str] = {
     "mxfp4": "GPT-OSS's MXFP4 experts, dequantized on import (mcore.bridge.mxfp4)",
     "bitnet": "BitNet's packed ternary weights (mcore.bridge.bitnet_packing)",
+    "fp8": "DeepSeek's block-wise FP8 weights, dequantized on import (mcore.bridge.fp8_blocks)",
 }
 
 

@@ -4,8 +4,8 @@ our ``input_norm`` (Mamba, attention layers) or ``mlp_norm`` (MLP layers). The l
 ``layers_block_type``, or Megatron's ``hybrid_override_pattern`` string in older files (read; written back as it was).
 MoE layers (``moe`` / ``E``: our ``moe_relu2`` MLP) hold the router ``mixer.gate.weight``, the experts stored per
 expert in the Hub's files (``mixer.experts.{i}.up_proj`` / ``down_proj``; transformers 5 merges them only in
-memory) and the shared expert ``mixer.shared_experts``. The router's ``gate.e_score_correction_bias`` is a buffer
-(our ``mlp.expert_bias``), which this bridge does not carry yet: a file holding one is refused, naming it.
+memory) and the shared expert ``mixer.shared_experts``. The router's ``gate.e_score_correction_bias`` is a
+persistent buffer (our ``mlp.expert_bias``), carried like a parameter.
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ TENSORS = (
     TensorRule("layers.{layer}.mlp.up.bias", (f"{X}.up_proj.bias",), when="mlp_bias", mlp="relu2"),
     TensorRule("layers.{layer}.mlp.down.bias", (f"{X}.down_proj.bias",), when="mlp_bias", mlp="relu2"),
     TensorRule("layers.{layer}.mlp.router.weight", (f"{X}.gate.weight",), mlp="moe_relu2"),
+    TensorRule("layers.{layer}.mlp.expert_bias", (f"{X}.gate.e_score_correction_bias",), mlp="moe_relu2"),
     TensorRule(
         "layers.{layer}.mlp.experts.up", (f"{X}.experts.{{expert}}.up_proj.weight",), "experts", mlp="moe_relu2"
     ),
