@@ -515,7 +515,9 @@ def launch_workers(
         log.write(f"===== {', '.join(names)} on {world_size} rank(s)\n$ {' '.join(cmd)}\n")
         log.flush()
         offset = log.tell()
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=dict(env), start_new_session=True)
+        proc = subprocess.Popen(
+            cmd, stdout=log, stderr=subprocess.STDOUT, env=dict(env), start_new_session=True, preexec_fn=_end_with_us
+        )
         try:
             code = proc.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
@@ -529,6 +531,15 @@ def launch_workers(
             log.seek(offset)
             tail = "\n".join(log.read().splitlines()[-40:])
     return Launch(list(names), world_size, code, seconds, str(log_path), tail)
+
+
+def _end_with_us() -> None:
+    """In the child, before it runs: SIGKILL when this orchestrator dies. Its own session keeps it out of signals
+    sent to ours, so without this an orchestrator killed by an outer ``timeout`` left its worker holding the GPU
+    (seen on the H200, 2026-12-01: 112 GB held through the next benchmark)."""
+    from mcore.train.parent_watch import _request_parent_death_signal
+
+    _request_parent_death_signal(signal.SIGKILL)
 
 
 def _stop(proc: subprocess.Popen) -> None:
