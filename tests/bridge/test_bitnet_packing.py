@@ -30,8 +30,11 @@ hf_bitnet = pytest.importorskip("transformers.integrations.bitnet")
 
 
 @pytest.fixture
-def no_compile(monkeypatch):
-    monkeypatch.setattr(torch._dynamo.config, "disable", True)  # transformers' unpack is torch.compile'd
+def no_compile():
+    # transformers' unpack is torch.compile'd. Not monkeypatch: pytest >= 9.2 undoes a patched config entry with
+    # delattr, which hides it from torch for the rest of the session (every later torch.compile then fails).
+    with torch._dynamo.config.patch(disable=True):
+        yield
 
 
 def _ternary(rows, cols, seed=0):

@@ -162,8 +162,8 @@ def nemotron_h_to_mcore_state(hf_state, config):
             qkv = [out.pop(a + f"{n}_proj.weight") for n in "qkv"]
             out[a + "qkv.weight"] = _fuse_qkv(*qkv, config)
     for name in list(out):
-        if name.endswith("mlp.gate.e_score_correction_bias"):  # a buffer (our mlp.expert_bias), not a parameter
-            out.pop(name)
+        if name.endswith("mlp.gate.e_score_correction_bias"):  # a persistent buffer on both sides
+            out[name.replace("mlp.gate.e_score_correction_bias", "mlp.expert_bias")] = out.pop(name)
             continue
         for old, new in _NEMOTRON_RENAMES.items():
             if f".{old}" in name:

@@ -29,8 +29,11 @@ def _online(hf: torch.nn.Module) -> torch.nn.Module:
 
 
 @pytest.fixture
-def no_compile(monkeypatch):
-    monkeypatch.setattr(torch._dynamo.config, "disable", True)  # HF's quantizers are torch.compile'd
+def no_compile():
+    # HF's quantizers are torch.compile'd. Not monkeypatch: pytest >= 9.2 undoes a patched config entry with
+    # delattr, which hides it from torch for the rest of the session (every later torch.compile then fails).
+    with torch._dynamo.config.patch(disable=True):
+        yield
 
 
 def test_quant_bitnet_equals_hf_online_bitlinear(no_compile):

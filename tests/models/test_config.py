@@ -121,7 +121,7 @@ def test_overrides_and_family_behaviour_is_data():
     moe = {"mixtral", "qwen3_moe", "qwen2_moe", "olmoe"}
     deepseek = {"deepseek_v3", "deepseek_v2"}
     ssm = {"mamba2", "nemotron_h", "falcon_h1"}
-    assert set(FAMILIES) == {"llama", "qwen2", "qwen3", "mistral", *moe, *ssm, "bitnet", *deepseek}
+    assert set(FAMILIES) == {"llama", "qwen2", "qwen3", "mistral", *moe, *ssm, "bitnet", *deepseek, "gpt_oss"}
 
 
 def test_presets_cannot_be_mutated_through_a_config():

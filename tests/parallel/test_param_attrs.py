@@ -40,6 +40,7 @@ NOT_PARAMETERS = {
     "data",
     "model",
     "ctx",
+    "context",
     "parallel",
     "layout",
     "lay",

@@ -22,6 +22,7 @@ from mcore.kernels import swiglu
 from mcore.kernels.clamped_swiglu import clamped_swiglu
 from mcore.kernels.moe import grouped_gemm, grouped_gemm_of_activation
 from mcore.parallel.expert_parallel import GroupedExperts, MoELayer, Router, router_logits
+from mcore.parallel.param_attrs import is_sequence_parallel, mark_sequence_parallel
 from mcore.parallel.tensor_parallel import set_tensor_parallel_attributes
 
 __all__ = ["BiasedGroupedExperts", "BiasedRouter", "use_gpt_oss_options"]
@@ -139,8 +140,8 @@ def use_gpt_oss_options(
         layer.router = BiasedRouter(
             hidden, old.weight.shape[0], init_std=old.init_std, params_dtype=old.weight.dtype, device=old.weight.device
         )
-        layer.router.weight.sequence_parallel = getattr(old.weight, "sequence_parallel", False)
-        layer.router.bias.sequence_parallel = layer.router.weight.sequence_parallel
+        mark_sequence_parallel(layer.router.weight, is_sequence_parallel(old.weight))
+        mark_sequence_parallel(layer.router.bias, is_sequence_parallel(old.weight))
     if expert_biases or activation is not None:
         old = layer.experts
         if getattr(old, "gemm", "grouped") != "grouped":
