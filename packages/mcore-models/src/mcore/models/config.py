@@ -61,6 +61,10 @@ class TransformerConfig:
     ``attention_bias`` adds biases to the Q/K/V projection (Qwen2),
     ``attention_out_bias`` to the output projection (HF Llama's ``attention_bias=True`` sets both).
     ``make_vocab_size_divisible_by`` (Megatron's name) pads the vocabulary to a multiple of it times tp.
+    GPT-OSS: ``attention_sinks`` adds a learned logit per head to the softmax denominator (trained).
+    ``router_bias`` adds a bias to the MoE router's logits. ``expert_biases`` adds biases to every expert's two
+    projections. ``swiglu_alpha`` is the clamped SwiGLU's sigmoid slope (1.702; None: plain SwiGLU).
+    ``swiglu_limit`` clamps gate and up to it (7.0; None: no clamp).
     The config is frozen: derive variants with ``dataclasses.replace``, which validates again.
     """
 
