@@ -13,6 +13,13 @@ the baseline's docstring; peak 989.4 TFLOP/s), peak memory, first-step time.
 record gets ``profile`` (``step_profile``'s breakdown) and ``time_breakdown`` (``moe_profile``: router, permute,
 unpermute, grouped GEMMs, expert activation, attention, other GEMMs, optimizer, rest, idle; ms and %).
 
+``--variants LAYOUT:GEMM,...`` runs ours once per variant, each in its own process beside the baselines of the same
+call: LAYOUT ``zero1`` (the distributed optimizer at dp=1: bf16 weights + fp32 masters, 18 bytes per parameter) or
+``fsdp`` (FSDP2 ``parallel.dp_shard``: fp32 weights that are the masters, 16 bytes, HF's layout), GEMM
+``moe_router.expert_gemm`` (``grouped`` or ``per_expert``: fp32 weight gradients straight into ``main_grad``). Each
+variant's record is ``{label}_{shape}.json``, label ``mcore[-fsdp][-per_expert]``; the summary gives each one's
+ratios to HF (``ratios_by_variant``). Default: ``zero1:<--expert-gemm>``, plus ``fsdp:<--expert-gemm>`` with ``--fsdp``.
+
 ``--micro`` (run first, in this process): the expert GEMMs of each shape through ``mcore.kernels.grouped_gemm``
 (forward + both backward GEMMs) against one dense GEMM of the same FLOPs, and the router / permute / unpermute
 ops, each timed with CUDA events (median of ``--iters``). The expert rows are padded to multiples of 8 per expert
@@ -23,6 +30,8 @@ ops, each timed with CUDA events (median of ``--iters``). The expert rows are pa
     python benchmarks/moe_throughput.py --json-dir DIR                 # one GPU: micro, then both shapes
     python benchmarks/moe_throughput.py --shape moonlight8l --json-dir DIR   # one shape (+ its micro-benchmarks)
     python benchmarks/moe_throughput.py --dry-run --json-dir DIR       # CPU, tiny fp32 shapes, no baseline
+    python benchmarks/moe_throughput.py --shape mixtral2l --skip-micro --skip-compile \
+        --variants zero1:per_expert,fsdp:grouped --json-dir DIR            # two of ours beside HF eager
 """
 
 from __future__ import annotations
@@ -46,6 +55,7 @@ HF_MOE_BASELINE = Path(__file__).resolve().parents[2] / "shared" / "bench" / "hf
 GPU_SHAPES = ("mixtral2l", "qwen3moe4l", "moonlight8l")
 DRY_RUN_SHAPES = ("tiny", "tiny_mla")
 BASELINES = {"hf": [], "hf-compile": ["--compile"]}
+EXPERT_GEMMS = ("grouped", "per_expert")
 
 # The baseline's shapes (its SHAPES table), as mcore model sections; "tiny" is the CPU dry run's.
 SHAPES: dict[str, dict[str, Any]] = {
@@ -143,6 +153,30 @@ FSDP_OVERRIDES = [
 ]
 
 
+LAYOUTS = ("zero1", "fsdp")
+
+
+def variant_label(fsdp: bool, expert_gemm: str) -> str:
+    """``mcore[-fsdp][-per_expert]``: the name of one of our runs (its JSON file and its row in the table)."""
+    return "mcore" + ("-fsdp" if fsdp else "") + ("" if expert_gemm == "grouped" else f"-{expert_gemm}")
+
+
+def parse_variants(text: str) -> list[tuple[bool, str]]:
+    """``"zero1:grouped,fsdp:per_expert"`` -> ``[(fsdp, expert_gemm), ...]``; one ValueError naming a bad entry."""
+    out: list[tuple[bool, str]] = []
+    for item in (part.strip() for part in text.split(",")):
+        layout, _, gemm = item.partition(":")
+        if layout not in LAYOUTS or gemm not in EXPERT_GEMMS:
+            raise ValueError(
+                f"--variants entry {item!r}: want LAYOUT:GEMM with LAYOUT one of {LAYOUTS} and GEMM one of "
+                f"{EXPERT_GEMMS}, e.g. zero1:per_expert"
+            )
+        if (layout == "fsdp", gemm) in out:
+            raise ValueError(f"--variants lists {item!r} twice")
+        out.append((layout == "fsdp", gemm))
+    return out
+
+
 def build_spec(
     shape_name: str,
     *,
@@ -170,7 +204,7 @@ def build_spec(
     if fsdp:
         overrides = [o for o in overrides if not o.startswith("parallel.distributed_optimizer")] + FSDP_OVERRIDES
     model = moe_model(shape, align=1 if dry_run else 8, expert_gemm=expert_gemm)
-    name = f"mcore{'-fsdp' if fsdp else ''}_{shape_name}"
+    name = f"{variant_label(fsdp, expert_gemm)}_{shape_name}"
     return RunSpec(name, 1, overrides, model, 1 + warmup, profile_steps=profile_steps)
 
 
@@ -189,7 +223,7 @@ def run_ours(args: argparse.Namespace) -> int:
     runtime.shutdown()
     keys = ("params", "tokens_per_s", "step_s", "tflops_per_gpu", "mfu", "peak_mem_gb", "first_step_s", "gpu", "torch")
     record = {
-        "impl": "mcore" + ("-fsdp" if args.fsdp else "") + ("-dryrun" if args.dry_run else ""),
+        "impl": variant_label(args.fsdp, args.expert_gemm) + ("-dryrun" if args.dry_run else ""),
         "shape": args.shape,
         **SHAPES[args.shape],
         **{k: result[k] for k in keys},
@@ -210,20 +244,13 @@ def run_ours(args: argparse.Namespace) -> int:
 
 
 def _runs(args: argparse.Namespace, shape: str, out: Path) -> list[tuple[str, list[str]]]:
-    ours = [str(Path(__file__).resolve()), "--only", "mcore", "--shape", shape, "--iters", str(args.iters)]
-    ours += [
-        "--warmup",
-        str(args.warmup),
-        "--profile-steps",
-        str(args.profile_steps),
-        "--expert-gemm",
-        args.expert_gemm,
-    ]
-    ours += ["--json", str(out / f"mcore_{shape}.json")]
-    runs = [("mcore", ours + (["--dry-run"] if args.dry_run else []))]
-    if args.fsdp:
-        fsdp = [a.replace(f"mcore_{shape}.json", f"mcore-fsdp_{shape}.json") for a in runs[0][1]]
-        runs.append(("mcore-fsdp", fsdp + ["--fsdp"]))
+    runs = []
+    for fsdp, gemm in args.variant_list:
+        label = variant_label(fsdp, gemm)
+        ours = [str(Path(__file__).resolve()), "--only", "mcore", "--shape", shape, "--iters", str(args.iters)]
+        ours += ["--warmup", str(args.warmup), "--profile-steps", str(args.profile_steps), "--expert-gemm", gemm]
+        ours += ["--json", str(out / f"{label}_{shape}.json")]
+        runs.append((label, ours + (["--dry-run"] if args.dry_run else []) + (["--fsdp"] if fsdp else [])))
     if args.skip_baseline or args.dry_run or not SHAPES[shape].get("baseline", True):
         return runs
     for label, extra in BASELINES.items():
@@ -272,8 +299,10 @@ def orchestrate(args: argparse.Namespace) -> int:
                 summary["failures"].append(f"{label} on {shape}: exit {launch.returncode} (log {launch.log})")
             baseline = "skipped" if skip_baseline else str(args.hf_baseline)
             entry = {"results": results, "ratios": ratios(results), "baseline": baseline}
-            if args.fsdp:
-                entry["ratios_fsdp"] = ratios({**results, "mcore": results.get("mcore-fsdp")})
+            entry["ratios_by_variant"] = {
+                label: ratios({**results, "mcore": results.get(label)})
+                for label in (variant_label(*v) for v in args.variant_list)
+            }
             summary["shapes"][shape] = entry
             write_json(out / "summary.json", {**summary, "markdown": _render(summary)})
     print(_render(summary), flush=True)
@@ -292,12 +321,12 @@ def _render(summary: dict[str, Any]) -> str:
     }
     lines = [render(summary)]
     for shape, entry in summary["shapes"].items():
-        r = entry.get("ratios_fsdp")
-        if r and r["tokens_per_s_vs_hf"] is not None:
-            lines.append(
-                f"- {shape} with FSDP2: tokens/s vs HF-eager {r['tokens_per_s_vs_hf']:.3f}, peak memory vs HF-eager "
-                f"{r['peak_mem_vs_hf']:.3f}"
-            )
+        for label, r in entry.get("ratios_by_variant", {}).items():
+            if label != "mcore" and r["tokens_per_s_vs_hf"] is not None:
+                lines.append(
+                    f"- {shape} {label}: tokens/s vs HF-eager {r['tokens_per_s_vs_hf']:.3f}, peak memory vs HF-eager "
+                    f"{r['peak_mem_vs_hf']:.3f}"
+                )
     profiled = render_moe_breakdowns(breakdowns)
     return "\n".join(lines) + ("\n\n" + profiled if profiled else "")
 
@@ -318,9 +347,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--timeout", type=float, default=600.0, help="seconds per run (600)")
     ap.add_argument("--dry-run", action="store_true", help="CPU, tiny fp32 shape, 3 iterations, no baseline")
     ap.add_argument("--fsdp", action="store_true", help="also run ours with FSDP2 (parallel.dp_shard=true)")
-    ap.add_argument(
-        "--expert-gemm", choices=["grouped", "per_expert"], default="grouped", help="moe_router.expert_gemm (grouped)"
-    )
+    ap.add_argument("--expert-gemm", choices=EXPERT_GEMMS, default="grouped", help="moe_router.expert_gemm (grouped)")
+    ap.add_argument("--variants", default=None, help="ours as LAYOUT:GEMM,... (zero1|fsdp : grouped|per_expert)")
     ap.add_argument(
         "--profile-steps", type=int, default=None, help="steps after the timed ones under the CUDA profiler (1; dry 0)"
     )
@@ -336,6 +364,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         ap.error("--only mcore needs --json FILE and one --shape")
     if args.shape in (*DRY_RUN_SHAPES, "gptoss_tiny") and not (args.dry_run or args.only):
         ap.error("--shape tiny is the dry-run shape; use --dry-run")
+    default = f"zero1:{args.expert_gemm}" + (f",fsdp:{args.expert_gemm}" if args.fsdp else "")
+    try:
+        args.variant_list = parse_variants(args.variants if args.variants is not None else default)
+    except ValueError as exc:
+        ap.error(str(exc))
     if args.json_dir is None and not args.only:
         args.json_dir = Path(tempfile.mkdtemp(prefix="mcore-moe-throughput-"))
     return args

@@ -45,6 +45,12 @@ LAYOUTS4 = {
     "tp2-sp-ep2": ["parallel.tp=2", "parallel.sequence_parallel=true", "parallel.ep=2"],
     "tp2-ep2-etp1": ["parallel.tp=2", "parallel.ep=2", "parallel.etp=1"],
     "pp2-ep2": ["parallel.pp=2", "parallel.ep=2"],
+    # FSDP2 (ZeRO-3) at ep 1: the experts sharded with the rest over dp, fp32 shards as the master weights
+    "dp4-shard": ["parallel.dp_shard=true"],
+    "dp4-shard-per-expert": [
+        "parallel.dp_shard=true",
+        "model.moe_router={z_loss_coef: 0.001, expert_bias: true, bias_update_rate: 0.01, expert_gemm: per_expert}",
+    ],
 }
 
 
