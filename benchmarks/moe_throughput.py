@@ -51,7 +51,16 @@ from moe_micro import run_micro
 from moe_profile import moe_time_breakdown, render_moe_breakdowns
 from train_throughput import ratios, render
 
-HF_MOE_BASELINE = Path(__file__).resolve().parents[2] / "shared" / "bench" / "hf_moe_baseline.py"
+# ../shared beside a checkout (the lead's), or shared/ inside it (the GPU machine's copy)
+_ROOT = Path(__file__).resolve().parents[1]
+HF_MOE_BASELINE = (
+    next(
+        (p for p in (_ROOT.parent / "shared", _ROOT / "shared") if (p / "bench" / "hf_moe_baseline.py").is_file()),
+        _ROOT.parent / "shared",
+    )
+    / "bench"
+    / "hf_moe_baseline.py"
+)
 GPU_SHAPES = ("mixtral2l", "qwen3moe4l", "moonlight8l")
 DRY_RUN_SHAPES = ("tiny", "tiny_mla")
 BASELINES = {"hf": [], "hf-compile": ["--compile"]}
