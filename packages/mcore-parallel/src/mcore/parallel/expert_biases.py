@@ -144,6 +144,11 @@ def use_gpt_oss_options(
         mark_sequence_parallel(layer.router.bias, is_sequence_parallel(old.weight))
     if expert_biases or activation is not None:
         old = layer.experts
+        if not old.gated:
+            raise ValueError(
+                f"GPT-OSS's expert biases and clamped SwiGLU need gated SwiGLU experts, not {old.activation_name!r} "
+                "ones; set expert_biases=false and swiglu_alpha/swiglu_limit to null"
+            )
         if getattr(old, "gemm", "grouped") != "grouped":
             raise ValueError(
                 f"moe_router.expert_gemm={old.gemm!r} does not take GPT-OSS's expert biases and clamped SwiGLU; "
