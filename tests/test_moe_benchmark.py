@@ -13,15 +13,11 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-# ../shared beside a checkout (the lead's), or shared/ inside it (the GPU machine's copy)
-HF_MOE_BASELINE = (
-    next(
-        (p for p in (ROOT.parent / "shared", ROOT / "shared") if (p / "bench" / "hf_moe_baseline.py").is_file()),
-        ROOT.parent / "shared",
-    )
-    / "bench"
-    / "hf_moe_baseline.py"
-)
+sys.path.insert(0, str(ROOT / "benchmarks"))
+try:
+    from moe_throughput import HF_MOE_BASELINE  # ../shared beside a checkout or shared/ inside it
+finally:
+    sys.path.remove(str(ROOT / "benchmarks"))
 BASELINE_KEYS = ("impl", "shape", "params", "tokens_per_s", "step_s", "tflops_per_gpu", "mfu", "peak_mem_gb")
 
 
