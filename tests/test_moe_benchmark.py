@@ -140,7 +140,7 @@ def test_memory_breakdown_dry_run(tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
     script = ROOT / "benchmarks" / "moe_memory.py"
     proc = subprocess.run(
-        [sys.executable, str(script), "--dry-run", "--steps", "2", "--json", str(out)],
+        [sys.executable, str(script), "--dry-run", "--steps", "2", "--json", str(out), "--expert-gemm", "per_expert"],
         capture_output=True,
         text=True,
         env=env,
@@ -150,6 +150,7 @@ def test_memory_breakdown_dry_run(tmp_path):
     assert record["shape"] == "tiny" and record["layout"] == "zero1" and record["params"] > 0
     assert len(record["steps"]) == 3 and record["peak_gb"] is None  # after the build, then 2 steps; CPU: no CUDA
     assert set(record["steps"][1]) >= {"start_gb", "forward_backward_peak_gb", "optimizer_peak_gb", "end_gb"}
+    assert "after_forward_gb" in record["steps"][1] and record["expert_gemm"] == "per_expert"
 
 
 def test_summary_renders_every_profiled_run_and_each_variants_ratios():
