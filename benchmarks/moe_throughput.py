@@ -90,9 +90,7 @@ def moe_model(shape: dict[str, Any], *, align: int, expert_gemm: str = "grouped"
     if shape["family"] == "deepseek_v3":
         return mla_moe_model(shape, align=align, expert_gemm=expert_gemm)
     if shape["family"] == "gpt_oss":
-        if expert_gemm != "grouped":
-            raise SystemExit("--expert-gemm: GPT-OSS's biased experts run as grouped GEMMs only")
-        return gpt_oss_model(shape, align=align)
+        return gpt_oss_model(shape, align=align, expert_gemm=expert_gemm)
     mixtral = shape["family"] == "mixtral"
     router: dict[str, Any] = {"align": align} if align > 1 else {}
     if expert_gemm != "grouped":
