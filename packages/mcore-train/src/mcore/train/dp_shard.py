@@ -82,6 +82,7 @@ def fully_shard_chunks(
                 param_dtype=None if compute_dtype == torch.float32 else compute_dtype,
                 reduce_dtype=torch.float32,
                 reshard_after_forward=config.parallel.dp_shard_reshard_after_forward,
+                reduce_every_microbatch=config.parallel.dp_shard_reduce_every_microbatch,
                 tied=tied,
             )
         )
