@@ -1,6 +1,7 @@
 """``parallel.dp_shard`` (ZeRO-3 on FSDP2) through mcore-train: training, checkpoints, resume across layouts.
 
-- four gloo ranks, llama-tiny in fp32: dp=4, tp=2 x dp=2, pp=2 x dp=2 (tied embeddings) and pp=2 x vpp=2 x dp=2
+- one gloo rank (the ``auto`` settings at dp=1: layers kept gathered, 8 micro-batches reduced once per step) and
+  four, llama-tiny in fp32: dp=1, dp=4, tp=2 x dp=2, pp=2 x dp=2 (tied embeddings) and pp=2 x vpp=2 x dp=2
   (interleaved 1F1B, two sharded chunks per rank; 4 layers) give the single-process losses within 1e-5 over 4
   steps; stopping at step 2 and resuming at dp=4 gives the straight run bit for bit;
 - resharding: the dp=4 ZeRO-3 checkpoint loaded at ZeRO-1 dp=2 and saved again, then loaded at ZeRO-3
@@ -50,6 +51,11 @@ def _four_rank_cases(rank: int, world_size: int, base):
     return out
 
 
+def _one_rank_case(rank: int, world_size: int, base):
+    train(base / "dp1", *STEPS, SHARD)
+    return train_records(base / "dp1")
+
+
 def _save_after_loading(base, name, load, *extra):
     """Build the trainer from checkpoint ``load`` and save it straight away (no step) into ``base / name``."""
     from mcore.train.checkpoint.directory import CheckpointDirectory
@@ -94,12 +100,13 @@ def results(tmp_path_factory):
     train(base / "single_4layers", *STEPS, LAYERS_4)
     train(base / "single_bf16", *BF16)
     four = run_workers(4, _four_rank_cases, base)
+    four[0]["dp1"] = run_workers(1, _one_rank_case, base)[0]
     two = run_workers(2, _two_rank_cases, base, four[0]["checkpoint"])[0]
     singles = {name: train_records(base / f"single{name}") for name in ("", "_tied", "_4layers")}
     return singles, train_records(base / "single_bf16"), four[0], two
 
 
-@pytest.mark.parametrize("layout", ["dp4", "tp2_dp2", "pp2_dp2_tied", "pp2_vpp2_dp2_4layers"])
+@pytest.mark.parametrize("layout", ["dp1", "dp4", "tp2_dp2", "pp2_dp2_tied", "pp2_vpp2_dp2_4layers"])
 def test_dp_shard_trains_like_one_process(results, layout):
     singles, _, four, _ = results
     single = singles["_tied" if layout.endswith("tied") else "_4layers" if layout.endswith("4layers") else ""]

@@ -165,12 +165,25 @@ class FullyShardedDataParallel(nn.Module):
                     unit.set_modules_to_forward_prefetch([sharded[i + 1]])
                 if i > 0:
                     unit.set_modules_to_backward_prefetch([sharded[i - 1]])
+        # a forward without backward (evaluation, generation) would leave the units kept gathered, and the module
+        # would show their gathered parameters instead of the shards (to checkpoints, to the next step)
+        self._fsdp_modules = [m for m in module.modules() if isinstance(m, FSDPModule)]
+        module.register_forward_hook(self._reshard_unless_training)
         self._hook_handles = [user.register_forward_pre_hook(_tie(attr, owner, src)) for user, attr, owner, src in tied]
         for user, attr, owner, src in tied:
             user._parameters[attr] = getattr(owner, src)  # the sharded parameter until the first forward
 
     def forward(self, *args, **kwargs):
         return self.module(*args, **kwargs)
+
+    def _reshard_unless_training(self, module: nn.Module, args, output) -> None:
+        if not torch.is_grad_enabled():
+            self.reshard()
+
+    def reshard(self) -> None:
+        """Free every gathered unit: the module's parameters are the shards again (no-op where they are)."""
+        for m in self._fsdp_modules:
+            m.reshard()
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
