@@ -9,6 +9,8 @@ of the toy LM (four units and the root: five groups), and the run is compared wi
   gather before each forward and backward and reduce every micro-batch (the counters see the difference);
 - two ranks, ``"auto"``: the shards stay sharded, every micro-batch is reduced (the ZeRO-3 memory profile) and
   the last unit is not gathered again for its backward; ``reduce_every_microbatch=False`` reduces once per step;
+- an embedding marked ``no_backward_gather`` is not gathered for its backward;
+- a forward without grad (evaluation, generation) leaves every unit resharded, so the module shows its shards;
 - every run equals the single-process run within 1e-5 (losses, gradient norms, parameters);
 - a setting other than True, False or "auto" is refused by name.
 """
@@ -21,14 +23,16 @@ import warnings
 import pytest
 import torch
 from torch.distributed.fsdp._fully_shard import _fsdp_param_group
+from torch.distributed.tensor import DTensor
 
-from mcore.parallel import ParallelConfig, ProcessGroups, build_process_groups
-from mcore.parallel.fsdp import FullyShardedDataParallel, reshard_policy
+from mcore.parallel import ParallelConfig, ProcessGroups, build_process_groups, default_param_groups
+from mcore.parallel.fsdp import FullyShardedDataParallel, data_parallel_mesh, reshard_policy
+from mcore.parallel.sharded_optimizer import FullyShardedOptimizer
 from tests.helpers.distributed import run_workers
 from tests.parallel import _training as T
 from tests.parallel._helpers import case_result, run_cases
-from tests.parallel._toy_model import ParallelToyLM
-from tests.parallel.test_fsdp import TOL, _against_reference, _sharded
+from tests.parallel._toy_model import ParallelToyLM, batch
+from tests.parallel.test_fsdp import TOL, _against_reference
 
 STEPS = 3
 GROUPS = 5  # embedding, two layers, output layer, root
@@ -56,10 +60,26 @@ def _counting():
         _fsdp_param_group.foreach_reduce, group_cls._to_unsharded = reduce, to_unsharded
 
 
+def _build(groups, *, embedding_backward_gather: bool = True, **settings):
+    """``test_fsdp._sharded`` with the ``auto`` settings unless given, optionally the embedding not gathered for
+    its backward."""
+    model = ParallelToyLM(T.CFG, groups)
+    model.init_weights(T.SEED)
+    units = [model.embedding, *model.layers, model.output]
+    no_gather = [] if embedding_backward_gather else [model.embedding]
+    wrapper = FullyShardedDataParallel(
+        model, data_parallel_mesh(groups.dp_cp, "cpu"), units=units, no_backward_gather=no_gather, **settings
+    )
+    opt = FullyShardedOptimizer(
+        wrapper, default_param_groups(wrapper, T.WEIGHT_DECAY), lr=T.LR, clip_grad=T.CLIP, groups=groups
+    )
+    return wrapper, opt
+
+
 def _counted_case(world_size: int, **settings):
     warnings.filterwarnings("ignore", message="FSDP2-wrapped module")  # the toy LM returns a transposed view
     groups = build_process_groups(ParallelConfig().resolve(world_size))
-    wrapper, opt = _sharded(groups, **{"reduce_every_microbatch": "auto", **settings})
+    wrapper, opt = _build(groups, **settings)
     with _counting() as counts:
         run = T.train(groups, wrapper, opt, range(STEPS))
     out = _against_reference(run, wrapper, groups, T.reference_run(STEPS))
@@ -69,18 +89,37 @@ def _counted_case(world_size: int, **settings):
     return out
 
 
+def _no_grad_forward_case():
+    """A forward without grad (evaluation) leaves no unit gathered: the module shows its shards."""
+    warnings.filterwarnings("ignore", message="FSDP2-wrapped module")
+    groups = build_process_groups(ParallelConfig().resolve(1))
+    wrapper, _ = _build(groups)
+    ids, labels = batch(T.CFG, 0, 4)
+    gathered = []
+    for grad in (True, False):
+        with torch.set_grad_enabled(grad):
+            wrapper(ids, labels).mean()
+        gathered.append(sorted(n for n, p in wrapper.module.named_parameters() if not isinstance(p, DTensor)))
+    return {"after_training_forward": gathered[0], "after_no_grad_forward": gathered[1]}
+
+
 def _one_rank_cases(rank: int, world_size: int):
     return run_cases(
         {
             "auto": lambda: _counted_case(1),
             "zero3_settings": lambda: _counted_case(1, reshard_after_forward=True, reduce_every_microbatch=True),
+            "no_grad_forward": _no_grad_forward_case,
         }
     )
 
 
 def _two_rank_cases(rank: int, world_size: int):
     return run_cases(
-        {"auto": lambda: _counted_case(2), "reduce_once": lambda: _counted_case(2, reduce_every_microbatch=False)}
+        {
+            "auto": lambda: _counted_case(2),
+            "reduce_once": lambda: _counted_case(2, reduce_every_microbatch=False),
+            "embedding_not_gathered": lambda: _counted_case(2, embedding_backward_gather=False),
+        }
     )
 
 
@@ -124,6 +163,19 @@ def test_two_ranks_can_reduce_once_per_step(two_ranks):
     for out in case_result(two_ranks, "reduce_once"):
         _assert_equal_to_single_process(out)
         assert out["per_step"]["reductions"] == GROUPS
+
+
+def test_two_ranks_skip_the_embedding_gather_in_backward(two_ranks):
+    for out in case_result(two_ranks, "embedding_not_gathered"):
+        _assert_equal_to_single_process(out)
+        # the embedding's weight gradient needs only the token ids: two layer units gathered in backward
+        assert out["per_step"]["gathers"] == T.MICRO_BATCHES * (GROUPS + 2)
+
+
+def test_a_forward_without_grad_leaves_the_shards_in_the_module(one_rank):
+    (out,) = case_result(one_rank, "no_grad_forward")
+    assert out["after_training_forward"]  # the auto settings keep the units gathered until the backward
+    assert out["after_no_grad_forward"] == []
 
 
 def test_reshard_policy_by_mesh_size():

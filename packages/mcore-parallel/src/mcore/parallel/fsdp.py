@@ -104,7 +104,8 @@ class FullyShardedDataParallel(nn.Module):
 
     ``reshard_after_forward`` and ``reduce_every_microbatch``: ``True``, ``False`` or ``"auto"`` (see the module
     docstring: by the mesh size); ``reshard_after_forward`` applies to the units, the root is never resharded
-    after its forward (FSDP2's rule).
+    after its forward (FSDP2's rule). ``no_backward_gather``: units whose backward needs none of their parameters
+    (an embedding: its weight gradient is a scatter of the output gradient), not gathered again for it.
     """
 
     def __init__(
@@ -119,27 +120,18 @@ class FullyShardedDataParallel(nn.Module):
         prefetch: bool = True,
         reduce_every_microbatch: bool | Auto = AUTO,
         tied: Sequence[tuple[nn.Module, str, nn.Module, str]] = (),
+        no_backward_gather: Sequence[nn.Module] = (),
     ) -> None:
         super().__init__()
-        if not isinstance(module, nn.Module):
-            raise TypeError(f"FullyShardedDataParallel wraps an nn.Module, got {type(module).__name__}")
-        _check_setting("reshard_after_forward", reshard_after_forward)
-        _check_setting("reduce_every_microbatch", reduce_every_microbatch)
-        if not isinstance(mesh, DeviceMesh) or mesh.ndim != 1:
-            raise TypeError(f"FullyShardedDataParallel: mesh must be a 1-D DeviceMesh (data_parallel_mesh), got {mesh}")
+        for name, value in (
+            ("reshard_after_forward", reshard_after_forward),
+            ("reduce_every_microbatch", reduce_every_microbatch),
+        ):
+            _check_setting(name, value)
+        _check_arguments(module, mesh, units, tied, no_backward_gather)
         for name, dtype in (("param_dtype", param_dtype), ("reduce_dtype", reduce_dtype)):
             if dtype is not None and (not isinstance(dtype, torch.dtype) or not dtype.is_floating_point):
                 raise TypeError(f"FullyShardedDataParallel: {name} must be a float torch.dtype or None, got {dtype}")
-        inside = {id(m) for m in module.modules()}
-        for i, unit in enumerate(units):
-            if id(unit) not in inside or unit is module:
-                raise ValueError(f"FullyShardedDataParallel: units[{i}] ({type(unit).__name__}) is not a submodule")
-        for _, _, owner, _ in tied:
-            if any(owner is u for u in units):
-                raise ValueError(
-                    f"FullyShardedDataParallel: the owner of a tied parameter ({type(owner).__name__}) must stay in "
-                    "the root group, not be a unit (its user runs outside that unit's forward)"
-                )
         self.module = module
         self.mesh = mesh
         self.dp_size = mesh.size()
@@ -156,15 +148,14 @@ class FullyShardedDataParallel(nn.Module):
             for unit, reshard in zip(with_params, self.reshard_after_forward, strict=True)
         ]
         fully_shard(module, reshard_after_forward=False, **kwargs)  # FSDP2 keeps the root gathered regardless
+        for unit in no_backward_gather:
+            if isinstance(unit, FSDPModule) and hasattr(unit, "set_unshard_in_backward"):
+                unit.set_unshard_in_backward(False)
         for name, p in module.named_parameters():
             for key, value in attributes[name].items():
                 setattr(p, key, value)
         if prefetch:
-            for i, unit in enumerate(sharded):
-                if i + 1 < len(sharded):
-                    unit.set_modules_to_forward_prefetch([sharded[i + 1]])
-                if i > 0:
-                    unit.set_modules_to_backward_prefetch([sharded[i - 1]])
+            _set_prefetch(sharded)
         # a forward without backward (evaluation, generation) would leave the units kept gathered, and the module
         # would show their gathered parameters instead of the shards (to checkpoints, to the next step)
         self._fsdp_modules = [m for m in module.modules() if isinstance(m, FSDPModule)]
@@ -218,6 +209,35 @@ class FullyShardedDataParallel(nn.Module):
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
         return self.module.load_state_dict(state_dict, strict=strict, assign=assign)
+
+
+def _check_arguments(module, mesh, units, tied, no_backward_gather) -> None:
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"FullyShardedDataParallel wraps an nn.Module, got {type(module).__name__}")
+    if not isinstance(mesh, DeviceMesh) or mesh.ndim != 1:
+        raise TypeError(f"FullyShardedDataParallel: mesh must be a 1-D DeviceMesh (data_parallel_mesh), got {mesh}")
+    inside = {id(m) for m in module.modules()}
+    for i, unit in enumerate(units):
+        if id(unit) not in inside or unit is module:
+            raise ValueError(f"FullyShardedDataParallel: units[{i}] ({type(unit).__name__}) is not a submodule")
+    for i, unit in enumerate(no_backward_gather):
+        if not any(unit is u for u in units):
+            raise ValueError(f"FullyShardedDataParallel: no_backward_gather[{i}] ({type(unit).__name__}) is not a unit")
+    for _, _, owner, _ in tied:
+        if any(owner is u for u in units):
+            raise ValueError(
+                f"FullyShardedDataParallel: the owner of a tied parameter ({type(owner).__name__}) must stay in "
+                "the root group, not be a unit (its user runs outside that unit's forward)"
+            )
+
+
+def _set_prefetch(sharded: Sequence[FSDPModule]) -> None:
+    """Each unit's forward issues the next unit's gather, its backward the previous unit's."""
+    for i, unit in enumerate(sharded):
+        if i + 1 < len(sharded):
+            unit.set_modules_to_forward_prefetch([sharded[i + 1]])
+        if i > 0:
+            unit.set_modules_to_backward_prefetch([sharded[i - 1]])
 
 
 def _tie(attr: str, owner: nn.Module, src: str):

@@ -2,7 +2,8 @@
 
 Each transformer layer is one FSDP unit, as are the embedding and the output layer when they are not tied; a tied
 embedding stays in the chunk's root unit with the final norm, because the output layer that multiplies by it runs
-outside the embedding's forward. The chunks are built in fp32 (the shards are the master weights) and compute in
+outside the embedding's forward. The embedding unit is not gathered for its backward (its weight gradient needs
+only the token ids). The chunks are built in fp32 (the shards are the master weights) and compute in
 ``train.precision`` through FSDP's mixed-precision policy, reducing gradients in fp32. A run of one process
 without a launcher gets a one-rank process group (FSDP2 needs one), created here.
 """
@@ -84,6 +85,7 @@ def fully_shard_chunks(
                 reshard_after_forward=config.parallel.dp_shard_reshard_after_forward,
                 reduce_every_microbatch=config.parallel.dp_shard_reduce_every_microbatch,
                 tied=tied,
+                no_backward_gather=[u for u in units if u is getattr(chunk, "embedding", None)],
             )
         )
     return wrapped
