@@ -10,9 +10,10 @@ memory: its out-of-memory error and the memory it held are the record.
 
 Part ``8b4l``: the cost of each mode on the ``8b4l`` shape of ``train_throughput.py`` (4 layers, micro-batch 2,
 one micro-batch per step): ZeRO-1 at dp=1 as the reference, ``parallel.dp_shard`` (FSDP2) at world size 1 with its
-``auto`` settings (layers kept gathered from forward to backward) and with every layer resharded after its forward
-(``dp_shard_reshard``: what a re-gather costs at one rank), the optimizer offloaded at 25% and 100%, activation
-offload of attention+MLP and of whole layers, selective and full recompute. ``--profile-steps 1`` adds one step
+``auto`` settings (layers kept gathered from forward to backward, weight gradients accumulated in fp32 inside the
+GEMMs), without that fusion (``dp_shard_no_fusion``: FSDP's cast and copies of each gradient) and with every layer
+resharded after its forward (``dp_shard_reshard``: what a re-gather costs at one rank), the optimizer offloaded
+at 25% and 100%, activation offload of attention+MLP and of whole layers, selective and full recompute. ``--profile-steps 1`` adds one step
 under the CUDA profiler per configuration: where the step's GPU time goes (``step_profile.py``'s categories;
 FSDP's casts and copies are ``copy/cast``), in the summary and in ``profiles.md``.
 
@@ -60,6 +61,11 @@ from _common import (
 MODES_8B4L = {
     "zero1": [],
     "dp_shard": ["parallel.distributed_optimizer=false", "parallel.dp_shard=true"],
+    "dp_shard_no_fusion": [
+        "parallel.distributed_optimizer=false",
+        "parallel.dp_shard=true",
+        "parallel.gradient_accumulation_fusion=false",
+    ],
     "dp_shard_reshard": [
         "parallel.distributed_optimizer=false",
         "parallel.dp_shard=true",

@@ -5,8 +5,10 @@ reductions (``foreach_reduce``: at one rank a cast plus a copy) are counted over
 of the toy LM (four units and the root: five groups), and the run is compared with the single-process one:
 
 - one rank, ``"auto"``: one gather per group per step (no re-gather in backward, none between micro-batches) and
-  one reduction per group per step; the explicit ZeRO-3 settings (reshard after forward, reduce every micro-batch)
-  gather before each forward and backward and reduce every micro-batch (the counters see the difference);
+  one reduction per group per step, of the parameters other than the linear weights, whose weight-gradient GEMMs
+  accumulate straight into the fp32 shard gradients (``gradient_accumulation_fusion``); the explicit ZeRO-3
+  settings without the fusion gather before each forward and backward and reduce every gradient every
+  micro-batch (the counters see the difference);
 - two ranks, ``"auto"``: the shards stay sharded, every micro-batch is reduced (the ZeRO-3 memory profile) and
   the last unit is not gathered again for its backward; ``reduce_every_microbatch=False`` reduces once per step;
 - an embedding marked ``no_backward_gather`` is not gathered for its backward;
@@ -36,6 +38,8 @@ from tests.parallel.test_fsdp import TOL, _against_reference
 
 STEPS = 3
 GROUPS = 5  # embedding, two layers, output layer, root
+PARAMS = 16  # embedding; per layer norm weight and bias, two linear weights and biases; final norm; output
+LINEAR_WEIGHTS = 5  # two per layer, the output layer's
 
 
 @contextlib.contextmanager
@@ -43,11 +47,12 @@ def _counting():
     """Count FSDP2's group gathers (``_to_unsharded``) and gradient reductions (``foreach_reduce``)."""
     group_cls = _fsdp_param_group.FSDPParamGroup
     reduce, to_unsharded = _fsdp_param_group.foreach_reduce, group_cls._to_unsharded
-    counts = {"gathers": 0, "reductions": 0}
+    counts = {"gathers": 0, "reductions": 0, "reduced_params": 0}
 
-    def counted_reduce(*args, **kwargs):
+    def counted_reduce(fsdp_params, *args, **kwargs):
         counts["reductions"] += 1
-        return reduce(*args, **kwargs)
+        counts["reduced_params"] += len(fsdp_params)
+        return reduce(fsdp_params, *args, **kwargs)
 
     def counted_to_unsharded(self):
         counts["gathers"] += 1
@@ -107,7 +112,9 @@ def _one_rank_cases(rank: int, world_size: int):
     return run_cases(
         {
             "auto": lambda: _counted_case(1),
-            "zero3_settings": lambda: _counted_case(1, reshard_after_forward=True, reduce_every_microbatch=True),
+            "zero3_settings": lambda: _counted_case(
+                1, reshard_after_forward=True, reduce_every_microbatch=True, gradient_accumulation_fusion=False
+            ),
             "no_grad_forward": _no_grad_forward_case,
         }
     )
@@ -142,21 +149,31 @@ def test_one_rank_gathers_and_reduces_once_per_step(one_rank):
     (out,) = case_result(one_rank, "auto")
     _assert_equal_to_single_process(out)
     assert out["policy"] == ([False] * 4, False)
-    assert out["per_step"] == {"gathers": GROUPS, "reductions": GROUPS}
+    # the linear weights' gradients went into the fp32 shards inside the GEMMs: FSDP reduces the others, and has
+    # nothing left to reduce in the output layer's group
+    assert out["per_step"] == {"gathers": GROUPS, "reductions": GROUPS - 1, "reduced_params": PARAMS - LINEAR_WEIGHTS}
 
 
 def test_one_rank_with_zero3_settings_gathers_and_reduces_per_micro_batch(one_rank):
     (out,) = case_result(one_rank, "zero3_settings")
     _assert_equal_to_single_process(out)
-    # per micro-batch: every group before its forward, the four units again before their backward
-    assert out["per_step"] == {"gathers": T.MICRO_BATCHES * (GROUPS + 4), "reductions": T.MICRO_BATCHES * GROUPS}
+    # per micro-batch: every group before its forward, the four units again before their backward; every gradient
+    assert out["per_step"] == {
+        "gathers": T.MICRO_BATCHES * (GROUPS + 4),
+        "reductions": T.MICRO_BATCHES * GROUPS,
+        "reduced_params": T.MICRO_BATCHES * PARAMS,
+    }
 
 
 def test_two_ranks_reduce_every_micro_batch_and_keep_the_last_unit_gathered(two_ranks):
     for out in case_result(two_ranks, "auto"):
         _assert_equal_to_single_process(out)
         assert out["sharded"] and out["policy"] == ([True, True, True, False], True)
-        assert out["per_step"] == {"gathers": T.MICRO_BATCHES * (GROUPS + 3), "reductions": T.MICRO_BATCHES * GROUPS}
+        assert out["per_step"] == {
+            "gathers": T.MICRO_BATCHES * (GROUPS + 3),
+            "reductions": T.MICRO_BATCHES * GROUPS,
+            "reduced_params": T.MICRO_BATCHES * PARAMS,  # no GEMM fusion: FSDP must reduce every gradient
+        }
 
 
 def test_two_ranks_can_reduce_once_per_step(two_ranks):

@@ -44,6 +44,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Shard
 
+from mcore.parallel.fsdp_wgrad import fuse_wgrad_into_shards
+
 __all__ = [
     "AUTO",
     "FullyShardedDataParallel",
@@ -106,6 +108,8 @@ class FullyShardedDataParallel(nn.Module):
     docstring: by the mesh size); ``reshard_after_forward`` applies to the units, the root is never resharded
     after its forward (FSDP2's rule). ``no_backward_gather``: units whose backward needs none of their parameters
     (an embedding: its weight gradient is a scatter of the output gradient), not gathered again for it.
+    ``gradient_accumulation_fusion``: at one rank, the mcore linear layers' weight-gradient GEMMs accumulate in
+    fp32 straight into the shards' gradients (``fsdp_wgrad``); no effect on several ranks, where FSDP must reduce.
     """
 
     def __init__(
@@ -121,6 +125,7 @@ class FullyShardedDataParallel(nn.Module):
         reduce_every_microbatch: bool | Auto = AUTO,
         tied: Sequence[tuple[nn.Module, str, nn.Module, str]] = (),
         no_backward_gather: Sequence[nn.Module] = (),
+        gradient_accumulation_fusion: bool = True,
     ) -> None:
         super().__init__()
         for name, value in (
@@ -160,6 +165,9 @@ class FullyShardedDataParallel(nn.Module):
         # would show their gathered parameters instead of the shards (to checkpoints, to the next step)
         self._fsdp_modules = [m for m in module.modules() if isinstance(m, FSDPModule)]
         module.register_forward_hook(self._reshard_unless_training)
+        self.gradient_accumulation_fusion = gradient_accumulation_fusion and self.dp_size == 1
+        if self.gradient_accumulation_fusion:
+            fuse_wgrad_into_shards(self, self._fsdp_modules, with_params)
         self._hook_handles = [user.register_forward_pre_hook(_tie(attr, owner, src)) for user, attr, owner, src in tied]
         for user, attr, owner, src in tied:
             user._parameters[attr] = getattr(owner, src)  # the sharded parameter until the first forward

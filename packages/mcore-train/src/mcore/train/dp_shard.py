@@ -3,9 +3,11 @@
 Each transformer layer is one FSDP unit, as are the embedding and the output layer when they are not tied; a tied
 embedding stays in the chunk's root unit with the final norm, because the output layer that multiplies by it runs
 outside the embedding's forward. The embedding unit is not gathered for its backward (its weight gradient needs
-only the token ids). The chunks are built in fp32 (the shards are the master weights) and compute in
-``train.precision`` through FSDP's mixed-precision policy, reducing gradients in fp32. A run of one process
-without a launcher gets a one-rank process group (FSDP2 needs one), created here.
+only the token ids). At dp=1, ``parallel.gradient_accumulation_fusion`` lets the linear layers' weight-gradient
+GEMMs accumulate in fp32 straight into the gradient shards, as under ZeRO-1 (``mcore.parallel.fsdp_wgrad``). The
+chunks are built in fp32 (the shards are the master weights) and compute in ``train.precision`` through FSDP's
+mixed-precision policy, reducing gradients in fp32. A run of one process without a launcher gets a one-rank
+process group (FSDP2 needs one), created here.
 """
 
 from __future__ import annotations
@@ -86,6 +88,7 @@ def fully_shard_chunks(
                 reduce_every_microbatch=config.parallel.dp_shard_reduce_every_microbatch,
                 tied=tied,
                 no_backward_gather=[u for u in units if u is getattr(chunk, "embedding", None)],
+                gradient_accumulation_fusion=config.parallel.gradient_accumulation_fusion,
             )
         )
     return wrapped

@@ -31,7 +31,8 @@ class ParallelSection:
     ``dp`` is derived from the world size when ``None``. ``schedule`` picks the pipeline schedule
     (``auto``: 1F1B, interleaved when ``vpp > 1``, none when ``pp == 1``). ``gradient_accumulation_fusion``:
     the linear layers' weight-gradient GEMMs accumulate into the fp32 gradient buffer directly (no bf16 weight
-    gradient, no extra add pass); turn it off only to compare. ``overlap_param_gather`` (with the distributed
+    gradient, no extra add pass; under ``dp_shard`` at dp=1 into the fp32 gradient shards); turn it off only to
+    compare. ``overlap_param_gather`` (with the distributed
     optimizer): the all-gather of the updated parameters runs behind the next forward, each layer waiting for
     its own bucket. ``dp_shard`` (ZeRO-3, on torch's FSDP2): parameters, gradients and optimizer states sharded
     over the data-parallel ranks, each layer all-gathered for its forward and backward (in the compute precision;
