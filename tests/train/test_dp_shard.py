@@ -1,10 +1,11 @@
 """``parallel.dp_shard`` (ZeRO-3 on FSDP2) through mcore-train: training, checkpoints, resume across layouts.
 
 - one gloo rank (the ``auto`` settings at dp=1: layers kept gathered, 8 micro-batches reduced once per step, the
-  weight-gradient GEMMs accumulating into the fp32 shard gradients; also with full recompute), two (pp=2 x dp=1,
-  tied embeddings) and four, llama-tiny in fp32: dp=4, tp=2 x dp=2, pp=2 x dp=2 (tied embeddings) and pp=2 x
-  vpp=2 x dp=2 (interleaved 1F1B, two sharded chunks per rank; 4 layers) give the single-process losses within
-  1e-5 over 4 steps; stopping at step 2 and resuming at dp=4 gives the straight run bit for bit;
+  weight-gradient GEMMs accumulating into the fp32 shard gradients; also with full recompute, and tied
+  embeddings), two (pp=2 x dp=1, tied embeddings) and four, llama-tiny in fp32: dp=4, tp=2 x dp=2, pp=2 x dp=2
+  (tied embeddings) and pp=2 x vpp=2 x dp=2 (interleaved 1F1B, two sharded chunks per rank; 4 layers) give the
+  single-process losses within 1e-5 over 4 steps; stopping at step 2 and resuming at dp=4 gives the straight run
+  bit for bit;
 - resharding: the dp=4 ZeRO-3 checkpoint loaded at ZeRO-1 dp=2 and saved again, then loaded at ZeRO-3
   tp=2 x dp=1 and saved again, holds bit for bit the same weights and optimizer states;
 - at dp=2 it composes with full recompute, and with selective recompute plus activation offload (the same losses);
@@ -55,7 +56,9 @@ def _four_rank_cases(rank: int, world_size: int, base):
 def _one_rank_case(rank: int, world_size: int, base):
     train(base / "dp1", *STEPS, SHARD)
     train(base / "dp1_recompute_full", *STEPS, SHARD, "train.recompute=full")
-    return {"dp1": train_records(base / "dp1"), "dp1_recompute_full": train_records(base / "dp1_recompute_full")}
+    # the tied output layer's GEMM accumulates into the embedding's shard gradient, FSDP adds the embedding's own
+    train(base / "dp1_tied", *STEPS, SHARD, TIED)
+    return {name: train_records(base / name) for name in ("dp1", "dp1_recompute_full", "dp1_tied")}
 
 
 def _save_after_loading(base, name, load, *extra):
@@ -115,7 +118,7 @@ def results(tmp_path_factory):
 
 @pytest.mark.parametrize(
     "layout",
-    ["dp1", "dp1_recompute_full", "pp2_dp1_tied", "dp4", "tp2_dp2", "pp2_dp2_tied", "pp2_vpp2_dp2_4layers"],
+    ["dp1", "dp1_recompute_full", "dp1_tied", "pp2_dp1_tied", "dp4", "tp2_dp2", "pp2_dp2_tied", "pp2_vpp2_dp2_4layers"],
 )
 def test_dp_shard_trains_like_one_process(results, layout):
     singles, _, four, _ = results
