@@ -10,7 +10,7 @@ what the step holds when the forward of its (last) micro-batch ends (state + act
 
 ::
 
-    python benchmarks/moe_memory.py --shape mixtral2l --json OUT.json [--fsdp] [--expert-gemm per_expert]
+    python benchmarks/moe_memory.py --shape mixtral2l --json OUT.json [--layout fsdp] [--expert-gemm per_expert]
     python benchmarks/moe_memory.py --dry-run --json OUT.json       # CPU, tiny shape: no CUDA numbers (None)
 """
 
@@ -23,21 +23,24 @@ from pathlib import Path
 from typing import Any
 
 from _common import _build_run, write_json
-from moe_throughput import EXPERT_GEMMS, GPU_SHAPES, build_spec
+from moe_throughput import EXPERT_GEMMS, GPU_SHAPES, LAYOUTS, build_spec
 
 
 def _gb(value: int | None) -> float | None:
     return None if value is None else value / 1e9
 
 
-def measure(shape: str, *, steps: int, fsdp: bool, dry_run: bool, expert_gemm: str = "grouped") -> dict[str, Any]:
+def measure(
+    shape: str, *, steps: int, fsdp: bool, dry_run: bool, expert_gemm: str = "grouped", layout: str | None = None
+) -> dict[str, Any]:
     import torch
 
     from mcore.models.accounting import parameter_counts
     from mcore.train.datasets import build_run_data, microbatch_stream
     from mcore.train.trainer import microbatch_to_device
 
-    spec = build_spec(shape, iters=steps, warmup=0, dry_run=dry_run, fsdp=fsdp, expert_gemm=expert_gemm)
+    layout = layout or ("fsdp" if fsdp else "zero1")
+    spec = build_spec(shape, iters=steps, warmup=0, dry_run=dry_run, expert_gemm=expert_gemm, layout=layout)
     config, runtime, trainer, _ = _build_run(spec)
     device = runtime.device
     cuda = device.type == "cuda"
@@ -89,7 +92,7 @@ def measure(shape: str, *, steps: int, fsdp: bool, dry_run: bool, expert_gemm: s
     runtime.shutdown()
     return {
         "shape": shape,
-        "layout": "fsdp2" if fsdp else "zero1",
+        "layout": {"fsdp": "fsdp2", "fsdp_reshard": "fsdp2_reshard"}.get(layout, layout),
         "expert_gemm": expert_gemm,
         "params": params,
         "steps": records,
@@ -105,6 +108,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--shape", choices=GPU_SHAPES, default="mixtral2l")
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--fsdp", action="store_true", help="FSDP2 (parallel.dp_shard=true) instead of ZeRO-1")
+    ap.add_argument("--layout", choices=LAYOUTS, default=None, help="memory layout (moe_throughput's; --fsdp: fsdp)")
     ap.add_argument("--expert-gemm", choices=EXPERT_GEMMS, default="grouped", help="moe_router.expert_gemm")
     ap.add_argument("--dry-run", action="store_true", help="CPU, tiny fp32 shape (no CUDA numbers)")
     ap.add_argument("--json", type=Path, required=True)
@@ -112,7 +116,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.steps < 1:
         ap.error(f"--steps must be >= 1, got {args.steps}")
     shape = "tiny" if args.dry_run else args.shape
-    record = measure(shape, steps=args.steps, fsdp=args.fsdp, dry_run=args.dry_run, expert_gemm=args.expert_gemm)
+    record = measure(
+        shape, steps=args.steps, fsdp=args.fsdp, dry_run=args.dry_run, expert_gemm=args.expert_gemm, layout=args.layout
+    )
     write_json(args.json, record)
     print(json.dumps({k: record[k] for k in ("shape", "layout", "bytes_per_param", "peak_gb")}))
     return 0

@@ -14,11 +14,14 @@ record gets ``profile`` (``step_profile``'s breakdown) and ``time_breakdown`` (`
 unpermute, grouped GEMMs, expert activation, attention, other GEMMs, optimizer, rest, idle; ms and %).
 
 ``--variants LAYOUT:GEMM,...`` runs ours once per variant, each in its own process beside the baselines of the same
-call: LAYOUT ``zero1`` (the distributed optimizer at dp=1: bf16 weights + fp32 masters, 18 bytes per parameter) or
-``fsdp`` (FSDP2 ``parallel.dp_shard``: fp32 weights that are the masters, 16 bytes, HF's layout), GEMM
+call: LAYOUT ``zero1`` (the distributed optimizer at dp=1: bf16 weights + fp32 masters, 18 bytes per parameter),
+``fsdp`` (FSDP2 ``parallel.dp_shard``: fp32 weights that are the masters, 16 bytes, HF's layout; at dp=1 the units
+stay gathered from forward to backward and the weight-gradient GEMMs accumulate into the fp32 shard gradients) or
+``fsdp_reshard`` (the same, each unit resharded after its forward and gathered again for backward), GEMM
 ``moe_router.expert_gemm`` (``grouped`` or ``per_expert``: fp32 weight gradients straight into ``main_grad``). Each
-variant's record is ``{label}_{shape}.json``, label ``mcore[-fsdp][-per_expert]``; the summary gives each one's
-ratios to HF (``ratios_by_variant``). Default: ``zero1:<--expert-gemm>``, plus ``fsdp:<--expert-gemm>`` with ``--fsdp``.
+variant's record is ``{label}_{shape}.json``, label ``mcore[-LAYOUT unless zero1][-per_expert]``; the summary gives
+each one's ratios to HF (``ratios_by_variant``). Default: ``zero1:<--expert-gemm>``, plus ``fsdp:<--expert-gemm>``
+with ``--fsdp``.
 
 ``--micro`` (run first, in this process): the expert GEMMs of each shape through ``mcore.kernels.grouped_gemm``
 (forward + both backward GEMMs) against one dense GEMM of the same FLOPs, and the router / permute / unpermute
@@ -160,17 +163,26 @@ FSDP_OVERRIDES = [
 ]
 
 
-LAYOUTS = ("zero1", "fsdp")
+# the memory layouts of --variants: ZeRO-1 at dp=1; FSDP2 with its dp=1 defaults (units kept gathered from forward
+# to backward); FSDP2 resharding each unit after its forward (gathered again for backward: less memory, one more cast)
+LAYOUT_OVERRIDES = {
+    "zero1": [],
+    "fsdp": FSDP_OVERRIDES,
+    "fsdp_reshard": [*FSDP_OVERRIDES, "parallel.dp_shard_reshard_after_forward=true"],
+}
+LAYOUTS = tuple(LAYOUT_OVERRIDES)
 
 
-def variant_label(fsdp: bool, expert_gemm: str) -> str:
-    """``mcore[-fsdp][-per_expert]``: the name of one of our runs (its JSON file and its row in the table)."""
-    return "mcore" + ("-fsdp" if fsdp else "") + ("" if expert_gemm == "grouped" else f"-{expert_gemm}")
+def variant_label(layout: str, expert_gemm: str) -> str:
+    """``mcore[-fsdp|-fsdp_reshard][-per_expert]``: the name of one of our runs (its JSON file, its table row)."""
+    return (
+        "mcore" + ("" if layout == "zero1" else f"-{layout}") + ("" if expert_gemm == "grouped" else f"-{expert_gemm}")
+    )
 
 
-def parse_variants(text: str) -> list[tuple[bool, str]]:
-    """``"zero1:grouped,fsdp:per_expert"`` -> ``[(fsdp, expert_gemm), ...]``; one ValueError naming a bad entry."""
-    out: list[tuple[bool, str]] = []
+def parse_variants(text: str) -> list[tuple[str, str]]:
+    """``"zero1:grouped,fsdp:per_expert"`` -> ``[(layout, expert_gemm), ...]``; one ValueError naming a bad entry."""
+    out: list[tuple[str, str]] = []
     for item in (part.strip() for part in text.split(",")):
         layout, _, gemm = item.partition(":")
         if layout not in LAYOUTS or gemm not in EXPERT_GEMMS:
@@ -178,9 +190,9 @@ def parse_variants(text: str) -> list[tuple[bool, str]]:
                 f"--variants entry {item!r}: want LAYOUT:GEMM with LAYOUT one of {LAYOUTS} and GEMM one of "
                 f"{EXPERT_GEMMS}, e.g. zero1:per_expert"
             )
-        if (layout == "fsdp", gemm) in out:
+        if (layout, gemm) in out:
             raise ValueError(f"--variants lists {item!r} twice")
-        out.append((layout == "fsdp", gemm))
+        out.append((layout, gemm))
     return out
 
 
@@ -193,7 +205,10 @@ def build_spec(
     profile_steps: int = 0,
     fsdp: bool = False,
     expert_gemm: str = "grouped",
+    layout: str | None = None,
 ) -> RunSpec:
+    """``layout``: one of ``LAYOUTS`` (default ``"fsdp"`` when ``fsdp``, else ``"zero1"``)."""
+    layout = layout or ("fsdp" if fsdp else "zero1")
     shape = SHAPES[shape_name]
     overrides = [
         f"train.device={'cpu' if dry_run else 'cuda'}",
@@ -208,10 +223,11 @@ def build_spec(
         "lr.min_lr=1e-4",
         "lr.warmup_steps=0",
     ]
-    if fsdp:
-        overrides = [o for o in overrides if not o.startswith("parallel.distributed_optimizer")] + FSDP_OVERRIDES
+    if layout != "zero1":
+        overrides = [o for o in overrides if not o.startswith("parallel.distributed_optimizer")]
+        overrides += LAYOUT_OVERRIDES[layout]
     model = moe_model(shape, align=1 if dry_run else 8, expert_gemm=expert_gemm)
-    name = f"{variant_label(fsdp, expert_gemm)}_{shape_name}"
+    name = f"{variant_label(layout, expert_gemm)}_{shape_name}"
     return RunSpec(name, 1, overrides, model, 1 + warmup, profile_steps=profile_steps)
 
 
@@ -223,14 +239,14 @@ def run_ours(args: argparse.Namespace) -> int:
         warmup=args.warmup,
         dry_run=args.dry_run,
         profile_steps=args.profile_steps,
-        fsdp=args.fsdp,
         expert_gemm=args.expert_gemm,
+        layout=args.layout,
     )
     result, runtime = run_spec(spec)
     runtime.shutdown()
     keys = ("params", "tokens_per_s", "step_s", "tflops_per_gpu", "mfu", "peak_mem_gb", "first_step_s", "gpu", "torch")
     record = {
-        "impl": variant_label(args.fsdp, args.expert_gemm) + ("-dryrun" if args.dry_run else ""),
+        "impl": variant_label(args.layout, args.expert_gemm) + ("-dryrun" if args.dry_run else ""),
         "shape": args.shape,
         **SHAPES[args.shape],
         **{k: result[k] for k in keys},
@@ -252,12 +268,12 @@ def run_ours(args: argparse.Namespace) -> int:
 
 def _runs(args: argparse.Namespace, shape: str, out: Path) -> list[tuple[str, list[str]]]:
     runs = []
-    for fsdp, gemm in args.variant_list:
-        label = variant_label(fsdp, gemm)
+    for layout, gemm in args.variant_list:
+        label = variant_label(layout, gemm)
         ours = [str(Path(__file__).resolve()), "--only", "mcore", "--shape", shape, "--iters", str(args.iters)]
         ours += ["--warmup", str(args.warmup), "--profile-steps", str(args.profile_steps), "--expert-gemm", gemm]
         ours += ["--json", str(out / f"{label}_{shape}.json")]
-        runs.append((label, ours + (["--dry-run"] if args.dry_run else []) + (["--fsdp"] if fsdp else [])))
+        runs.append((label, ours + (["--dry-run"] if args.dry_run else []) + ["--layout", layout]))
     if args.skip_baseline or args.dry_run or not SHAPES[shape].get("baseline", True):
         return runs
     for label, extra in BASELINES.items():
@@ -351,6 +367,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--json-dir", type=Path, default=None, help="where the JSON files go (default: a temp dir)")
     ap.add_argument("--json", type=Path, help=argparse.SUPPRESS)
     ap.add_argument("--only", choices=["mcore"], help=argparse.SUPPRESS)
+    ap.add_argument("--layout", choices=LAYOUTS, default=None, help=argparse.SUPPRESS)  # of one --only run
     ap.add_argument("--timeout", type=float, default=600.0, help="seconds per run (600)")
     ap.add_argument("--dry-run", action="store_true", help="CPU, tiny fp32 shape, 3 iterations, no baseline")
     ap.add_argument("--fsdp", action="store_true", help="also run ours with FSDP2 (parallel.dp_shard=true)")
@@ -371,6 +388,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         ap.error("--only mcore needs --json FILE and one --shape")
     if args.shape in (*DRY_RUN_SHAPES, "gptoss_tiny") and not (args.dry_run or args.only):
         ap.error("--shape tiny is the dry-run shape; use --dry-run")
+    args.layout = args.layout or ("fsdp" if args.fsdp else "zero1")
     default = f"zero1:{args.expert_gemm}" + (f",fsdp:{args.expert_gemm}" if args.fsdp else "")
     try:
         args.variant_list = parse_variants(args.variants if args.variants is not None else default)

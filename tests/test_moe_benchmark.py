@@ -122,13 +122,20 @@ def test_fsdp_variant_swaps_the_optimizer_layout():
     args = moe_throughput.parse_args(["--fsdp", "--json-dir", "/tmp/x", "--shape", "mixtral2l"])
     labels = [label for label, _ in moe_throughput._runs(args, "mixtral2l", Path("/tmp/x"))]
     assert labels == ["mcore", "mcore-fsdp", "hf", "hf-compile"]
-    variants = "zero1:per_expert,fsdp:grouped,fsdp:per_expert"
+    variants = "zero1:per_expert,fsdp:grouped,fsdp_reshard:per_expert"
     args = moe_throughput.parse_args(["--variants", variants, "--skip-compile", "--json-dir", "/tmp/x"])
     runs = dict(moe_throughput._runs(args, "mixtral2l", Path("/tmp/x")))
-    assert list(runs) == ["mcore-per_expert", "mcore-fsdp", "mcore-fsdp-per_expert", "hf"]
-    child = runs["mcore-fsdp-per_expert"]
-    assert "--fsdp" in child and child[child.index("--expert-gemm") + 1] == "per_expert"
-    assert child[child.index("--json") + 1] == "/tmp/x/mcore-fsdp-per_expert_mixtral2l.json"
+    assert list(runs) == ["mcore-per_expert", "mcore-fsdp", "mcore-fsdp_reshard-per_expert", "hf"]
+    child = runs["mcore-fsdp_reshard-per_expert"]
+    assert (
+        child[child.index("--layout") + 1] == "fsdp_reshard" and child[child.index("--expert-gemm") + 1] == "per_expert"
+    )
+    child_args = moe_throughput.parse_args(child[1:])
+    spec = moe_throughput.build_spec("mixtral2l", iters=1, warmup=0, dry_run=False, layout=child_args.layout)
+    assert (
+        spec.name == "mcore-fsdp_reshard_mixtral2l" and "parallel.dp_shard_reshard_after_forward=true" in spec.overrides
+    )
+    assert child[child.index("--json") + 1] == "/tmp/x/mcore-fsdp_reshard-per_expert_mixtral2l.json"
     for bad, match in (("zero2:grouped", "want LAYOUT:GEMM"), ("fsdp", "want LAYOUT:GEMM"), ("zero1:x", "GEMM one of")):
         with pytest.raises(ValueError, match=match):
             moe_throughput.parse_variants(bad)
@@ -141,14 +148,15 @@ def test_memory_breakdown_dry_run(tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
     script = ROOT / "benchmarks" / "moe_memory.py"
     proc = subprocess.run(
-        [sys.executable, str(script), "--dry-run", "--steps", "2", "--json", str(out), "--expert-gemm", "per_expert"],
+        [sys.executable, str(script), "--dry-run", "--steps", "2", "--json", str(out), "--expert-gemm", "per_expert"]
+        + ["--layout", "fsdp"],
         capture_output=True,
         text=True,
         env=env,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     record = json.loads(out.read_text())
-    assert record["shape"] == "tiny" and record["layout"] == "zero1" and record["params"] > 0
+    assert record["shape"] == "tiny" and record["layout"] == "fsdp2" and record["params"] > 0
     assert len(record["steps"]) == 3 and record["peak_gb"] is None  # after the build, then 2 steps; CPU: no CUDA
     assert set(record["steps"][1]) >= {"start_gb", "forward_backward_peak_gb", "optimizer_peak_gb", "end_gb"}
     assert "after_forward_gb" in record["steps"][1] and record["expert_gemm"] == "per_expert"
