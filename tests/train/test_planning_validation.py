@@ -23,6 +23,11 @@ def test_every_timed_configuration_of_the_performance_doc_is_a_case():
     expected = {f"{shape} (1 GPU, {run})" for shape in ("1b", "8b4l") for run in runs}
     expected |= {"single (1 GPU)", "single-half-batch (1 GPU)"}
     expected |= {f"{shape} (1 GPU, MoE, 2026-12-01-e21cc44)" for shape in ("mixtral2l", "qwen3moe4l")}
+    modes = {"call1": ["8b4l_zero1", "8b_optim_offload_0.5", "8b4l_dp_shard"],
+             "call2": ["8b4l_zero1", "8b_optim_offload_0.5", "8b4l_optim_offload_0.25"]}  # fmt: skip
+    expected |= {f"{name} (1 GPU, final-h200-2026-12-01/{call})" for call, names in modes.items() for name in names}
+    probe = ("8b4l_zero1", "8b4l_act_offload_attn_mlp", "8b4l_act_offload_layer")
+    expected |= {f"{name} (1 GPU, probe-h200-2026-12-01)" for name in probe}
     assert set(CASES) == expected | {f"{name} (2 GPU)" for name in two_gpu}
 
 

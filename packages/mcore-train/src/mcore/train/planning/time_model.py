@@ -17,7 +17,8 @@ Per layer and micro-batch on one rank (tokens = seq x micro-batch / cp):
 - CP by ``cp_comm_type`` (``cp_cost``): the p2p ring of K/V (and backward's fp32 dK/dV) overlapped with the
   attention it feeds, all-gather / all-to-all blocking; EP all-to-all (dispatch, combine) exposed;
 - ZeRO-3 (``dp_shard``): per layer parameter all-gather (forward and backward) and gradient reduce-scatter,
-  prefetched under the layer's compute (exposed: what exceeds it);
+  prefetched under the layer's compute (exposed: what exceeds it), and FSDP2's copies into and out of the
+  collectives' flat buffers (memory-bound, on the compute stream, at any dp);
 - host: ``host_ms_per_layer`` the GPU waits for launches.
 
 Per step: the schedule's plans replayed with these per-stage op times and p2p transfer times
@@ -237,6 +238,18 @@ class TimeModel:
         hidden_scatter = min(scatter, max(0.0, cost.b - gather))
         cost.add("B", "dp_shard_comm", max(0.0, gather + scatter - cost.b))
         cost.add("B", "dp_overlap_slowdown", self.gpu.reduce_overlap_slowdown * hidden_scatter)
+        self._zero3_copies(cost, dense + expert)
+
+    def _zero3_copies(self, cost: OpCost, params: float) -> None:
+        """FSDP2's copies around its collectives, at any dp (also 1): an all-gather reads the fp32 shard and writes
+        it in the compute dtype into the flat buffer, then splits the gathered buffer into the parameters; a
+        reduce-scatter casts the gradients into an fp32 buffer and writes the fp32 shard. Forward gathers, backward
+        gathers again (``reshard_after_forward``) and reduce-scatters."""
+        shards, dt = self.layout.dp * self.layout.cp, self.dtype
+        gather = params * ((4 + dt) / shards + 2 * dt)
+        scatter = params * (dt + 4 + 4 / shards)
+        cost.add("F", "dp_shard_copy", self.gpu.memory_seconds(gather))
+        cost.add("B", "dp_shard_copy", self.gpu.memory_seconds(gather + scatter))
 
     # ------------------------------------------------------------------------------------------- layer
     def layer_cost(self, index: int) -> OpCost:
@@ -280,6 +293,8 @@ class TimeModel:
             cost.add("F", "memory", self.gpu.memory_seconds(self.tokens * s.hidden * self.dtype * 2))
             cost.add("B", "memory", self.gpu.memory_seconds(self.tokens * s.hidden * 10))
             self._tp_comm(cost, 1)
+        if lay.dp_shard:  # the embedding and the output layer are FSDP units of their own
+            self._zero3_copies(cost, (int(first) + int(last and (not s.tied or lay.pp > 1))) * vocab * s.hidden)
         if last:
             self._gemms(cost, self.tokens, s.hidden, vocab)
             elements = self.tokens * vocab
