@@ -144,3 +144,22 @@ def test_search_offloads_half_the_optimizer_when_that_beats_recompute():
     best = found[0].layout
     assert (best.recompute, best.optimizer_offload_fraction) == ("none", 0.5)
     assert all(c.prediction.step_s >= found[0].prediction.step_s for c in found if c.runs)
+
+
+def test_every_refused_layout_is_counted_under_its_reason():
+    """A layout that cannot run is explained, never silently skipped: the summary's counts per reason add up to
+    the refused layouts' reasons, each with an example, including an ep the data-parallel grid cannot hold."""
+    shape = ModelShape(hidden=256, ffn=512, layers=6, heads=4, kv_heads=2, head_dim=64, vocab=1024, num_experts=16,
+                       top_k=2, moe_ffn=128, name="tiny-moe")  # fmt: skip
+    found = search(shape, 8, 8, 512, H200, memory_gb=0.05)
+    refused = [c for c in found if not c.runs]
+    assert refused and all(c.reasons for c in refused)
+    text = format_search(found)
+    summary = text.split("why the others cannot run (layouts per reason, with one example):\n")[1].splitlines()
+    counts = {line.split(None, 1)[1]: int(line.split(None, 1)[0]) for line in summary}
+    assert sum(counts.values()) == sum(len(c.reasons) for c in refused)
+    reasons = " ".join(counts)
+    for rule in ("does not divide tp x cp x dp", "does not divide the 4 query", "GB per GPU even with full recompute",
+                 "interleaved 1F1B needs"):  # fmt: skip
+        assert rule in reasons, (rule, counts)
+    assert any(c.layout.ep == 16 and c.layout.tp * c.layout.dp * c.layout.cp < 16 for c in refused)
