@@ -101,6 +101,8 @@ def megatron_section(out: Path) -> str:
         "dp_grad_comm",
         "dp_param_comm",
         "dp_overlap_slowdown",
+        "grad_bucket_passes",
+        "grad_zero",
         "host",
     )
     for row in MEGATRON_WEAK_SCALING:

@@ -103,3 +103,29 @@ def test_overlapped_gradient_reduction_slows_the_backward_as_measured():
     assert predict_step(gather.shape, gather.layout, h200).breakdown["dp_overlap_slowdown"] == pytest.approx(
         predict_step(cases["dp2-distopt-overlap"].shape, cases["dp2-distopt-overlap"].layout, h200).breakdown[
             "dp_overlap_slowdown"])  # fmt: skip
+
+
+def test_megatron_defaults_dropout_and_nan_check_cost_what_their_bytes_say():
+    """Megatron-Core r0.8's defaults the published rows ran with: hidden dropout (a 1-byte mask per element of
+    each bias-dropout-add), attention dropout inside cuDNN's kernel (+3.4%, measured on an H200), and the NaN check
+    of every bucket's gradients (a 4-byte read per parameter); the in-place 1/dp scaling (8 bytes) mcore does too."""
+    from mcore.train.planning.time_model import ATTENTION_DROPOUT_COST, DROPOUT_BYTES
+
+    layout = Layout(dp=4, micro_batch=1, global_batch=4, seq_length=4096, distributed_optimizer=True)
+    plain, drop = TimeModel(GPT, layout, H100), TimeModel(GPT, layout.replace(dropout=True), H100)
+    a, b = plain.layer_cost(0), drop.layer_cost(0)
+    assert b.forward["attention"] == pytest.approx(a.forward["attention"] * (1 + ATTENTION_DROPOUT_COST))
+    tokens = 4096
+    masks = 2 * DROPOUT_BYTES[0] * GPT.hidden * tokens
+    assert b.forward["memory"] - a.forward["memory"] == pytest.approx(plain.gpu.memory_seconds(masks))
+    assert 0.03 < ATTENTION_DROPOUT_COST < 0.04
+    held = stage_memory(GPT, layout.replace(dropout=True))[0].activations - stage_memory(GPT, layout)[0].activations
+    assert held == pytest.approx((GPT.layers + 1) * 2 * tokens * GPT.hidden)  # two masks a layer, + workspace
+    checked = predict_step(GPT, layout.replace(grad_nan_check=True), H100).breakdown
+    scaled = predict_step(GPT, layout, H100).breakdown
+    n = GPT.total_parameters()
+    assert scaled["grad_bucket_passes"] == pytest.approx(plain.gpu.memory_seconds(8 * n), rel=1e-6)
+    assert checked["grad_bucket_passes"] == pytest.approx(plain.gpu.memory_seconds(12 * n), rel=1e-6)
+    assert "grad_bucket_passes" not in predict_step(GPT, layout.replace(dp=1, global_batch=1), H100).breakdown
+    # DDP zeroes its whole buffer each step, also of the parameters another rank's optimizer updates
+    assert scaled["grad_zero"] == pytest.approx(4 * n / (plain.gpu.copy_gbps * 1e9), rel=1e-6)

@@ -58,12 +58,13 @@ def test_megatron_rows_fit_an_h100_and_keep_the_published_layout(megatron):
 
 def test_megatron_trend_and_offset(megatron):
     """What docs/scaling.md reports: MFU rises from the smallest to the largest models as published; with
-    Megatron-Core r0.8.0's fp32 cross entropy, TE's userbuffer overlap and the measured slowdown beside overlapped
-    gradient reductions modelled, eight rows are predicted within 5 points of the published MFU and the 1.7B row
-    6.5 points above (see docs/scaling.md, section 2)."""
+    Megatron-Core r0.8.0's defaults modelled (its fp32 cross entropy, dropout, the NaN check and 1/dp scaling of
+    every gradient bucket), TE's userbuffer overlap and the measured slowdown beside overlapped gradient
+    reductions, every row is predicted within 5 points of the published MFU (docs/scaling.md, section 2)."""
     predicted = [100 * p.mfu for _, _, p in megatron]
     published = [row.mfu_percent for row, _, _ in megatron]
     assert min(predicted[-2:]) > predicted[0] and min(published[-2:]) > published[0]
     gaps = {row.name: p - q for (row, _, _), p, q in zip(megatron, predicted, published, strict=True)}
-    assert {name for name, g in gaps.items() if abs(g) > 5} == {"1.7B"}, gaps
-    assert 5 < gaps["1.7B"] < 8, gaps
+    assert all(abs(g) <= 5 for g in gaps.values()), gaps
+    # the smallest model is still the one predicted highest (its step is the most memory-bound)
+    assert max(gaps, key=gaps.get) == "1.7B", gaps

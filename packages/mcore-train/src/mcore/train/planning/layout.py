@@ -54,6 +54,10 @@ class Layout:
     precision: Literal["bf16", "fp32", "fp8"] = "bf16"
     pipeline_layout: tuple[int, ...] | None = None
     activation_offload: tuple[str, ...] = ()
+    dropout: bool = False  # hidden and attention dropout (Megatron's default 0.1 each; mcore-train has none)
+    # Megatron-Core r0.8's default check_for_nan_in_loss_and_grad: the norm of each bucket's gradients is checked
+    # for NaN before its collective
+    grad_nan_check: bool = False
 
     def __post_init__(self) -> None:
         for name in ("tp", "pp", "dp", "vpp", "cp", "ep", "micro_batch", "global_batch", "seq_length"):

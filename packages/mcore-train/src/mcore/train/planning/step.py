@@ -10,7 +10,14 @@ from mcore.train.planning.memory import SCHEDULE_CLASSES, offloaded_bytes_per_la
 from mcore.train.planning.offload_cost import activation_offload_seconds, offloaded_pieces, optimizer_offload_seconds
 from mcore.train.planning.pipeline_sim import estimate, run_schedule
 from mcore.train.planning.shape import ModelShape
-from mcore.train.planning.time_model import BUCKET_ELEMENTS, OPTIMIZER_BYTES_PER_PARAM, OpCost, TimeModel
+from mcore.train.planning.time_model import ADAMW_BYTES_PER_PARAM, BUCKET_ELEMENTS, GRAD_NORM_BYTES_PER_PARAM, OpCost, TimeModel
+
+# Before each bucket's collective the fp32 gradients are divided by dp in place (mcore's GradBuffer._issue_reduction;
+# Megatron-Core r0.8's Bucket.start_grad_sync, megatron/core/distributed/param_and_grad_buffer.py at f2e5db402c,
+# with its default average_in_collective=False): read and write 4 bytes per element. Layout.grad_nan_check adds
+# Megatron's grad_data.norm(p=2) of each bucket (read 4; the host sync on its isnan() is not charged).
+BUCKET_SCALE_BYTES = 8
+BUCKET_NAN_CHECK_BYTES = 4
 
 
 @dataclass(frozen=True)
@@ -112,8 +119,17 @@ def _optimizer(model: TimeModel, dense: float, expert: float, rank: int, chunks,
     pieces = []
     if lay.optimizer_offload_fraction:
         pieces = offloaded_pieces(model.shape, lay, rank, chunks, lay.dp * lay.cp if sharded else 1)
-    device = gpu.memory_seconds(OPTIMIZER_BYTES_PER_PARAM * (local - sum(pieces)))
+    on_gpu = local - sum(pieces)
+    adamw = ADAMW_BYTES_PER_PARAM * on_gpu / (gpu.copy_gbps * 1e9 * gpu.optimizer_efficiency)
+    device = adamw + gpu.memory_seconds(GRAD_NORM_BYTES_PER_PARAM * on_gpu)
     out = {"optimizer": device}
+    if not lay.dp_shard:  # DDP zeroes its whole fp32 gradient buffer every step (a write-only fill: copy speed)
+        out["grad_zero"] = 4 * (dense + expert) / (gpu.copy_gbps * 1e9)
+    passes = (BUCKET_SCALE_BYTES if lay.dp * lay.cp > 1 and not lay.dp_shard else 0) + (
+        BUCKET_NAN_CHECK_BYTES if lay.grad_nan_check else 0
+    )
+    if passes:  # on the compute stream, in the last micro-batch's backward
+        out["grad_bucket_passes"] = gpu.memory_seconds(passes * (dense + expert))
     if pieces:  # the host step runs beside the device part
         out["optimizer_offload"] = optimizer_offload_seconds(
             pieces, last_backward, device, gpu.cpu_adam_gparams_per_s, gpu.pcie_gbps

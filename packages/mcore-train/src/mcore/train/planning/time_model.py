@@ -43,13 +43,23 @@ from mcore.train.planning.shape import ModelShape
 from mcore.train.planning.tp_overlap import PLAIN, OverlapPlan, exposed_seconds, overlap_plans
 
 BACKWARD_ATTENTION_RATIO = 2.5
-OPTIMIZER_BYTES_PER_PARAM = 34  # fused AdamW pass (30 bytes) + the gradient-norm read (4)
+# the fused AdamW pass (fp32 master, gradient, two moments read, three written, the bf16 parameter written) at the
+# calibration's optimizer_efficiency, and the gradient-norm read at the memory-bound share
+ADAMW_BYTES_PER_PARAM, GRAD_NORM_BYTES_PER_PARAM = 30, 4
 BUCKET_ELEMENTS = 40_000_000
 # Bytes moved per logit element by the loss (forward, backward). fused: mcore's bf16 cross entropy reads the
 # logits once and writes a bf16 gradient (plus a copy). fp32: Megatron-Core r0.8.0's vocab_parallel_cross_entropy
 # (megatron/core/tensor_parallel/cross_entropy.py): .float() (read 2, write 4), max (4), in-place subtract (8),
 # in-place exp (8), sum (4), in-place divide (8); backward: in-place multiply (8), the cast back to bf16 (6).
 CROSS_ENTROPY_BYTES = {"fused": (2, 8), "fp32": (38, 14)}
+# Dropout (Layout.dropout: Megatron-Core's defaults, attention and hidden dropout 0.1). Hidden: each of a layer's
+# two bias-dropout-adds (megatron/core/fusions/fused_bias_dropout.py, one fused kernel) also writes a 1-byte mask
+# per element in forward, and backward, which without dropout passes the gradient through, reads the gradient and
+# the mask and writes the input gradient (2 + 1 + 2 bytes). Attention: cuDNN's fused attention draws the mask in
+# the kernel; on an H200 it cost 3.4% of forward + backward (0.594 -> 0.614 ms, TransformerEngine issue #3312:
+# TE 2.15, sbhd, 4 x 4096 tokens, 16 heads of 128, p=0.1).
+DROPOUT_BYTES = (1, 5)
+ATTENTION_DROPOUT_COST = 0.614 / 0.594 - 1
 
 
 @dataclass
@@ -167,6 +177,8 @@ class TimeModel:
         width = (s.score_width() + s.attention_width) / lay.tp
         causal_fwd = 2.0 * lay.micro_batch * lay.seq_length**2 * width / 2 / lay.cp
         total = self.gpu.attention_seconds(causal_fwd * (1 + BACKWARD_ATTENTION_RATIO), lay.seq_length)
+        if lay.dropout:
+            total *= 1 + ATTENTION_DROPOUT_COST
         fwd = total / (1 + BACKWARD_ATTENTION_RATIO)
         cost.add("F", "attention", fwd)
         cost.add("B", "attention", total - fwd)
@@ -189,6 +201,10 @@ class TimeModel:
         bwd = 6 * rep + 6 * rep + 2 * qkv + glu_b * width + 16 * s.hidden / tp
         cost.add("F", "memory", self.gpu.memory_seconds(fwd * self.tokens * self.dtype))
         cost.add("B", "memory", self.gpu.memory_seconds(bwd * self.tokens * self.dtype))
+        if lay.dropout:  # the two bias-dropout-adds: a mask written in forward; read with the gradient in backward
+            fwd_bytes, bwd_bytes = DROPOUT_BYTES
+            cost.add("F", "memory", self.gpu.memory_seconds(2 * fwd_bytes * rep * self.tokens))
+            cost.add("B", "memory", self.gpu.memory_seconds(2 * bwd_bytes * rep * self.tokens))
         if moe:  # permute and unpermute each read and write every routed row, in forward and in backward
             permute = 4 * s.top_k * s.hidden * self.moe_tokens * self.dtype
             cost.add("F", "moe_dispatch", self.gpu.dispatch_seconds(permute))
