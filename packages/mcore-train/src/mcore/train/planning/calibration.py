@@ -49,12 +49,13 @@ class Calibration:
     weight-gradient GEMM writing fp32 into the gradient buffer (gradient-accumulation fusion) takes this factor
     longer. ``attention``: document length -> achieved TFLOP/s of causal attention forward + backward (FLOPs of the
     unmasked half). ``memory_bound_efficiency``: share of ``copy_gbps`` that norms, activations, RoPE and casts
-    reach; ``optimizer_efficiency``: the share the fused AdamW pass reaches. ``host_ms_per_layer``: GPU idle per layer and micro-batch while the host launches
-    kernels; ``host_ms_per_step``: the same, once per step. ``nvlink``: collective -> bus bandwidth (GB/s) by
-    message bytes inside one node. ``sm_count``: streaming multiprocessors (what communication kernels beside a
-    GEMM take a share of; 132 on H100 / H200 SXM). ``reduce_overlap_slowdown``: seconds the compute beside an
-    overlapped gradient reduction (all-reduce / reduce-scatter: NCCL kernels that read, add and write on the
-    GPU's SMs and HBM) loses per second of that collective (all-gathers measured no such loss).
+    reach; ``optimizer_efficiency``: the share the fused AdamW pass reaches. ``host_ms_per_layer``: GPU idle per
+    layer and micro-batch while the host launches kernels; ``host_ms_per_step``: the same, once per step.
+    ``nvlink``: collective -> bus bandwidth (GB/s) by message bytes inside one node. ``sm_count``: streaming
+    multiprocessors (what communication kernels beside a GEMM take a share of; 132 on H100 / H200 SXM).
+    ``reduce_overlap_slowdown``: seconds the compute beside an overlapped gradient reduction (all-reduce /
+    reduce-scatter: NCCL kernels that read, add and write on the GPU's SMs and HBM) loses per second of that
+    collective (all-gathers measured no such loss).
     """
 
     name: str

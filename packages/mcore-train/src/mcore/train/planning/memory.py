@@ -152,7 +152,9 @@ def activation_parts_per_layer(shape: ModelShape, layout: Layout, index: int, dt
     # each norm keeps its input; its output is the input the next part's first linear keeps
     return {
         "input_norm": dtype_bytes * tokens * rep,
-        "attention": dtype_bytes * tokens * (rep + attn) + softmax_stats + cp_held_bytes(shape, layout, dtype_bytes)
+        "attention": dtype_bytes * tokens * (rep + attn)
+        + softmax_stats
+        + cp_held_bytes(shape, layout, dtype_bytes)
         + (tokens * rep if layout.dropout else 0.0),
         "mlp_norm": dtype_bytes * tokens * rep,
         "mlp": dtype_bytes * tokens * (rep + mlp) + (tokens * rep if layout.dropout else 0.0),  # 1-byte masks

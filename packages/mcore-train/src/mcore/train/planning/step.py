@@ -10,7 +10,13 @@ from mcore.train.planning.memory import SCHEDULE_CLASSES, offloaded_bytes_per_la
 from mcore.train.planning.offload_cost import activation_offload_seconds, offloaded_pieces, optimizer_offload_seconds
 from mcore.train.planning.pipeline_sim import estimate, run_schedule
 from mcore.train.planning.shape import ModelShape
-from mcore.train.planning.time_model import ADAMW_BYTES_PER_PARAM, BUCKET_ELEMENTS, GRAD_NORM_BYTES_PER_PARAM, OpCost, TimeModel
+from mcore.train.planning.time_model import (
+    ADAMW_BYTES_PER_PARAM,
+    BUCKET_ELEMENTS,
+    GRAD_NORM_BYTES_PER_PARAM,
+    OpCost,
+    TimeModel,
+)
 
 # Before each bucket's collective the fp32 gradients are divided by dp in place (mcore's GradBuffer._issue_reduction;
 # Megatron-Core r0.8's Bucket.start_grad_sync, megatron/core/distributed/param_and_grad_buffer.py at f2e5db402c,
