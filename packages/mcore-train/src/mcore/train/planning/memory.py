@@ -126,10 +126,11 @@ def _stage_parameters(shape: ModelShape, key: tuple[int, int, int, int], rank: i
     return dense, expert
 
 
+@lru_cache(maxsize=65536)
 def activation_parts_per_layer(shape: ModelShape, layout: Layout, index: int, dtype_bytes: int = 2) -> dict[str, float]:
     """Bytes layer ``index`` keeps for backward per micro-batch on one rank, by the decoder layer's part that saves
     them (``input_norm``, ``attention``, ``mlp_norm``, ``mlp``: the names ``train.activation_offload`` takes); full
-    recompute keeps only the layer input (counted under ``input_norm``)."""
+    recompute keeps only the layer input (counted under ``input_norm``). Cached: do not modify the result."""
     tokens = layout.seq_length * layout.micro_batch / layout.cp
     tp = layout.tp
     rep = shape.hidden / tp if layout.sequence_parallel else shape.hidden

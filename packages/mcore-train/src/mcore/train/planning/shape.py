@@ -11,7 +11,7 @@ features over TP ranks, ``row`` the input features, ``replicated`` none (MLA's d
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import cached_property
+from functools import cached_property, lru_cache
 from typing import Literal
 
 Role = Literal["column", "row", "replicated"]
@@ -272,6 +272,7 @@ class ModelShape:
             n += self.top_k * sum(lin.weights for lin in self.expert_linears())
         return 6.0 * n + 6 * (self.score_width() + self.attention_width) * seq_length
 
+    @lru_cache(maxsize=256)  # noqa: B019 (shapes are frozen and few; the search asks for each layout)
     def model_flops_per_token(self, seq_length: int) -> float:
         """Training model FLOPs per token: ``6 x active matmul weights + 12 x layers x q width x seq`` (the
         ``mcore.models.model_flops_per_token`` / Megatron convention: full, not causal, attention), and per MTP
