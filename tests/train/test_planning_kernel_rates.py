@@ -22,14 +22,15 @@ def test_every_linear_of_the_fp8_table_in_bf16_and_fp8():
                                               "wgrad": (6144, 4096, 8192)}  # fmt: skip
 
 
-def test_gemm_rates_within_ten_percent_but_the_long_inner_down_projection():
-    """The curves are by FLOPs: ``down`` (inner 14,336, output 4,096) runs 11-14% slower than the same-FLOP point
-    of the curve (wide output); every other linear within 10%, bf16 and FP8 (docs/scaling.md, section 1)."""
+def test_gemm_rates_within_ten_percent_but_the_down_projection():
+    """Every linear within 10%, bf16 and FP8, but ``down``, 11-14% slower in fp8.py's tables than the curve: its
+    input-gradient GEMM is the curve's own 8192 x 14336 x 4096 point (765 TFLOP/s in --calibrate, 671 and 575 in
+    the two fp8.py runs): a spread between runs, not of the curve (docs/scaling.md, section 1)."""
     rows = gemm_rows(RESULTS, H200)
     for r in rows:
         limit = 0.15 if r.name.startswith("down") else 0.10
         assert abs(r.error) <= limit, (r.name, r.measured_ms, r.predicted_ms)
-    assert any(r.name.startswith("down") and abs(r.error) > 0.10 for r in rows)  # the known gap, until shapes
+    assert any(r.name.startswith("down") and abs(r.error) > 0.10 for r in rows)  # the known gap
 
 
 def test_single_document_attention_within_ten_percent():
