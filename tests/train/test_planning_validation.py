@@ -28,6 +28,7 @@ def test_every_timed_configuration_of_the_performance_doc_is_a_case():
     expected |= {f"{name} (1 GPU, final-h200-2026-12-01/{call})" for call, names in modes.items() for name in names}
     probe = ("8b4l_zero1", "8b4l_act_offload_attn_mlp", "8b4l_act_offload_layer")
     expected |= {f"{name} (1 GPU, probe-h200-2026-12-01)" for name in probe}
+    expected |= {f"{name} (1 GPU, memory-8b-h200-2026-12-01-s3)" for name in ("8b4l_zero1", "8b_optim_offload_0.5")}
     assert set(CASES) == expected | {f"{name} (2 GPU)" for name in two_gpu}
 
 

@@ -31,8 +31,13 @@ MOE_RUNS = "moe-h200-"
 # the moe branch's 4d34bbc / 1904bee; the calibration describes the code after them (moe-h200-2026-12-01-e21cc44)
 SUPERSEDED_MOE_RUNS = ("moe-h200-2026-12-01",)
 MULTI_GPU_RUNS = "multi-gpu-h200-2026-11-30-rerun"
-# benchmarks/memory_modes.py's summaries: the probe call (activation offload) and the two final calls of 2026-12-01
-MEMORY_MODE_RUNS = ("probe-h200-*/memory_modes/summary.json", "final-h200-*/call*/mm*/summary.json")
+# benchmarks/memory_modes.py's summaries: the probe call (activation offload), the two final calls of 2026-12-01 and
+# the later runs of their own directory (memory-<part>-h200-<date>-<session>)
+MEMORY_MODE_RUNS = (
+    "probe-h200-*/memory_modes/summary.json",
+    "final-h200-*/call*/mm*/summary.json",
+    "memory-*-h200-*/summary.json",
+)
 SCHEDULES = {"none": "none", "1f1b": "1f1b", "interleaved-1f1b": "interleaved", "zb-h1": "zero-bubble"}
 # benchmarks/_common.py's 8b4l: the Llama-3-8B layer shape with 4 layers (the two-GPU runs record only its size)
 SHAPE_8B4L = {"hidden": 4096, "layers": 4, "heads": 32, "kv": 8, "ffn": 14336, "vocab": 128256}
