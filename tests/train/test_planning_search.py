@@ -12,7 +12,7 @@ from mcore.train.config import load_config
 from mcore.train.plan_cli import memory_warning
 from mcore.train.planning.calibration import load_calibration
 from mcore.train.planning.cluster import PRESETS, Network
-from mcore.train.planning.search import EXACT_TOP, format_search, search
+from mcore.train.planning.search import EXACT_TOP, NOT_ENUMERATED, format_search, search
 from mcore.train.planning.shape import ModelShape
 
 H200 = Network(PRESETS["h200-node"])
@@ -155,7 +155,7 @@ def test_every_refused_layout_is_counted_under_its_reason():
     refused = [c for c in found if not c.runs]
     assert refused and all(c.reasons for c in refused)
     text = format_search(found)
-    summary = text.split("why the others cannot run (layouts per reason, with one example):\n")[1].splitlines()
+    summary = text.split("why the others cannot run (layouts per reason, with one example):\n")[1].splitlines()[:-1]
     counts = {line.split(None, 1)[1]: int(line.split(None, 1)[0]) for line in summary}
     assert sum(counts.values()) == sum(len(c.reasons) for c in refused)
     reasons = " ".join(counts)
@@ -163,6 +163,7 @@ def test_every_refused_layout_is_counted_under_its_reason():
                  "interleaved 1F1B needs"):  # fmt: skip
         assert rule in reasons, (rule, counts)
     assert any(c.layout.ep == 16 and c.layout.tp * c.layout.dp * c.layout.cp < 16 for c in refused)
+    assert text.endswith(NOT_ENUMERATED)  # and what the enumeration leaves out is said
 
 
 @pytest.mark.parametrize("pp,vpp,m", [(2, 1, 8), (2, 8, 4), (4, 2, 8), (4, 5, 4)])

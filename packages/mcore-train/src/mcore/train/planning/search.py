@@ -28,6 +28,11 @@ from mcore.train.planning.shape import ModelShape
 from mcore.train.planning.step import StepPrediction, predict_step
 
 EXACT_TOP = 16  # layouts re-ranked with the exact schedule replay
+# what base_layouts does not enumerate, said with every search (a layout left out is named, not skipped silently)
+NOT_ENUMERATED = (
+    "not enumerated: tp or cp that are not powers of two or span more than a node, micro-batches other than "
+    "1, 2, 4, 8, etp other than 1 and tp, cp_comm_type all_gather and a2a+p2p, other memory modes than those tried"
+)
 CP_SEARCHED = ("p2p", "a2a")  # the ring and Ulysses; all_gather holds the whole K/V, a2a+p2p mixes the two
 ZERO3 = {"dp_shard": True, "distributed_optimizer": False, "overlap_param_gather": False}
 # Families of memory modes, each from the fastest to the most frugal: the first that fits in each family competes
@@ -188,6 +193,7 @@ def format_search(candidates: list[Candidate], top: int = 5) -> str:
     if kinds:
         lines.append("why the others cannot run (layouts per reason, with one example):")
         lines += [f"  {n:>6}  {example[kind]}" for kind, n in kinds.most_common()]
+    lines.append(NOT_ENUMERATED)
     return "\n".join(lines)
 
 
