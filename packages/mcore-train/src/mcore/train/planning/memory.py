@@ -93,6 +93,9 @@ def layer_parameters_per_rank(shape: ModelShape, index: int, layout: Layout) -> 
     expert = 0.0
     if shape.is_moe_layer(index):
         per_expert = sum(lin.weights for lin in shape.expert_linears()) / layout.expert_tp
+        if shape.expert_bias:
+            per_expert += sum(lin.out_features for lin in shape.expert_linears()) / layout.expert_tp
+            dense += shape.num_experts  # the router's bias
         expert = per_expert * shape.num_experts / layout.ep
     return dense, expert
 

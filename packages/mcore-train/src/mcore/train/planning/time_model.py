@@ -7,7 +7,8 @@ Per layer and micro-batch on one rank (tokens = seq x micro-batch / cp):
   ``top_k x tokens`` rows spread over this rank's experts; recompute adds the forward (full) or attention
   (selective) again to the backward; the experts' GEMMs as one grouped GEMM per linear at the calibrated
   grouped efficiency for their rows per expert;
-- attention: the causal FLOPs at the calibration's rate for the document length, backward 2.5x the forward;
+- attention: the causal FLOPs at the calibration's rate for the document length (a sliding window: its pairs at
+  the rate for the window's length), backward 2.5x the forward;
 - memory-bound ops (norms, residual adds, RoPE, the GLU, casts and layout copies): their bytes at the calibrated
   share of copy bandwidth; the MoE permute / unpermute (gathers and scatters of the routed rows) at the
   calibration's measured ``moe_dispatch_gbps``;
@@ -172,11 +173,17 @@ class TimeModel:
             cost.add("B", "gemm", dgrad + wgrad)
             cost.wgrad += wgrad
 
-    def _attention(self, cost: OpCost) -> None:
+    def _attention(self, cost: OpCost, index: int) -> None:
         s, lay = self.shape, self.layout
         width = (s.score_width() + s.attention_width) / lay.tp
-        causal_fwd = 2.0 * lay.micro_batch * lay.seq_length**2 * width / 2 / lay.cp
-        total = self.gpu.attention_seconds(causal_fwd * (1 + BACKWARD_ATTENTION_RATIO), lay.seq_length)
+        seq, span = lay.seq_length, lay.seq_length
+        pairs = seq**2 / 2  # query-key pairs a causal document computes
+        if s.is_window_layer(index) and s.window < seq:  # each query sees the last `window` keys
+            span = s.window
+            pairs = seq * span - span**2 / 2
+        causal_fwd = 2.0 * lay.micro_batch * pairs * width / lay.cp
+        # a window's work runs in tiles like a document of its length: the calibrated rate at that length
+        total = self.gpu.attention_seconds(causal_fwd * (1 + BACKWARD_ATTENTION_RATIO), span)
         if lay.dropout:
             total *= 1 + ATTENTION_DROPOUT_COST
         fwd = total / (1 + BACKWARD_ATTENTION_RATIO)
@@ -277,7 +284,7 @@ class TimeModel:
         if moe:
             self._experts(cost)
             self._ep_comm(cost)
-        self._attention(cost)
+        self._attention(cost, index)
         self._memory_bound(cost, moe)
         if not self.tp_overlap:  # else charged with the linears
             self._tp_comm(cost, 2)

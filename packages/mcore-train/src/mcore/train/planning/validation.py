@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from mcore.models.families import get_config
+from mcore.models.families.gpt_oss import alternating_layer_types
 from mcore.train.planning.cluster import Network
 from mcore.train.planning.layout import Layout
 from mcore.train.planning.memory import GB, stage_memory
@@ -27,6 +28,9 @@ from mcore.train.planning.step import predict_step
 
 THROUGHPUT_RUNS = "throughput-h200-"
 MOE_RUNS = "moe-h200-"
+# the MoE records: moe-h200-<run>/mcore_<shape>.json, and later calls' moe-<shapes>-h200-<run>/<shape>/mcore_*.json
+MOE_RUN_FILES = (f"{MOE_RUNS}*/mcore_*.json", "moe-*-h200-*/*/mcore_*.json")
+GPT_OSS_WINDOW = 128
 # MoE runs of code rewritten since: the permutes (Triton tiles) and the grouped GEMM's output zeroing changed at
 # the moe branch's 4d34bbc / 1904bee; the calibration describes the code after them (moe-h200-2026-12-01-e21cc44)
 SUPERSEDED_MOE_RUNS = ("moe-h200-2026-12-01",)
@@ -105,23 +109,40 @@ def multi_gpu_cases(results: Path) -> list[Case]:
     return out
 
 
+def _sliding_layers(layers: int) -> tuple[bool, ...]:
+    return tuple(t == "sliding_attention" for t in alternating_layer_types(layers))
+
+
+def _moe_shape(r: dict) -> ModelShape:
+    """The shape of a ``moe_throughput.py`` record: every layer routed, no shared expert; GPT-OSS's layers alternate
+    a sliding window of 128 (``benchmarks/gpt_oss_bench.py``, as gpt-oss-20b) with full attention and carry its
+    biases and sinks."""
+    gpt_oss = r["family"] == "gpt_oss"
+    shape = ModelShape(
+        hidden=r["hidden"], ffn=r.get("dense_ffn", r["moe_ffn"]), layers=r["layers"], heads=r["heads"],
+        kv_heads=r["kv"], head_dim=r["head_dim"], vocab=r["vocab"], num_experts=r["experts"], top_k=r["topk"],
+        moe_ffn=r["moe_ffn"], qk_norm=r["family"] not in ("mixtral", "gpt_oss"), name=r["shape"],
+        attention_bias=gpt_oss, proj_bias=gpt_oss, expert_bias=gpt_oss, sinks=gpt_oss,
+        window=GPT_OSS_WINDOW if gpt_oss else 0,
+        window_layers=_sliding_layers(r["layers"]) if gpt_oss else None,
+    )  # fmt: skip
+    if shape.total_parameters() != r["params"]:
+        raise ValueError(f"MoE shape {r['shape']} has {shape.total_parameters()} parameters, the run {r['params']}")
+    return shape
+
+
 def moe_cases(results: Path) -> list[Case]:
-    """The single-GPU MoE runs (``benchmarks/moe_throughput.py``): every layer routed, no shared expert, one
-    micro-batch per step, the distributed optimizer at dp=1."""
+    """The single-GPU MoE runs (``benchmarks/moe_throughput.py``): one micro-batch per step, the distributed
+    optimizer at dp=1."""
     out = []
-    for path in sorted(results.glob(f"{MOE_RUNS}*/mcore_*.json")):
-        if path.parent.name in SUPERSEDED_MOE_RUNS:
+    for path in sorted(p for pattern in MOE_RUN_FILES for p in results.glob(pattern)):
+        top = path.relative_to(results).parts[0]
+        if top in SUPERSEDED_MOE_RUNS:
             continue
         r = json.loads(path.read_text())
-        shape = ModelShape(
-            hidden=r["hidden"], ffn=r.get("dense_ffn", r["moe_ffn"]), layers=r["layers"], heads=r["heads"],
-            kv_heads=r["kv"], head_dim=r["head_dim"], vocab=r["vocab"], num_experts=r["experts"], top_k=r["topk"],
-            moe_ffn=r["moe_ffn"], qk_norm=r["family"] != "mixtral", name=r["shape"],
-        )  # fmt: skip
-        if shape.total_parameters() != r["params"]:
-            raise ValueError(f"{path}: shape {r['shape']} has {shape.total_parameters()} parameters, run {r['params']}")
+        shape = _moe_shape(r)
         layout = Layout(micro_batch=r["mbs"], global_batch=r["mbs"], seq_length=r["seq"], distributed_optimizer=True)
-        run = path.parent.name.removeprefix(MOE_RUNS)
+        run = top.removeprefix(MOE_RUNS).removeprefix("moe-")
         out.append(Case(f"{r['shape']} (1 GPU, MoE, {run})", shape, layout, r["step_s"], (r["peak_mem_gb"],)))
     return out
 
