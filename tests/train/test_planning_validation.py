@@ -70,5 +70,4 @@ def test_megatron_trend_and_offset(megatron):
     assert min(predicted[-2:]) > predicted[0] and min(published[-2:]) > published[0]
     gaps = {row.name: p - q for (row, _, _), p, q in zip(megatron, predicted, published, strict=True)}
     assert all(abs(g) <= 5 for g in gaps.values()), gaps
-    # the smallest model is still the one predicted highest (its step is the most memory-bound)
-    assert max(gaps, key=gaps.get) == "1.7B", gaps
+    assert gaps["1.7B"] > 0  # still above: the host syncs Megatron adds are not charged (docs/scaling.md)
