@@ -58,6 +58,8 @@ class Layout:
     # Megatron-Core r0.8's default check_for_nan_in_loss_and_grad: the norm of each bucket's gradients is checked
     # for NaN before its collective
     grad_nan_check: bool = False
+    # the routed experts' GEMMs (``moe_router.expert_gemm``): one grouped GEMM per linear, or one GEMM per expert
+    expert_gemm: Literal["grouped", "per_expert"] = "grouped"
 
     def __post_init__(self) -> None:
         for name in ("tp", "pp", "dp", "vpp", "cp", "ep", "micro_batch", "global_batch", "seq_length"):
@@ -70,6 +72,8 @@ class Layout:
             )
         if self.cp_comm_type not in CP_COMM_TYPES:
             raise ValueError(f"Layout.cp_comm_type must be one of {CP_COMM_TYPES}, got {self.cp_comm_type!r}")
+        if self.expert_gemm not in ("grouped", "per_expert"):
+            raise ValueError(f"Layout.expert_gemm must be 'grouped' or 'per_expert', got {self.expert_gemm!r}")
         if self.cross_entropy not in CROSS_ENTROPY:
             raise ValueError(f"Layout.cross_entropy must be one of {CROSS_ENTROPY}, got {self.cross_entropy!r}")
         unknown = [p for p in self.activation_offload if p not in OFFLOAD_PARTS]

@@ -159,16 +159,22 @@ class TimeModel:
 
     def _experts(self, cost: OpCost) -> None:
         """The routed experts: per linear one grouped GEMM over this rank's experts (``mcore.kernels.grouped_gemm``;
-        forward, input gradient and weight gradient each a grouped GEMM of the same kind)."""
+        forward, input gradient and weight gradient each a grouped GEMM of the same kind), or under
+        ``expert_gemm="per_expert"`` one dense GEMM per expert of its (balanced) rows."""
         s, lay, g = self.shape, self.layout, self.gpu
         local = s.num_experts // lay.ep
         rows = self.moe_tokens * s.top_k * lay.ep / s.num_experts  # per expert, on average (balanced routing)
         for lin in s.expert_linears():
             k = lin.in_features // lay.expert_tp if lin.role == "row" else lin.in_features
             n = lin.out_features // lay.expert_tp if lin.role == "column" else lin.out_features
-            fwd = g.grouped_gemm_seconds(local, rows, n, k, self.precision)
-            dgrad = g.grouped_gemm_seconds(local, rows, k, n, self.precision)
-            wgrad = fwd * g.wgrad_fp32_slowdown  # the same FLOPs, writing fp32 into the gradient buffer
+            if lay.expert_gemm == "per_expert":  # one cuBLAS GEMM per expert, its wgrad into fp32 main_grad
+                fwd = local * g.gemm_seconds(rows, n, k, self.precision)
+                dgrad = local * g.gemm_seconds(rows, k, n, self.precision)
+                wgrad = local * g.gemm_seconds(n, k, rows, self.precision) * g.wgrad_fp32_slowdown
+            else:
+                fwd = g.grouped_gemm_seconds(local, rows, n, k, self.precision)
+                dgrad = g.grouped_gemm_seconds(local, rows, k, n, self.precision)
+                wgrad = fwd * g.wgrad_fp32_slowdown  # the same FLOPs, writing fp32 into the gradient buffer
             cost.add("F", "gemm", fwd)
             cost.add("B", "gemm", dgrad + wgrad)
             cost.wgrad += wgrad

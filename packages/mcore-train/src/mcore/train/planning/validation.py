@@ -29,7 +29,9 @@ from mcore.train.planning.step import predict_step
 THROUGHPUT_RUNS = "throughput-h200-"
 MOE_RUNS = "moe-h200-"
 # the MoE records: moe-h200-<run>/mcore_<shape>.json, and later calls' moe-<shapes>-h200-<run>/<shape>/mcore_*.json
-MOE_RUN_FILES = (f"{MOE_RUNS}*/mcore_*.json", "moe-*-h200-*/*/mcore_*.json")
+# and the helper calls' moe branch records, one per variant (helpers-h200-<run>/moe/mcore-<variant>_<shape>.json:
+# ``--expert-gemm per_expert``, ``--fsdp``)
+MOE_RUN_FILES = (f"{MOE_RUNS}*/mcore_*.json", "moe-*-h200-*/*/mcore_*.json", "helpers-h200-*/moe/mcore-*_*.json")
 GPT_OSS_WINDOW = 128
 # MoE runs of code rewritten since: the permutes (Triton tiles) and the grouped GEMM's output zeroing changed at
 # the moe branch's 4d34bbc / 1904bee; the calibration describes the code after them (moe-h200-2026-12-01-e21cc44)
@@ -118,17 +120,42 @@ def _moe_shape(r: dict) -> ModelShape:
     a sliding window of 128 (``benchmarks/gpt_oss_bench.py``, as gpt-oss-20b) with full attention and carry its
     biases and sinks."""
     gpt_oss = r["family"] == "gpt_oss"
+    mla = r["family"] == "deepseek_v3"  # MLA without q-LoRA, shared experts, dense first layers (moonlight8l)
     shape = ModelShape(
         hidden=r["hidden"], ffn=r.get("dense_ffn", r["moe_ffn"]), layers=r["layers"], heads=r["heads"],
-        kv_heads=r["kv"], head_dim=r["head_dim"], vocab=r["vocab"], num_experts=r["experts"], top_k=r["topk"],
-        moe_ffn=r["moe_ffn"], qk_norm=r["family"] not in ("mixtral", "gpt_oss"), name=r["shape"],
+        kv_heads=r["kv"], head_dim=r["qk_nope"] if mla else r["head_dim"], vocab=r["vocab"],
+        num_experts=r["experts"], top_k=r["topk"], moe_ffn=r["moe_ffn"], qk_norm=r["family"] == "qwen3_moe",
+        name=r["shape"],
         attention_bias=gpt_oss, proj_bias=gpt_oss, expert_bias=gpt_oss, sinks=gpt_oss,
         window=GPT_OSS_WINDOW if gpt_oss else 0,
         window_layers=_sliding_layers(r["layers"]) if gpt_oss else None,
+        **(_mla_fields(r) if mla else {}),
     )  # fmt: skip
     if shape.total_parameters() != r["params"]:
         raise ValueError(f"MoE shape {r['shape']} has {shape.total_parameters()} parameters, the run {r['params']}")
     return shape
+
+
+def _mla_fields(r: dict) -> dict:
+    """A DeepSeek-V3-architecture record's MLA and shared-expert fields as the planner's (its ``head_dim`` is set
+    to the no-rope part, ``qk_nope``, the planner's convention under MLA)."""
+    return dict(
+        kv_lora_rank=r["kv_lora"],
+        qk_rope_head_dim=r["qk_rope"],
+        v_head_dim=r["v_head"],
+        shared_ffn=r["shared"] * r["moe_ffn"],
+        first_dense_layers=r["first_dense"],
+    )
+
+
+def _moe_layout(r: dict) -> Layout:
+    """One GPU, one micro-batch per step: ZeRO-1 at dp=1, or FSDP2 (``impl`` mcore-fsdp: moe_throughput's
+    FSDP_OVERRIDES, parameters resharded after forward, its default); the expert GEMMs as recorded."""
+    fsdp = r["impl"] == "mcore-fsdp"
+    return Layout(
+        micro_batch=r["mbs"], global_batch=r["mbs"], seq_length=r["seq"], distributed_optimizer=not fsdp,
+        dp_shard=fsdp, expert_gemm=r.get("expert_gemm", "grouped"),
+    )  # fmt: skip
 
 
 def moe_cases(results: Path) -> list[Case]:
@@ -141,9 +168,10 @@ def moe_cases(results: Path) -> list[Case]:
             continue
         r = json.loads(path.read_text())
         shape = _moe_shape(r)
-        layout = Layout(micro_batch=r["mbs"], global_batch=r["mbs"], seq_length=r["seq"], distributed_optimizer=True)
         run = top.removeprefix(MOE_RUNS).removeprefix("moe-")
-        out.append(Case(f"{r['shape']} (1 GPU, MoE, {run})", shape, layout, r["step_s"], (r["peak_mem_gb"],)))
+        variant = r["impl"].removeprefix("mcore").lstrip("-")
+        name = f"{r['shape']}{' ' + variant if variant else ''} (1 GPU, MoE, {run})"
+        out.append(Case(name, shape, _moe_layout(r), r["step_s"], (r["peak_mem_gb"],)))
     return out
 
 
