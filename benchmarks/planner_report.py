@@ -70,7 +70,7 @@ def _plot_measured(points, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4.6))
-    for ax, lo, hi, unit in ((a, 100, 1100, "step ms"), (b, 15, 50, "peak GB per rank")):
+    for ax, lo, hi, unit in ((a, 50, 1100, "step ms"), (b, 15, 120, "peak GB per rank")):
         ax.fill_between([lo, hi], [0.9 * lo, 0.9 * hi], [1.1 * lo, 1.1 * hi], color="0.9", zorder=1)
         ax.plot([lo, hi], [lo, hi], "k-", lw=0.8, zorder=2)
         ax.set_xlabel(f"measured {unit}")

@@ -77,6 +77,8 @@ class Calibration:
     reduce_overlap_slowdown: float = 0.0
     grouped_gemm: list[list[float]] = field(default_factory=lambda: [[1.0, 1.0]])
     moe_dispatch_gbps: float | None = None
+    ssd_tflops: list[float] | None = None  # Mamba-2's chunked scan, [forward, backward] (planning/mamba_terms.py)
+    conv_gbps: list[float] | None = None  # Mamba-2's depthwise causal conv, [forward, backward]
     source: str = ""
     assumptions: list[str] = field(default_factory=list)
 
@@ -89,6 +91,10 @@ class Calibration:
         _check_curve("grouped_gemm", self.grouped_gemm)
         if self.moe_dispatch_gbps is not None and self.moe_dispatch_gbps <= 0:
             raise ValueError(f"calibration {self.name}: moe_dispatch_gbps must be > 0, got {self.moe_dispatch_gbps}")
+        for name in ("ssd_tflops", "conv_gbps"):
+            rates = getattr(self, name)
+            if rates is not None and (len(rates) != 2 or min(rates) <= 0):
+                raise ValueError(f"calibration {self.name}: {name} must be [forward > 0, backward > 0], got {rates}")
         if not 0 < self.optimizer_efficiency <= 1 or not 0 < self.memory_bound_efficiency <= 1:
             raise ValueError(
                 f"calibration {self.name}: optimizer_efficiency and memory_bound_efficiency must lie in (0, 1], got "
@@ -123,6 +129,15 @@ class Calibration:
 
     def attention_seconds(self, causal_flops: float, doc_length: int) -> float:
         return causal_flops / (interpolate(self.attention, doc_length) * 1e12)
+
+    def mamba_rates(self) -> tuple[list[float], list[float]]:
+        """(``ssd_tflops``, ``conv_gbps``); a clear error for a calibration without them."""
+        if self.ssd_tflops is None or self.conv_gbps is None:
+            raise UserError(
+                f"calibration {self.name} has no Mamba-2 rates (ssd_tflops, conv_gbps): add them from "
+                "benchmarks/ssm_throughput.py's kernels record (planning.mamba_terms.rates_from_ssm_benchmark)"
+            )
+        return self.ssd_tflops, self.conv_gbps
 
     def memory_seconds(self, nbytes: float) -> float:
         return nbytes / (self.copy_gbps * 1e9 * self.memory_bound_efficiency)

@@ -202,9 +202,32 @@ class TimeModel:
         if lay.recompute == "selective":
             cost.add("B", "attention", fwd)
 
-    def _memory_bound(self, cost: OpCost, moe: bool) -> None:
+    def _mamba(self, cost: OpCost) -> None:
+        """A Mamba-2 mixer's conv and scan at the calibrated rates, and its memory-bound work: the gated norm
+        (forward reads y, z and writes the output; backward reads three, writes two) and the conv input's copy out
+        of ``in_proj``'s output (backward: the three gradients written back into one); selective recompute runs the
+        conv, the scan and the norm again in backward (``planning/mamba_terms.py``)."""
+        m, g, tp = self.shape.mamba, self.gpu, self.layout.tp
+        (ssd_f, ssd_b), (conv_f, conv_b) = g.mamba_rates()
+        flops = self.tokens * m.ssd_forward_flops(self.layout.seq_length) / tp
+        conv = self.tokens * m.conv_dim * self.dtype / tp
+        fwd = flops / (ssd_f * 1e12) + 2 * conv / (conv_f * 1e9)
+        cost.add("F", "ssm", fwd)
+        cost.add("B", "ssm", 2 * flops / (ssd_b * 1e12) + 3 * conv / (conv_b * 1e9))
+        copies_f = (3 * m.d_inner + 2 * m.conv_dim) / tp * self.tokens * self.dtype
+        copies_b = (5 * m.d_inner + 2 * m.in_width) / tp * self.tokens * self.dtype
+        cost.add("F", "memory", g.memory_seconds(copies_f))
+        cost.add("B", "memory", g.memory_seconds(copies_b))
+        if self.layout.recompute == "selective":
+            cost.add("B", "ssm", fwd)
+            cost.add("B", "memory", g.memory_seconds(copies_f))
+
+    def _memory_bound(self, cost: OpCost, moe: bool, block: str = "T") -> None:
         s, lay = self.shape, self.layout
         tp = lay.tp
+        if block != "T":  # a hybrid layer: one norm and residual add, then its block's own
+            self._hybrid_memory_bound(cost, block)
+            return
         rep = s.hidden / tp if lay.sequence_parallel else s.hidden
         qkv = (s.q_size + s.kv_size) / tp
         routed = s.moe_ffn * s.top_k / lay.expert_tp * self.moe_tokens / self.tokens
@@ -222,6 +245,18 @@ class TimeModel:
             permute = 4 * s.top_k * s.hidden * self.moe_tokens * self.dtype
             cost.add("F", "moe_dispatch", self.gpu.dispatch_seconds(permute))
             cost.add("B", "moe_dispatch", self.gpu.dispatch_seconds(permute))
+
+    def _hybrid_memory_bound(self, cost: OpCost, block: str) -> None:
+        s, tp = self.shape, self.layout.tp
+        rep = s.hidden / tp if self.layout.sequence_parallel else s.hidden
+        fwd, bwd = 5 * rep + 8 * s.hidden / tp, 6 * rep + 8 * s.hidden / tp  # half a transformer layer's
+        if block == "*":
+            fwd, bwd = fwd + 2 * (s.q_size + s.kv_size) / tp, bwd + 2 * (s.q_size + s.kv_size) / tp
+        elif block == "-":
+            glu_f, glu_b = (3, 5) if s.gated else (2, 3)
+            fwd, bwd = fwd + glu_f * s.ffn / tp, bwd + glu_b * s.ffn / tp
+        cost.add("F", "memory", self.gpu.memory_seconds(fwd * self.tokens * self.dtype))
+        cost.add("B", "memory", self.gpu.memory_seconds(bwd * self.tokens * self.dtype))
 
     def _tp_comm(self, cost: OpCost, collectives: int) -> None:
         lay = self.layout
@@ -290,10 +325,14 @@ class TimeModel:
         if moe:
             self._experts(cost)
             self._ep_comm(cost)
-        self._attention(cost, index)
-        self._memory_bound(cost, moe)
+        block = s.block(index)
+        if s.has_attention(index):
+            self._attention(cost, index)
+        if block == "M":
+            self._mamba(cost)
+        self._memory_bound(cost, moe, block)
         if not self.tp_overlap:  # else charged with the linears
-            self._tp_comm(cost, 2)
+            self._tp_comm(cost, 2 if block == "T" else 1)
         if lay.recompute == "full":
             for k, v in list(cost.forward.items()):
                 cost.add("B", k, v)

@@ -3,7 +3,9 @@
 Read: the single-GPU throughput runs (``throughput-h200-*/mcore_<shape>.json``: 1b, 8b4l, before and after the
 per-layer-parts refactor), the two-GPU runs (``multi-gpu-*/results.json``: every layout of the table, 8b4l), the
 single-GPU MoE runs (``moe-h200-*/mcore_<shape>.json``: mixtral2l, qwen3moe4l) and the single-GPU memory-mode runs
-(``memory_modes.py``'s summaries: ZeRO-1, ``dp_shard`` at world size 1, optimizer and activation offload). Not
+(``memory_modes.py``'s summaries: ZeRO-1, ``dp_shard`` at world size 1, optimizer and activation offload) and
+the hybrid Nemotron-H steps (``ssm_throughput.py``'s training records: ZeRO-1, FSDP2 with the Mamba core
+recomputed). Not
 read: the fp32 smoke runs (a host-bound model, no speed measurement), runs of superseded code (``before-fusion-*``,
 ``SUPERSEDED_MOE_RUNS``), the attention and FP8 kernel benchmarks (kernels alone, no training step: ``kernel_rates``
 checks the calibration against them) and the low-precision GPU training runs (stopped before any timing). Each
@@ -44,6 +46,8 @@ MEMORY_MODE_RUNS = (
     "final-h200-*/call*/mm*/summary.json",
     "memory-*-h200-*/summary.json",
 )
+# benchmarks/ssm_throughput.py's training records: a hybrid preset through the real Trainer, one GPU
+SSM_RUN_FILES = "helpers-h200-*/ssm/mcore_*.json"
 SCHEDULES = {"none": "none", "1f1b": "1f1b", "interleaved-1f1b": "interleaved", "zb-h1": "zero-bubble"}
 # benchmarks/_common.py's 8b4l: the Llama-3-8B layer shape with 4 layers (the two-GPU runs record only its size)
 SHAPE_8B4L = {"hidden": 4096, "layers": 4, "heads": 32, "kv": 8, "ffn": 14336, "vocab": 128256}
@@ -214,5 +218,34 @@ def memory_mode_cases(results: Path) -> list[Case]:
     return out
 
 
+def ssm_cases(results: Path) -> list[Case]:
+    """The hybrid (Nemotron-H) training steps of ``benchmarks/ssm_throughput.py``: the preset's shape, one
+    sequence per step, the layout its overrides set (ZeRO-1 at dp=1, or ``dp_shard`` with selective recompute)."""
+    out = []
+    for path in sorted(results.glob(SSM_RUN_FILES)):
+        r = json.loads(path.read_text())
+        shape = ModelShape.from_config(get_config(r["preset"]), name=r["preset"])
+        if shape.total_parameters() != r["params"]:
+            raise ValueError(f"{path}: {r['preset']} has {shape.total_parameters()} parameters, the run {r['params']}")
+        o = {k: v for k, v in (x.split("=", 1) for x in r["overrides"])}
+        dp_shard = o.get("parallel.dp_shard") == "true"
+        layout = Layout(
+            micro_batch=1, global_batch=1, seq_length=r["seq"], dp_shard=dp_shard,
+            distributed_optimizer=o.get("parallel.distributed_optimizer") == "true",
+            recompute=o.get("train.recompute", "none"),
+        )  # fmt: skip
+        if round(r["tokens_per_s"] * r["step_s"]) != r["seq"]:
+            raise ValueError(f"{path}: not one sequence of {r['seq']} tokens per step")
+        run = path.parent.parent.name
+        out.append(Case(f"{r['preset']} {r['config']} (1 GPU, {run})", shape, layout, r["step_s"], (r["peak_mem_gb"],)))
+    return out
+
+
 def measured_cases(results: Path) -> list[Case]:
-    return throughput_cases(results) + multi_gpu_cases(results) + moe_cases(results) + memory_mode_cases(results)
+    return (
+        throughput_cases(results)
+        + multi_gpu_cases(results)
+        + moe_cases(results)
+        + memory_mode_cases(results)
+        + ssm_cases(results)
+    )

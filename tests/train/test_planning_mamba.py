@@ -1,0 +1,113 @@
+"""The planner's hybrid (Nemotron-H) layers and per-expert GEMMs: shapes against the real models, the Mamba-2
+rates against the kernel benchmark they come from, and the errors for what it cannot plan."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+
+from mcore.models import GPTModel, model_flops_per_token
+from mcore.models.families import get_config
+from mcore.train.errors import UserError
+from mcore.train.planning.calibration import load_calibration
+from mcore.train.planning.cluster import PRESETS, Network
+from mcore.train.planning.layout import Layout
+from mcore.train.planning.mamba_terms import MambaShape, rates_from_ssm_benchmark
+from mcore.train.planning.memory import GB, stage_memory
+from mcore.train.planning.shape import ModelShape
+from mcore.train.planning.step import predict_step
+from mcore.train.planning.time_model import TimeModel
+
+RESULTS = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
+SSM_RUN = RESULTS / "helpers-h200-2026-12-01-s3" / "ssm"
+H200 = Network(PRESETS["h200-node"])
+
+
+def _tiny_hybrid_config():
+    return replace(
+        get_config("nemotron-h-8b-4l"), hidden_size=64, intermediate_size=96, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, mamba_num_heads=8, mamba_head_dim=8, n_groups=2, ssm_state_size=16,
+        vocab_size=256,
+    )  # fmt: skip
+
+
+def test_hybrid_shape_counts_what_the_model_builds():
+    """(The 8B preset's count is checked against its run's record in validation.ssm_cases.)"""
+    config = _tiny_hybrid_config()
+    shape = ModelShape.from_config(config)
+    assert shape.hybrid_pattern == "M-M*" and not shape.gated and shape.attention_layers == 1
+    with torch.device("meta"):
+        model = GPTModel(config)
+    assert shape.total_parameters() == sum(p.numel() for p in model.parameters())
+    assert shape.model_flops_per_token(4096) == pytest.approx(model_flops_per_token(config, 4096), rel=1e-12)
+
+
+def test_shipped_mamba_rates_are_the_kernel_benchmarks():
+    kernels = json.loads((SSM_RUN / "ssm_throughput.json").read_text())["kernels"]
+    derived = rates_from_ssm_benchmark(kernels)
+    cal = load_calibration("h200-sxm")
+    assert cal.ssd_tflops == pytest.approx(derived["ssd_tflops"], rel=1e-3)
+    assert cal.conv_gbps == pytest.approx(derived["conv_gbps"], rel=1e-3)
+    # the SSD's eight kernels are what the profiled training step spent in "ssm" (two Mamba layers), within 10%
+    record = json.loads((SSM_RUN / "mcore_nemotronh8b4l_zero1.json").read_text())
+    ssd_ms = sum(kernels["ssd_parts_ms"].values())
+    assert 2 * ssd_ms == pytest.approx(record["profile"][0]["categories_ms"]["ssm"], rel=0.10)
+
+
+def test_selective_recompute_trades_mamba_activations_for_scan_time():
+    shape = ModelShape.from_config(get_config("nemotron-h-8b-4l"))
+    plain = Layout(seq_length=4096, distributed_optimizer=True)
+    selective = plain.replace(recompute="selective")
+    assert stage_memory(shape, selective)[0].activations < 0.7 * stage_memory(shape, plain)[0].activations
+    f0, f1 = (TimeModel(shape, lay, H200).layer_cost(0) for lay in (plain, selective))
+    assert f1.backward["ssm"] == pytest.approx(f0.backward["ssm"] + f0.forward["ssm"])
+    assert "ssm" not in TimeModel(shape, plain, H200).layer_cost(3).forward  # the attention layer runs no scan
+    assert "attention" not in f0.forward
+
+
+def test_hybrid_errors_name_the_problem():
+    base = dict(hidden=64, ffn=96, layers=3, heads=4, kv_heads=2, head_dim=16, vocab=256, gated=False)
+    with pytest.raises(ValueError, match="hybrid_pattern"):
+        ModelShape(**base, hybrid_pattern="M-E", mamba=MambaShape(8, 8, 2, 16))
+    with pytest.raises(ValueError, match="set ModelShape.mamba"):
+        ModelShape(**base, hybrid_pattern="M-*")
+    with pytest.raises(ValueError, match="multiple of groups"):
+        MambaShape(heads=6, head_dim=8, groups=4, state=16)
+    shape = ModelShape(**base, hybrid_pattern="M-*", mamba=MambaShape(8, 8, 2, 16))
+    no_rates = replace(H200.gpu, ssd_tflops=None)
+    with pytest.raises(UserError, match="no Mamba-2 rates"):
+        TimeModel(shape, Layout(seq_length=64), Network(H200.cluster, no_rates)).layer_cost(0)
+    with pytest.raises(ValueError, match="ssd_tflops"):
+        replace(H200.gpu, ssd_tflops=[1.0])
+
+
+def test_per_expert_gemms_are_dense_gemms_per_expert():
+    shape = ModelShape(hidden=4096, ffn=14336, layers=2, heads=32, kv_heads=8, head_dim=128, vocab=32000,
+                       num_experts=8, top_k=2, moe_ffn=14336)  # fmt: skip
+    grouped = Layout(micro_batch=2, global_batch=2, seq_length=4096, distributed_optimizer=True)
+    per_expert = grouped.replace(expert_gemm="per_expert")
+    g = H200.gpu
+    rows = 2 * 4096 * 2 / 8
+    fc1 = g.gemm_seconds(rows, 2 * 14336, 4096) + g.gemm_seconds(rows, 4096, 2 * 14336)
+    fc1 += g.gemm_seconds(2 * 14336, 4096, rows) * g.wgrad_fp32_slowdown
+    fc2 = g.gemm_seconds(rows, 4096, 14336) + g.gemm_seconds(rows, 14336, 4096)
+    fc2 += g.gemm_seconds(4096, 14336, rows) * g.wgrad_fp32_slowdown
+    t0, t1 = (TimeModel(shape, lay, H200).layer_cost(0) for lay in (grouped, per_expert))
+    # everything but the experts is the same in both: the difference is theirs
+    assert (t1.f + t1.b) - (t0.f + t0.b) == pytest.approx(8 * (fc1 + fc2) - _grouped(g, rows), rel=1e-9)
+    assert predict_step(shape, per_expert, H200).step_s < predict_step(shape, grouped, H200).step_s  # 2,048 rows each
+    assert stage_memory(shape, per_expert)[0].allocated / GB == stage_memory(shape, grouped)[0].allocated / GB
+    with pytest.raises(ValueError, match="expert_gemm"):
+        Layout(expert_gemm="looped")
+
+
+def _grouped(g, rows: float) -> float:
+    out = 0.0
+    for n, k in ((2 * 14336, 4096), (4096, 14336)):
+        fwd = g.grouped_gemm_seconds(8, rows, n, k)
+        out += fwd + g.grouped_gemm_seconds(8, rows, k, n) + fwd * g.wgrad_fp32_slowdown
+    return out
