@@ -12,7 +12,9 @@ import torch
 
 from mcore.models import GPTModel, model_flops_per_token
 from mcore.models.families import get_config
+from mcore.train.config import load_config
 from mcore.train.errors import UserError
+from mcore.train.plan import layout_of
 from mcore.train.planning.calibration import load_calibration
 from mcore.train.planning.cluster import PRESETS, Network
 from mcore.train.planning.layout import Layout
@@ -103,6 +105,8 @@ def test_per_expert_gemms_are_dense_gemms_per_expert():
     assert stage_memory(shape, per_expert)[0].allocated / GB == stage_memory(shape, grouped)[0].allocated / GB
     with pytest.raises(ValueError, match="expert_gemm"):
         Layout(expert_gemm="looped")
+    config = load_config(overrides=["model=mixtral-8x7b", "model.moe_router={expert_gemm: per_expert}"])
+    assert layout_of(config, 1).expert_gemm == "per_expert"
 
 
 def _grouped(g, rows: float) -> float:

@@ -177,6 +177,7 @@ def layout_of(config: Config, world_size: int) -> Layout:
         precision="fp32" if precision == "fp32" else "bf16",
         pipeline_layout=tuple(custom) if custom is not None else None,
         activation_offload=_offloaded_parts(config),
+        expert_gemm=(config.model.moe_router or {}).get("expert_gemm", "grouped"),
     )
 
 
