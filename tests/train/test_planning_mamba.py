@@ -80,6 +80,11 @@ def test_hybrid_errors_name_the_problem():
     with pytest.raises(ValueError, match="multiple of groups"):
         MambaShape(heads=6, head_dim=8, groups=4, state=16)
     shape = ModelShape(**base, hybrid_pattern="M-*", mamba=MambaShape(8, 8, 2, 16))
+    assert Layout(tp=2, seq_length=64).problems(shape) == []
+    assert Layout(tp=4, seq_length=64).problems(shape) == [
+        "tp=4 does not divide the 2 Mamba-2 groups (whole groups per rank)"
+    ]
+    assert any("no context parallelism" in p for p in Layout(cp=2, seq_length=64).problems(shape))
     no_rates = replace(H200.gpu, ssd_tflops=None)
     with pytest.raises(UserError, match="no Mamba-2 rates"):
         TimeModel(shape, Layout(seq_length=64), Network(H200.cluster, no_rates)).layer_cost(0)

@@ -125,6 +125,13 @@ class Layout:
         if self.seq_length % (self.tp * self.cp) and self.sequence_parallel:
             out.append(f"seq_length {self.seq_length} is not a multiple of tp*cp = {self.tp * self.cp}")
         out += self._cp_problems(shape)
+        if shape.mamba is not None and "M" in (shape.hybrid_pattern or ""):
+            if shape.mamba.groups % self.tp:  # mcore.models.layers.mamba2.check_mamba2_tensor_parallel
+                out.append(
+                    f"tp={self.tp} does not divide the {shape.mamba.groups} Mamba-2 groups (whole groups per rank)"
+                )
+            if self.cp > 1:
+                out.append(f"cp={self.cp} with Mamba-2 layers: the Mamba-2 mixer takes no context parallelism")
         per_step = self.micro_batch * self.dp
         if self.global_batch % per_step:
             out.append(f"global batch {self.global_batch} is not a multiple of micro_batch x dp = {per_step}")
