@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import pytest
 
+from mcore.train.config import load_config
+from mcore.train.plan import layout_of
 from mcore.train.planning.calibration import BACKWARD_ATTENTION_RATIO, load_calibration
 from mcore.train.planning.cluster import PRESETS, Network
 from mcore.train.planning.layout import Layout
@@ -56,3 +58,18 @@ def test_document_lengths_validated():
         Layout(seq_length=4096, document_lengths=(4096, 0))
     with pytest.raises(ValueError, match="packed_attention points"):
         H200.__class__(**{**H200.to_dict(), "packed_attention": [[128, 10.0]]})
+
+
+def test_plan_of_a_packed_mock_config_costs_its_documents():
+    """``data.packing`` on mock data: the plan takes the documents of the sample mcore-train draws (their
+    lengths sum to the sequence), and attention costs less than one causal document of the whole sequence."""
+    overrides = ["data.mock=true", "data.seq_length=256", "train.global_batch_size=1", "train.micro_batch_size=1"]
+    packed = layout_of(load_config(overrides=[*overrides, "data.packing=true"]), 1)
+    plain = layout_of(load_config(overrides=overrides), 1)
+    assert plain.document_lengths == () and len(packed.document_lengths) > 1
+    assert sum(packed.document_lengths) == 256
+    shape = ModelShape.from_config(load_config(overrides=overrides).model)
+    packed_cost = TimeModel(shape, packed, NET).layer_cost(0)
+    plain_cost = TimeModel(shape, plain, NET).layer_cost(0)
+    assert packed_cost.forward["attention"] < plain_cost.forward["attention"]
+    assert packed_cost.forward["gemm"] == plain_cost.forward["gemm"]
