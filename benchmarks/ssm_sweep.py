@@ -18,7 +18,10 @@ SSD_TILES = {
     "STATE_BLOCK": (128, 256, 512, 1024),
 }
 STATES_ROWS = (32, 64, 128)  # mcore.kernels.triton.ssd_states.ROWS
-CONV_TILES = ((32, 64), (64, 64), (32, 128), (64, 128), (128, 64), (16, 256))  # (BLOCK_L, BLOCK_D)
+# (BLOCK_L, BLOCK_D, NUM_WARPS, DPRE_TILES) of mcore.kernels.triton.conv, the default first
+CONV_TILES = ((32, 128, 4, 4), (16, 128, 4, 4), (64, 128, 8, 2), (32, 256, 8, 4), (32, 64, 4, 4), (32, 128, 4, 1),
+              (64, 64, 4, 2))  # fmt: skip
+CONV_CONSTANTS = ("BLOCK_L", "BLOCK_D", "NUM_WARPS", "DPRE_TILES")
 
 
 def ssd_kernel_calls(s: dict, device: torch.device, dtype: torch.dtype) -> dict[str, Callable[[], object]]:
@@ -52,9 +55,10 @@ def ssd_kernel_calls(s: dict, device: torch.device, dtype: torch.dtype) -> dict[
     }
 
 
-def sweep(s: dict, conv_inputs: tuple, device: torch.device, dtype: torch.dtype, measure, iters: int) -> dict:
-    """``{"ssd": {constant: {value: ms}}, "conv": {"BLxBD": ms}}``; which kernels a constant affects is summed."""
-    from mcore.kernels import causal_conv1d
+def sweep(s: dict, conv_step: Callable[[], object], device: torch.device, dtype: torch.dtype, measure,
+          iters: int) -> dict:  # fmt: skip
+    """``{"ssd": {constant: {value: ms}}, "conv": {"BLxBDxWARPSxTILES": ms}}``; which kernels a constant affects is
+    summed; ``conv_step`` runs the conv forward + backward with whatever tiles are set."""
     from mcore.kernels.triton import conv as tconv
     from mcore.kernels.triton import ssd as tssd
 
@@ -83,13 +87,13 @@ def sweep(s: dict, conv_inputs: tuple, device: torch.device, dtype: torch.dtype,
             out["ssd"]["states.ROWS"][str(value)] = sum(measure(calls[k], iters) * 1e3 for k in parts)
     finally:
         tstates.ROWS = default
-    xc, w, bias, grad = conv_inputs
-    default = (tconv.BLOCK_L, tconv.BLOCK_D)
+    default = [getattr(tconv, name) for name in CONV_CONSTANTS]
     try:
-        for bl, bd in CONV_TILES:
-            tconv.BLOCK_L, tconv.BLOCK_D = bl, bd
-            fn = lambda: causal_conv1d(xc, w, bias, backend="triton").backward(grad)  # noqa: E731
-            out["conv"][f"{bl}x{bd}"] = measure(fn, iters) * 1e3
+        for values in CONV_TILES:
+            for name, value in zip(CONV_CONSTANTS, values, strict=True):
+                setattr(tconv, name, value)
+            out["conv"]["x".join(map(str, values))] = measure(conv_step, iters) * 1e3
     finally:
-        tconv.BLOCK_L, tconv.BLOCK_D = default
+        for name, value in zip(CONV_CONSTANTS, default, strict=True):
+            setattr(tconv, name, value)
     return out

@@ -37,7 +37,8 @@ from ssm_sweep import ssd_kernel_calls, sweep
 
 ROOT = Path(__file__).resolve().parents[1]
 HF_BASELINE = ROOT.parent / "shared" / "bench" / "hf_hybrid_baseline.py"
-PEAK_FLOPS, PEAK_BYTES = 989.4e12, 4.8e12
+PEAK_FLOPS = 989.4e12
+COPY_BYTES = 4.03e12  # measured H200 copy bandwidth (benchmarks/results/calibration-h200-2026-12-01)
 
 TRAIN_SHAPES = {"nemotronh8b4l": ("nemotron-h-8b-4l", 4096), "tiny": ("nemotron_h-tiny", 32)}  # preset, seq
 KERNEL_SHAPES = {
@@ -90,7 +91,7 @@ def bench_kernels(
     HF's torch path; plus the Triton SSD kernels alone when Triton runs (``ssd_parts_ms``)."""
     from transformers.models.mamba2 import modeling_mamba2 as hf
 
-    from mcore.kernels import causal_conv1d, ssd_scan
+    from mcore.kernels import ssd_scan
 
     s = KERNEL_SHAPES[shape]
     measure = _timer(device)
@@ -115,24 +116,17 @@ def bench_kernels(
             ssd_max_diff = f"{type(exc).__name__}: {exc}"[:2000]
 
     d_inner = s["heads"] * s["head_dim"]
-    channels = d_inner + 2 * s["groups"] * s["state"]
-    gen = torch.Generator(device="cpu").manual_seed(1)
-    xc = torch.randn(s["batch"], s["seq"], channels, generator=gen).to(device, dtype).requires_grad_()
-    w = torch.randn(channels, s["conv"], generator=gen).to(device, dtype).requires_grad_()
-    bias = torch.randn(channels, generator=gen).to(device, dtype).requires_grad_()
-
-    gc = torch.randn(xc.shape, generator=gen).to(device, dtype)
-
-    def ours_conv():
-        causal_conv1d(xc, w, bias, backend=backend).backward(gc)
-
-    def hf_conv():
-        hf.causal_conv1d_fn(xc.transpose(1, 2), w, bias, activation="silu").backward(gc.transpose(1, 2))
+    xc, w, bias, gc = mixer_conv_inputs(s, device, dtype)
+    channels = xc.shape[-1]
 
     tokens = s["batch"] * s["seq"]
     ssd_flops = tokens * 6 * (2 * min(chunk, s["seq"]) * d_inner + 4 * d_inner * s["state"])
-    conv_bytes = 4 * tokens * channels * torch.finfo(dtype).bits // 8  # x, out, grad out, grad x
+    # The conv's byte floor: forward reads x and writes y; backward reads x and dy and writes dx (5 tensors).
+    tensor_bytes = tokens * channels * torch.finfo(dtype).bits // 8
+    conv_bytes = {"conv": 5 * tensor_bytes, "conv_fwd": 2 * tensor_bytes}
     out = {"shape": shape, **s, "dtype": str(dtype).removeprefix("torch."), "ssd_rel_diff_vs_hf": ssd_max_diff}
+    out["conv_floor_ms_at_copy_bandwidth"] = conv_bytes["conv"] / COPY_BYTES * 1e3
+    out |= conv_differences(xc, w, bias, gc, backend)
 
     def ours_ssd_torch_states():
         """The Triton backend with its two state matmuls in fp32 torch instead (the measured alternative)."""
@@ -146,7 +140,7 @@ def bench_kernels(
 
     runs = (("ssd_ours", ours_ssd), ("ssd_ours_torch_states", ours_ssd_torch_states),
             ("ssd_ours_torch", lambda: ours_ssd("reference")), ("ssd_hf", hf_ssd),
-            ("conv_ours", ours_conv), ("conv_hf", hf_conv))  # fmt: skip
+            *conv_calls(xc, w, bias, gc, backend).items())  # fmt: skip
     for name, fn in runs:
         try:
             sec = measure(fn, iters)
@@ -158,20 +152,83 @@ def bench_kernels(
             out[f"{name}_tflops"] = ssd_flops / sec / 1e12
             out[f"{name}_of_peak"] = ssd_flops / sec / PEAK_FLOPS
         else:
-            out[f"{name}_gbps"] = conv_bytes / sec / 1e9
-            out[f"{name}_of_peak"] = conv_bytes / sec / PEAK_BYTES
+            floor = conv_bytes["conv_fwd" if name.endswith("_fwd") else "conv"]
+            out[f"{name}_gbps"] = floor / sec / 1e9
+            out[f"{name}_of_copy_bandwidth"] = floor / sec / COPY_BYTES
     for key, slow, fast in (("ssd_speedup_vs_hf", "ssd_hf", "ssd_ours"),
                             ("ssd_speedup_vs_our_torch", "ssd_ours_torch", "ssd_ours"),
                             ("ssd_speedup_vs_torch_states", "ssd_ours_torch_states", "ssd_ours"),
-                            ("conv_speedup_vs_hf", "conv_hf", "conv_ours")):  # fmt: skip
+                            ("conv_speedup_vs_hf", "conv_hf", "conv_ours"),
+                            ("conv_fwd_speedup_vs_hf", "conv_hf_fwd", "conv_ours_fwd")):  # fmt: skip
         if f"{slow}_ms" in out and f"{fast}_ms" in out:
             out[key] = out[f"{slow}_ms"] / out[f"{fast}_ms"]
     if device.type == "cuda" or backend == "triton":
         calls = ssd_kernel_calls(s, device, dtype)
         out["ssd_parts_ms"] = {name: measure(fn, iters) * 1e3 for name, fn in calls.items()}
         if tile_sweep:
-            out["tile_sweep_ms"] = sweep(s, (xc, w, bias, gc), device, dtype, measure, iters)
+            out["tile_sweep_ms"] = sweep(s, conv_calls(xc, w, bias, gc, "triton")["conv_ours"], device, dtype, measure,
+                                         iters)  # fmt: skip
     return out
+
+
+def mixer_conv_inputs(s: dict, device: torch.device, dtype: torch.dtype):
+    """The conv's input as the mixer has it: the ``[x | B | C]`` slice (a strided view, read in place) of in_proj's
+    ``[batch, seq, z | xBC | dt]`` output; ``(x, weight, bias, output gradient)``."""
+    d_inner, gn = s["heads"] * s["head_dim"], s["groups"] * s["state"]
+    channels, width = d_inner + 2 * gn, 2 * d_inner + 2 * gn + s["heads"]
+    gen = torch.Generator(device="cpu").manual_seed(1)
+    proj = torch.randn(s["batch"], s["seq"], width, generator=gen).to(device, dtype)
+    x = proj[..., d_inner : d_inner + channels].requires_grad_()
+    w = (torch.randn(channels, s["conv"], generator=gen) * 0.5).to(device, dtype).requires_grad_()
+    bias = torch.randn(channels, generator=gen).to(device, dtype).requires_grad_()
+    return x, w, bias, torch.randn(x.shape, generator=gen).to(device, dtype)
+
+
+def conv_calls(x, w, bias, gy, backend: str | None) -> dict:
+    """Conv + SiLU forward + backward (and forward alone) as each mixer runs it: ours on the strided slice, HF's
+    ``causal_conv1d_fn`` on its ``transpose(1, 2)`` and transposed back (``NemotronHMamba2Mixer.torch_forward``).
+    Gradients by ``autograd.grad`` (nothing accumulates into ``.grad`` between timings)."""
+    from transformers.models.mamba2 import modeling_mamba2 as hf
+
+    from mcore.kernels import causal_conv1d
+
+    def ours():
+        return causal_conv1d(x, w, bias, backend=backend)
+
+    def theirs():
+        return hf.causal_conv1d_fn(x.transpose(1, 2), w, bias, activation="silu").transpose(1, 2)
+
+    def train(fn):
+        return lambda: torch.autograd.grad(fn(), (x, w, bias), gy)
+
+    def forward(fn):
+        def run():
+            with torch.no_grad():
+                fn()
+
+        return run
+
+    return {"conv_ours": train(ours), "conv_ours_fwd": forward(ours), "conv_hf": train(theirs),
+            "conv_hf_fwd": forward(theirs)}  # fmt: skip
+
+
+def conv_differences(x, w, bias, gy, backend: str | None) -> dict:
+    """Ours against HF's conv on the benchmark's inputs: max |difference| / max |HF| of y, dx, dw and dbias."""
+    from transformers.models.mamba2 import modeling_mamba2 as hf
+
+    from mcore.kernels import causal_conv1d
+
+    try:
+        mine = causal_conv1d(x, w, bias, backend=backend)
+        theirs = hf.causal_conv1d_fn(x.transpose(1, 2), w, bias, activation="silu").transpose(1, 2)
+        pairs = zip((mine, *torch.autograd.grad(mine, (x, w, bias), gy)),
+                    (theirs, *torch.autograd.grad(theirs, (x, w, bias), gy)))  # fmt: skip
+        diffs = [
+            (a.float() - b.float()).abs().max().item() / max(b.float().abs().max().item(), 1e-30) for a, b in pairs
+        ]
+    except Exception as exc:  # recorded; the timings still run
+        return {"conv_rel_diff_vs_hf": f"{type(exc).__name__}: {exc}"[:2000]}
+    return {"conv_rel_diff_vs_hf": dict(zip(("y", "dx", "dw", "dbias"), diffs, strict=True))}
 
 
 def training_spec(preset: str, seq: int, iters: int, warmup: int, dry_run: bool, profile: int = 0) -> RunSpec:
