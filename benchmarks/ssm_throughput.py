@@ -4,12 +4,14 @@
 (a) kernels: the SSD scan and the causal conv1d + SiLU, forward + backward, ours (``mcore.kernels.ssd_scan`` and
     ``causal_conv1d``) against transformers' torch fallbacks (``mamba2_chunk_scan``, ``causal_conv1d_fn`` of
     ``transformers.models.mamba2``) on the Nemotron-H-8B mixer shape (128 heads x 64, state 128, 8 groups, chunk 128,
-    conv 4 over d_inner + 2 G N = 10240 channels; seq 4096, batch 1), bf16 inputs. Reported: median ms, the SSD's
-    TFLOP/s by the model-FLOP convention below and the conv's GB/s (bytes of its input, output, their gradients),
-    against DESIGN.md's ceilings (989 TFLOP/s bf16, 4.8 TB/s HBM3e), and ours / HF speedups.
+    conv 4 over d_inner + 2 G N = 10240 channels; seq 4096, batch 1), bf16 inputs. The conv runs on the layout the
+    mixers give it (ours: the strided xBC slice of in_proj's output; HF: its transpose), forward alone and forward +
+    backward. Reported: median ms, the SSD's TFLOP/s by the model-FLOP convention below (against 989 TFLOP/s bf16)
+    and the conv's GB/s on its byte floor (x and y forward, x, dy and dx backward) against the measured 4.03 TB/s
+    copy bandwidth, ours / HF speedups, and ours-vs-HF differences.
 (b) training step on ``nemotron-h-8b-4l`` (Nemotron-H-8B layers M - M *, seq 4096, micro-batch 1): the real
-    ``mcore-train`` step (``load_config`` -> ``Trainer``: bf16 compute, fp32 master weights and AdamW states, the
-    distributed optimizer at dp=1) in its own process, beside ``../shared/bench/hf_hybrid_baseline.py`` (fp32
+    ``mcore-train`` step (``load_config`` -> ``Trainer``: bf16 compute, fp32 master weights and AdamW states) in
+    each of :data:`TRAIN_CONFIGS`, each in its own process, beside ``../shared/bench/hf_hybrid_baseline.py`` (fp32
     weights under bf16 autocast, eager and torch.compile, each in its own process) unless ``--skip-hf``. FLOPs per
     token from ``mcore.models.accounting.model_flops_per_token`` (equal to the baseline's formula; a test checks it).
 
@@ -231,13 +233,25 @@ def conv_differences(x, w, bias, gy, backend: str | None) -> dict:
     return {"conv_rel_diff_vs_hf": dict(zip(("y", "dx", "dw", "dbias"), diffs, strict=True))}
 
 
-def training_spec(preset: str, seq: int, iters: int, warmup: int, dry_run: bool, profile: int = 0) -> RunSpec:
-    """The real ``mcore-train`` step on ``preset``: bf16 compute with fp32 master weights and AdamW states (fp32 on
-    the CPU dry run), the distributed optimizer at dp=1, micro-batch 1, mock data."""
+# Our training configurations (each its own process): "zero1" is the fast one (bf16 parameters, fp32 gradient buffer,
+# fp32 master weights + AdamW moments in the distributed optimizer: 18 bytes a parameter, 27.2 GB of state for the
+# 1.51 B parameters of nemotron-h-8b-4l, against HF+compile's measured 30 GB peak); "fsdp_selective" is the lean one
+# (FSDP2 at world size 1 keeps fp32 parameters + gradients + moments, 16 bytes a parameter, bf16 copies only while a
+# layer runs, and the Mamba core -- conv, SSD, gated norm -- recomputed in backward).
+TRAIN_CONFIGS = {
+    "zero1": ["parallel.distributed_optimizer=true"],
+    "fsdp_selective": ["parallel.dp_shard=true", "train.recompute=selective"],
+}
+
+
+def training_spec(preset: str, seq: int, iters: int, warmup: int, dry_run: bool, profile: int = 0,
+                  config: str = "zero1") -> RunSpec:  # fmt: skip
+    """The real ``mcore-train`` step on ``preset``: bf16 compute with fp32 master weights and AdamW states (on the
+    CPU dry run too), one of :data:`TRAIN_CONFIGS`, micro-batch 1, mock data."""
     overrides = [
         f"train.device={'cpu' if dry_run else 'cuda'}",
-        f"train.precision={'fp32' if dry_run else 'bf16'}",
-        "parallel.distributed_optimizer=true",
+        "train.precision=bf16",
+        *TRAIN_CONFIGS[config],
         f"data.seq_length={seq}",
         "train.micro_batch_size=1",
         "train.global_batch_size=1",
@@ -247,33 +261,36 @@ def training_spec(preset: str, seq: int, iters: int, warmup: int, dry_run: bool,
         "lr.min_lr=1e-4",
         "lr.warmup_steps=0",
     ]
-    return RunSpec(f"mcore_{preset}", 1, overrides, {"preset": preset}, 1 + warmup, profile_steps=profile)
+    return RunSpec(f"mcore_{preset}_{config}", 1, overrides, {"preset": preset}, 1 + warmup, profile_steps=profile)
 
 
 def run_ours(a: argparse.Namespace) -> int:
     """``--only mcore``: our training step in this process (a child of :func:`main`), its JSON to ``--json``."""
     preset, seq = TRAIN_SHAPES["tiny" if a.dry_run else "nemotronh8b4l"]
-    result, runtime = run_spec(training_spec(preset, seq, a.iters, a.warmup, a.dry_run, a.profile_steps))
+    (config,) = a.train_configs
+    result, runtime = run_spec(training_spec(preset, seq, a.iters, a.warmup, a.dry_run, a.profile_steps, config))
     runtime.shutdown()
     keys = ("params", "tokens_per_s", "step_s", "tflops_per_gpu", "mfu", "peak_mem_gb", "first_step_s", "gpu", "torch")
-    record = {"impl": "mcore", "preset": preset, "seq": seq, **{k: result[k] for k in keys}}
+    record = {"impl": "mcore", "config": config, "overrides": TRAIN_CONFIGS[config], "preset": preset, "seq": seq}
+    record |= {k: result[k] for k in keys}
     record |= {k: result[k] for k in ("precision", "flops_per_token", "step_times_s", "losses", "profile")}
     write_json(a.json, record)
     return 0
 
 
-def bench_training(a: argparse.Namespace) -> dict:
+def bench_training(a: argparse.Namespace, config: str) -> dict:
     """Our step in its own process (so its memory statistics are its own); the record, or the failure's tail."""
-    json_path = a.out / "mcore_nemotronh8b4l.json"
+    json_path = a.out / f"mcore_nemotronh8b4l_{config}.json"
     json_path.unlink(missing_ok=True)
     argv = ["--only", "mcore", "--json", str(json_path), "--iters", str(a.iters), "--warmup", str(a.warmup)]
-    argv += ["--out", str(a.out), "--profile-steps", str(a.profile_steps)] + (["--dry-run"] if a.dry_run else [])
+    argv += ["--out", str(a.out), "--profile-steps", str(a.profile_steps), "--train-configs", config]
+    argv += ["--dry-run"] if a.dry_run else []
     launch = launch_workers(Path(__file__).resolve(), 1, argv, names=[json_path.stem],
-                            log_path=a.out / "ssm_training.log", env=child_env(dry_run=a.dry_run),
+                            log_path=a.out / f"ssm_training_{config}.log", env=child_env(dry_run=a.dry_run),
                             timeout_s=a.timeout)  # fmt: skip
     report_launch(launch)
     if launch.returncode != 0 or not json_path.is_file():
-        return {"impl": "mcore", "error": f"exit {launch.returncode}", "tail": launch.tail}
+        return {"impl": "mcore", "config": config, "error": f"exit {launch.returncode}", "tail": launch.tail}
     return json.loads(json_path.read_text())
 
 
@@ -299,11 +316,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sweep", action="store_true", help="also time alternative tile sizes (benchmarks/ssm_sweep.py)")
     ap.add_argument("--profile-steps", type=int, default=0, help="training steps after the timed ones run under the "
                     "CUDA profiler (step_profile.py): where the step's time goes, in the training record")  # fmt: skip
-    ap.add_argument("--timeout", type=float, default=600.0, help="seconds for our training run (600)")
+    ap.add_argument("--timeout", type=float, default=600.0, help="seconds for each of our training runs (600)")
+    ap.add_argument("--train-configs", type=lambda t: t.split(","), default=list(TRAIN_CONFIGS),
+                    help=f"comma-separated, of {', '.join(TRAIN_CONFIGS)} (all)")  # fmt: skip
     ap.add_argument("--json", type=Path, help=argparse.SUPPRESS)
     ap.add_argument("--only", choices=["mcore"], help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     a.out.mkdir(parents=True, exist_ok=True)
+    unknown = sorted(set(a.train_configs) - set(TRAIN_CONFIGS))
+    if unknown:
+        ap.error(f"--train-configs: unknown {unknown}; known: {list(TRAIN_CONFIGS)}")
     if a.dry_run:
         a.iters, a.warmup = 2, 1
     if a.only:
@@ -330,8 +352,9 @@ def main(argv: list[str] | None = None) -> int:
         for compile_ in (False,) if a.skip_compile else (False, True):
             result["training"].append(run_hf_baseline(a.out, compile_, a.iters))
             path.write_text(json.dumps(result, indent=1))
-    result["training"].append(bench_training(a))
-    path.write_text(json.dumps(result, indent=1))
+    for config in a.train_configs:
+        result["training"].append(bench_training(a, config))
+        path.write_text(json.dumps(result, indent=1))
     print(json.dumps(result, indent=1))
     return 0
 

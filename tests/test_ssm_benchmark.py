@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -29,8 +30,11 @@ def test_ssm_benchmark_dry_run_writes_its_json(tmp_path):
     assert max(kernels["conv_rel_diff_vs_hf"].values()) < 1e-5
     assert set(kernels["ssd_parts_ms"]) == {"intra_fwd", "intra_bwd", "state_fwd", "state_bwd", "chunk_state_fwd",
                                             "chunk_state_bwd", "inter_fwd", "inter_bwd"}  # fmt: skip
-    (train,) = result["training"]
-    assert train["impl"] == "mcore" and train["tokens_per_s"] > 0 and train["preset"] == "nemotron_h-tiny"
+    # Both training configurations ran through the real Trainer, bf16 with fp32 master weights even on the CPU.
+    assert [t["config"] for t in result["training"]] == ["zero1", "fsdp_selective"]
+    for train in result["training"]:
+        assert train["impl"] == "mcore" and train["tokens_per_s"] > 0 and train["preset"] == "nemotron_h-tiny"
+        assert train["precision"] == "bf16" and all(math.isfinite(loss) for loss in train["losses"])
 
 
 def test_tile_sweep_restores_the_defaults_and_times_every_value(monkeypatch):
