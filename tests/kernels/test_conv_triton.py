@@ -85,16 +85,20 @@ def test_triton_conv_on_the_mixer_layout_equals_float64_f_conv1d(interpreter, sp
     assert [len(calls) for calls in launched] == [1, 1]
 
 
-def test_taps_first_pads_narrow_convs_with_leading_zero_taps(interpreter):
+def test_triton_conv_reads_a_strided_weight_in_place(interpreter, small_tiles):
     from mcore.kernels.conv import TRITON_MAX_TAPS
-    from mcore.kernels.triton.conv import WIDTH, taps_first
 
-    assert TRITON_MAX_TAPS == WIDTH
-    w = torch.arange(6.0).view(3, 2)  # 3 channels, k = 2
-    padded = taps_first(w)
-    assert padded.shape == (WIDTH, 3)
-    torch.testing.assert_close(padded[: WIDTH - 2], torch.zeros(WIDTH - 2, 3))
-    torch.testing.assert_close(padded[WIDTH - 2 :], w.t())
+    assert TRITON_MAX_TAPS == small_tiles.WIDTH
+    gen = torch.Generator().manual_seed(7)
+    x = torch.randn(1, 21, 24, generator=gen, requires_grad=True)
+    w = torch.randn(3, 24, generator=gen).t().requires_grad_()  # [dim, k] with strides (1, dim)
+    bias = torch.randn(24, generator=gen, requires_grad=True)
+    out = causal_conv1d(x, w, bias, backend="triton")
+    ref = per_document_reference(x, w, bias, "silu", [[0, 21]])
+    torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5)
+    gy = torch.randn(out.shape, generator=gen)
+    for mine, theirs in zip(torch.autograd.grad(out, [x, w, bias], gy), torch.autograd.grad(ref, [x, w, bias], gy)):
+        torch.testing.assert_close(mine.double(), theirs.double(), rtol=1e-5, atol=1e-4)
 
 
 def test_convs_wider_than_the_kernels_use_the_torch_backend(interpreter, spy):
