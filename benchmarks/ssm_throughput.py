@@ -111,6 +111,49 @@ def _ssd_inputs(s, device, dtype):
     return x, dt, A, B, C, D, dt_bias
 
 
+def _timings(runs, measure, iters: int, ssd_flops: float, conv_bytes: dict) -> dict:
+    """``{name}_ms`` of each run (a failing one records its error), TFLOP/s (SSD) or GB/s (conv), and speedups."""
+    out: dict = {}
+    for name, fn in runs:
+        try:
+            sec = measure(fn, iters)
+        except Exception as exc:  # one failing variant is recorded; the others are still measured
+            out[f"{name}_error"] = f"{type(exc).__name__}: {exc}"[:2000]
+            continue
+        out[f"{name}_ms"] = sec * 1e3
+        if name.startswith("ssd"):
+            out[f"{name}_tflops"] = ssd_flops / sec / 1e12
+            out[f"{name}_of_peak"] = ssd_flops / sec / PEAK_FLOPS
+        else:
+            floor = conv_bytes["conv_fwd" if name.endswith("_fwd") else "conv"]
+            out[f"{name}_gbps"] = floor / sec / 1e9
+            out[f"{name}_of_copy_bandwidth"] = floor / sec / COPY_BYTES
+    for key, slow, fast in (("ssd_speedup_vs_hf", "ssd_hf", "ssd_ours"),
+                            ("ssd_speedup_vs_our_torch", "ssd_ours_torch", "ssd_ours"),
+                            ("ssd_speedup_vs_torch_states", "ssd_ours_torch_states", "ssd_ours"),
+                            ("conv_speedup_vs_hf", "conv_hf", "conv_ours"),
+                            ("conv_fwd_speedup_vs_hf", "conv_hf_fwd", "conv_ours_fwd")):  # fmt: skip
+        if f"{slow}_ms" in out and f"{fast}_ms" in out:
+            out[key] = out[f"{slow}_ms"] / out[f"{fast}_ms"]
+    return out
+
+
+def _conv_kernel_table(calls: dict, iters: int, floor_bytes: float) -> dict:
+    """The conv's GPU kernels alone, ours and HF's (ours' host overhead is comparable to its GPU time; HF's is hidden
+    in its ~3 ms)."""
+    out: dict = {}
+    for name in ("conv_ours", "conv_hf"):
+        try:
+            out[f"{name}_kernels"] = kernel_times(calls[name], iters)
+        except Exception as exc:  # the profiler is an extra; the event timings stand
+            out[f"{name}_kernels_error"] = f"{type(exc).__name__}: {exc}"[:2000]
+    if "conv_ours_kernels" in out and "conv_hf_kernels" in out:
+        ours, theirs = out["conv_ours_kernels"]["total_ms"], out["conv_hf_kernels"]["total_ms"]
+        out["conv_kernel_speedup_vs_hf"] = theirs / ours
+        out["conv_ours_kernels_gbps"] = floor_bytes / (ours / 1e3) / 1e9
+    return out
+
+
 def bench_kernels(
     shape: str, device: torch.device, dtype: torch.dtype, iters: int, backend: str | None, tile_sweep: bool = False
 ) -> dict:
@@ -168,39 +211,9 @@ def bench_kernels(
     runs = (("ssd_ours", ours_ssd), ("ssd_ours_torch_states", ours_ssd_torch_states),
             ("ssd_ours_torch", lambda: ours_ssd("reference")), ("ssd_hf", hf_ssd),
             *conv_calls(xc, w, bias, gc, backend).items())  # fmt: skip
-    for name, fn in runs:
-        try:
-            sec = measure(fn, iters)
-        except Exception as exc:  # one failing variant is recorded; the others are still measured
-            out[f"{name}_error"] = f"{type(exc).__name__}: {exc}"[:2000]
-            continue
-        out[f"{name}_ms"] = sec * 1e3
-        if name.startswith("ssd"):
-            out[f"{name}_tflops"] = ssd_flops / sec / 1e12
-            out[f"{name}_of_peak"] = ssd_flops / sec / PEAK_FLOPS
-        else:
-            floor = conv_bytes["conv_fwd" if name.endswith("_fwd") else "conv"]
-            out[f"{name}_gbps"] = floor / sec / 1e9
-            out[f"{name}_of_copy_bandwidth"] = floor / sec / COPY_BYTES
-    for key, slow, fast in (("ssd_speedup_vs_hf", "ssd_hf", "ssd_ours"),
-                            ("ssd_speedup_vs_our_torch", "ssd_ours_torch", "ssd_ours"),
-                            ("ssd_speedup_vs_torch_states", "ssd_ours_torch_states", "ssd_ours"),
-                            ("conv_speedup_vs_hf", "conv_hf", "conv_ours"),
-                            ("conv_fwd_speedup_vs_hf", "conv_hf_fwd", "conv_ours_fwd")):  # fmt: skip
-        if f"{slow}_ms" in out and f"{fast}_ms" in out:
-            out[key] = out[f"{slow}_ms"] / out[f"{fast}_ms"]
+    out |= _timings(runs, measure, iters, ssd_flops, conv_bytes)
     if device.type == "cuda":
-        # The conv's kernels alone (its host overhead is comparable to its GPU time; HF's is hidden in its 3 ms).
-        conv = conv_calls(xc, w, bias, gc, backend)
-        for name in ("conv_ours", "conv_hf"):
-            try:
-                out[f"{name}_kernels"] = kernel_times(conv[name], iters)
-            except Exception as exc:  # the profiler is an extra; the timings above stand
-                out[f"{name}_kernels_error"] = f"{type(exc).__name__}: {exc}"[:2000]
-        if "conv_ours_kernels" in out and "conv_hf_kernels" in out:
-            ours_k, hf_k = out["conv_ours_kernels"]["total_ms"], out["conv_hf_kernels"]["total_ms"]
-            out["conv_kernel_speedup_vs_hf"] = hf_k / ours_k
-            out["conv_ours_kernels_gbps"] = conv_bytes["conv"] / (ours_k / 1e3) / 1e9
+        out |= _conv_kernel_table(conv_calls(xc, w, bias, gc, backend), iters, conv_bytes["conv"])
     if device.type == "cuda" or backend == "triton":
         calls = ssd_kernel_calls(s, device, dtype)
         out["ssd_parts_ms"] = {name: measure(fn, iters) * 1e3 for name, fn in calls.items()}
