@@ -90,10 +90,15 @@ def kernel_times(fn, iters: int) -> dict:
         path = Path(tmp) / "trace.json"
         prof.export_chrome_trace(str(path))
         events = json.loads(path.read_text())["traceEvents"]
+    return kernel_ms_from_trace(events, iters)
+
+
+def kernel_ms_from_trace(events: list[dict], calls: int) -> dict:
+    """Per-call GPU time (ms) of a Chrome trace's kernels, copies and memsets: in total and by (truncated) name."""
     per_name: dict[str, float] = {}
     for e in events:
         if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and "dur" in e:
-            per_name[e["name"][:80]] = per_name.get(e["name"][:80], 0.0) + e["dur"] / iters / 1e3
+            per_name[e["name"][:80]] = per_name.get(e["name"][:80], 0.0) + e["dur"] / calls / 1e3
     return {"total_ms": sum(per_name.values()), "kernels_ms": dict(sorted(per_name.items(), key=lambda kv: -kv[1]))}
 
 

@@ -98,3 +98,19 @@ def test_step_profile_puts_the_ssm_kernels_in_their_category(monkeypatch):
     for name in (*names, "_chunk_state_fwd_kernel", "_chunk_state_bwd_kernel", "_inter_fwd_kernel"):
         assert categorize(name) == "ssm", name
     assert categorize("_flash_fwd_kernel") == "attention" and categorize("_rms_norm_fwd") == "norm"
+
+
+def test_kernel_time_sums_device_events_per_call(monkeypatch):
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    from ssm_throughput import kernel_ms_from_trace
+
+    events = [
+        {"cat": "kernel", "name": "_conv_fwd_kernel", "dur": 30.0},
+        {"cat": "kernel", "name": "_conv_fwd_kernel", "dur": 34.0},
+        {"cat": "gpu_memset", "name": "Memset (Device)", "dur": 2.0},
+        {"cat": "cpu_op", "name": "aten::empty", "dur": 500.0},  # host time: not counted
+        {"cat": "kernel", "name": "no duration"},
+    ]
+    out = kernel_ms_from_trace(events, calls=2)
+    assert out["kernels_ms"] == {"_conv_fwd_kernel": 0.032, "Memset (Device)": 0.001}
+    assert abs(out["total_ms"] - 0.033) < 1e-12
