@@ -136,6 +136,7 @@ def _timings(runs, measure, iters: int, ssd_flops: float, conv_bytes: dict) -> d
     for key, slow, fast in (("ssd_speedup_vs_hf", "ssd_hf", "ssd_ours"),
                             ("ssd_speedup_vs_our_torch", "ssd_ours_torch", "ssd_ours"),
                             ("ssd_speedup_vs_torch_states", "ssd_ours_torch_states", "ssd_ours"),
+                            ("ssd_speedup_vs_triton_states", "ssd_ours_triton_states", "ssd_ours"),
                             ("conv_speedup_vs_hf", "conv_hf", "conv_ours"),
                             ("conv_fwd_speedup_vs_hf", "conv_hf_fwd", "conv_ours_fwd")):  # fmt: skip
         if f"{slow}_ms" in out and f"{fast}_ms" in out:
@@ -203,20 +204,28 @@ def bench_kernels(
     out["conv_floor_ms_at_copy_bandwidth"] = conv_bytes["conv"] / COPY_BYTES * 1e3
     out |= conv_differences(xc, w, bias, gc, backend)
 
-    def ours_ssd_torch_states():
-        """The Triton backend with its two state matmuls in fp32 torch instead (the measured alternative)."""
+    def ours_ssd_states(path):
+        """The Triton backend with its two state matmuls on ``path`` ("torch": fp32 batched matmuls; "triton")
+        instead of the default ("auto": the faster of the two, measured on the first call)."""
         import mcore.kernels.ssd_triton as glue
 
-        default, glue.STATE_MATMULS = glue.STATE_MATMULS, "torch"
-        try:
-            ours_ssd()
-        finally:
-            glue.STATE_MATMULS = default
+        def run():
+            default, glue.STATE_MATMULS = glue.STATE_MATMULS, path
+            try:
+                ours_ssd()
+            finally:
+                glue.STATE_MATMULS = default
 
-    runs = (("ssd_ours", ours_ssd), ("ssd_ours_torch_states", ours_ssd_torch_states),
+        return run
+
+    runs = (("ssd_ours", ours_ssd), ("ssd_ours_torch_states", ours_ssd_states("torch")),
+            ("ssd_ours_triton_states", ours_ssd_states("triton")),
             ("ssd_ours_torch", lambda: ours_ssd("reference")), ("ssd_hf", hf_ssd),
             *conv_calls(xc, w, bias, gc, backend).items())  # fmt: skip
     out |= _timings(runs, measure, iters, ssd_flops, conv_bytes)
+    from mcore.kernels.ssd_state_choice import CHOSEN
+
+    out["ssd_state_matmuls_chosen"] = {str(key): path for key, path in CHOSEN.items()}
     if device.type == "cuda":
         out |= _conv_kernel_table(conv_calls(xc, w, bias, gc, backend), iters, conv_bytes["conv"])
     if device.type == "cuda" or backend == "triton":
