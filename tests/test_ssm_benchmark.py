@@ -22,7 +22,7 @@ def test_ssm_benchmark_dry_run_writes_its_json(tmp_path):
     kernels = result["kernels"]
     # Our SSD computes what HF's torch path computes (fp32 on CPU).
     assert kernels["ssd_rel_diff_vs_hf"] < 1e-5
-    for ssd in ("ours", "ours_torch_states", "ours_torch", "hf"):
+    for ssd in ("ours", "ours_torch_states", "ours_triton_states", "ours_torch", "hf"):
         assert kernels[f"ssd_{ssd}_ms"] > 0
     for name in ("conv_ours_ms", "conv_hf_ms", "conv_ours_fwd_ms", "conv_hf_fwd_ms"):
         assert kernels[name] > 0
