@@ -19,8 +19,8 @@ SSD_TILES = {
 }
 STATES_ROWS = (32, 64, 128)  # mcore.kernels.triton.ssd_states.ROWS
 # (BLOCK_L, BLOCK_D, NUM_WARPS, DPRE_TILES) of mcore.kernels.triton.conv, the default first
-CONV_TILES = ((32, 128, 4, 4), (16, 128, 4, 4), (64, 128, 8, 2), (32, 256, 8, 4), (32, 64, 4, 4), (32, 128, 4, 1),
-              (64, 64, 4, 2))  # fmt: skip
+CONV_TILES = ((32, 128, 8, 4), (32, 128, 4, 4), (16, 128, 4, 4), (64, 128, 8, 2), (32, 256, 8, 4), (32, 64, 4, 4),
+              (32, 128, 8, 1))  # fmt: skip
 CONV_CONSTANTS = ("BLOCK_L", "BLOCK_D", "NUM_WARPS", "DPRE_TILES")
 
 

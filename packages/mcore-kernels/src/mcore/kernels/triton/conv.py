@@ -28,7 +28,9 @@ import triton
 import triton.language as tl
 
 WIDTH = 4  # taps the kernels compute (the literal 4 in them); k < 4 gets zero taps in front, k > 4 uses torch
-BLOCK_L, BLOCK_D, NUM_WARPS = 32, 128, 4
+# 4K-element tiles at 8 warps: 16 fp32 values a thread (_common.TILE_ELEMENTS, swept on an H200 for streaming
+# kernels); the dpre kernel keeps four such tap tiles live across the SiLU derivative, more would spill.
+BLOCK_L, BLOCK_D, NUM_WARPS = 32, 128, 8
 DPRE_TILES = 4  # consecutive L tiles per program of the dpre kernel: a quarter of the dw/db partials to sum
 
 
