@@ -56,43 +56,59 @@ def ssd_kernel_calls(s: dict, device: torch.device, dtype: torch.dtype) -> dict[
 
 
 def sweep(s: dict, conv_step: Callable[[], object], device: torch.device, dtype: torch.dtype, measure,
-          iters: int) -> dict:  # fmt: skip
-    """``{"ssd": {constant: {value: ms}}, "conv": {"BLxBDxWARPSxTILES": ms}}``; which kernels a constant affects is
-    summed; ``conv_step`` runs the conv forward + backward with whatever tiles are set."""
-    from mcore.kernels.triton import conv as tconv
+          iters: int, parts: tuple[str, ...] = ("ssd", "conv")) -> dict:  # fmt: skip
+    """``{"ssd": {constant: {value: ms}}, "conv": {"BLxBDxWARPSxTILES": ms}}`` for the ``parts`` asked; which
+    kernels a constant affects is summed; ``conv_step`` runs the conv forward + backward with whatever tiles are
+    set."""
+    out: dict = {}
+    if "ssd" in parts:
+        out["ssd"] = _ssd_sweep(s, device, dtype, measure, iters)
+    if "conv" in parts:
+        out["conv"] = _conv_sweep(conv_step, measure, iters)
+    return out
+
+
+def _ssd_sweep(s: dict, device: torch.device, dtype: torch.dtype, measure, iters: int) -> dict:
     from mcore.kernels.triton import ssd as tssd
 
     calls = ssd_kernel_calls(s, device, dtype)
     intra, state = ("intra_fwd", "intra_bwd"), ("state_fwd", "state_bwd")
     affected = {"INTRA_ROWS": intra, "INTRA_WARPS": intra, "DCB_TILE": intra[1:], "DCB_WARPS": intra[1:],
                 "STATE_BLOCK": state}  # fmt: skip
-    out: dict = {"ssd": {}, "conv": {}}
+    out: dict = {}
     for name, values in SSD_TILES.items():
         default = getattr(tssd, name)
-        out["ssd"][name] = {}
+        out[name] = {}
         try:
             for value in values:
                 setattr(tssd, name, value)
-                out["ssd"][name][str(value)] = sum(measure(calls[k], iters) * 1e3 for k in affected[name])
+                out[name][str(value)] = sum(measure(calls[k], iters) * 1e3 for k in affected[name])
         finally:
             setattr(tssd, name, default)
     from mcore.kernels.triton import ssd_states as tstates
 
     default = tstates.ROWS
-    out["ssd"]["states.ROWS"] = {}
+    out["states.ROWS"] = {}
     try:
         for value in STATES_ROWS:
             tstates.ROWS = value
             parts = ("chunk_state_fwd", "chunk_state_bwd", "inter_fwd")
-            out["ssd"]["states.ROWS"][str(value)] = sum(measure(calls[k], iters) * 1e3 for k in parts)
+            out["states.ROWS"][str(value)] = sum(measure(calls[k], iters) * 1e3 for k in parts)
     finally:
         tstates.ROWS = default
+    return out
+
+
+def _conv_sweep(conv_step: Callable[[], object], measure, iters: int) -> dict:
+    from mcore.kernels.triton import conv as tconv
+
+    out: dict = {}
     default = [getattr(tconv, name) for name in CONV_CONSTANTS]
     try:
         for values in CONV_TILES:
             for name, value in zip(CONV_CONSTANTS, values, strict=True):
                 setattr(tconv, name, value)
-            out["conv"]["x".join(map(str, values))] = measure(conv_step, iters) * 1e3
+            out["x".join(map(str, values))] = measure(conv_step, iters) * 1e3
     finally:
         for name, value in zip(CONV_CONSTANTS, default, strict=True):
             setattr(tconv, name, value)

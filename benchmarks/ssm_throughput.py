@@ -161,7 +161,12 @@ def _conv_kernel_table(calls: dict, iters: int, floor_bytes: float) -> dict:
 
 
 def bench_kernels(
-    shape: str, device: torch.device, dtype: torch.dtype, iters: int, backend: str | None, tile_sweep: bool = False
+    shape: str,
+    device: torch.device,
+    dtype: torch.dtype,
+    iters: int,
+    backend: str | None,
+    tile_sweep: tuple[str, ...] = (),
 ) -> dict:
     """SSD and conv forward + backward: ours (``backend``: the device's default when ``None``), our torch backend,
     HF's torch path; plus the Triton SSD kernels alone when Triton runs (``ssd_parts_ms``)."""
@@ -232,8 +237,8 @@ def bench_kernels(
         calls = ssd_kernel_calls(s, device, dtype)
         out["ssd_parts_ms"] = {name: measure(fn, iters) * 1e3 for name, fn in calls.items()}
         if tile_sweep:
-            out["tile_sweep_ms"] = sweep(s, conv_calls(xc, w, bias, gc, "triton")["conv_ours"], device, dtype, measure,
-                                         iters)  # fmt: skip
+            conv_step = conv_calls(xc, w, bias, gc, "triton")["conv_ours"]
+            out["tile_sweep_ms"] = sweep(s, conv_step, device, dtype, measure, iters, tile_sweep)
     return out
 
 
@@ -382,7 +387,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--skip-hf", action="store_true", help="do not run ../shared/bench/hf_hybrid_baseline.py")
     ap.add_argument("--skip-compile", action="store_true", help="run the baseline eager only")
     ap.add_argument("--kernels-only", action="store_true", help="part (a) only: no training step")
-    ap.add_argument("--sweep", action="store_true", help="also time alternative tile sizes (benchmarks/ssm_sweep.py)")
+    ap.add_argument(
+        "--sweep",
+        nargs="?",
+        const="ssd,conv",
+        default="",
+        type=str,
+        help="also time alternative tile sizes (benchmarks/ssm_sweep.py) of ssd, conv or both (bare: both)",
+    )
     ap.add_argument("--profile-steps", type=int, default=0, help="training steps after the timed ones run under the "
                     "CUDA profiler (step_profile.py): where the step's time goes, in the training record")  # fmt: skip
     ap.add_argument("--timeout", type=float, default=600.0, help="seconds for each of our training runs (600)")
@@ -408,7 +420,7 @@ def main(argv: list[str] | None = None) -> int:
     shape, dtype = ("tiny", torch.float32) if a.dry_run else ("nemotronh8b", torch.bfloat16)
     # The dry run checks the Triton kernels too when the interpreter is on (TRITON_INTERPRET=1).
     backend = "triton" if a.dry_run and os.environ.get("TRITON_INTERPRET") == "1" else None
-    result["kernels"] = bench_kernels(shape, device, dtype, a.iters, backend, a.sweep)
+    result["kernels"] = bench_kernels(shape, device, dtype, a.iters, backend, tuple(filter(None, a.sweep.split(","))))
     path.write_text(json.dumps(result, indent=1))
     if a.kernels_only:
         print(json.dumps(result, indent=1))

@@ -76,6 +76,8 @@ def test_tile_sweep_restores_the_defaults_and_times_every_value(monkeypatch):
 
     out = ssm_sweep.sweep(s, conv_step, torch.device("cpu"), torch.float32, measure, 1)
     assert seen == [(16, 32, 4, 2), (32, 64, 2, 1)]
+    only_conv = ssm_sweep.sweep(s, conv_step, torch.device("cpu"), torch.float32, measure, 1, parts=("conv",))
+    assert set(only_conv) == {"conv"} and set(only_conv["conv"]) == {"16x32x4x2", "32x64x2x1"}
     assert set(out["ssd"]["INTRA_ROWS"]) == {"16", "32"} and set(out["ssd"]["STATE_BLOCK"]) == {"64", "256"}
     assert set(out["ssd"]["states.ROWS"]) == {"16", "32"}
     assert set(out["conv"]) == {"16x32x4x2", "32x64x2x1"} and all(v > 0 for v in out["conv"].values())
