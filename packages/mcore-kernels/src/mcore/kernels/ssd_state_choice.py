@@ -38,11 +38,10 @@ def _cuda_seconds(fn: Callable[[], None], calls: int) -> float:
     return statistics.median(times)
 
 
-def _state_step(path: str, xp, w, Bp, Cp, v, dims) -> Callable[[], None]:
+def _state_step(path: str, parts, xp, w, Bp, Cp, v, dims) -> Callable[[], None]:
     """Forward + backward of both state matmuls on ``path``, on detached copies of the real inputs (the incoming
     states, computed between the two, are stood in for by a tensor of their shape)."""
-    from mcore.kernels.ssd_triton import chunk_states, inter_output
-
+    chunk_states, inter_output = parts
     b, nc, q, g, h, p, n = dims
     leaves = [t.detach().requires_grad_() for t in (xp, w, Bp, Cp, v)]
     incoming = torch.randn(b, nc, h, p * n, device=xp.device).requires_grad_()
@@ -59,9 +58,10 @@ def _state_step(path: str, xp, w, Bp, Cp, v, dims) -> Callable[[], None]:
     return step
 
 
-def choose_state_matmuls(xp, w, Bp, Cp, v, dims, seconds: Callable[..., float] | None = None) -> str:
-    """``"triton"`` or ``"torch"`` for these inputs' shape (see the module docstring); ``seconds(step, calls)``
-    times a step (CUDA events by default; tests pass their own)."""
+def choose_state_matmuls(parts, xp, w, Bp, Cp, v, dims, seconds: Callable[..., float] | None = None) -> str:
+    """``"triton"`` or ``"torch"`` for these inputs' shape (see the module docstring). ``parts`` are the two
+    matmuls, ``(chunk_states, inter_output)`` of :mod:`mcore.kernels.ssd_triton`, each taking the path first;
+    ``seconds(step, calls)`` times a step (CUDA events by default; tests pass their own)."""
     if not xp.is_cuda and seconds is None:
         return "triton"
     key = (tuple(dims), xp.dtype, Bp.dtype, str(xp.device))
@@ -71,7 +71,7 @@ def choose_state_matmuls(xp, w, Bp, Cp, v, dims, seconds: Callable[..., float] |
     timings: dict[str, float] = {}
     for path in PATHS:
         try:
-            timings[path] = seconds(_state_step(path, xp, w, Bp, Cp, v, dims), TIMED_CALLS)
+            timings[path] = seconds(_state_step(path, parts, xp, w, Bp, Cp, v, dims), TIMED_CALLS)
         except Exception as exc:  # a path that cannot run here loses; the other one still can
             if path == "torch":
                 raise

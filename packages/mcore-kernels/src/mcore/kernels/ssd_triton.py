@@ -185,7 +185,7 @@ def ssd_chunked_triton(x, dt, A, B, C, chunk_size, initial_states, seq_idx):
     if path == "auto":
         from mcore.kernels.ssd_state_choice import choose_state_matmuls
 
-        path = choose_state_matmuls(xp, w, Bp, Cp, v, dims)
+        path = choose_state_matmuls((chunk_states, inter_output), xp, w, Bp, Cp, v, dims)
     local = chunk_states(path, xp, w, Bp, dims)
     init = None if initial_states is None else initial_states.float().reshape(b, h, p * n).contiguous()
     incoming, final = _StatePassing.apply(local.contiguous(), carry.contiguous(), init)
