@@ -18,10 +18,19 @@ SSD_TILES = {
     "STATE_BLOCK": (128, 256, 512, 1024),
 }
 STATES_ROWS = (32, 64, 128)  # mcore.kernels.triton.ssd_states.ROWS
-# (BLOCK_L, BLOCK_D, NUM_WARPS, DPRE_TILES) of mcore.kernels.triton.conv, the default first
-CONV_TILES = ((32, 128, 8, 4), (32, 128, 4, 4), (16, 128, 4, 4), (64, 128, 8, 2), (32, 256, 8, 4), (32, 64, 4, 4),
-              (32, 128, 8, 1))  # fmt: skip
-CONV_CONSTANTS = ("BLOCK_L", "BLOCK_D", "NUM_WARPS", "DPRE_TILES")
+# mcore.kernels.triton.conv: (BLOCK_L, BLOCK_D, NUM_WARPS) of the forward and dx kernels, and
+# (DPRE_BLOCK_L, DPRE_BLOCK_D, DPRE_WARPS, DPRE_TILES) of the dpre kernel; the defaults first
+CONV_CONSTANTS = ("BLOCK_L", "BLOCK_D", "NUM_WARPS", "DPRE_BLOCK_L", "DPRE_BLOCK_D", "DPRE_WARPS", "DPRE_TILES")
+CONV_TILES = (
+    (32, 128, 8, 4, 1024, 4, 16),
+    (32, 128, 4, 4, 1024, 4, 16),
+    (64, 128, 8, 4, 1024, 4, 16),
+    (16, 256, 4, 4, 1024, 4, 16),
+    (32, 128, 8, 8, 1024, 4, 8),
+    (32, 128, 8, 4, 2048, 8, 16),
+    (32, 128, 8, 2, 1024, 4, 32),
+    (32, 128, 8, 32, 128, 8, 1),  # the dpre tile of the first GPU run (sums across warps), one tile a program
+)
 
 
 def ssd_kernel_calls(s: dict, device: torch.device, dtype: torch.dtype) -> dict[str, Callable[[], object]]:
@@ -56,15 +65,16 @@ def ssd_kernel_calls(s: dict, device: torch.device, dtype: torch.dtype) -> dict[
 
 
 def sweep(s: dict, conv_step: Callable[[], object], device: torch.device, dtype: torch.dtype, measure,
-          iters: int, parts: tuple[str, ...] = ("ssd", "conv")) -> dict:  # fmt: skip
+          iters: int, parts: tuple[str, ...] = ("ssd", "conv"), conv_measure=None) -> dict:  # fmt: skip
     """``{"ssd": {constant: {value: ms}}, "conv": {"BLxBDxWARPSxTILES": ms}}`` for the ``parts`` asked; which
     kernels a constant affects is summed; ``conv_step`` runs the conv forward + backward with whatever tiles are
-    set."""
+    set, timed by ``conv_measure`` (default ``measure``; on CUDA the benchmark passes GPU kernel time: its host
+    overhead would hide the tiles' differences)."""
     out: dict = {}
     if "ssd" in parts:
         out["ssd"] = _ssd_sweep(s, device, dtype, measure, iters)
     if "conv" in parts:
-        out["conv"] = _conv_sweep(conv_step, measure, iters)
+        out["conv"] = _conv_sweep(conv_step, conv_measure or measure, iters)
     return out
 
 

@@ -55,9 +55,9 @@ def test_tile_sweep_restores_the_defaults_and_times_every_value(monkeypatch):
 
         pytest.skip("the sweep's CPU check runs the kernels under TRITON_INTERPRET=1")
     monkeypatch.setattr(ssm_sweep, "SSD_TILES", {"INTRA_ROWS": (16, 32), "STATE_BLOCK": (64, 256)})
-    monkeypatch.setattr(ssm_sweep, "CONV_TILES", ((16, 32, 4, 2), (32, 64, 2, 1)))
+    monkeypatch.setattr(ssm_sweep, "CONV_TILES", ((16, 32, 4, 4, 32, 4, 2), (32, 64, 2, 8, 64, 2, 1)))
     monkeypatch.setattr(ssm_sweep, "STATES_ROWS", (16, 32))
-    tiles = ("BLOCK_L", "BLOCK_D", "NUM_WARPS", "DPRE_TILES")
+    tiles = ssm_sweep.CONV_CONSTANTS
     before = (tssd.INTRA_ROWS, tssd.STATE_BLOCK, *(getattr(tconv, name) for name in tiles))
     s = KERNEL_SHAPES["tiny"]
     x = torch.randn(1, s["seq"], 48, requires_grad=True)
@@ -71,16 +71,16 @@ def test_tile_sweep_restores_the_defaults_and_times_every_value(monkeypatch):
     seen = []
 
     def conv_step():
-        seen.append((tconv.BLOCK_L, tconv.BLOCK_D, tconv.NUM_WARPS, tconv.DPRE_TILES))
+        seen.append(tuple(getattr(tconv, name) for name in tiles))
         causal_conv1d(x, w, bias, backend="triton").backward(torch.randn(x.shape))
 
     out = ssm_sweep.sweep(s, conv_step, torch.device("cpu"), torch.float32, measure, 1)
-    assert seen == [(16, 32, 4, 2), (32, 64, 2, 1)]
+    assert seen == [(16, 32, 4, 4, 32, 4, 2), (32, 64, 2, 8, 64, 2, 1)]
     only_conv = ssm_sweep.sweep(s, conv_step, torch.device("cpu"), torch.float32, measure, 1, parts=("conv",))
-    assert set(only_conv) == {"conv"} and set(only_conv["conv"]) == {"16x32x4x2", "32x64x2x1"}
+    assert set(only_conv) == {"conv"} and set(only_conv["conv"]) == {"16x32x4x4x32x4x2", "32x64x2x8x64x2x1"}
     assert set(out["ssd"]["INTRA_ROWS"]) == {"16", "32"} and set(out["ssd"]["STATE_BLOCK"]) == {"64", "256"}
     assert set(out["ssd"]["states.ROWS"]) == {"16", "32"}
-    assert set(out["conv"]) == {"16x32x4x2", "32x64x2x1"} and all(v > 0 for v in out["conv"].values())
+    assert set(out["conv"]) == {"16x32x4x4x32x4x2", "32x64x2x8x64x2x1"} and all(v > 0 for v in out["conv"].values())
     assert before == (
         tssd.INTRA_ROWS,
         tssd.STATE_BLOCK,

@@ -43,6 +43,8 @@ def small_tiles(monkeypatch):
     monkeypatch.setattr(conv, "BLOCK_L", 8)
     monkeypatch.setattr(conv, "BLOCK_D", 16)
     monkeypatch.setattr(conv, "DPRE_TILES", 2)
+    monkeypatch.setattr(conv, "DPRE_BLOCK_L", 4)
+    monkeypatch.setattr(conv, "DPRE_BLOCK_D", 32)
     return conv
 
 
