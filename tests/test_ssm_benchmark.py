@@ -81,14 +81,7 @@ def test_tile_sweep_restores_the_defaults_and_times_every_value(monkeypatch):
     assert set(out["ssd"]["INTRA_ROWS"]) == {"16", "32"} and set(out["ssd"]["STATE_BLOCK"]) == {"64", "256"}
     assert set(out["ssd"]["states.ROWS"]) == {"16", "32"}
     assert set(out["conv"]) == {"16x32x4x4x32x4x2", "32x64x2x8x64x2x1"} and all(v > 0 for v in out["conv"].values())
-    assert before == (
-        tssd.INTRA_ROWS,
-        tssd.STATE_BLOCK,
-        tconv.BLOCK_L,
-        tconv.BLOCK_D,
-        tconv.NUM_WARPS,
-        tconv.DPRE_TILES,
-    )
+    assert before == (tssd.INTRA_ROWS, tssd.STATE_BLOCK, *(getattr(tconv, name) for name in tiles))
 
 
 def test_step_profile_puts_the_ssm_kernels_in_their_category(monkeypatch):
