@@ -167,6 +167,7 @@ def bench_kernels(
     iters: int,
     backend: str | None,
     tile_sweep: tuple[str, ...] = (),
+    conv_only: bool = False,
 ) -> dict:
     """SSD and conv forward + backward: ours (``backend``: the device's default when ``None``), our torch backend,
     HF's torch path; plus the Triton SSD kernels alone when Triton runs (``ssd_parts_ms``)."""
@@ -225,21 +226,21 @@ def bench_kernels(
 
     runs = (("ssd_ours", ours_ssd), ("ssd_ours_torch_states", ours_ssd_states("torch")),
             ("ssd_ours_triton_states", ours_ssd_states("triton")),
-            ("ssd_ours_torch", lambda: ours_ssd("reference")), ("ssd_hf", hf_ssd),
-            *conv_calls(xc, w, bias, gc, backend).items())  # fmt: skip
+            ("ssd_ours_torch", lambda: ours_ssd("reference")), ("ssd_hf", hf_ssd))  # fmt: skip
+    runs = (() if conv_only else runs) + tuple(conv_calls(xc, w, bias, gc, backend).items())
     out |= _timings(runs, measure, iters, ssd_flops, conv_bytes)
     from mcore.kernels.ssd_state_choice import CHOSEN
 
     out["ssd_state_matmuls_chosen"] = {str(key): path for key, path in CHOSEN.items()}
     if device.type == "cuda":
         out |= _conv_kernel_table(conv_calls(xc, w, bias, gc, backend), iters, conv_bytes["conv"])
-    if device.type == "cuda" or backend == "triton":
+    if (device.type == "cuda" or backend == "triton") and not conv_only:
         calls = ssd_kernel_calls(s, device, dtype)
         out["ssd_parts_ms"] = {name: measure(fn, iters) * 1e3 for name, fn in calls.items()}
-        if tile_sweep:
-            conv_step = conv_calls(xc, w, bias, gc, "triton")["conv_ours"]
-            kernel_seconds = (lambda fn, n: kernel_times(fn, n)["total_ms"] / 1e3) if device.type == "cuda" else None
-            out["tile_sweep_ms"] = sweep(s, conv_step, device, dtype, measure, iters, tile_sweep, kernel_seconds)
+    if (device.type == "cuda" or backend == "triton") and tile_sweep:
+        conv_step = conv_calls(xc, w, bias, gc, "triton")["conv_ours"]
+        kernel_seconds = (lambda fn, n: kernel_times(fn, n)["total_ms"] / 1e3) if device.type == "cuda" else None
+        out["tile_sweep_ms"] = sweep(s, conv_step, device, dtype, measure, iters, tile_sweep, kernel_seconds)
     return out
 
 
@@ -311,6 +312,8 @@ def conv_differences(x, w, bias, gy, backend: str | None) -> dict:
 TRAIN_CONFIGS = {
     "zero1": ["parallel.distributed_optimizer=true"],
     # resharded after forward, so that the bf16 copies do not live until backward (memory is this config's point)
+    # the memory check of zero1 with the Mamba and attention cores recomputed (not run by default)
+    "zero1_selective": ["parallel.distributed_optimizer=true", "train.recompute=selective"],
     "fsdp_selective": [
         "parallel.dp_shard=true",
         "parallel.dp_shard_reshard_after_forward=true",
@@ -388,6 +391,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--skip-hf", action="store_true", help="do not run ../shared/bench/hf_hybrid_baseline.py")
     ap.add_argument("--skip-compile", action="store_true", help="run the baseline eager only")
     ap.add_argument("--kernels-only", action="store_true", help="part (a) only: no training step")
+    ap.add_argument("--conv-only", action="store_true", help="part (a) for the conv alone (implies --kernels-only)")
     ap.add_argument(
         "--sweep",
         nargs="?",
@@ -399,7 +403,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--profile-steps", type=int, default=0, help="training steps after the timed ones run under the "
                     "CUDA profiler (step_profile.py): where the step's time goes, in the training record")  # fmt: skip
     ap.add_argument("--timeout", type=float, default=600.0, help="seconds for each of our training runs (600)")
-    ap.add_argument("--train-configs", type=lambda t: t.split(","), default=list(TRAIN_CONFIGS),
+    ap.add_argument("--train-configs", type=lambda t: t.split(","), default=["zero1", "fsdp_selective"],
                     help=f"comma-separated, of {', '.join(TRAIN_CONFIGS)} (all)")  # fmt: skip
     ap.add_argument("--json", type=Path, help=argparse.SUPPRESS)
     ap.add_argument("--only", choices=["mcore"], help=argparse.SUPPRESS)
@@ -421,9 +425,10 @@ def main(argv: list[str] | None = None) -> int:
     shape, dtype = ("tiny", torch.float32) if a.dry_run else ("nemotronh8b", torch.bfloat16)
     # The dry run checks the Triton kernels too when the interpreter is on (TRITON_INTERPRET=1).
     backend = "triton" if a.dry_run and os.environ.get("TRITON_INTERPRET") == "1" else None
-    result["kernels"] = bench_kernels(shape, device, dtype, a.iters, backend, tuple(filter(None, a.sweep.split(","))))
+    sweep_parts = tuple(filter(None, a.sweep.split(",")))
+    result["kernels"] = bench_kernels(shape, device, dtype, a.iters, backend, sweep_parts, a.conv_only)
     path.write_text(json.dumps(result, indent=1))
-    if a.kernels_only:
+    if a.kernels_only or a.conv_only:
         print(json.dumps(result, indent=1))
         return 0
     if device.type == "cuda":
