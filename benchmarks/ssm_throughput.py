@@ -392,6 +392,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--skip-compile", action="store_true", help="run the baseline eager only")
     ap.add_argument("--kernels-only", action="store_true", help="part (a) only: no training step")
     ap.add_argument("--conv-only", action="store_true", help="part (a) for the conv alone (implies --kernels-only)")
+    ap.add_argument("--skip-kernels", action="store_true", help="part (b) only: the training steps")
     ap.add_argument(
         "--sweep",
         nargs="?",
@@ -426,8 +427,9 @@ def main(argv: list[str] | None = None) -> int:
     # The dry run checks the Triton kernels too when the interpreter is on (TRITON_INTERPRET=1).
     backend = "triton" if a.dry_run and os.environ.get("TRITON_INTERPRET") == "1" else None
     sweep_parts = tuple(filter(None, a.sweep.split(",")))
-    result["kernels"] = bench_kernels(shape, device, dtype, a.iters, backend, sweep_parts, a.conv_only)
-    path.write_text(json.dumps(result, indent=1))
+    if not a.skip_kernels:
+        result["kernels"] = bench_kernels(shape, device, dtype, a.iters, backend, sweep_parts, a.conv_only)
+        path.write_text(json.dumps(result, indent=1))
     if a.kernels_only or a.conv_only:
         print(json.dumps(result, indent=1))
         return 0
