@@ -312,8 +312,9 @@ def conv_differences(x, w, bias, gy, backend: str | None) -> dict:
 TRAIN_CONFIGS = {
     "zero1": ["parallel.distributed_optimizer=true"],
     # resharded after forward, so that the bf16 copies do not live until backward (memory is this config's point)
-    # the memory check of zero1 with the Mamba and attention cores recomputed (not run by default)
+    # memory checks of zero1 with the Mamba and attention cores, or whole layers, recomputed (not run by default)
     "zero1_selective": ["parallel.distributed_optimizer=true", "train.recompute=selective"],
+    "zero1_full": ["parallel.distributed_optimizer=true", "train.recompute=full"],
     "fsdp_selective": [
         "parallel.dp_shard=true",
         "parallel.dp_shard_reshard_after_forward=true",
