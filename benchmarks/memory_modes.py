@@ -13,9 +13,10 @@ one micro-batch per step): ZeRO-1 at dp=1 as the reference, ``parallel.dp_shard`
 ``auto`` settings (layers kept gathered from forward to backward, weight gradients accumulated in fp32 inside the
 GEMMs), without that fusion (``dp_shard_no_fusion``: FSDP's cast and copies of each gradient) and with every layer
 resharded after its forward (``dp_shard_reshard``: what a re-gather costs at one rank), the optimizer offloaded
-at 25% and 100%, activation offload of attention+MLP and of whole layers, selective and full recompute. ``--profile-steps 1`` adds one step
-under the CUDA profiler per configuration: where the step's GPU time goes (``step_profile.py``'s categories;
-FSDP's casts and copies are ``copy/cast``), in the summary and in ``profiles.md``.
+at 25% and 100%, activation offload of attention+MLP and of whole layers, selective and full recompute.
+``--profile-steps 1`` adds one step under the CUDA profiler per configuration: where the step's GPU time goes
+(``step_profile.py``'s categories; FSDP's casts and copies are ``copy/cast``), in the summary and in
+``profiles.md``.
 
 Every configuration runs in its own process (memory statistics do not mix); per configuration: tokens/s, MFU,
 peak GPU memory (``max_memory_allocated``) and peak host memory (the process's peak RSS), the losses. The summary
