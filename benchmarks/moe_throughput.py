@@ -152,6 +152,7 @@ def build_spec(
     profile_steps: int = 0,
     fsdp: bool = False,
     expert_gemm: str = "grouped",
+    recompute_modules: str | None = None,
 ) -> RunSpec:
     shape = SHAPES[shape_name]
     overrides = [
@@ -167,6 +168,8 @@ def build_spec(
         "lr.min_lr=1e-4",
         "lr.warmup_steps=0",
     ]
+    if recompute_modules:  # selective recompute of these sub-blocks (comma-separated, Megatron's names)
+        overrides += ["train.recompute=selective", f"train.recompute_modules=[{recompute_modules}]"]
     if fsdp:
         overrides = [o for o in overrides if not o.startswith("parallel.distributed_optimizer")] + FSDP_OVERRIDES
     model = moe_model(shape, align=1 if dry_run else 8, expert_gemm=expert_gemm)
@@ -184,6 +187,7 @@ def run_ours(args: argparse.Namespace) -> int:
         profile_steps=args.profile_steps,
         fsdp=args.fsdp,
         expert_gemm=args.expert_gemm,
+        recompute_modules=args.recompute_modules,
     )
     result, runtime = run_spec(spec)
     runtime.shutdown()
@@ -195,6 +199,7 @@ def run_ours(args: argparse.Namespace) -> int:
         **{k: result[k] for k in keys},
         "precision": result["precision"],
         "expert_gemm": args.expert_gemm,
+        "recompute_modules": args.recompute_modules,
         "flops_per_token": result["flops_per_token"],
         "iters": args.iters,
         "warmup": args.warmup,
@@ -219,6 +224,8 @@ def _runs(args: argparse.Namespace, shape: str, out: Path) -> list[tuple[str, li
         "--expert-gemm",
         args.expert_gemm,
     ]
+    if args.recompute_modules:
+        ours += ["--recompute-modules", args.recompute_modules]
     ours += ["--json", str(out / f"mcore_{shape}.json")]
     runs = [("mcore", ours + (["--dry-run"] if args.dry_run else []))]
     if args.fsdp:
@@ -320,6 +327,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--fsdp", action="store_true", help="also run ours with FSDP2 (parallel.dp_shard=true)")
     ap.add_argument(
         "--expert-gemm", choices=["grouped", "per_expert"], default="grouped", help="moe_router.expert_gemm (grouped)"
+    )
+    ap.add_argument(
+        "--recompute-modules", default=None, help="ours: train.recompute_modules, comma-separated (selective recompute)"
     )
     ap.add_argument(
         "--profile-steps", type=int, default=None, help="steps after the timed ones under the CUDA profiler (1; dry 0)"
