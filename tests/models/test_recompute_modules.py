@@ -157,3 +157,37 @@ def test_train_config_validates_the_list():
         TrainSection(recompute="selective", recompute_modules=["attention"])
     with pytest.raises(ValueError, match="needs recompute 'selective'"):
         TrainSection(recompute="none", recompute_modules=["mlp"])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("packed", [False, True])  # SDPA (one document) and our Triton kernel (packed)
+def test_cuda_bf16_modules_keep_gradients_and_drop_q_k_v(packed):
+    """On CUDA the attention kernels must save q, k, v as the views they get (else mla_up_proj saves nothing)."""
+    config = get_config("deepseek_v3-tiny", q_lora_rank=None)
+    ids = torch.randint(0, config.vocab_size, (2, 64), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
+    cu = torch.tensor([0, 20, 64, 100, 128], dtype=torch.int32, device="cuda") if packed else None
+    results = []
+    for recompute, modules in ((None, None), ("selective", ["mla_up_proj"]), ("selective", RECIPES[1])):
+        model = GPTModel(config, recompute=recompute, recompute_modules=modules, device="cuda")
+        model.init_weights(3)
+        model.to(torch.bfloat16)
+        storages = {}
+
+        def pack(t, storages=storages):
+            storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            loss = model(ids, labels=ids, cu_seqlens=cu)
+        loss.float().mean().backward()
+        grads = {n: p.grad.float() for n, p in model.named_parameters() if p.grad is not None}
+        results.append((loss.detach().float(), grads, sum(storages.values())))
+    c = config
+    qkv = 2 * 128 * c.num_attention_heads * (2 * (c.qk_nope_head_dim + c.qk_rope_head_dim) + c.v_head_dim)
+    assert results[0][2] - results[1][2] >= qkv * c.num_hidden_layers
+    assert results[2][2] < results[1][2]
+    for loss, grads, _ in results[1:]:
+        torch.testing.assert_close(loss, results[0][0], rtol=0, atol=0)
+        for name, g in results[0][1].items():
+            torch.testing.assert_close(grads[name], g, rtol=2e-2, atol=1e-3, msg=name)
