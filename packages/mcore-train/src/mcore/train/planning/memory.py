@@ -29,6 +29,7 @@ from functools import lru_cache
 from mcore.parallel.pipeline import GPipe, Interleaved1F1B, NoPipelining, OneFOneB, ZeroBubbleH1, stage_layer_ranges
 from mcore.train.planning.cp_cost import cp_held_bytes
 from mcore.train.planning.layout import Layout
+from mcore.train.planning.recompute_terms import dropped_per_token, uses_module_terms
 from mcore.train.planning.shape import ModelShape
 
 GB = 1e9
@@ -127,22 +128,38 @@ def activation_bytes_per_layer(shape: ModelShape, layout: Layout, index: int, dt
     rep = shape.hidden / tp if layout.sequence_parallel else shape.hidden
     if layout.recompute == "full":
         return dtype_bytes * tokens * rep  # the layer input; the rest is recomputed in backward
+    pieces = activation_pieces(shape, layout, index, dtype_bytes)
+    softmax_stats = 4 * tokens * shape.heads / tp  # fp32 log-sum-exp of flash attention
+    if uses_module_terms(shape, layout):  # train.recompute_modules (or MLA's selective): see recompute_terms
+        dropped, stats_dropped = dropped_per_token(shape, layout, pieces)
+        per_token = sum(pieces.values()) - dropped
+        softmax_stats = 0.0 if stats_dropped else softmax_stats
+    else:
+        per_token = sum(pieces.values())
+        if layout.recompute == "selective":
+            per_token -= shape.attention_width / tp  # the attention output is recomputed
+    return dtype_bytes * tokens * per_token + softmax_stats + cp_held_bytes(shape, layout, dtype_bytes)
+
+
+def activation_pieces(shape: ModelShape, layout: Layout, index: int, dtype_bytes: int = 2) -> dict[str, float]:
+    """Values per token layer ``index`` keeps without recompute, by what keeps them (``recompute_terms`` drops
+    pieces by module)."""
+    tp = layout.tp
+    rep = shape.hidden / tp if layout.sequence_parallel else shape.hidden
     if shape.is_mla:
         attn = (2 * shape.score_width() + 2 * shape.attention_width) / tp + shape.kv_lora_rank + shape.q_lora_rank
     else:
         attn = (2 * shape.q_size + 2 * shape.kv_size) / tp  # q, k, v and the attention output
-    if layout.recompute == "selective":
-        attn -= shape.attention_width / tp  # the attention output is recomputed
-    per_token = 4 * rep + attn  # + the two norms' inputs and outputs
+    # the two norms' inputs and outputs
+    pieces = {"norm_inputs": 2 * rep, "norm_outputs": 2 * rep, "attention": attn}
     if shape.is_moe_layer(index):
         rows = shape.top_k * layout.expert_tp / tp  # routed rows per token of this rank (see time_model)
-        routed = rows * (2 * shape.hidden + (3 if shape.gated else 2) * shape.moe_ffn / layout.expert_tp)
-        shared = (3 if shape.gated else 2) * shape.shared_ffn / tp
-        per_token += routed + shared + 4 * shape.num_experts / dtype_bytes  # dispatch buffers, fp32 router probs
+        pieces["routed"] = rows * (2 * shape.hidden + (3 if shape.gated else 2) * shape.moe_ffn / layout.expert_tp)
+        pieces["shared"] = (3 if shape.gated else 2) * shape.shared_ffn / tp
+        pieces["dispatch"] = 4 * shape.num_experts / dtype_bytes  # dispatch buffers, fp32 router probs
     else:
-        per_token += (3 if shape.gated else 2) * shape.ffn / tp
-    softmax_stats = 4 * tokens * shape.heads / tp  # fp32 log-sum-exp of flash attention
-    return dtype_bytes * tokens * per_token + softmax_stats + cp_held_bytes(shape, layout, dtype_bytes)
+        pieces["mlp"] = (3 if shape.gated else 2) * shape.ffn / tp
+    return pieces
 
 
 @lru_cache(maxsize=4096)
