@@ -22,14 +22,11 @@ MLA models always use these terms (with MLA's default, ``core_attn`` + ``mla_up_
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Any
 
 from mcore.models.recompute import recomputes
 from mcore.train.planning.layout import Layout
 from mcore.train.planning.shape import ModelShape
-
-if TYPE_CHECKING:
-    from mcore.train.planning.time_model import OpCost, TimeModel
 
 
 def uses_module_terms(shape: ModelShape, layout: Layout) -> bool:
@@ -58,17 +55,17 @@ def dropped_per_token(shape: ModelShape, layout: Layout, pieces: dict[str, float
     return dropped, layout_recomputes(layout, "core_attn")
 
 
-def recomputed_forward(model: TimeModel, index: int, cost: OpCost) -> None:
-    """Add to ``cost``'s backward the forward of what layer ``index`` recomputes (module terms only)."""
-    from mcore.train.planning.time_model import OpCost
-
+def recomputed_forward(model: Any, index: int, cost: Any) -> None:
+    """Add to ``cost``'s backward the forward of what layer ``index`` recomputes (module terms only); ``model`` is
+    the ``time_model.TimeModel`` pricing it, ``cost`` its ``OpCost`` (not imported: time_model imports this)."""
     s, lay = model.shape, model.layout
-    again = OpCost()
+    new_cost = type(cost)
+    again = new_cost()
     linears = {lin.name: lin for lin in s.attention_linears()}
     if s.is_mla and layout_recomputes(lay, "mla_up_proj"):
         model._linears(again, [linears[n] for n in ("q_up", "q", "kv_up") if n in linears], model.tokens)
     if layout_recomputes(lay, "core_attn"):
-        attention = OpCost()
+        attention = new_cost()
         model._attention(attention)
         again.forward["attention"] = attention.forward.get("attention", 0.0)
     moe = s.is_moe_layer(index)
