@@ -127,6 +127,12 @@ def test_discard_output_rebuilds_views_and_refuses_shared_storage():
     ref = x.detach().clone().requires_grad_()
     ((ref * 2).t().exp() * (ref * 2).t()).sum().backward()
     torch.testing.assert_close(x.grad, ref.grad, rtol=0, atol=0)
+    # what the consumer keeps still goes through the hooks active outside (activation offload, counters)
+    seen = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: seen.append(t.shape) or t, lambda t: t):
+        discard_output(producer, (x,), lambda y: (y.exp() * y.sin()).sum())
+    # x (the producer checkpoint's input), exp's output (for exp and for the product) and sin(y); not y (sin's input)
+    assert sorted(seen) == sorted([torch.Size([4, 6])] + [torch.Size([6, 4])] * 3)
     with pytest.raises(ValueError, match="must not share storage"):
         discard_output(lambda t: (t * 2).split(3, dim=1), (x,), lambda a, b: (a * b).sum())
 
