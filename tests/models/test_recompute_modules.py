@@ -64,7 +64,9 @@ def test_each_module_keeps_gradients_and_saves_bytes(baseline, module, name):
     got = _run(config, [module])
     _assert_same(ref, got)
     if module == "moe_act":  # our experts never keep the activation: nothing more to drop
-        assert got[2] == ref[2]
+        # (within 1%: tensors saved by graph branches that die during forward, e.g. unused router statistics, free
+        # storages whose addresses later saves may reuse, which the count by address then merges)
+        assert abs(got[2] - ref[2]) <= 0.01 * ref[2]
     else:
         assert got[2] < ref[2], (module, got[2], ref[2])
 
@@ -131,10 +133,36 @@ def test_discard_output_rebuilds_views_and_refuses_shared_storage():
     seen = []
     with torch.autograd.graph.saved_tensors_hooks(lambda t: seen.append(t.shape) or t, lambda t: t):
         discard_output(producer, (x,), lambda y: (y.exp() * y.sin()).sum())
-    # x (the producer checkpoint's input), exp's output (for exp and for the product) and sin(y); not y (sin's input)
-    assert sorted(seen) == sorted([torch.Size([4, 6])] + [torch.Size([6, 4])] * 3)
+    # x (the producer checkpoint's input, and the rebuild's), exp's output (for exp and for the product) and sin(y);
+    # not y (sin's input)
+    assert sorted(seen) == sorted([torch.Size([4, 6])] * 2 + [torch.Size([6, 4])] * 3)
     with pytest.raises(ValueError, match="must not share storage"):
         discard_output(lambda t: (t * 2).split(3, dim=1), (x,), lambda a, b: (a * b).sum())
+
+
+def test_nested_discards_free_the_outer_output():
+    """A norm's discarded output feeding MLA's discarded up-projections (Moonlight: no q-LoRA) must not stay alive
+    through the inner rebuild's inputs."""
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    x = torch.randn(8, 5, requires_grad=True)
+    outer_outputs = []
+
+    def norm(t):
+        y = t * 3
+        outer_outputs.append(StorageWeakRef(y.untyped_storage()))
+        return y
+
+    def consumer(y):
+        return discard_output(lambda t: (t * 2).exp(), (y,), lambda z: (z * z.sin()).sum())
+
+    out = discard_output(norm, (x,), consumer)
+    assert outer_outputs[0].expired()
+    out.backward()
+    ref = x.detach().clone().requires_grad_()
+    z = (ref * 3 * 2).exp()
+    (z * z.sin()).sum().backward()
+    torch.testing.assert_close(x.grad, ref.grad, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize(

@@ -95,18 +95,23 @@ def checkpoint_region(fn: Callable, *args: Any, state: nn.Module | None = None) 
 
 
 class _Rebuilt:
-    """The producer's outputs, rebuilt on the first unpack and dropped once every token was unpacked."""
+    """The producer's outputs, rebuilt on the first unpack and dropped once every token was unpacked.
 
-    def __init__(self, producer: Callable, args: tuple, layouts: list) -> None:
-        self.producer, self.layouts = producer, layouts
-        self.args = tuple(a.detach() if isinstance(a, torch.Tensor) else a for a in args)
+    The producer's inputs are held as the hooks active outside pack them (``outer``): held directly, an input
+    that is itself a discarded output (a norm's, feeding MLA) or an offloaded activation would stay in memory."""
+
+    def __init__(self, producer: Callable, args: tuple, layouts: list, outer: tuple[Callable, Callable]) -> None:
+        self.producer, self.layouts, self.unpack = producer, layouts, outer[1]
+        self.tensor_args = [isinstance(a, torch.Tensor) for a in args]
+        self.args = tuple(outer[0](a.detach()) if t else a for a, t in zip(args, self.tensor_args))
         self.outputs: tuple[torch.Tensor, ...] | None = None
         self.pending = 0
 
     def get(self, index: int) -> torch.Tensor:
         if self.outputs is None:
+            args = tuple(self.unpack(a) if t else a for a, t in zip(self.args, self.tensor_args))
             with torch.no_grad():
-                self.outputs = _as_tuple(self.producer(*self.args))
+                self.outputs = _as_tuple(self.producer(*args))
             got = [(o.shape, o.stride(), o.storage_offset()) for o in self.outputs]
             if got != self.layouts:
                 raise RuntimeError(f"discard_output: the recomputed outputs' layout {got} differs from {self.layouts}")
@@ -155,11 +160,11 @@ def discard_output(producer: Callable, args: tuple, consumer: Callable) -> Any:
     offsets = [out.storage_offset() for out in outputs]  # ints: the hooks must not keep the outputs alive
     if len(set(keys)) != len(keys):
         raise ValueError("discard_output: the producer's outputs must not share storage (return separate tensors)")
-    rebuilt = _Rebuilt(producer, args, [(out.shape, out.stride(), out.storage_offset()) for out in outputs])
-
-    # tensors we keep go through the hooks active outside (activation offload, a saved-bytes counter), which the
-    # innermost hooks would otherwise hide
+    # tensors we keep go through the hooks active outside (activation offload, a saved-bytes counter, an enclosing
+    # discard_output), which the innermost hooks would otherwise hide
     outer_pack, outer_unpack = _outer_hooks()
+    layouts = [(out.shape, out.stride(), out.storage_offset()) for out in outputs]
+    rebuilt = _Rebuilt(producer, args, layouts, (outer_pack, outer_unpack))
 
     def pack(t: torch.Tensor):
         key = (t.untyped_storage().data_ptr(), t.dtype) if t.layout == torch.strided else None
