@@ -1,7 +1,7 @@
 """What ``train.recompute_modules`` (Megatron's ``--recompute-modules``) takes off a layer's saved activations
 and adds to its backward, for the memory and time models.
 
-The memory model splits a layer's saved values per token into named pieces (``memory.activation_pieces``); a
+The memory model (``memory.activation_parts_per_layer``) splits a layer's saved values per token into pieces; a
 recomputed module drops these (what ``mcore.models`` discards, measured by ``tests/models/test_recompute_modules``):
 
 - ``layernorm``: both norms' outputs (``2 x rep``; their inputs, the residual stream, stay);
@@ -38,21 +38,21 @@ def layout_recomputes(layout: Layout, module: str) -> bool:
     return recomputes(layout.recompute, layout.recompute_modules, module)
 
 
-def dropped_per_token(shape: ModelShape, layout: Layout, pieces: dict[str, float]) -> tuple[float, bool]:
-    """(values per token no longer kept, whether the log-sum-exp goes) for the memory model's ``pieces``."""
-    tp = layout.tp
-    dropped = 0.0
-    if layout_recomputes(layout, "layernorm"):
-        dropped += pieces["norm_outputs"]
+def dropped_per_token(shape: ModelShape, layout: Layout, pieces: dict[str, float]) -> tuple[float, float, bool]:
+    """(values per token the attention part no longer keeps, the MLP part's, whether the log-sum-exp goes), from
+    the memory model's ``pieces`` (``norm_output``; ``routed``, ``shared``, ``dispatch`` or ``dense``)."""
+    attention = mlp = 0.0
+    if layout_recomputes(layout, "layernorm"):  # each norm's output is the input its part's first linear keeps
+        attention, mlp = attention + pieces["norm_output"], mlp + pieces["norm_output"]
     if shape.is_mla and layout_recomputes(layout, "mla_up_proj"):
-        dropped += (2 * shape.score_width() + shape.attention_width) / tp
+        attention += (2 * shape.score_width() + shape.attention_width) / layout.tp
     if layout_recomputes(layout, "mlp"):
-        dropped += pieces.get("mlp", 0.0)
+        mlp += pieces.get("dense", 0.0)
     if layout_recomputes(layout, "moe"):
-        dropped += pieces.get("routed", 0.0) + pieces.get("shared", 0.0) + pieces.get("dispatch", 0.0)
+        mlp += pieces.get("routed", 0.0) + pieces.get("shared", 0.0) + pieces.get("dispatch", 0.0)
     elif layout_recomputes(layout, "shared_experts"):
-        dropped += pieces.get("shared", 0.0)
-    return dropped, layout_recomputes(layout, "core_attn")
+        mlp += pieces.get("shared", 0.0)
+    return attention, mlp, layout_recomputes(layout, "core_attn")
 
 
 def recomputed_forward(model: Any, index: int, cost: Any) -> None:
