@@ -66,7 +66,7 @@ def recomputed_forward(model: Any, index: int, cost: Any) -> None:
         model._linears(again, [linears[n] for n in ("q_up", "q", "kv_up") if n in linears], model.tokens)
     if layout_recomputes(lay, "core_attn"):
         attention = new_cost()
-        model._attention(attention)
+        model._attention(attention, index)
         again.forward["attention"] = attention.forward.get("attention", 0.0)
     moe = s.is_moe_layer(index)
     if not moe and layout_recomputes(lay, "mlp"):
