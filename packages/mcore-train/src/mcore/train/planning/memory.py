@@ -140,6 +140,8 @@ def activation_parts_per_layer(shape: ModelShape, layout: Layout, index: int, dt
     rep = shape.hidden / tp if layout.sequence_parallel else shape.hidden
     if layout.recompute == "full":
         return {"input_norm": dtype_bytes * tokens * rep, "attention": 0.0, "mlp_norm": 0.0, "mlp": 0.0}
+    if shape.block(index) in ("M", "-"):
+        return _hybrid_parts(shape, layout, index, tokens, rep, dtype_bytes)
     if shape.is_mla:
         attn = (2 * shape.score_width() + 2 * shape.attention_width) / tp + shape.kv_lora_rank + shape.q_lora_rank
     else:
@@ -162,15 +164,26 @@ def activation_parts_per_layer(shape: ModelShape, layout: Layout, index: int, dt
         attn, mlp = attn - attn_dropped, mlp - mlp_dropped
         softmax_stats = 0.0 if stats_dropped else softmax_stats
     # each norm keeps its input; its output is the input the next part's first linear keeps
+    alone = shape.block(index) == "*"  # a hybrid attention layer: no MLP part
     return {
         "input_norm": dtype_bytes * tokens * rep,
         "attention": dtype_bytes * tokens * (rep + attn)
         + softmax_stats
         + cp_held_bytes(shape, layout, dtype_bytes)
         + (tokens * rep if layout.dropout else 0.0),
-        "mlp_norm": dtype_bytes * tokens * rep,
-        "mlp": dtype_bytes * tokens * (rep + mlp) + (tokens * rep if layout.dropout else 0.0),  # 1-byte masks
-    }
+        "mlp_norm": 0.0 if alone else dtype_bytes * tokens * rep,
+        "mlp": 0.0 if alone else dtype_bytes * tokens * (rep + mlp) + (tokens * rep if layout.dropout else 0.0),
+    }  # dropout: 1-byte masks
+
+
+def _hybrid_parts(shape: ModelShape, layout: Layout, index: int, tokens: float, rep: float, dtype_bytes: int) -> dict:
+    """A hybrid layer of one Mamba-2 mixer (under ``attention``: the mixer part) or one dense MLP (``mlp``)."""
+    mixer = mlp = 0.0
+    if shape.block(index) == "M":
+        mixer = tokens * (dtype_bytes * rep + shape.mamba.saved_bytes_per_token(layout.tp, layout.recompute))
+    else:
+        mlp = dtype_bytes * tokens * (rep + (3 if shape.gated else 2) * shape.ffn / layout.tp)
+    return {"input_norm": dtype_bytes * tokens * rep, "attention": mixer, "mlp_norm": 0.0, "mlp": mlp}
 
 
 def activation_bytes_per_layer(shape: ModelShape, layout: Layout, index: int, dtype_bytes: int = 2) -> float:
