@@ -23,7 +23,12 @@ from torch import nn
 from mcore.kernels import swiglu
 from mcore.kernels.clamped_swiglu import clamped_swiglu
 from mcore.kernels.moe import grouped_gemm, grouped_gemm_of_activation
-from mcore.parallel.expert_gemm import expert_bounds, per_expert_linear, per_expert_linear_of_activation
+from mcore.parallel.expert_gemm import (
+    HostOffsets,
+    expert_wgrad_into,
+    per_expert_linear,
+    per_expert_linear_of_activation,
+)
 from mcore.parallel.expert_parallel import GroupedExperts, MoELayer, Router, router_logits
 from mcore.parallel.param_attrs import is_sequence_parallel, mark_sequence_parallel
 from mcore.parallel.tensor_parallel import set_tensor_parallel_attributes
@@ -108,18 +113,26 @@ class BiasedGroupedExperts(GroupedExperts):
                 if p is not None:
                     p.zero_()
 
-    def forward(self, rows: torch.Tensor, offsets: torch.Tensor, tail_rows: int | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        rows: torch.Tensor,
+        offsets: torch.Tensor,
+        tail_rows: int | None = None,
+        host_offsets: HostOffsets | None = None,
+    ) -> torch.Tensor:
         """``tail_rows``: at most that many last rows lie past ``offsets[-1]`` (see ``grouped_gemm``); such rows
-        get no bias."""
+        get no bias. ``host_offsets``: as in :meth:`GroupedExperts.forward`."""
         x = rows.to(self.gate_up.dtype)
         fp8 = self.low_precision  # fp8 experts (mcore.parallel.low_precision): both GEMMs quantized
-        bounds = expert_bounds(offsets) if fp8 is None and self.gemm == "per_expert" else None  # its host sync
+        bounds = None
+        if self.wants_host_offsets:
+            bounds = (host_offsets or HostOffsets.start(offsets)).bounds()  # the host sync of this mode
         if fp8 is not None:
             h = fp8(x, self.gate_up, offsets)
         elif bounds is not None:
             h = per_expert_linear(x, self.gate_up, bounds)
         else:
-            h = grouped_gemm(x, self.gate_up, offsets, tail_rows=tail_rows)
+            h = grouped_gemm(x, self.gate_up, offsets, tail_rows=tail_rows, wgrad_into=expert_wgrad_into(self.gate_up))
         if self.gate_up_bias is not None:
             expert = _row_experts(offsets, x.shape[0])
             h = _AddExpertBias.apply(h, self.gate_up_bias, expert, True)
@@ -130,7 +143,8 @@ class BiasedGroupedExperts(GroupedExperts):
         elif bounds is not None:  # the activation's output ([rows, F/etp]) is recomputed in backward, not kept
             y = per_expert_linear_of_activation(h, self.down, bounds, activation)
         else:
-            y = grouped_gemm_of_activation(h, self.down, offsets, activation, tail_rows=tail_rows)
+            into = expert_wgrad_into(self.down)
+            y = grouped_gemm_of_activation(h, self.down, offsets, activation, tail_rows=tail_rows, wgrad_into=into)
         if self.down_bias is not None:
             y = _AddExpertBias.apply(y, self.down_bias, expert, self.etp_rank == 0)
         return y

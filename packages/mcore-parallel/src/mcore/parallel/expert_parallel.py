@@ -41,7 +41,12 @@ from mcore.kernels.moe import (
 )
 from mcore.parallel.comm import group_rank, group_size, reduce_from_tp_region
 from mcore.parallel.expert_dispatch import DISPATCHERS, AllGatherDispatcher, AllToAllDispatcher
-from mcore.parallel.expert_gemm import expert_bounds, per_expert_linear, per_expert_linear_of_activation
+from mcore.parallel.expert_gemm import (
+    HostOffsets,
+    expert_wgrad_into,
+    per_expert_linear,
+    per_expert_linear_of_activation,
+)
 from mcore.parallel.grid import ProcessGroups
 from mcore.parallel.tensor_parallel import set_tensor_parallel_attributes
 
@@ -246,21 +251,36 @@ class GroupedExperts(nn.Module):
         down = torch.stack([torch.empty(h, f).normal_(0.0, std, generator=g) for g in gens])
         self.load_full_experts(first, down)
 
-    def forward(self, rows: torch.Tensor, offsets: torch.Tensor, tail_rows: int | None = None) -> torch.Tensor:
+    @property
+    def wants_host_offsets(self) -> bool:
+        """Whether forward needs the offsets on the host (per-expert GEMMs): the dispatcher then starts their copy
+        early and passes ``host_offsets``."""
+        return self.gemm == "per_expert" and self.low_precision is None
+
+    def forward(
+        self,
+        rows: torch.Tensor,
+        offsets: torch.Tensor,
+        tail_rows: int | None = None,
+        host_offsets: HostOffsets | None = None,
+    ) -> torch.Tensor:
         """``tail_rows``: at most that many last rows lie past ``offsets[-1]`` (``None``: unknown), see
-        ``grouped_gemm``."""
+        ``grouped_gemm``; ``host_offsets``: ``offsets`` on their way to the host (per-expert GEMMs; ``None``: copied
+        here)."""
         w_in, act = self.input_weight, self.activation_fn
         rows = rows.to(w_in.dtype)
         if self.low_precision is not None:  # fp8 experts (mcore.parallel.low_precision): both GEMMs quantized
             h = self.low_precision(rows, w_in, offsets)
             return self.low_precision(act(h), self.down, offsets)
         if self.gemm == "per_expert":
-            bounds = expert_bounds(offsets)  # the host sync of this mode (see expert_gemm.py)
+            bounds = (host_offsets or HostOffsets.start(offsets)).bounds()  # the host sync of this mode
             h = per_expert_linear(rows, w_in, bounds)
             return per_expert_linear_of_activation(h, self.down, bounds, act)
-        h = grouped_gemm(rows, w_in, offsets, tail_rows=tail_rows)
+        # weight gradients go into main_grad (written on a step's first micro-batch, added after), not returned
+        h = grouped_gemm(rows, w_in, offsets, tail_rows=tail_rows, wgrad_into=expert_wgrad_into(w_in))
         # the activation's output ([rows, F/etp]) is recomputed in backward rather than kept
-        return grouped_gemm_of_activation(h, self.down, offsets, act, tail_rows=tail_rows)
+        into = expert_wgrad_into(self.down)
+        return grouped_gemm_of_activation(h, self.down, offsets, act, tail_rows=tail_rows, wgrad_into=into)
 
 
 class _RouterLogits(torch.autograd.Function):
