@@ -142,15 +142,17 @@ def _forward(a: torch.Tensor, w: torch.Tensor, bounds: list[tuple[int, int]]) ->
     return y
 
 
-def _backward(dy, a, w, bounds, need_da: bool, need_dw: bool):
-    """(da, dw): ``dw`` is ``None`` when it went into ``w``'s ``main_grad`` (see :func:`expert_wgrad_into`)."""
+def _backward(dy, a, w, bounds, need_da: bool, need_dw: bool, wgrad_into):
+    """(da, dw): ``dw`` is ``None`` when it went into ``w``'s ``main_grad`` (``wgrad_into``: the forward's
+    :func:`expert_wgrad_into` of the parameter itself; under non-reentrant recompute the saved ``w`` comes back as
+    another tensor object, without the parameter's attributes)."""
     dy = dy.contiguous()
     # every row of an expert is written by its GEMM: only the rows of no expert (and the weight gradients of
     # experts without rows) are zero-filled, not the whole [rows, K] / [E, M, K] outputs
     da = torch.empty_like(a) if need_da else None
     if da is not None:
         da[bounds[-1][1] :].zero_()
-    into = expert_wgrad_into(w)() if need_dw else None
+    into = wgrad_into() if need_dw else None
     dw = torch.empty_like(w) if need_dw and into is None else None
     for g, (lo, hi) in enumerate(bounds):
         if hi <= lo:
@@ -173,13 +175,14 @@ class _PerExpertLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, w, bounds):
         ctx.save_for_backward(x, w)
-        ctx.bounds = bounds
+        ctx.bounds, ctx.wgrad_into = bounds, expert_wgrad_into(w)
         return _forward(x, w, bounds)
 
     @staticmethod
     def backward(ctx, dy):
         x, w = ctx.saved_tensors
-        dx, dw = _backward(dy, x, w, ctx.bounds, ctx.needs_input_grad[0], ctx.needs_input_grad[1])
+        need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        dx, dw = _backward(dy, x, w, ctx.bounds, need_dx, need_dw, ctx.wgrad_into)
         return dx, dw, None
 
 
@@ -187,7 +190,7 @@ class _PerExpertLinearOfActivation(torch.autograd.Function):
     @staticmethod
     def forward(ctx, h, w, bounds, activation):
         ctx.save_for_backward(h, w)
-        ctx.bounds, ctx.activation = bounds, activation
+        ctx.bounds, ctx.activation, ctx.wgrad_into = bounds, activation, expert_wgrad_into(w)
         return _forward(activation(h), w, bounds)  # no graph inside forward: the activation's output is not kept
 
     @staticmethod
@@ -197,6 +200,6 @@ class _PerExpertLinearOfActivation(torch.autograd.Function):
         with torch.enable_grad():
             h_leaf = h.detach().requires_grad_(need_dh)
             a = ctx.activation(h_leaf)
-        da, dw = _backward(dy, a.detach(), w, ctx.bounds, need_dh, ctx.needs_input_grad[1])
+        da, dw = _backward(dy, a.detach(), w, ctx.bounds, need_dh, ctx.needs_input_grad[1], ctx.wgrad_into)
         dh = torch.autograd.grad(a, h_leaf, da)[0] if need_dh else None
         return dh, dw, None, None
