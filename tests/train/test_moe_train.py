@@ -63,17 +63,19 @@ def _layout_losses(rank: int, world: int, run_root: str) -> dict:
         run_dir = f"{run_root}/{name}"
         # 4 layers so that pp2 has two per stage; the aux losses and bias update on, as in training
         train(run_dir, *MOE, "model.num_hidden_layers=4", "train.global_batch_size=8", *overrides)
-        out[name] = [r["loss"] for _, r in sorted(train_records(run_dir).items())]
+        out[name] = [(r["loss"], r["grad_norm"]) for _, r in sorted(train_records(run_dir).items())]
     return out
 
 
 def test_tp_pp_dp_with_ep_equal_plain_data_parallel(tmp_path):
-    losses = run_workers(4, _layout_losses, str(tmp_path))[0]
-    reference = losses["dp4"]
+    # losses and gradient norms (the clipping norm counts every expert shard once: FSDP2's over dp too)
+    curves = run_workers(4, _layout_losses, str(tmp_path))[0]
+    reference = curves["dp4"]
     assert len(reference) == 4
-    for name, got in losses.items():
-        for a, b in zip(got, reference):
-            assert abs(a - b) <= 1e-5 * abs(b), (name, got, reference)
+    for name, got in curves.items():
+        for (loss, norm), (ref_loss, ref_norm) in zip(got, reference, strict=True):
+            assert abs(loss - ref_loss) <= 1e-5 * abs(ref_loss), (name, got, reference)
+            assert abs(norm - ref_norm) <= 1e-5 * abs(ref_norm), (name, got, reference)
 
 
 def test_moe_load_statistics_are_logged(tmp_path):
