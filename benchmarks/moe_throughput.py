@@ -304,8 +304,11 @@ def orchestrate(args: argparse.Namespace) -> int:
     skip_baseline = args.skip_baseline or args.dry_run
     if not skip_baseline and not args.hf_baseline.is_file():
         raise SystemExit(f"--hf-baseline: {args.hf_baseline} does not exist; pass the path of hf_moe_baseline.py")
-    for shape in shapes:
-        check_spec(build_spec(shape, iters=args.iters, warmup=args.warmup, dry_run=args.dry_run))
+    for shape in shapes:  # every variant's configuration, before any process starts (GPU time is dear)
+        for layout, gemm in args.variant_list:
+            spec = build_spec(shape, iters=args.iters, warmup=args.warmup, dry_run=args.dry_run, layout=layout,
+                              expert_gemm=gemm)  # fmt: skip
+            check_spec(spec)
     summary: dict[str, Any] = {"shapes": {}, "failures": []}
     if not args.skip_micro:
         summary["micro"] = run_micro([SHAPES[s] | {"name": s} for s in shapes], iters=args.iters, dry_run=args.dry_run)
