@@ -18,7 +18,8 @@ call: LAYOUT ``zero1`` (the distributed optimizer at dp=1: bf16 weights + fp32 m
 ``fsdp`` (FSDP2 ``parallel.dp_shard``: fp32 weights that are the masters, 16 bytes, HF's layout; at dp=1 the units
 stay gathered from forward to backward and the weight-gradient GEMMs accumulate into the fp32 shard gradients) or
 ``fsdp_reshard`` (the same, each unit resharded after its forward and gathered again for backward), GEMM
-``moe_router.expert_gemm`` (``grouped`` or ``per_expert``: fp32 weight gradients straight into ``main_grad``). Each
+``moe_router.expert_gemm`` (``grouped``; ``per_expert``: fp32 weight gradients straight into ``main_grad``;
+``grouped_fp32_wgrad``: grouped forward and input gradients, those weight gradients per expert). Each
 variant's record is ``{label}_{shape}.json``, label ``mcore[-LAYOUT unless zero1][-per_expert]``; the summary gives
 each one's ratios to HF (``ratios_by_variant``). Default: ``zero1:<--expert-gemm>``, plus ``fsdp:<--expert-gemm>``
 with ``--fsdp``.
@@ -67,7 +68,7 @@ HF_MOE_BASELINE = (
 GPU_SHAPES = ("mixtral2l", "qwen3moe4l", "moonlight8l")
 DRY_RUN_SHAPES = ("tiny", "tiny_mla")
 BASELINES = {"hf": [], "hf-compile": ["--compile"]}
-EXPERT_GEMMS = ("grouped", "per_expert")
+EXPERT_GEMMS = ("grouped", "per_expert", "grouped_fp32_wgrad")
 
 # The baseline's shapes (its SHAPES table), as mcore model sections; "tiny" is the CPU dry run's.
 SHAPES: dict[str, dict[str, Any]] = {
@@ -382,7 +383,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--dry-run", action="store_true", help="CPU, tiny fp32 shape, 3 iterations, no baseline")
     ap.add_argument("--fsdp", action="store_true", help="also run ours with FSDP2 (parallel.dp_shard=true)")
     ap.add_argument("--expert-gemm", choices=EXPERT_GEMMS, default="grouped", help="moe_router.expert_gemm (grouped)")
-    ap.add_argument("--variants", default=None, help="ours as LAYOUT:GEMM,... (zero1|fsdp : grouped|per_expert)")
+    ap.add_argument(
+        "--variants",
+        default=None,
+        help="ours as LAYOUT:GEMM,... (zero1|fsdp|fsdp_reshard : grouped|per_expert|grouped_fp32_wgrad)",
+    )
     ap.add_argument(
         "--recompute-modules", default=None, help="ours: train.recompute_modules, comma-separated (selective recompute)"
     )

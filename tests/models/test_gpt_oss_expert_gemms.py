@@ -1,7 +1,7 @@
 """A whole GPT-OSS training step (sinks, sliding / full layers, YaRN, router bias, biased experts with the clamped
-SwiGLU) with per-expert GEMMs against grouped GEMMs: under DDP, two optimizer steps of two micro-batches each, the
-losses and every parameter's gradient (``main_grad``: the experts' written on each step's first micro-batch, added
-on the second) agree in fp32."""
+SwiGLU) with per-expert GEMMs (all three, or the weight gradients alone) against grouped GEMMs: under DDP, two
+optimizer steps of two micro-batches each, the losses and every parameter's gradient (``main_grad``: the experts'
+written on each step's first micro-batch, added on the second) agree in fp32."""
 
 from __future__ import annotations
 
@@ -57,9 +57,10 @@ def _train(gemm: str) -> tuple[list[float], list[dict[str, torch.Tensor]]]:
     return losses, grads
 
 
-def test_per_expert_gemms_train_gpt_oss_like_grouped():
+@pytest.mark.parametrize("gemm", ["per_expert", "grouped_fp32_wgrad"])
+def test_per_expert_gemms_train_gpt_oss_like_grouped(gemm):
     grouped_losses, grouped = _train("grouped")
-    per_expert_losses, per_expert = _train("per_expert")
+    per_expert_losses, per_expert = _train(gemm)
     assert per_expert_losses == pytest.approx(grouped_losses, rel=1e-6)
     for step, (ours, ref) in enumerate(zip(per_expert, grouped, strict=True)):
         assert set(ours) == set(ref) and any("experts.gate_up_bias" in n for n in ref)

@@ -28,6 +28,7 @@ WORLD2 = {
     "etp2_per_expert": (dict(etp=2), PER_EXPERT, "fwd_bwd"),
     "ep2_allgather_per_expert": (dict(ep=2), dict(dispatcher="allgather", **PER_EXPERT), "fwd_bwd"),
     "ep2_train_per_expert": (dict(ep=2), dict(**AUX, **PER_EXPERT), "train"),
+    "ep2_train_fp32_wgrad": (dict(ep=2), dict(**AUX, expert_gemm="grouped_fp32_wgrad"), "train"),
 }
 WORLD4 = {
     "ep4": (dict(ep=4), {}, "fwd_bwd"),

@@ -1,6 +1,7 @@
 """The experts' weight gradients under DDP: the step's first micro-batch writes ``main_grad`` (not read, not
 zero-filled-then-added), later ones add, for grouped GEMMs (the loop reference and torch's grouped GEMM) and
-per-expert GEMMs, with plain and GPT-OSS (biased, clamped) experts; over three micro-batches (one with 3 tokens,
+per-expert GEMMs (all three, or the weight gradients alone: ``grouped_fp32_wgrad``), with plain and GPT-OSS
+(biased, clamped) experts; over three micro-batches (one with 3 tokens,
 so most experts get no rows) and two optimizer steps the gradients equal those of the previous path (the GEMM
 returns the gradient and DDP's hook adds it: ``gradient_accumulation_fusion=False``), bit for bit for the grouped
 GEMMs and within 1e-6 for the per-expert ones (addmm rounds unlike mm then add), also under activation recompute
@@ -21,6 +22,7 @@ from mcore.parallel import DistributedDataParallel, MoELayer
 from mcore.parallel.expert_biases import use_gpt_oss_options
 from mcore.parallel.expert_gemm import HostOffsets
 from tests.parallel._moe import BASE
+from tests.parallel._moe import full_weights as _full_weights
 
 # the module (mcore.kernels exports a function of the same name)
 grouped_gemm_module = importlib.import_module("mcore.kernels.grouped_gemm")
@@ -75,16 +77,21 @@ def _force_torch_grouped_mm(monkeypatch):
     monkeypatch.setattr(grouped_gemm_module, "_choose", lambda x, w, backend: grouped_gemm_module.GROUPED_MM)
 
 
-GEMMS = ["grouped_reference", "grouped_mm", "per_expert"]
+GEMMS = ["grouped_reference", "grouped_mm", "per_expert", "grouped_fp32_wgrad", "grouped_mm_fp32_wgrad"]
+MODES = {
+    "per_expert": "per_expert",
+    "grouped_fp32_wgrad": "grouped_fp32_wgrad",
+    "grouped_mm_fp32_wgrad": "grouped_fp32_wgrad",
+}
 
 
 @pytest.mark.parametrize("recompute", [False, True], ids=["plain", "recompute"])
 @pytest.mark.parametrize("gpt_oss", [False, True], ids=["swiglu", "gpt_oss"])
 @pytest.mark.parametrize("gemm", GEMMS)
 def test_first_micro_batch_writes_main_grad_and_the_rest_add(gemm, gpt_oss, recompute, monkeypatch):
-    if gemm == "grouped_mm":
+    if gemm.startswith("grouped_mm"):
         _force_torch_grouped_mm(monkeypatch)
-    mode = "per_expert" if gemm == "per_expert" else "grouped"
+    mode = MODES.get(gemm, "grouped")
     taken = []  # in order, for every expert weight-gradient GEMM that took main_grad: whether it overwrote it
     real_take = expert_gemm.take_wgrad_target
 
@@ -105,7 +112,7 @@ def test_first_micro_batch_writes_main_grad_and_the_rest_add(gemm, gpt_oss, reco
             assert torch.isfinite(got[name]).all(), (step, name)
             if mode == "grouped":  # the same GEMM's gradient copied (then added) instead of added: bit-equal
                 assert torch.equal(got[name], ref), (step, name)
-            else:  # addmm into main_grad rounds differently from mm then add
+            else:  # per-expert weight-gradient GEMMs: addmm into main_grad rounds differently from mm then add
                 where, scale = f"step {step} {name}", ref.abs().max().item()
                 torch.testing.assert_close(
                     got[name], ref, rtol=1e-6, atol=1e-6 * scale, msg=lambda m, w=where: f"{w}: {m}"
@@ -175,13 +182,25 @@ def test_cuda_host_offsets_copy_without_a_sync_and_bf16_main_grad_is_written():
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert early._host.is_pinned() and early.bounds() == [(0, 3), (3, 3), (3, 8), (8, 12)]
-    # bf16 weights, fp32 main_grad, both GEMM modes on CUDA: written (NaN-poisoned) on the first micro-batch
-    for gemm in ("grouped", "per_expert"):
+    # bf16 weights, fp32 main_grad, every GEMM mode on CUDA: written (NaN-poisoned) on the first micro-batch, added on
+    # the second, the modes' gradients equal within bf16 rounding
+    g = torch.Generator().manual_seed(4)
+    xs = [torch.randn(64, BASE.hidden_size, generator=g).cuda().bfloat16() for _ in range(2)]
+    grads = {}
+    for gemm in ("grouped", "per_expert", "grouped_fp32_wgrad"):
+        torch.manual_seed(0)
         layer = MoELayer(replace(BASE, expert_gemm=gemm, align=8), params_dtype=torch.bfloat16, device="cuda")
+        layer.load_full_weights(*(t.cuda() for t in _full_weights()))
         ddp = DistributedDataParallel(layer, dp_group=None)
         ddp.zero_grad_buffer()
-        for p in (layer.experts.gate_up, layer.experts.down):
+        weights = (layer.experts.gate_up, layer.experts.down)
+        for p in weights:
             p.main_grad.fill_(float("nan"))
-        x = torch.randn(64, BASE.hidden_size, device="cuda", dtype=torch.bfloat16)
-        ddp(x).float().square().sum().backward()
-        assert all(torch.isfinite(p.main_grad).all() for p in (layer.experts.gate_up, layer.experts.down)), gemm
+        for i, x in enumerate(xs):
+            with ddp.no_sync() if i == 0 else torch.enable_grad():
+                ddp(x).float().square().sum().backward()
+        assert all(torch.isfinite(p.main_grad).all() for p in weights), gemm
+        grads[gemm] = [p.main_grad.clone() for p in weights]
+    for gemm, got in grads.items():
+        for ours, ref in zip(got, grads["grouped"], strict=True):
+            torch.testing.assert_close(ours, ref, rtol=0, atol=2e-2 * ref.abs().max().item(), msg=gemm)

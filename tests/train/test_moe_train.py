@@ -136,15 +136,15 @@ def test_per_expert_gemm_trains_like_grouped(tmp_path):
 
 def _one_rank_fsdp_expert_gemms(rank: int, world: int, run_root: str) -> dict:
     """One gloo rank: FSDP2 at dp=1 (the weight-gradient GEMMs write into the fp32 shard gradients) and ZeRO-1, with
-    grouped and per-expert GEMMs, recording every expert weight-gradient target the GEMMs take: its dtype and
-    whether it was written (the step's first micro-batch) or added to."""
+    grouped, per-expert and grouped_fp32_wgrad GEMMs, recording every expert weight-gradient target the GEMMs take:
+    its dtype and whether it was written (the step's first micro-batch) or added to."""
     import mcore.parallel.expert_gemm as expert_gemm
     from tests.train.tiny import train, train_records
 
     real = expert_gemm.take_wgrad_target
     out: dict = {}
     layouts = (("zero1", ["parallel.distributed_optimizer=true"]), ("fsdp", ["parallel.dp_shard=true"]))
-    for gemm in ("grouped", "per_expert"):
+    for gemm in ("grouped", "per_expert", "grouped_fp32_wgrad"):
         for name, layout in layouts:
             taken: list[tuple[torch.dtype, bool]] = []
 

@@ -18,7 +18,10 @@ accumulate)`` or ``None`` (return the gradient as usual). ``accumulate=False`` (
 nothing to add to) writes ``target`` without reading it, every expert included (zeros for one without rows), so the
 ``main_grad`` is neither zero-filled-then-added nor read; ``True`` adds. ``grouped_mm`` then copies (or adds) its
 ``w``-dtype gradient into the target (``torch._grouped_mm`` has no ``out=`` and, in torch 2.11, no fp32 output for
-bf16 operands); the reference computes each expert's gradient in fp32 and writes it there.
+bf16 operands); the reference computes each expert's gradient in fp32 and writes it there. It may instead return a
+function ``write(dy, x)`` that computes and stores the weight gradient itself from the output gradient and the
+GEMM's input (the caller's own GEMMs: one per expert accumulating in fp32, say); the grouped weight-gradient GEMM is
+then not run.
 
 :func:`grouped_gemm_of_activation` is ``grouped_gemm(activation(h), w, offsets)`` that keeps ``h`` for backward
 and recomputes ``activation(h)`` there instead of keeping it: for an MoE's SwiGLU experts the activation output is
@@ -33,12 +36,14 @@ import torch
 
 from mcore.kernels import dispatch
 
-__all__ = ["GROUPED_MM", "WgradInto", "grouped_gemm", "grouped_gemm_of_activation"]
+__all__ = ["GROUPED_MM", "WgradInto", "WgradWriter", "grouped_gemm", "grouped_gemm_of_activation"]
 
 GROUPED_MM = "grouped_mm"
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-# called once in backward: (target [E, M, K], accumulate) to take w's gradient there, or None to return it
-WgradInto = Callable[[], "tuple[torch.Tensor, bool] | None"]
+# called once in backward: (target [E, M, K], accumulate) to take w's gradient there, a function write(dy, x) that
+# takes it itself, or None to return it
+WgradWriter = Callable[[torch.Tensor, torch.Tensor], None]
+WgradInto = Callable[[], "tuple[torch.Tensor, bool] | WgradWriter | None"]
 
 
 def grouped_gemm(
@@ -132,11 +137,13 @@ def _reference_backward(dy, x, w, offsets, need_dx, need_dw, tail=None, into=Non
                 dx[start:end] = torch.mm(dyg, w[g].float()).to(x.dtype)
             if dw is not None:
                 dw[g] = torch.mm(dyg.t(), x[start:end].float()).to(w.dtype)
-        if into is not None:
+        if isinstance(into, tuple):
             target, accumulate = into[0][g], into[1]
             grad = torch.mm(dy[start:end].float().t(), x[start:end].float())  # zeros for an expert without rows
             target.add_(grad) if accumulate else target.copy_(grad)
         start = end
+    if callable(into):
+        into(dy, x)
     return dx, dw
 
 
@@ -152,7 +159,9 @@ def _grouped_mm_backward(dy, x, w, offsets, need_dx, need_dw, tail, into=None):
     dx = dw = None
     if need_dx:
         dx = _zero_unused_rows_(torch._grouped_mm(dy, w, offs=offsets), offsets, tail)
-    if need_dw:
+    if need_dw and callable(into):
+        into(dy, x)  # the caller's GEMMs take the weight gradient
+    elif need_dw:
         dw = torch._grouped_mm(dy.t(), x, offs=offsets)  # [E, M, K]; an expert without rows gets zeros
         if into is not None:
             target, accumulate = into
@@ -162,12 +171,12 @@ def _grouped_mm_backward(dy, x, w, offsets, need_dx, need_dw, tail, into=None):
 
 
 def _weight_grad_sink(wgrad_into: WgradInto | None, need_dw: bool, w: torch.Tensor):
-    """``wgrad_into()`` checked (called only when ``w`` needs a gradient), or ``None``."""
+    """``wgrad_into()`` checked (called only when ``w`` needs a gradient): a target tuple, a writer, or ``None``."""
     if wgrad_into is None or not need_dw:
         return None
     into = wgrad_into()
-    if into is None:
-        return None
+    if into is None or callable(into):
+        return into
     target, accumulate = into
     if not isinstance(target, torch.Tensor) or tuple(target.shape) != tuple(w.shape) or not target.is_floating_point():
         got = tuple(target.shape) if isinstance(target, torch.Tensor) else type(target).__name__

@@ -86,19 +86,35 @@ class HostOffsets:
         return self._bounds
 
 
-def expert_wgrad_into(w: torch.Tensor):
+def expert_wgrad_into(w: torch.Tensor, host_offsets: HostOffsets | None = None):
     """``grouped_gemm``'s ``wgrad_into`` for expert weight ``w``: in backward, DDP's ``main_grad`` (or FSDP2's shard
     gradient at one rank) as ``(target, accumulate)``, ``accumulate=False`` on the step's first micro-batch
-    (``param_attrs.take_wgrad_target``); ``None`` without a data-parallel wrapper (the gradient is returned)."""
+    (``param_attrs.take_wgrad_target``); ``None`` without a data-parallel wrapper (the gradient is returned). With
+    ``host_offsets`` (``expert_gemm: grouped_fp32_wgrad``) a writer instead: one GEMM per expert accumulating in
+    the target's dtype (fp32) inside the GEMM, from the offsets whose copy to the host started in forward (done by
+    the time backward waits for it)."""
 
-    def into() -> tuple[torch.Tensor, bool] | None:
+    def into():
         target, overwrite = take_wgrad_target(w)
         if target is None:
             return None
         mark_wgrad_in_main_grad(w)  # DDP's hook must not add a .grad: the gradient is in main_grad
-        return target, not overwrite
+        if host_offsets is None:
+            return target, not overwrite
+        return lambda dy, x: _per_expert_weight_grads_(target, not overwrite, host_offsets.bounds(), dy, x)
 
     return into
+
+
+def _per_expert_weight_grads_(target, accumulate: bool, bounds, dy: torch.Tensor, x: torch.Tensor) -> None:
+    """``target[g] (+)= dy[rows of g]^T @ x[rows of g]`` for each expert, accumulated in ``target``'s precision by
+    the GEMM; written (zeros for an expert without rows, ``target`` not read) unless ``accumulate``."""
+    write = accumulate_weight_grad_ if accumulate else _write_weight_grad_
+    for g, (lo, hi) in enumerate(bounds):
+        if hi > lo:
+            write(target[g], dy[lo:hi], x[lo:hi])
+        elif not accumulate:
+            target[g].zero_()
 
 
 def _write_weight_grad_(target: torch.Tensor, grad_out: torch.Tensor, x: torch.Tensor) -> None:
@@ -158,16 +174,13 @@ def _backward(dy, a, w, bounds, need_da: bool, need_dw: bool, wgrad_into):
         if hi <= lo:
             if dw is not None:
                 dw[g].zero_()
-            elif into is not None and not into[1]:
-                into[0][g].zero_()  # the step's first gradient of this expert: zero, written not added
             continue
         if da is not None:
             torch.mm(dy[lo:hi], w[g], out=da[lo:hi])
-        if into is not None:
-            write = accumulate_weight_grad_ if into[1] else _write_weight_grad_
-            write(into[0][g], dy[lo:hi], a[lo:hi])
-        elif dw is not None:
+        if dw is not None:
             torch.mm(dy[lo:hi].t(), a[lo:hi], out=dw[g])
+    if into is not None:
+        _per_expert_weight_grads_(into[0], into[1], bounds, dy, a)
     return da, dw
 
 
