@@ -201,6 +201,8 @@ def test_cuda_host_offsets_copy_without_a_sync_and_bf16_main_grad_is_written():
                 ddp(x).float().square().sum().backward()
         assert all(torch.isfinite(p.main_grad).all() for p in weights), gemm
         grads[gemm] = [p.main_grad.clone() for p in weights]
+    # the per-expert weight gradients were written by a bf16 GEMM with an fp32 output, not a GEMM then a copy
+    assert expert_gemm._MIXED_DTYPE_WRITE in ("mm", "addmm"), expert_gemm._MIXED_DTYPE_WRITE
     for gemm, got in grads.items():
         for ours, ref in zip(got, grads["grouped"], strict=True):
             torch.testing.assert_close(ours, ref, rtol=0, atol=2e-2 * ref.abs().max().item(), msg=gemm)

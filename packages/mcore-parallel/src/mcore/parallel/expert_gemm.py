@@ -40,7 +40,9 @@ __all__ = [
     "per_expert_linear_of_activation",
 ]
 
-_MIXED_DTYPE_MM: bool | None = None  # whether mm(out_dtype=...) works here (torch >= 2.8 on CUDA); None: untried
+# how a bf16 GEMM writes an fp32 target on CUDA: "mm" (mm(out_dtype=)), "addmm" (addmm(beta=0, out_dtype=)),
+# "unfused" (neither exists in this torch: a bf16 GEMM then a copy), None: not tried yet
+_MIXED_DTYPE_WRITE: str | None = None
 
 
 def expert_bounds(offsets: torch.Tensor) -> list[tuple[int, int]]:
@@ -119,18 +121,23 @@ def _per_expert_weight_grads_(target, accumulate: bool, bounds, dy: torch.Tensor
 
 def _write_weight_grad_(target: torch.Tensor, grad_out: torch.Tensor, x: torch.Tensor) -> None:
     """``target = grad_out^T @ x`` in ``target``'s precision by the GEMM itself, ``target`` not read (beta 0)."""
-    global _MIXED_DTYPE_MM
+    global _MIXED_DTYPE_WRITE
     a, b = grad_out.t(), x
     if target.dtype == a.dtype:
         torch.mm(a, b, out=target)
         return
-    if target.is_cuda and _MIXED_DTYPE_MM is not False:
-        try:
-            torch.mm(a, b, out_dtype=target.dtype, out=target)
-            _MIXED_DTYPE_MM = True
-            return
-        except (RuntimeError, TypeError, NotImplementedError):
-            _MIXED_DTYPE_MM = False  # older torch: fall through to the unfused form
+    if target.is_cuda and _MIXED_DTYPE_WRITE != "unfused":
+        for name in (_MIXED_DTYPE_WRITE,) if _MIXED_DTYPE_WRITE else ("mm", "addmm"):
+            try:
+                if name == "mm":
+                    torch.mm(a, b, out_dtype=target.dtype, out=target)
+                else:  # beta 0: cuBLAS does not read the output (NaN in it is not propagated)
+                    torch.addmm(target, a, b, beta=0, out_dtype=target.dtype, out=target)
+                _MIXED_DTYPE_WRITE = name
+                return
+            except (RuntimeError, TypeError, NotImplementedError):
+                continue
+        _MIXED_DTYPE_WRITE = "unfused"  # older torch: the unfused form from now on
     target.copy_(a.matmul(b))
 
 
