@@ -47,9 +47,11 @@ def _batch(step: int, micro: int):
     return torch.randn(n, BASE.hidden_size, generator=g), torch.randn(n, BASE.hidden_size, generator=g)
 
 
-def _train(layer: MoELayer, *, fuse: bool, poison: bool = False, recompute: bool = False) -> list[dict]:
+def _train(
+    layer: MoELayer, *, fuse: bool, poison: bool = False, recompute: bool = False, grad_dtype=torch.float32
+) -> list[dict]:
     """STEPS steps of len(TOKENS) micro-batches, SGD on main_grad; each step's main_grads after its backward."""
-    ddp = DistributedDataParallel(layer, dp_group=None, gradient_accumulation_fusion=fuse)
+    ddp = DistributedDataParallel(layer, dp_group=None, gradient_accumulation_fusion=fuse, grad_dtype=grad_dtype)
     experts = [layer.experts.input_weight, layer.experts.down]  # the GEMMs' weights (GPT-OSS's biases: DDP's hook)
     out = []
     for step in range(STEPS):
@@ -67,7 +69,7 @@ def _train(layer: MoELayer, *, fuse: bool, poison: bool = False, recompute: bool
         out.append({name: p.main_grad.clone() for name, p in layer.named_parameters()})
         with torch.no_grad():
             for p in layer.parameters():
-                p.sub_(LR * p.main_grad)
+                p.sub_(LR * p.main_grad.float())
     return out
 
 
@@ -117,6 +119,21 @@ def test_first_micro_batch_writes_main_grad_and_the_rest_add(gemm, gpt_oss, reco
                 torch.testing.assert_close(
                     got[name], ref, rtol=1e-6, atol=1e-6 * scale, msg=lambda m, w=where: f"{w}: {m}"
                 )
+
+
+@pytest.mark.parametrize("gemm", GEMMS)
+def test_a_bf16_main_grad_is_written_in_its_own_dtype(gemm, monkeypatch):
+    """DDP's bf16 gradient buffers (``grad_dtype``): the same write-then-add, the target's dtype read from it."""
+    if gemm.startswith("grouped_mm"):
+        _force_torch_grouped_mm(monkeypatch)
+    mode = MODES.get(gemm, "grouped")
+    previous = _train(_layer(mode, False), fuse=False, grad_dtype=torch.bfloat16)
+    ours = _train(_layer(mode, False), fuse=True, poison=True, grad_dtype=torch.bfloat16)
+    for got, want in zip(ours, previous, strict=True):
+        for name, ref in want.items():
+            assert got[name].dtype == torch.bfloat16 and torch.isfinite(got[name]).all(), name
+            scale = ref.float().abs().max().item()
+            torch.testing.assert_close(got[name].float(), ref.float(), rtol=1.6e-2, atol=1.6e-2 * scale)
 
 
 def test_the_poison_shows_a_read_of_main_grad():

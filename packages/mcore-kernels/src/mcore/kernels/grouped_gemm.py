@@ -126,7 +126,8 @@ def _reference_forward(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, 
 
 
 def _reference_backward(dy, x, w, offsets, need_dx, need_dw, tail=None, into=None):  # zero-initialised: no tail
-    """``into``: ``(target, accumulate)`` to write ``w``'s fp32 per-expert gradients into (``dw`` is then ``None``)."""
+    """``into``: ``(target, accumulate)`` to write ``w``'s fp32 per-expert gradients into, or a writer given ``(dy, x)``
+    (``dw`` is then ``None``)."""
     dx = torch.zeros_like(x) if need_dx else None
     dw = torch.zeros_like(w) if need_dw and into is None else None
     start = 0
