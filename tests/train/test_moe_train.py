@@ -48,6 +48,17 @@ LAYOUTS4 = {
     "pp2-ep2": ["parallel.pp=2", "parallel.ep=2"],
     # FSDP2 (ZeRO-3) at ep 1: the experts sharded with the rest over dp, fp32 shards as the master weights
     "dp4-shard": ["parallel.dp_shard=true"],
+    # the pipeline schedule's micro-batches: each step's first backward writes the experts' main_grad, the rest add
+    "pp2-ep2-per-expert": [
+        "parallel.pp=2",
+        "parallel.ep=2",
+        "model.moe_router={z_loss_coef: 0.001, expert_bias: true, bias_update_rate: 0.01, expert_gemm: per_expert}",
+    ],
+    "pp2-grouped-fp32-wgrad": [
+        "parallel.pp=2",
+        "model.moe_router={z_loss_coef: 0.001, expert_bias: true, bias_update_rate: 0.01, "
+        "expert_gemm: grouped_fp32_wgrad}",
+    ],
     "dp4-shard-per-expert": [
         "parallel.dp_shard=true",
         "model.moe_router={z_loss_coef: 0.001, expert_bias: true, bias_update_rate: 0.01, expert_gemm: per_expert}",
