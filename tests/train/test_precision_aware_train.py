@@ -6,6 +6,8 @@ the embedded corpus, CPU, fp32 parameters so that the states' dtypes are the onl
   on (the first step's update is sign(g) * lr either way, so only later steps can tell);
 - a checkpoint saved with fp32 moments resumes into bf16 moments (the log says so, the next checkpoint holds bf16
   moments) and that one back into fp32 moments;
+- ``parallel.dp_shard`` (FSDP2, 2 gloo ranks) reduces in bf16 with ``main_grads_dtype=bf16``: the same losses as
+  the fp32 reduction to 1e-4 over 3 steps, and not bit-equal to them;
 - bad values are one error naming the key.
 """
 
@@ -17,6 +19,7 @@ from safetensors.torch import load_file
 
 from mcore.train.config import load_config
 from mcore.train.errors import UserError
+from tests.helpers.distributed import run_workers
 from tests.train.tiny import train, train_records
 
 LONG = ["train.steps=120", "log.interval=1", "checkpoint.save_interval=0"]
@@ -74,3 +77,20 @@ def test_checkpoints_move_between_fp32_and_bf16_moments(tmp_path):
 def test_bad_values_name_the_key(overrides, match):
     with pytest.raises((UserError, ValueError), match=match):
         load_config(None, ["model=llama-tiny", *overrides])
+
+
+def _dp_shard_cases(rank: int, world_size: int, base) -> dict | None:
+    out = {}
+    for name, extra in (("fp32", []), ("bf16", ["optim.main_grads_dtype=bf16"])):
+        steps = ["train.steps=3", "train.global_batch_size=4", "train.micro_batch_size=1"]
+        train(base / name, *steps, "parallel.dp_shard=true", *extra)
+        out[name] = _losses(base / name)
+    return out if rank == 0 else None
+
+
+def test_dp_shard_reduces_in_bf16(tmp_path):
+    out = run_workers(2, _dp_shard_cases, tmp_path)[0]
+    fp32, bf16 = out["fp32"], out["bf16"]
+    assert sorted(fp32) == sorted(bf16) == [1, 2, 3]
+    assert all(abs(bf16[s] - fp32[s]) <= 1e-4 * fp32[s] for s in fp32), (fp32, bf16)
+    assert bf16[3] != fp32[3]
