@@ -37,8 +37,10 @@ BF16_DP_TOL = {"loss": 1e-4, "norm": 2e-3, "params": 1e-2}
 DP_EPS = 1e-3
 
 
-def _build(groups, *, grad_dtype, moments, distributed=True, dtype=torch.float32, fused_step=None, eps=1e-8):
-    model = ParallelToyLM(T.CFG, groups, dtype=dtype)
+def _build(
+    groups, *, grad_dtype, moments, distributed=True, dtype=torch.float32, fused_step=None, eps=1e-8, device=None
+):
+    model = ParallelToyLM(T.CFG, groups, dtype=dtype, device=device)
     model.init_weights(T.SEED)
     ddp = DistributedDataParallel(
         model, groups.dp_cp, bucket_size=1500, use_distributed_optimizer=distributed, grad_dtype=grad_dtype
@@ -168,3 +170,26 @@ def test_zero1_dp2_with_bf16_main_grads_equals_the_single_process(dp2):
         assert max(out["fp32"].values()) <= 1e-5, (rank, out["fp32"])
         assert all(out["bf16"][k] <= tol for k, tol in BF16_DP_TOL.items()), (rank, out["bf16"])
         assert out["bf16 state dtypes"] == ["torch.bfloat16"] and out["fp32 state dtypes"] == ["torch.float32"]
+
+
+@pytest.mark.gpu
+def test_cuda_bf16_model_with_bf16_states_runs_triton_and_tracks_fp32_states(monkeypatch):
+    """On CUDA (bf16 parameters, the Triton step, the mixed-dtype wgrad GEMM into a bf16 buffer): 5 steps with bf16
+    gradients and moments within 2e-2 of the same model with fp32 states, and not equal to it."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    import mcore.kernels.triton.adamw as triton_adamw
+
+    calls = []
+    original = triton_adamw.adamw_step
+    monkeypatch.setattr(triton_adamw, "adamw_step", lambda *a: (calls.append(a[2][0].dtype), original(*a))[1])
+    groups = ProcessGroups.single()
+    runs = {}
+    for state in (torch.float32, BF16):
+        model, ddp, opt = _build(groups, grad_dtype=state, moments=state, dtype=BF16, device="cuda")
+        runs[state] = T.train(groups, ddp, opt, range(STEPS))
+        ddp.finish_param_sync()
+        runs[state].model = model
+    assert set(calls) == {torch.float32, BF16}  # the kernel ran with both moment dtypes
+    errs = _errors(runs[BF16], runs[torch.float32], _params(runs[torch.float32].model))
+    assert max(errs.values()) <= 2e-2 and errs["params"] > 0, errs
