@@ -38,7 +38,16 @@ DP_EPS = 1e-3
 
 
 def _build(
-    groups, *, grad_dtype, moments, distributed=True, dtype=torch.float32, fused_step=None, eps=1e-8, device=None
+    groups,
+    *,
+    grad_dtype,
+    moments,
+    distributed=True,
+    dtype=torch.float32,
+    fused_step=None,
+    eps=1e-8,
+    device=None,
+    **optimizer_kwargs,
 ):
     model = ParallelToyLM(T.CFG, groups, dtype=dtype, device=device)
     model.init_weights(T.SEED)
@@ -48,7 +57,7 @@ def _build(
     cls = DistributedOptimizer if distributed else MixedPrecisionOptimizer
     opt = cls(
         ddp, default_param_groups(ddp, T.WEIGHT_DECAY), lr=T.LR, clip_grad=T.CLIP, groups=groups,
-        exp_avg_dtype=moments, exp_avg_sq_dtype=moments, fused_step=fused_step, eps=eps,
+        exp_avg_dtype=moments, exp_avg_sq_dtype=moments, fused_step=fused_step, eps=eps, **optimizer_kwargs,
     )  # fmt: skip
     return model, ddp, opt
 
@@ -108,6 +117,25 @@ def test_fused_step_false_with_bf16_moments_and_bad_dtypes_are_clear_errors():
     # bf16 gradients alone may still take torch's step (it upcasts a copy): allowed when asked for explicitly
     _, _, opt = _build(groups, grad_dtype=BF16, moments=torch.float32, fused_step=False)
     assert not opt.fused_step
+
+
+def test_host_offload_with_bf16_states_equals_the_device_step():
+    """Half the optimizer offloaded with bf16 gradients and moments: mcore's host update is chosen (torch's cannot
+    keep bf16 moments) and 3 steps give the non-offloaded run's parameters; asking for torch's is an error."""
+    groups = ProcessGroups.single()
+    runs = {}
+    for fraction in (0.0, 0.5):
+        model, ddp, opt = _build(groups, grad_dtype=BF16, moments=BF16, offload_fraction=fraction)
+        runs[fraction] = T.train(groups, ddp, opt, range(3))
+        if fraction:
+            assert opt._offload.impl == "mcore" and opt._offload.indices
+            assert {opt._adam.state[opt._pieces[i].master]["exp_avg"].dtype for i in opt._offload.indices} == {BF16}
+        ddp.finish_param_sync()
+        runs[fraction].model = model
+    errs = _errors(runs[0.5], runs[0.0], _params(runs[0.0].model))
+    assert max(errs.values()) <= 1e-6, errs
+    with pytest.raises(ValueError, match=r"offload_impl='fused' runs torch's AdamW.*exp_avg, exp_avg_sq in bf16"):
+        _build(groups, grad_dtype=BF16, moments=BF16, offload_fraction=0.5, offload_impl="fused")
 
 
 @pytest.mark.parametrize(("save", "load"), [(torch.float32, BF16), (BF16, torch.float32), (BF16, BF16)])
