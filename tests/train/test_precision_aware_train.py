@@ -6,8 +6,8 @@ the embedded corpus, CPU, fp32 parameters so that the states' dtypes are the onl
   on (the first step's update is sign(g) * lr either way, so only later steps can tell);
 - a checkpoint saved with fp32 moments resumes into bf16 moments (the log says so, the next checkpoint holds bf16
   moments) and that one back into fp32 moments;
-- ``parallel.dp_shard`` (FSDP2, 2 gloo ranks) reduces in bf16 with ``main_grads_dtype=bf16``: the same losses as
-  the fp32 reduction to 1e-4 over 3 steps, and not bit-equal to them;
+- ``parallel.dp_shard`` (FSDP2, 2 gloo ranks) with all three in bf16 (reduce_dtype bf16, bf16 moments on the
+  shards): the fp32-state losses to 1e-4 over 3 steps, not bit-equal to them, and a checkpoint of bf16 moments;
 - bad values are one error naming the key.
 """
 
@@ -81,10 +81,11 @@ def test_bad_values_name_the_key(overrides, match):
 
 def _dp_shard_cases(rank: int, world_size: int, base) -> dict | None:
     out = {}
-    for name, extra in (("fp32", []), ("bf16", ["optim.main_grads_dtype=bf16"])):
+    for name, extra in (("fp32", []), ("bf16", BF16_STATES)):
         steps = ["train.steps=3", "train.global_batch_size=4", "train.micro_batch_size=1"]
         train(base / name, *steps, "parallel.dp_shard=true", *extra)
         out[name] = _losses(base / name)
+        out[f"{name} moments"] = _moment_dtypes(base / name / "checkpoints" / "iter_0000003") if rank == 0 else None
     return out if rank == 0 else None
 
 
@@ -94,3 +95,4 @@ def test_dp_shard_reduces_in_bf16(tmp_path):
     assert sorted(fp32) == sorted(bf16) == [1, 2, 3]
     assert all(abs(bf16[s] - fp32[s]) <= 1e-4 * fp32[s] for s in fp32), (fp32, bf16)
     assert bf16[3] != fp32[3]
+    assert out["fp32 moments"] == {"float32"} and out["bf16 moments"] == {"bfloat16"}  # gathered over dp as stored
