@@ -81,7 +81,8 @@ class GroupedGatedNorm(nn.Module):
 
 
 class Mamba2Mixer(nn.Module):
-    """Mamba-2 mixer on ``[s(/tp), b, hidden]``; ``recompute="selective"`` recomputes conv + SSD + norm."""
+    """Mamba-2 mixer on ``[s(/tp), b, hidden]``; selective recompute of ``mamba_core`` (the default of
+    ``recompute="selective"`` without ``recompute_modules``) recomputes conv + SSD + norm in backward."""
 
     def __init__(self, config: TransformerConfig, layer_index: int, context: PartContext | None = None) -> None:
         super().__init__()
@@ -96,7 +97,7 @@ class Mamba2Mixer(nn.Module):
         self.local_groups, self.state = c.n_groups // tp, c.ssm_state_size
         self.local_inner, self.chunk_size = d_inner // tp, c.chunk_size
         self.time_step_limit = tuple(float(v) for v in c.time_step_limit)
-        self.recompute_core = ctx.recompute == "selective"
+        self.recompute_core = ctx.recomputes("mamba_core")
         common = dict(tp_group=ctx.tp_group, sequence_parallel=ctx.sequence_parallel)
         common.update(params_dtype=ctx.params_dtype, device=ctx.device)
         init = normal_init(c.initializer_range)
