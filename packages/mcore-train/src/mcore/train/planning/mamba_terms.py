@@ -76,9 +76,9 @@ class MambaShape:
     def saved_bytes_per_token(self, tp: int, core_recomputed: bool) -> float:
         """What the mixer keeps for backward per token on one rank (its input apart: the layer counts the norm
         output ``in_proj`` saves). ``in_proj``'s output (z and the conv input are views of it); then unless the
-        core is recomputed (``mamba_core``) the conv output (x, B, C for the scan), the scan's saved tensors (the fp32 incoming
-        chunk states, ``H P N`` per chunk; the fp32 ``C B^T`` of each chunk, ``G Q`` per token; fp32 cumulative
-        decays and dt), the gated norm's inputs y and z (contiguous copies); and ``out_proj``'s input."""
+        core is recomputed (``mamba_core``) the conv output (x, B, C for the scan), the scan's saved tensors (the
+        fp32 incoming chunk states, ``H P N`` per chunk; the fp32 ``C B^T`` of each chunk, ``G Q`` per token; fp32
+        cumulative decays and dt), the gated norm's inputs y and z (contiguous copies); and ``out_proj``'s input."""
         out = 2 * (self.in_width + self.d_inner) / tp
         if not core_recomputed:
             states = 4 * self.heads * self.head_dim * self.state / self.chunk
