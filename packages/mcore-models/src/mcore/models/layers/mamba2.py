@@ -25,7 +25,7 @@ from mcore.models.config import TransformerConfig
 from mcore.models.parts.registry import PartContext, PartSpec
 from mcore.parallel.comm import group_rank
 from mcore.parallel.init import normal_init, partition_slice
-from mcore.parallel.param_attrs import set_tensor_parallel_attributes
+from mcore.parallel.param_attrs import mark_fp32_compute, set_tensor_parallel_attributes
 from mcore.parallel.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 
 # dt's initial range (HF Mamba2 / NemotronH defaults: time_step_min, time_step_max, time_step_floor).
@@ -113,6 +113,8 @@ class Mamba2Mixer(nn.Module):
         self.A_log = _shard_param((heads,), tp, None, **fp32)
         self.D = _shard_param((heads,), tp, None, **fp32)
         self.dt_bias = _shard_param((heads,), tp, None, **fp32)
+        for p in (self.A_log, self.D, self.dt_bias):
+            mark_fp32_compute(p)  # also when a wrapper casts the rest for compute (FSDP2's mixed precision)
         # Without the gated norm (Falcon-H1's mamba_rms_norm=False) the output is y * silu(z).
         self.norm = None
         if c.mamba_rms_norm:
