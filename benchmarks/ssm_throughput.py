@@ -315,6 +315,15 @@ TRAIN_CONFIGS = {
     # memory checks of zero1 with the Mamba and attention cores, or whole layers, recomputed (not run by default)
     "zero1_selective": ["parallel.distributed_optimizer=true", "train.recompute=selective"],
     "zero1_full": ["parallel.distributed_optimizer=true", "train.recompute=full"],
+    # the Mamba cores, the norms and the MLP layers recomputed, the attention core kept (train.recompute_modules)
+    "zero1_modules": [
+        "parallel.distributed_optimizer=true",
+        "train.recompute=selective",
+        "train.recompute_modules=[mamba_core,layernorm,mlp]",
+    ],
+    # FSDP2 at world size 1 with its auto settings (kept gathered forward to backward), nothing recomputed; A_log,
+    # D and dt_bias in fp32 groups of their own
+    "fsdp": ["parallel.dp_shard=true"],
     "fsdp_selective": [
         "parallel.dp_shard=true",
         "parallel.dp_shard_reshard_after_forward=true",
