@@ -75,12 +75,12 @@ _SEQUENCE_PARALLEL = "sequence_parallel"
 _SHARED_EMBEDDING = "shared_embedding"
 _VOCAB_PADDED_DIM = "vocab_padded_dim"
 _VOCAB_SIZE = "vocab_size"
+_FP32_COMPUTE = "mcore_fp32_compute"
 _MAIN_GRAD = "main_grad"
 _FUSE_WGRAD = "mcore_fuse_wgrad"
 _WGRAD_IN_MAIN_GRAD = "mcore_wgrad_in_main_grad"
 _GRAD_READY_HOOK = "mcore_grad_ready_hook"
 _WGRAD_BUFFER = "mcore_wgrad_buffer"
-_FP32_COMPUTE = "mcore_fp32_compute"
 
 
 def persistent_buffers(module: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
