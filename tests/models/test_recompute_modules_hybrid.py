@@ -45,13 +45,18 @@ def test_each_module_keeps_gradients_and_saves_bytes(baseline, name):
 def test_a_list_without_mamba_core_keeps_the_core(baseline, name):
     """Before the name existed, any selective run recomputed the Mamba core whatever the list said."""
     others = [m for m in HAS[name] if m != "mamba_core"]
-    without = _run(CONFIGS[name], others or ["mlp"])
+    without = _run(CONFIGS[name], others)
     with_core = _run(CONFIGS[name], [*others, "mamba_core"])
     _assert_same(baseline[name], without)
     _assert_same(baseline[name], with_core)
     assert with_core[2] < without[2]
-    if not others:  # a pure Mamba-2 model with a list naming nothing it has keeps everything
-        assert without[2] == baseline[name][2]
+
+
+def test_names_a_model_does_not_have_change_nothing(baseline):
+    """A pure Mamba-2 model has no MLP and no attention: mlp and core_attn are accepted and keep every tensor."""
+    got = _run(CONFIGS["mamba2"], ["mlp", "core_attn"])
+    _assert_same(baseline["mamba2"], got)
+    assert got[2] == baseline["mamba2"][2]
 
 
 @pytest.mark.parametrize("name", sorted(CONFIGS))
