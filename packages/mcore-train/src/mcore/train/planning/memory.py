@@ -36,7 +36,7 @@ from functools import lru_cache
 from mcore.parallel.pipeline import GPipe, Interleaved1F1B, NoPipelining, OneFOneB, ZeroBubbleH1, stage_layer_ranges
 from mcore.train.planning.cp_cost import cp_held_bytes
 from mcore.train.planning.layout import Layout
-from mcore.train.planning.recompute_terms import dropped_per_token, uses_module_terms
+from mcore.train.planning.recompute_terms import dropped_per_token, layout_recomputes, uses_module_terms
 from mcore.train.planning.shape import ModelShape
 
 GB = 1e9
@@ -181,10 +181,13 @@ def activation_parts_per_layer(shape: ModelShape, layout: Layout, index: int, dt
 def _hybrid_parts(shape: ModelShape, layout: Layout, index: int, tokens: float, rep: float, dtype_bytes: int) -> dict:
     """A hybrid layer of one Mamba-2 mixer (under ``attention``: the mixer part) or one dense MLP (``mlp``)."""
     mixer = mlp = 0.0
+    kept_norm = 0.0 if layout_recomputes(layout, "layernorm") else rep  # the norm output the block's linear keeps
     if shape.block(index) == "M":
-        mixer = tokens * (dtype_bytes * rep + shape.mamba.saved_bytes_per_token(layout.tp, layout.recompute))
+        core = shape.mamba.saved_bytes_per_token(layout.tp, layout_recomputes(layout, "mamba_core"))
+        mixer = tokens * (dtype_bytes * kept_norm + core)
     else:
-        mlp = dtype_bytes * tokens * (rep + (3 if shape.gated else 2) * shape.ffn / layout.tp)
+        hidden = 0.0 if layout_recomputes(layout, "mlp") else (3 if shape.gated else 2) * shape.ffn / layout.tp
+        mlp = dtype_bytes * tokens * (kept_norm + hidden)
     return {"input_norm": dtype_bytes * tokens * rep, "attention": mixer, "mlp_norm": 0.0, "mlp": mlp}
 
 

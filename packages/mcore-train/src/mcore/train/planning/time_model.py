@@ -40,7 +40,7 @@ from mcore.train.planning.cluster import Group, Network
 from mcore.train.planning.cp_cost import cp_cost
 from mcore.train.planning.layout import Layout
 from mcore.train.planning.memory import layer_parameters_per_rank
-from mcore.train.planning.recompute_terms import recomputed_forward, uses_module_terms
+from mcore.train.planning.recompute_terms import layout_recomputes, recomputed_forward, uses_module_terms
 from mcore.train.planning.shape import ModelShape
 from mcore.train.planning.tp_overlap import PLAIN, OverlapPlan, exposed_seconds, overlap_plans
 
@@ -247,7 +247,7 @@ class TimeModel:
         copies_b = (5 * m.d_inner + 2 * m.in_width) / tp * self.tokens * self.dtype
         cost.add("F", "memory", g.memory_seconds(copies_f))
         cost.add("B", "memory", g.memory_seconds(copies_b))
-        if self.layout.recompute == "selective":
+        if layout_recomputes(self.layout, "mamba_core"):
             cost.add("B", "ssm", fwd)
             cost.add("B", "memory", g.memory_seconds(copies_f))
 

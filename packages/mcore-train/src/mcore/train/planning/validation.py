@@ -232,10 +232,12 @@ def ssm_cases(results: Path) -> list[Case]:
             raise ValueError(f"{path}: {r['preset']} has {shape.total_parameters()} parameters, the run {r['params']}")
         o = {k: v for k, v in (x.split("=", 1) for x in r["overrides"])}
         dp_shard = o.get("parallel.dp_shard") == "true"
+        modules = o.get("train.recompute_modules")  # "[a,b]", as the benchmark writes it
         layout = Layout(
             micro_batch=1, global_batch=1, seq_length=r["seq"], dp_shard=dp_shard,
             distributed_optimizer=o.get("parallel.distributed_optimizer") == "true",
             recompute=o.get("train.recompute", "none"),
+            recompute_modules=None if modules is None else tuple(modules.strip("[]").split(",")),
         )  # fmt: skip
         if round(r["tokens_per_s"] * r["step_s"]) != r["seq"]:
             raise ValueError(f"{path}: not one sequence of {r['seq']} tokens per step")
