@@ -7,9 +7,12 @@ buffers, losses, grad norms and weights equal bit for bit those of the zero-fill
 =False``). The buffers are poisoned with NaN before every ``zero_grad_buffer``: the expert weights' regions keep
 the NaN after it (they were not written by it), everything else is zero, and every result is finite. Single
 process: a parameter that gets no gradient in a step is zero when its bucket is reduced, and a writer that adds
-(DDP's hook, a fused linear) finds zeros."""
+(DDP's hook, a fused linear) finds zeros; every expert GEMM mode (grouped, per_expert, grouped_fp32_wgrad) gives the
+zero-filled gradients bit for bit, on CPU and (``@pytest.mark.gpu``) on CUDA in bf16."""
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 import pytest
 import torch
@@ -203,3 +206,54 @@ def test_skip_overwritten_fill_off_fills_everything():
         buf.grad_data.fill_(float("nan"))
     ddp.zero_grad_buffer()
     assert all(torch.equal(buf.grad_data, torch.zeros_like(buf.grad_data)) for buf in ddp.grad_buffers)
+
+
+# ---- every expert GEMM mode, on CPU and (GPU machine) on CUDA in bf16
+
+
+def _mode_run(gemm: str, device: str, skip: bool) -> tuple[list[list[torch.Tensor]], list[bool]]:
+    """Two poisoned steps of two micro-batches (one of 3 tokens): each step's main_grads, and whether the expert
+    weights' regions kept the poison through zero_grad_buffer."""
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    torch.manual_seed(0)
+    align = {"align": 8} if device == "cuda" else {}  # torch._grouped_mm's row alignment, as the experts' GPU test
+    layer = MoELayer(replace(BASE, expert_gemm=gemm, **align), params_dtype=dtype, device=device)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+    ddp = DistributedDataParallel(layer, None, skip_overwritten_fill=skip)
+    weights = (layer.experts.gate_up, layer.experts.down)
+    grads, kept = [], []
+    for step in range(2):
+        for buf in ddp.grad_buffers:
+            buf.grad_data.fill_(float("nan"))
+        ddp.zero_grad_buffer()
+        kept.append(all(bool(torch.isnan(w.main_grad).all()) for w in weights))
+        for micro, n in enumerate((3, 40)):
+            x = torch.randn(n, BASE.hidden_size, generator=torch.Generator().manual_seed(10 * step + micro))
+            with ddp.no_sync() if micro == 0 else torch.enable_grad():
+                ddp(x.to(device, dtype)).float().square().sum().backward()
+        ddp.finish_grad_sync()
+        grads.append([p.main_grad.clone() for p in layer.parameters()])
+    return grads, kept
+
+
+@pytest.mark.parametrize("gemm", ["grouped", "per_expert", "grouped_fp32_wgrad"])
+@pytest.mark.parametrize(
+    "device",
+    [
+        "cpu",
+        pytest.param(
+            "cuda",
+            marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")],
+        ),
+    ],
+)
+def test_every_expert_gemm_mode_gives_the_zero_filled_gradients(gemm, device):
+    filled, kept_filled = _mode_run(gemm, device, skip=False)
+    skipped, kept_skipped = _mode_run(gemm, device, skip=True)
+    assert kept_filled == [False, False] and kept_skipped == [False, True]
+    for step_filled, step_skipped in zip(filled, skipped, strict=True):
+        for a, b in zip(step_filled, step_skipped, strict=True):
+            assert torch.isfinite(b).all() and torch.equal(a, b)
