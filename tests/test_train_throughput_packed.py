@@ -168,3 +168,11 @@ def test_bad_options_name_themselves(bench, argv, match, capsys):
     with pytest.raises(SystemExit):
         bench["throughput"].parse_args(argv)
     assert match in capsys.readouterr().err
+
+
+@pytest.mark.gpu
+def test_gpu_hf_packing_separates_documents_on_cuda(bench):
+    """Whether the device's transformers takes packed documents with SDPA (else the packed baseline reports none)."""
+    import torch
+
+    assert bench["hf"].packing_problem(torch.device("cuda")) is None
