@@ -22,8 +22,8 @@ Layout (set when the parameter is created; read by grad clipping, finalize, chec
 
 Gradient plumbing (set by ``DistributedDataParallel`` while it wraps the module):
 
-- ``main_grad``: the fp32 view into DDP's gradient buffer that gradients accumulate into. :func:`main_grad`,
-  :func:`set_main_grad`, :func:`accumulated_grad`.
+- ``main_grad``: the view into DDP's gradient buffer (fp32, or bf16 with ``grad_dtype``) that gradients
+  accumulate into. :func:`main_grad`, :func:`set_main_grad`, :func:`accumulated_grad`.
 - ``mcore_fuse_wgrad``: a weak reference to the DDP wrapper when weight-gradient GEMMs may accumulate straight
   into ``main_grad``; ``mcore_wgrad_in_main_grad``: the GEMM did so this backward (so DDP must not add
   ``.grad`` again). :func:`fused_wgrad_target`, :func:`take_wgrad_in_main_grad`.

@@ -156,9 +156,12 @@ def _moe_layout(r: dict) -> Layout:
     """One GPU, one micro-batch per step: ZeRO-1 at dp=1, or FSDP2 (``impl`` mcore-fsdp: moe_throughput's
     FSDP_OVERRIDES, parameters resharded after forward, its default); the expert GEMMs as recorded."""
     fsdp = r["impl"] == "mcore-fsdp"
+    # --override's optimizer dtypes (the precision-aware optimizer), when the run recorded any
+    o = dict(x.split("=", 1) for x in r.get("overrides") or [])
+    dtypes = {k: o.get(f"optim.{k}", "fp32") for k in ("main_grads_dtype", "exp_avg_dtype", "exp_avg_sq_dtype")}
     return Layout(
         micro_batch=r["mbs"], global_batch=r["mbs"], seq_length=r["seq"], distributed_optimizer=not fsdp,
-        dp_shard=fsdp, expert_gemm=r.get("expert_gemm", "grouped"),
+        dp_shard=fsdp, expert_gemm=r.get("expert_gemm", "grouped"), **dtypes,
     )  # fmt: skip
 
 
