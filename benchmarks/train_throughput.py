@@ -222,7 +222,8 @@ def _row(shape: str, res: dict[str, Any]) -> list[Any]:
     if "documents_per_row" in res:
         note = f"{res['documents_per_row']:.2f} docs/row, attention {res['attention_work_vs_unpacked']:.3f}x; {note}"
     numbers = [res["tokens_per_s"], 1000 * res["step_s"], res["tflops_per_gpu"], 100 * res["mfu"]]
-    return [shape, res["impl"], *numbers, res["peak_mem_gb"], res["first_step_s"], note]
+    impl = res["impl"] + (f" [{res['attention_backend']}]" if res.get("attention_backend", "auto") != "auto" else "")
+    return [shape, impl, *numbers, res["peak_mem_gb"], res["first_step_s"], note]
 
 
 def render(summary: dict[str, Any]) -> str:

@@ -82,7 +82,8 @@ def test_dry_run_trains_on_packed_rows_with_each_backend_beside_hf(packed_run):
     r = entry["ratios_by_impl"]["mcore-sdpa"]["tokens_per_s_vs_hf"]
     assert r == pytest.approx(sdpa["tokens_per_s"] / hf["tokens_per_s"])
     assert entry["ratios"] == entry["ratios_by_impl"]["mcore-auto"]
-    assert "docs/row" in summary["markdown"] and "tiny-packed mcore-sdpa" in summary["markdown"]
+    assert "docs/row" in summary["markdown"] and "tiny-packed mcore-sdpa:" in summary["markdown"]
+    assert "| tiny-packed | mcore-dryrun [sdpa] |" in summary["markdown"]
 
 
 def test_segments_and_effective_flops_of_hand_made_rows(bench):
