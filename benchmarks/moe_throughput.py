@@ -18,7 +18,8 @@ call: LAYOUT ``zero1`` (the distributed optimizer at dp=1: bf16 weights + fp32 m
 ``fsdp`` (FSDP2 ``parallel.dp_shard``: fp32 weights that are the masters, 16 bytes, HF's layout; at dp=1 the units
 stay gathered from forward to backward and the weight-gradient GEMMs accumulate into the fp32 shard gradients) or
 ``fsdp_reshard`` (the same, each unit resharded after its forward and gathered again for backward), GEMM
-``moe_router.expert_gemm`` (``grouped`` or ``per_expert``: fp32 weight gradients straight into ``main_grad``). Each
+``moe_router.expert_gemm`` (``grouped``; ``per_expert``: fp32 weight gradients straight into ``main_grad``;
+``grouped_fp32_wgrad``: grouped forward and input gradients, those weight gradients per expert). Each
 variant's record is ``{label}_{shape}.json``, label ``mcore[-LAYOUT unless zero1][-per_expert]``; the summary gives
 each one's ratios to HF (``ratios_by_variant``). Default: ``zero1:<--expert-gemm>``, plus ``fsdp:<--expert-gemm>``
 with ``--fsdp``.
@@ -67,7 +68,7 @@ HF_MOE_BASELINE = (
 GPU_SHAPES = ("mixtral2l", "qwen3moe4l", "moonlight8l")
 DRY_RUN_SHAPES = ("tiny", "tiny_mla")
 BASELINES = {"hf": [], "hf-compile": ["--compile"]}
-EXPERT_GEMMS = ("grouped", "per_expert")
+EXPERT_GEMMS = ("grouped", "per_expert", "grouped_fp32_wgrad")
 
 # The baseline's shapes (its SHAPES table), as mcore model sections; "tiny" is the CPU dry run's.
 SHAPES: dict[str, dict[str, Any]] = {
@@ -311,8 +312,11 @@ def orchestrate(args: argparse.Namespace) -> int:
     skip_baseline = args.skip_baseline or args.dry_run
     if not skip_baseline and not args.hf_baseline.is_file():
         raise SystemExit(f"--hf-baseline: {args.hf_baseline} does not exist; pass the path of hf_moe_baseline.py")
-    for shape in shapes:
-        check_spec(build_spec(shape, iters=args.iters, warmup=args.warmup, dry_run=args.dry_run))
+    for shape in shapes:  # every variant's configuration, before any process starts (GPU time is dear)
+        for layout, gemm in args.variant_list:
+            spec = build_spec(shape, iters=args.iters, warmup=args.warmup, dry_run=args.dry_run, layout=layout,
+                              expert_gemm=gemm)  # fmt: skip
+            check_spec(spec)
     summary: dict[str, Any] = {"shapes": {}, "failures": []}
     if not args.skip_micro:
         summary["micro"] = run_micro([SHAPES[s] | {"name": s} for s in shapes], iters=args.iters, dry_run=args.dry_run)
@@ -386,7 +390,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--dry-run", action="store_true", help="CPU, tiny fp32 shape, 3 iterations, no baseline")
     ap.add_argument("--fsdp", action="store_true", help="also run ours with FSDP2 (parallel.dp_shard=true)")
     ap.add_argument("--expert-gemm", choices=EXPERT_GEMMS, default="grouped", help="moe_router.expert_gemm (grouped)")
-    ap.add_argument("--variants", default=None, help="ours as LAYOUT:GEMM,... (zero1|fsdp : grouped|per_expert)")
+    ap.add_argument(
+        "--variants",
+        default=None,
+        help="ours as LAYOUT:GEMM,... (zero1|fsdp|fsdp_reshard : grouped|per_expert|grouped_fp32_wgrad)",
+    )
     ap.add_argument(
         "--recompute-modules", default=None, help="ours: train.recompute_modules, comma-separated (selective recompute)"
     )

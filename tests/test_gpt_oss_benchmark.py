@@ -30,7 +30,7 @@ def dry_run(tmp_path_factory):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
     script = ROOT / "benchmarks" / "moe_throughput.py"
     argv = [sys.executable, str(script), "--dry-run", "--shape", "gptoss", "--skip-micro", "--json-dir", str(out)]
-    argv += ["--variants", "zero1:grouped,zero1:per_expert"]
+    argv += ["--variants", "zero1:grouped,zero1:per_expert,fsdp:per_expert,zero1:grouped_fp32_wgrad"]
     proc = subprocess.run(argv, capture_output=True, text=True, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return out
@@ -45,12 +45,30 @@ def test_dry_run_trains_a_gpt_oss_model(dry_run):
     assert summary["failures"] == [] and list(summary["shapes"]) == ["gptoss_tiny"]
 
 
-def test_per_expert_gemms_train_gpt_oss_like_grouped(dry_run):
-    """The biased experts with one GEMM per expert (weight gradients into main_grad in fp32): the same losses."""
+@pytest.mark.parametrize("label", ["mcore-per_expert", "mcore-fsdp-per_expert", "mcore-grouped_fp32_wgrad"])
+def test_per_expert_gemms_train_gpt_oss_like_grouped(dry_run, label):
+    """The biased experts with one GEMM per expert (weight gradients written into main_grad, or into FSDP2's shard
+    gradients at one rank, in fp32), under ZeRO-1 and FSDP2: the losses of ZeRO-1 with grouped GEMMs."""
     grouped = json.loads((dry_run / "mcore_gptoss_tiny.json").read_text())["losses"]
-    per_expert = json.loads((dry_run / "mcore-per_expert_gptoss_tiny.json").read_text())
-    assert per_expert["expert_gemm"] == "per_expert" and len(per_expert["losses"]) == len(grouped) == 5
+    per_expert = json.loads((dry_run / f"{label}_gptoss_tiny.json").read_text())
+    assert per_expert["expert_gemm"] == label.rpartition("-")[2] and len(per_expert["losses"]) == len(grouped) == 5
     assert per_expert["losses"] == pytest.approx(grouped, rel=1e-5)
+
+
+@pytest.mark.parametrize("shape", ["mixtral2l", "qwen3moe4l", "gptoss4l", "gptoss4l_mb2"])
+@pytest.mark.parametrize(
+    "variant",
+    ["zero1:per_expert", "fsdp:per_expert", "fsdp:grouped", "zero1:grouped_fp32_wgrad", "fsdp:grouped_fp32_wgrad"],
+)
+def test_gpu_variants_are_valid_configurations(shape, variant):
+    """What the GPU plan runs: each shape's per-expert and FSDP2 variants pass the checks the benchmark runs
+    before starting any process (config, layout, schedule)."""
+    bench = _moe_throughput()
+    ((layout, gemm),) = bench.parse_variants(variant)
+    spec = bench.build_spec(shape, iters=8, warmup=2, dry_run=False, profile_steps=1, layout=layout, expert_gemm=gemm)
+    config = bench.check_spec(spec)
+    assert (config.model.moe_router or {}).get("expert_gemm", "grouped") == gemm
+    assert config.parallel.dp_shard == (layout == "fsdp") and config.train.precision == "bf16"
 
 
 def test_gpt_oss_model_section_is_the_family():

@@ -139,3 +139,59 @@ def test_grouped_gemm_of_activation_equals_the_unfused_composition():
     assert torch.equal(fused, plain) and torch.equal(dh, dh0) and torch.equal(dw, dw0)
     with pytest.raises(ValueError, match="2-D"):
         grouped_gemm_of_activation(h[0], w, offsets, swiglu)
+
+
+def _wgrad_into_case(backend, dtype, accumulate, with_activation):
+    """w's gradient taken into a target of the caller's (fp32): written (the target starts as NaN, so a read or an
+    expert left unwritten shows) or added to a random start; against the float64 loop."""
+    from mcore.kernels import swiglu
+    from mcore.kernels.moe import grouped_gemm_of_activation
+
+    width = 2 * K if with_activation else K
+    x = torch.randn(ROWS, width).to(dtype).requires_grad_(True)
+    w = torch.randn(len(OFFSETS), M, K).to(dtype).requires_grad_(True)
+    offsets = torch.tensor(OFFSETS, dtype=torch.int32)
+    start = torch.randn(w.shape) if accumulate else torch.full(w.shape, float("nan"))
+    target, calls = start.clone(), []
+    into = lambda: calls.append(1) or (target, accumulate)  # noqa: E731
+    if with_activation:
+        y = grouped_gemm_of_activation(x, w, offsets, swiglu, backend=backend, wgrad_into=into)
+    else:
+        y = grouped_gemm(x, w, offsets, backend=backend, wgrad_into=into)
+    probe = torch.randn(ROWS, M)
+    (y.float() * probe).sum().backward()
+    x64, w64 = (t.detach().double().requires_grad_(True) for t in (x, w))
+    a64 = torch.nn.functional.silu(x64[:, :K]) * x64[:, K:] if with_activation else x64
+    (_float64(a64, w64, OFFSETS) * probe.double()).sum().backward()
+    assert w.grad is None and len(calls) == 1  # the gradient went into the target, asked for once
+    want = w64.grad + (start.double() if accumulate else 0)
+    tol = 1e-5 if dtype == torch.float32 else 1.6e-2
+    torch.testing.assert_close(target.double(), want, rtol=tol, atol=tol * want.abs().max().item())
+    if not accumulate:
+        assert torch.all(target[1] == 0)  # the expert without rows: written as zeros
+    assert torch.all(x.grad[OFFSETS[-1] :] == 0)
+
+
+@pytest.mark.parametrize("accumulate", [False, True], ids=["write", "add"])
+@pytest.mark.parametrize("with_activation", [False, True], ids=["gemm", "of_activation"])
+@pytest.mark.parametrize(
+    "backend,dtype",
+    [("reference", torch.float32), ("reference", torch.bfloat16), ("grouped_mm", torch.float32),
+     ("grouped_mm", torch.bfloat16)],
+)  # fmt: skip
+def test_weight_gradient_into_a_target_of_the_caller(backend, dtype, accumulate, with_activation):
+    if backend == "grouped_mm" and not hasattr(torch, "_grouped_mm"):
+        pytest.skip("torch._grouped_mm is not in this torch")
+    _wgrad_into_case(backend, dtype, accumulate, with_activation)
+
+
+def test_wgrad_into_none_returns_the_gradient_and_a_bad_target_is_named():
+    x, w, offsets = _inputs(torch.float32)
+    y = grouped_gemm(x, w, offsets, wgrad_into=lambda: None)
+    y.sum().backward()
+    assert w.grad is not None and w.grad.shape == w.shape
+    y = grouped_gemm(x, w, offsets, wgrad_into=lambda: (torch.zeros(2, 3), False))
+    with pytest.raises(
+        ValueError, match=r"wgrad_into must give a float tensor of w's shape \(4, 16, 8\), got \(2, 3\)"
+    ):
+        y.sum().backward()

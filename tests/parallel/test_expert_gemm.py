@@ -76,7 +76,9 @@ def test_per_expert_layer_equals_grouped_and_fills_main_grad(monkeypatch):
 
 
 def test_bad_expert_gemm_is_named():
-    with pytest.raises(ValueError, match=r"expert_gemm must be one of \('grouped', 'per_expert'\), got 'loop'"):
+    with pytest.raises(
+        ValueError, match=r"expert_gemm must be one of \('grouped', 'per_expert', 'grouped_fp32_wgrad'\), got 'loop'"
+    ):
         replace(BASE, expert_gemm="loop")
 
 

@@ -1,5 +1,7 @@
 """Expert parallelism on gloo: ep 2 and 4, etp 2 and ep2 x etp2, both dispatchers, DDP and the distributed
-optimizer over the expert grid, equal to the single-process MoE layer (outputs, gradients, AdamW steps)."""
+optimizer over the expert grid, equal to the single-process MoE layer (outputs, gradients, AdamW steps); also with
+per-expert GEMMs, whose host offsets come from the all-to-all's split exchange (ep/etp > 1) or from the allgather
+dispatcher's early copy, and whose weight gradients are written into main_grad on each step's first backward."""
 
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ from tests.parallel import _moe
 
 AUX = dict(aux_loss_coef=0.01, z_loss_coef=1e-3)
 DROP = dict(capacity_factor=0.75, drop_policy="probability")
+PER_EXPERT = dict(expert_gemm="per_expert")
 WORLD2 = {
     "ep2": (dict(ep=2), {}, "fwd_bwd"),
     "ep2_allgather": (dict(ep=2), dict(dispatcher="allgather"), "fwd_bwd"),
@@ -21,6 +24,11 @@ WORLD2 = {
     "ep2_aligned": (dict(ep=2), dict(align=4), "fwd_bwd"),
     "ep2_train_aux": (dict(ep=2), AUX, "train"),
     "ep2_train_bias": (dict(ep=2), dict(expert_bias=True, bias_update_rate=0.05), "train"),
+    "ep2_per_expert": (dict(ep=2), PER_EXPERT, "fwd_bwd"),
+    "etp2_per_expert": (dict(etp=2), PER_EXPERT, "fwd_bwd"),
+    "ep2_allgather_per_expert": (dict(ep=2), dict(dispatcher="allgather", **PER_EXPERT), "fwd_bwd"),
+    "ep2_train_per_expert": (dict(ep=2), dict(**AUX, **PER_EXPERT), "train"),
+    "ep2_train_fp32_wgrad": (dict(ep=2), dict(**AUX, expert_gemm="grouped_fp32_wgrad"), "train"),
 }
 WORLD4 = {
     "ep4": (dict(ep=4), {}, "fwd_bwd"),
@@ -29,6 +37,8 @@ WORLD4 = {
     "ep2_edp2_distopt": (dict(ep=2), AUX, "train_distopt"),
     "ep4_train": (dict(ep=4), dict(score_function="sigmoid", expert_bias=True, bias_update_rate=0.05), "train"),
     "ep2_etp2_distopt": (dict(ep=2, etp=2), {}, "train_distopt"),
+    "ep2_etp2_per_expert": (dict(ep=2, etp=2), PER_EXPERT, "fwd_bwd"),
+    "ep2_edp2_distopt_per_expert": (dict(ep=2), dict(**AUX, **PER_EXPERT), "train_distopt"),
 }
 
 

@@ -1,5 +1,6 @@
 """mcore-train with GPT-OSS (sinks, sliding/full layers, YaRN, router bias, biased experts with the clamped SwiGLU):
-tp2 (experts at etp2), ep2, pp2 and tp2 x ep2 on 4 gloo ranks give the losses and gradient norms of one process
+tp2 (experts at etp2), ep2, pp2, tp2 x ep2 and FSDP2 with per-expert GEMMs on 4 gloo ranks give the losses and
+gradient norms of one process
 within 1e-5 over 4 optimizer steps, and so do checkpoints saved at tp2 and at ep2 and resumed in one process; the
 example configs load and plan."""
 
@@ -30,6 +31,11 @@ LAYOUTS = {
     "ep2": ["parallel.ep=2"],
     "pp2": ["parallel.pp=2"],
     "tp2-ep2": ["parallel.tp=2", "parallel.ep=2"],
+    # FSDP2 (ZeRO-3) with one GEMM per expert: the biased experts' weight gradients through FSDP's reduce-scatter
+    "dp4-shard-per-expert": [
+        "parallel.dp_shard=true",
+        "model.moe_router={softmax_before_topk: false, expert_gemm: per_expert}",
+    ],
 }
 
 

@@ -48,6 +48,17 @@ LAYOUTS4 = {
     "pp2-ep2": ["parallel.pp=2", "parallel.ep=2"],
     # FSDP2 (ZeRO-3) at ep 1: the experts sharded with the rest over dp, fp32 shards as the master weights
     "dp4-shard": ["parallel.dp_shard=true"],
+    # the pipeline schedule's micro-batches: each step's first backward writes the experts' main_grad, the rest add
+    "pp2-ep2-per-expert": [
+        "parallel.pp=2",
+        "parallel.ep=2",
+        "model.moe_router={z_loss_coef: 0.001, expert_bias: true, bias_update_rate: 0.01, expert_gemm: per_expert}",
+    ],
+    "pp2-grouped-fp32-wgrad": [
+        "parallel.pp=2",
+        "model.moe_router={z_loss_coef: 0.001, expert_bias: true, bias_update_rate: 0.01, "
+        "expert_gemm: grouped_fp32_wgrad}",
+    ],
     "dp4-shard-per-expert": [
         "parallel.dp_shard=true",
         "model.moe_router={z_loss_coef: 0.001, expert_bias: true, bias_update_rate: 0.01, expert_gemm: per_expert}",
@@ -63,17 +74,19 @@ def _layout_losses(rank: int, world: int, run_root: str) -> dict:
         run_dir = f"{run_root}/{name}"
         # 4 layers so that pp2 has two per stage; the aux losses and bias update on, as in training
         train(run_dir, *MOE, "model.num_hidden_layers=4", "train.global_batch_size=8", *overrides)
-        out[name] = [r["loss"] for _, r in sorted(train_records(run_dir).items())]
+        out[name] = [(r["loss"], r["grad_norm"]) for _, r in sorted(train_records(run_dir).items())]
     return out
 
 
 def test_tp_pp_dp_with_ep_equal_plain_data_parallel(tmp_path):
-    losses = run_workers(4, _layout_losses, str(tmp_path))[0]
-    reference = losses["dp4"]
+    # losses and gradient norms (the clipping norm counts every expert shard once: FSDP2's over dp too)
+    curves = run_workers(4, _layout_losses, str(tmp_path))[0]
+    reference = curves["dp4"]
     assert len(reference) == 4
-    for name, got in losses.items():
-        for a, b in zip(got, reference):
-            assert abs(a - b) <= 1e-5 * abs(b), (name, got, reference)
+    for name, got in curves.items():
+        for (loss, norm), (ref_loss, ref_norm) in zip(got, reference, strict=True):
+            assert abs(loss - ref_loss) <= 1e-5 * abs(ref_loss), (name, got, reference)
+            assert abs(norm - ref_norm) <= 1e-5 * abs(ref_norm), (name, got, reference)
 
 
 def test_moe_load_statistics_are_logged(tmp_path):
@@ -132,29 +145,42 @@ def test_per_expert_gemm_trains_like_grouped(tmp_path):
         assert abs(a - b) <= 1e-5 * abs(b), losses
 
 
-def _one_rank_fsdp_per_expert(rank: int, world: int, run_root: str) -> dict:
-    """One gloo rank: FSDP2 at dp=1 with per-expert GEMMs, counting the weight-gradient GEMMs of the experts that
-    accumulate into an fp32 buffer (the shards' gradients: FSDP's dp=1 fusion), and ZeRO-1 alike."""
+def _one_rank_fsdp_expert_gemms(rank: int, world: int, run_root: str) -> dict:
+    """One gloo rank: FSDP2 at dp=1 (the weight-gradient GEMMs write into the fp32 shard gradients) and ZeRO-1, with
+    grouped, per-expert and grouped_fp32_wgrad GEMMs, recording every expert weight-gradient target the GEMMs take:
+    its dtype and whether it was written (the step's first micro-batch) or added to."""
     import mcore.parallel.expert_gemm as expert_gemm
     from tests.train.tiny import train, train_records
 
-    real = expert_gemm.accumulate_weight_grad_
+    real = expert_gemm.take_wgrad_target
     out: dict = {}
-    router = "{expert_gemm: per_expert}"
-    for name, layout in (("zero1", ["parallel.distributed_optimizer=true"]), ("fsdp", ["parallel.dp_shard=true"])):
-        fused: list[torch.dtype] = []
-        expert_gemm.accumulate_weight_grad_ = lambda t, *a, seen=fused: seen.append(t.dtype) or real(t, *a)
-        try:
-            train(f"{run_root}/{name}", *MOE, f"model.moe_router={router}", *layout)
-        finally:
-            expert_gemm.accumulate_weight_grad_ = real
-        out[name] = ([r["loss"] for _, r in sorted(train_records(f"{run_root}/{name}").items())], fused)
+    layouts = (("zero1", ["parallel.distributed_optimizer=true"]), ("fsdp", ["parallel.dp_shard=true"]))
+    for gemm in ("grouped", "per_expert", "grouped_fp32_wgrad"):
+        for name, layout in layouts:
+            taken: list[tuple[torch.dtype, bool]] = []
+
+            def recording(w, seen=taken):
+                target, overwrite = real(w)
+                if target is not None:
+                    seen.append((target.dtype, overwrite))
+                return target, overwrite
+
+            expert_gemm.take_wgrad_target = recording
+            run_dir = f"{run_root}/{name}-{gemm}"
+            try:
+                train(run_dir, *MOE, f"model.moe_router={{expert_gemm: {gemm}}}", *layout)
+            finally:
+                expert_gemm.take_wgrad_target = real
+            out[name, gemm] = ([r["loss"] for _, r in sorted(train_records(run_dir).items())], taken)
     return out
 
 
-def test_fsdp_at_one_rank_fuses_the_per_expert_weight_gradients(tmp_path):
-    out = run_workers(1, _one_rank_fsdp_per_expert, str(tmp_path))[0]
-    (zero1, fused_zero1), (fsdp, fused_fsdp) = out["zero1"], out["fsdp"]
-    assert len(fsdp) == 4 and fsdp == pytest.approx(zero1, rel=1e-5)
-    # every step's expert weight gradients went into fp32 buffers inside the GEMM, under both layouts
-    assert len(fused_fsdp) == len(fused_zero1) > 0 and set(fused_fsdp) == {torch.float32}
+def test_fsdp_at_one_rank_writes_the_expert_weight_gradients_into_the_shards(tmp_path):
+    out = run_workers(1, _one_rank_fsdp_expert_gemms, str(tmp_path))[0]
+    zero1 = out["zero1", "grouped"][0]
+    assert len(zero1) == 4
+    # 4 steps of 2 micro-batches, 2 layers of 2 expert weights: per step 4 written, then 4 added, in fp32
+    expected = ([(torch.float32, True)] * 4 + [(torch.float32, False)] * 4) * 4
+    for (name, gemm), (losses, taken) in out.items():
+        assert losses == pytest.approx(zero1, rel=1e-5), (name, gemm)
+        assert taken == expected, (name, gemm)

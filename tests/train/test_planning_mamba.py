@@ -114,6 +114,23 @@ def test_per_expert_gemms_are_dense_gemms_per_expert():
     assert layout_of(config, 1).expert_gemm == "per_expert"
 
 
+def test_grouped_fp32_wgrad_is_grouped_but_for_the_weight_gradients():
+    shape = ModelShape(hidden=4096, ffn=14336, layers=2, heads=32, kv_heads=8, head_dim=128, vocab=32000,
+                       num_experts=8, top_k=2, moe_ffn=14336)  # fmt: skip
+    grouped = Layout(micro_batch=2, global_batch=2, seq_length=4096, distributed_optimizer=True)
+    hybrid = grouped.replace(expert_gemm="grouped_fp32_wgrad")
+    g = H200.gpu
+    rows = 2 * 4096 * 2 / 8
+    grouped_wgrad = g.grouped_gemm_seconds(8, rows, 2 * 14336, 4096) + g.grouped_gemm_seconds(8, rows, 4096, 14336)
+    dense_wgrad = g.gemm_seconds(2 * 14336, 4096, rows) + g.gemm_seconds(4096, 14336, rows)
+    t0, t1 = (TimeModel(shape, lay, H200).layer_cost(0) for lay in (grouped, hybrid))
+    assert t1.f == pytest.approx(t0.f, rel=1e-12)  # the forward GEMMs are the grouped ones
+    want = 8 * dense_wgrad * g.wgrad_fp32_slowdown - grouped_wgrad * g.wgrad_fp32_slowdown
+    assert t1.b - t0.b == pytest.approx(want, rel=1e-9)
+    config = load_config(overrides=["model=mixtral-8x7b", "model.moe_router={expert_gemm: grouped_fp32_wgrad}"])
+    assert layout_of(config, 1).expert_gemm == "grouped_fp32_wgrad"
+
+
 def _grouped(g, rows: float) -> float:
     out = 0.0
     for n, k in ((2 * 14336, 4096), (4096, 14336)):

@@ -12,6 +12,17 @@ Both share one autograd function with a hand-written backward: ``dx = dy @ w[g]`
 kind) and ``dw[g] = dy[rows of g].T @ x[rows of g]`` (the 2-D x 2-D grouped form). Rows at or past
 ``offsets[-1]`` belong to no expert: their output is zero and they get no gradient.
 
+``wgrad_into`` (a function called once in backward) lets the caller take the weight gradient into a tensor of its
+own (a data-parallel ``main_grad``, of any float dtype) instead of receiving it: it returns ``(target,
+accumulate)`` or ``None`` (return the gradient as usual). ``accumulate=False`` (the step's first micro-batch:
+nothing to add to) writes ``target`` without reading it, every expert included (zeros for one without rows), so the
+``main_grad`` is neither zero-filled-then-added nor read; ``True`` adds. ``grouped_mm`` then copies (or adds) its
+``w``-dtype gradient into the target (``torch._grouped_mm`` has no ``out=`` and, in torch 2.11, no fp32 output for
+bf16 operands); the reference computes each expert's gradient in fp32 and writes it there. It may instead return a
+function ``write(dy, x)`` that computes and stores the weight gradient itself from the output gradient and the
+GEMM's input (the caller's own GEMMs: one per expert accumulating in fp32, say); the grouped weight-gradient GEMM is
+then not run.
+
 :func:`grouped_gemm_of_activation` is ``grouped_gemm(activation(h), w, offsets)`` that keeps ``h`` for backward
 and recomputes ``activation(h)`` there instead of keeping it: for an MoE's SwiGLU experts the activation output is
 ``rows x F`` (half of ``h``), one elementwise pass to recompute, and it is live only inside the backward.
@@ -25,10 +36,14 @@ import torch
 
 from mcore.kernels import dispatch
 
-__all__ = ["GROUPED_MM", "grouped_gemm", "grouped_gemm_of_activation"]
+__all__ = ["GROUPED_MM", "WgradInto", "WgradWriter", "grouped_gemm", "grouped_gemm_of_activation"]
 
 GROUPED_MM = "grouped_mm"
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+# called once in backward: (target [E, M, K], accumulate) to take w's gradient there, a function write(dy, x) that
+# takes it itself, or None to return it
+WgradWriter = Callable[[torch.Tensor, torch.Tensor], None]
+WgradInto = Callable[[], "tuple[torch.Tensor, bool] | WgradWriter | None"]
 
 
 def grouped_gemm(
@@ -38,6 +53,7 @@ def grouped_gemm(
     *,
     backend: str | None = None,
     tail_rows: int | None = None,
+    wgrad_into: WgradInto | None = None,
 ) -> torch.Tensor:
     """``x`` [N, K] rows grouped by expert, ``w`` [E, M, K] (each expert's ``[out, in]`` weight, as
     ``nn.Linear``), ``offsets`` [E] int32 cumulative segment ends (``offsets[-1] <= N``): returns [N, M].
@@ -45,10 +61,11 @@ def grouped_gemm(
     ``backend`` is ``"grouped_mm"``, ``"reference"`` or ``None`` (CUDA bf16 -> grouped_mm, else reference);
     ``MCORE_KERNELS_BACKEND=reference`` forces the loop. ``tail_rows``: at most that many last rows can lie past
     ``offsets[-1]`` (the caller's plan knows; ``None``: any row): only those are zeroed, not the whole output.
+    ``wgrad_into``: where backward puts ``w``'s gradient (see the module docstring).
     """
     _check(x, w, offsets)
     chosen = _choose(x, w, backend)
-    return _GroupedGemm.apply(x, w, offsets, chosen, _tail(tail_rows, x.shape[0]))
+    return _GroupedGemm.apply(x, w, offsets, chosen, _tail(tail_rows, x.shape[0]), wgrad_into)
 
 
 def _tail(tail_rows: int | None, rows: int) -> int:
@@ -108,18 +125,26 @@ def _reference_forward(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, 
     return y
 
 
-def _reference_backward(dy, x, w, offsets, need_dx, need_dw, tail=None):  # zero-initialised: no tail to clear
+def _reference_backward(dy, x, w, offsets, need_dx, need_dw, tail=None, into=None):  # zero-initialised: no tail
+    """``into``: ``(target, accumulate)`` to write ``w``'s fp32 per-expert gradients into, or a writer given ``(dy, x)``
+    (``dw`` is then ``None``)."""
     dx = torch.zeros_like(x) if need_dx else None
-    dw = torch.zeros_like(w) if need_dw else None
+    dw = torch.zeros_like(w) if need_dw and into is None else None
     start = 0
     for g, end in enumerate(offsets.tolist()):
         if end > start:
             dyg = dy[start:end].float()
             if need_dx:
                 dx[start:end] = torch.mm(dyg, w[g].float()).to(x.dtype)
-            if need_dw:
+            if dw is not None:
                 dw[g] = torch.mm(dyg.t(), x[start:end].float()).to(w.dtype)
+        if isinstance(into, tuple):
+            target, accumulate = into[0][g], into[1]
+            grad = torch.mm(dy[start:end].float().t(), x[start:end].float())  # zeros for an expert without rows
+            target.add_(grad) if accumulate else target.copy_(grad)
         start = end
+    if callable(into):
+        into(dy, x)
     return dx, dw
 
 
@@ -129,22 +154,42 @@ def _grouped_mm_forward(x, w, offsets, tail):
     return _zero_unused_rows_(y, offsets, tail)
 
 
-def _grouped_mm_backward(dy, x, w, offsets, need_dx, need_dw, tail):
+def _grouped_mm_backward(dy, x, w, offsets, need_dx, need_dw, tail, into=None):
     # dy's rows past offsets[-1] belong to no group: neither GEMM reads them, so dy is used as it is (no copy)
     dy = dy.contiguous()
     dx = dw = None
     if need_dx:
         dx = _zero_unused_rows_(torch._grouped_mm(dy, w, offs=offsets), offsets, tail)
-    if need_dw:
+    if need_dw and callable(into):
+        into(dy, x)  # the caller's GEMMs take the weight gradient
+    elif need_dw:
         dw = torch._grouped_mm(dy.t(), x, offs=offsets)  # [E, M, K]; an expert without rows gets zeros
+        if into is not None:
+            target, accumulate = into
+            target.add_(dw) if accumulate else target.copy_(dw)  # copy: the target is not read
+            dw = None
     return dx, dw
+
+
+def _weight_grad_sink(wgrad_into: WgradInto | None, need_dw: bool, w: torch.Tensor):
+    """``wgrad_into()`` checked (called only when ``w`` needs a gradient): a target tuple, a writer, or ``None``."""
+    if wgrad_into is None or not need_dw:
+        return None
+    into = wgrad_into()
+    if into is None or callable(into):
+        return into
+    target, accumulate = into
+    if not isinstance(target, torch.Tensor) or tuple(target.shape) != tuple(w.shape) or not target.is_floating_point():
+        got = tuple(target.shape) if isinstance(target, torch.Tensor) else type(target).__name__
+        raise ValueError(f"grouped_gemm: wgrad_into must give a float tensor of w's shape {tuple(w.shape)}, got {got}")
+    return target, bool(accumulate)
 
 
 class _GroupedGemm(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, w, offsets, backend, tail):
+    def forward(ctx, x, w, offsets, backend, tail, wgrad_into):
         ctx.save_for_backward(x, w, offsets)
-        ctx.backend, ctx.tail = backend, tail
+        ctx.backend, ctx.tail, ctx.wgrad_into = backend, tail, wgrad_into
         forward_fn = _grouped_mm_forward if backend == GROUPED_MM else _reference_forward
         return forward_fn(x, w, offsets, tail)
 
@@ -152,9 +197,10 @@ class _GroupedGemm(torch.autograd.Function):
     def backward(ctx, dy):
         x, w, offsets = ctx.saved_tensors
         need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        into = _weight_grad_sink(ctx.wgrad_into, need_dw, w)
         backward_fn = _grouped_mm_backward if ctx.backend == GROUPED_MM else _reference_backward
-        dx, dw = backward_fn(dy, x, w, offsets, need_dx, need_dw, ctx.tail)
-        return dx, dw, None, None, None
+        dx, dw = backward_fn(dy, x, w, offsets, need_dx, need_dw, ctx.tail, into)
+        return dx, dw, None, None, None, None
 
 
 def grouped_gemm_of_activation(
@@ -165,25 +211,27 @@ def grouped_gemm_of_activation(
     *,
     backend: str | None = None,
     tail_rows: int | None = None,
+    wgrad_into: WgradInto | None = None,
 ) -> torch.Tensor:
     """``grouped_gemm(activation(h), w, offsets)`` (same shapes and backends) saving ``h``, not the activation's
     output: backward recomputes it. ``activation`` is any differentiable ``[N, *] -> [N, K]`` row-wise function
-    (e.g. :func:`mcore.kernels.swiglu`); its own backward gives ``h``'s gradient. ``tail_rows``: as in
-    :func:`grouped_gemm`."""
+    (e.g. :func:`mcore.kernels.swiglu`); its own backward gives ``h``'s gradient. ``tail_rows``, ``wgrad_into``: as
+    in :func:`grouped_gemm`."""
     if not isinstance(h, torch.Tensor) or h.dim() != 2:
         raise ValueError(f"grouped_gemm_of_activation: h must be a 2-D [rows, *] tensor, got {getattr(h, 'shape', h)}")
     with torch.no_grad():
         a = activation(h)
     _check(a, w, offsets)
     tail = _tail(tail_rows, h.shape[0])
-    return _GroupedGemmOfActivation.apply(h, w, offsets, activation, _choose(a, w, backend), a, tail)
+    chosen = _choose(a, w, backend)
+    return _GroupedGemmOfActivation.apply(h, w, offsets, activation, chosen, a, tail, wgrad_into)
 
 
 class _GroupedGemmOfActivation(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, h, w, offsets, activation, backend, a, tail):
+    def forward(ctx, h, w, offsets, activation, backend, a, tail, wgrad_into):
         ctx.save_for_backward(h, w, offsets)
-        ctx.activation, ctx.backend, ctx.tail = activation, backend, tail
+        ctx.activation, ctx.backend, ctx.tail, ctx.wgrad_into = activation, backend, tail, wgrad_into
         forward_fn = _grouped_mm_forward if backend == GROUPED_MM else _reference_forward
         return forward_fn(a, w, offsets, tail)
 
@@ -194,7 +242,8 @@ class _GroupedGemmOfActivation(torch.autograd.Function):
         with torch.enable_grad():
             h_leaf = h.detach().requires_grad_(need_dh)
             a = ctx.activation(h_leaf)  # the recompute: one elementwise pass over h
+        into = _weight_grad_sink(ctx.wgrad_into, need_dw, w)
         backward_fn = _grouped_mm_backward if ctx.backend == GROUPED_MM else _reference_backward
-        da, dw = backward_fn(dy, a.detach(), w, offsets, need_dh, need_dw, ctx.tail)
+        da, dw = backward_fn(dy, a.detach(), w, offsets, need_dh, need_dw, ctx.tail, into)
         dh = torch.autograd.grad(a, h_leaf, da)[0] if need_dh else None
-        return dh, dw, None, None, None, None, None
+        return dh, dw, None, None, None, None, None, None

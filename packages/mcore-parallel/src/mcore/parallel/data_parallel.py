@@ -34,7 +34,12 @@ from torch import nn
 
 from mcore.parallel.comm import group_rank, group_size
 from mcore.parallel.grad_buffer import GradBuffer
-from mcore.parallel.param_attrs import attach_gradient_plumbing, main_grad, take_wgrad_in_main_grad
+from mcore.parallel.param_attrs import (
+    attach_gradient_plumbing,
+    main_grad,
+    mark_main_grad_zeroed,
+    take_wgrad_in_main_grad,
+)
 
 __all__ = ["DistributedDataParallel"]
 
@@ -182,6 +187,7 @@ class DistributedDataParallel(nn.Module):
             buf.zero()
             for p in buf.ranges:
                 p.grad = None
+                mark_main_grad_zeroed(p)  # the expert GEMMs' first weight gradient writes it, not adds to it
 
     def launched_buckets(self) -> int:
         """Buckets whose collective has been issued in the current step (all buffers)."""

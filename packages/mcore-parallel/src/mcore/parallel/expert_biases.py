@@ -8,8 +8,8 @@ with a bias on each projection, and the experts' clamped SwiGLU.
   (gate block then up block); ``down_bias`` [E_local, H] follows the down projection, whose partial outputs the
   dispatcher sums over etp: only etp rank 0 adds it, while every etp rank gets its full gradient (the rows' output
   gradient is the same on each), so the replicas stay equal. A bias's gradient is one GEMM (one-hot rows^T @ dy).
-  Both GEMM modes (``grouped``, or ``per_expert``: weight gradients accumulated in fp32 into ``main_grad``, see
-  ``expert_gemm.py``) take the biases the same way.
+  Every GEMM mode (``grouped``; ``per_expert``, or ``grouped_fp32_wgrad`` for the weight gradients alone: those
+  accumulated in fp32 into ``main_grad``, see ``expert_gemm.py``) takes the biases the same way.
 * :func:`use_gpt_oss_options` swaps them into a built layer (the ``moe`` MLP part calls it when a config asks).
 """
 
@@ -23,7 +23,12 @@ from torch import nn
 from mcore.kernels import swiglu
 from mcore.kernels.clamped_swiglu import clamped_swiglu
 from mcore.kernels.moe import grouped_gemm, grouped_gemm_of_activation
-from mcore.parallel.expert_gemm import expert_bounds, per_expert_linear, per_expert_linear_of_activation
+from mcore.parallel.expert_gemm import (
+    HostOffsets,
+    expert_wgrad_into,
+    per_expert_linear,
+    per_expert_linear_of_activation,
+)
 from mcore.parallel.expert_parallel import GroupedExperts, MoELayer, Router, router_logits
 from mcore.parallel.param_attrs import is_sequence_parallel, mark_sequence_parallel
 from mcore.parallel.tensor_parallel import set_tensor_parallel_attributes
@@ -108,18 +113,29 @@ class BiasedGroupedExperts(GroupedExperts):
                 if p is not None:
                     p.zero_()
 
-    def forward(self, rows: torch.Tensor, offsets: torch.Tensor, tail_rows: int | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        rows: torch.Tensor,
+        offsets: torch.Tensor,
+        tail_rows: int | None = None,
+        host_offsets: HostOffsets | None = None,
+    ) -> torch.Tensor:
         """``tail_rows``: at most that many last rows lie past ``offsets[-1]`` (see ``grouped_gemm``); such rows
-        get no bias."""
+        get no bias. ``host_offsets``: as in :meth:`GroupedExperts.forward`."""
         x = rows.to(self.gate_up.dtype)
         fp8 = self.low_precision  # fp8 experts (mcore.parallel.low_precision): both GEMMs quantized
-        bounds = expert_bounds(offsets) if fp8 is None and self.gemm == "per_expert" else None  # its host sync
+        bounds = host = None
+        if self.wants_host_offsets:
+            host = host_offsets or HostOffsets.start(offsets)
+            if self.gemm == "per_expert":
+                bounds = host.bounds()  # the host sync of this mode
         if fp8 is not None:
             h = fp8(x, self.gate_up, offsets)
         elif bounds is not None:
             h = per_expert_linear(x, self.gate_up, bounds)
-        else:
-            h = grouped_gemm(x, self.gate_up, offsets, tail_rows=tail_rows)
+        else:  # grouped_fp32_wgrad: the weight gradients per expert from ``host`` in backward
+            into = expert_wgrad_into(self.gate_up, host)
+            h = grouped_gemm(x, self.gate_up, offsets, tail_rows=tail_rows, wgrad_into=into)
         if self.gate_up_bias is not None:
             expert = _row_experts(offsets, x.shape[0])
             h = _AddExpertBias.apply(h, self.gate_up_bias, expert, True)
@@ -130,7 +146,8 @@ class BiasedGroupedExperts(GroupedExperts):
         elif bounds is not None:  # the activation's output ([rows, F/etp]) is recomputed in backward, not kept
             y = per_expert_linear_of_activation(h, self.down, bounds, activation)
         else:
-            y = grouped_gemm_of_activation(h, self.down, offsets, activation, tail_rows=tail_rows)
+            into = expert_wgrad_into(self.down, host)
+            y = grouped_gemm_of_activation(h, self.down, offsets, activation, tail_rows=tail_rows, wgrad_into=into)
         if self.down_bias is not None:
             y = _AddExpertBias.apply(y, self.down_bias, expert, self.etp_rank == 0)
         return y

@@ -8,7 +8,9 @@ Experts are laid out in blocks: ep rank ``r`` holds global experts ``[r * E_loca
   etp shard needs every row of its experts). The experts' partial outputs are reduce-scattered over etp and sent
   back by the inverse all-to-all. **The one host synchronization of the layer's step** is here: the split sizes
   (``[etp, ep, E]`` rows per expert, two all-gathers of int64 counts) are copied to the host once per forward;
-  backward reuses them. Everything else (reordering, offsets) stays on the device.
+  backward reuses them. Everything else (reordering, offsets) stays on the device; experts that need their
+  offsets on the host (per-expert GEMMs, ``experts.wants_host_offsets``) get them derived from those host counts
+  (no second sync), or at ep = etp = 1 from a copy started right after the plan (``expert_gemm.HostOffsets``).
 * :class:`AllGatherDispatcher`: every rank gathers all tokens and routing decisions of its ep x etp block,
   computes its own experts on the rows routed to them, and reduce-scatters the (partial) outputs. No host sync
   and no split exchange; the gathered tokens cost ``ep * etp`` times the activation memory, so it suits small
@@ -21,6 +23,7 @@ its part of the layer. They cost a few microseconds per layer.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -31,14 +34,20 @@ from torch.profiler import record_function
 from mcore.kernels.moe import permute, plan_permutation, unpermute
 from mcore.parallel.comm import all_gather_into, group_rank, group_size
 from mcore.parallel.expert_comm import all_to_all_rows, gather_rows, reduce_scatter_rows
+from mcore.parallel.expert_gemm import HostOffsets
 
 __all__ = ["DISPATCHERS", "AllGatherDispatcher", "AllToAllDispatcher"]
 
 DISPATCHERS = ("alltoall", "allgather")
 
-# experts(rows [N, H], offsets [E_local] int32, tail_rows=None) -> [N, H]; ``tail_rows``: at most that many last
-# rows lie past offsets[-1] (None: unknown)
+# experts(rows [N, H], offsets [E_local] int32, tail_rows=None, host_offsets=None) -> [N, H]; ``tail_rows``: at most
+# that many last rows lie past offsets[-1] (None: unknown); ``host_offsets`` (a HostOffsets) passed only to experts
+# whose ``wants_host_offsets`` is true
 ExpertsFn = Callable[..., torch.Tensor]
+
+
+def _wants_host_offsets(experts: ExpertsFn) -> bool:
+    return bool(getattr(experts, "wants_host_offsets", False))
 
 
 @dataclass
@@ -51,6 +60,7 @@ class _Exchange:
     order: torch.Tensor | None  # expert-major row j = source-major row order[j]
     inverse: torch.Tensor | None
     rows: int  # rows of the plan (the sent ones plus any unused tail)
+    local_ends: list[int] | None = None  # the local offsets on the host (from the split exchange's counts)
 
 
 def _expert_major_order(chunks: torch.Tensor, total: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -92,17 +102,21 @@ class AllToAllDispatcher:
             all_gather_into(gathered, counts, self.etp_group)
             counts = gathered
         counts = counts.view(self.etp, self.ep, self.ep, self.local_experts)  # [etp, src ep, dst ep, E_local]
-        host = counts.sum(-1).tolist()  # the host sync: split sizes of every (etp, src, dst)
+        every = counts.tolist()  # the host sync: rows of every (etp, src, dst, expert); a few hundred ints
+        host = [[[sum(e) for e in dst] for dst in src] for src in every]  # split sizes of every (etp, src, dst)
         me_q, me_r = self.etp_rank, self.ep_rank
         input_splits = host[me_q][me_r]
         output_splits = [host[me_q][j][me_r] for j in range(self.ep)]
         etp_sizes = [sum(host[q][j][me_r] for j in range(self.ep)) for q in range(self.etp)]
         received = all_to_all_rows(rows[: sum(input_splits)], output_splits, input_splits, self.ep_group)
         received = gather_rows(received, etp_sizes, self.etp_group)
-        chunks = counts[:, :, me_r, :].reshape(self.etp * self.ep, self.local_experts)
+        n = self.local_experts
+        chunks = counts[:, :, me_r, :].reshape(self.etp * self.ep, n)
         order, inverse = _expert_major_order(chunks, sum(etp_sizes))
         local_offsets = torch.cumsum(chunks.sum(0), 0).to(torch.int32)
-        state = _Exchange(input_splits, output_splits, etp_sizes, order, inverse, rows.shape[0])
+        per_expert = [sum(every[q][j][me_r][e] for q in range(self.etp) for j in range(self.ep)) for e in range(n)]
+        local_ends = list(itertools.accumulate(per_expert))  # == local_offsets, on the host already
+        state = _Exchange(input_splits, output_splits, etp_sizes, order, inverse, rows.shape[0], local_ends)
         return received[order], local_offsets, state
 
     def combine(self, y: torch.Tensor, state: _Exchange) -> torch.Tensor:
@@ -116,13 +130,20 @@ class AllToAllDispatcher:
 
     def __call__(self, x, routing, experts: ExpertsFn, **plan_kwargs) -> tuple[torch.Tensor, object]:
         """Route ``x`` [T, H] by ``routing`` through ``experts``; returns ``([T, H], plan)``."""
+        local = self.ep == 1 and self.etp == 1
+        wants_host = _wants_host_offsets(experts)
         with record_function("mcore.moe.permute"):
             plan = plan_permutation(routing.indices, self.num_experts, weights=routing.weights, **plan_kwargs)
+            # one process's experts: their offsets are the plan's; start the copy before the permute is queued
+            early = HostOffsets.start(plan.offsets) if wants_host and local else None
             rows, local_offsets, state = self.dispatch(permute(x, plan), plan.offsets)
         # received rows (ep/etp > 1) fill their segments exactly; the local plan's tail is known from its shape
         tail = plan.max_unused_tail if state.order is None else 0
+        kwargs = {}
+        if wants_host:
+            kwargs["host_offsets"] = early if local else HostOffsets.from_ends(state.local_ends)
         with record_function("mcore.moe.experts"):
-            y = experts(rows, local_offsets, tail_rows=tail)
+            y = experts(rows, local_offsets, tail_rows=tail, **kwargs)
         with record_function("mcore.moe.unpermute"):
             return unpermute(self.combine(y, state), routing.weights, plan), plan
 
@@ -154,9 +175,12 @@ class AllGatherDispatcher:
                 # another rank's experts go to one extra bucket past the local ones, which no GEMM reads
                 local = torch.where((local >= 0) & (local < self.local_experts), local, self.local_experts)
             plan = plan_permutation(local, self.local_experts + 1, align=plan_kwargs.get("align", 1))
+            offsets = plan.offsets[: self.local_experts]
+            # per-expert GEMMs: the offsets' copy to the host starts before the permute is queued
+            kwargs = {"host_offsets": HostOffsets.start(offsets)} if _wants_host_offsets(experts) else {}
             rows = permute(x_all, plan)
         with record_function("mcore.moe.experts"):
-            y = experts(rows, plan.offsets[: self.local_experts])
+            y = experts(rows, offsets, **kwargs)
         with record_function("mcore.moe.unpermute"):
             out = unpermute(y, weights_all, plan)
             out = reduce_scatter_rows(out, [tokens * self.ep] * self.etp, self.etp_group)

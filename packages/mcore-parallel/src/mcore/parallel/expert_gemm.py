@@ -1,12 +1,24 @@
 """The experts' GEMMs as one cuBLAS GEMM per expert (``moe_router.expert_gemm: per_expert``), for a few large
-experts (Mixtral: 8 experts of ~2k rows each).
+experts (Mixtral: 8 experts of ~2k rows each), and where both GEMM modes put the experts' weight gradients.
 
 Against ``torch._grouped_mm`` (``mcore.kernels.grouped_gemm``, the default) this trades one host sync per layer
-forward (the experts' row offsets are copied to the host, **the one sync of this mode**, reused by backward) and
-``3 x experts`` launches per layer for cuBLAS's dense GEMM kernels and a weight gradient that accumulates in fp32
-straight into ``main_grad`` inside the GEMM (``addmm(out_dtype=float32)``, as the dense linears do:
-``tensor_parallel.accumulate_weight_grad_``), with no bf16 ``[E, N, K]`` gradient written and added afterwards.
+forward (the experts' row offsets are needed on the host, **the one sync of this mode**, reused by backward) and
+``3 x experts`` launches per layer for cuBLAS's dense GEMM kernels and a weight gradient that the GEMM writes in
+fp32 straight into ``main_grad`` (``mm(out_dtype=float32)``; ``addmm`` on later micro-batches, as the dense linears
+do: ``tensor_parallel.accumulate_weight_grad_``), with no bf16 ``[E, N, K]`` gradient written and added afterwards.
 With many small experts (Qwen3-MoE: 128 of ~500 rows) the launches cost more than they win: keep ``grouped``.
+
+The host offsets (:class:`HostOffsets`): the dispatcher starts their device-to-host copy (non-blocking, into pinned
+memory) right after routing has planned the rows, before the permute kernels are queued, and the experts wait for
+that copy only when their first GEMM needs it, so the GPU still has the permute to run while the host resumes
+(the GPU idles only for what the copy's wait outlasts that queue). Under ep > 1 the all-to-all's split exchange
+already brings every count to the host, and the local offsets are derived there: no second sync.
+
+First micro-batch of a step (:func:`expert_wgrad_into`, both modes): DDP's ``zero_grad_buffer`` marks each
+``main_grad`` as holding nothing yet, and FSDP2 at one rank creates the shard gradient at the step's first weight
+gradient; the experts' first weight-gradient GEMM then **writes** the target (``beta = 0``; zeros for an expert
+without rows) instead of adding to a zero-filled one, so the target is not read. Later micro-batches add. The
+target's dtype is read from the target (fp32 ``main_grad``, or a bf16 one).
 
 Rows at or past the last expert's end are zero in the outputs and get no gradient, as with ``grouped_gemm``.
 """
@@ -17,17 +29,116 @@ from collections.abc import Callable
 
 import torch
 
-from mcore.parallel.param_attrs import fused_wgrad_target, mark_wgrad_in_main_grad
+from mcore.parallel.param_attrs import mark_wgrad_in_main_grad, take_wgrad_target
 from mcore.parallel.tensor_parallel import accumulate_weight_grad_
 
-__all__ = ["expert_bounds", "per_expert_linear", "per_expert_linear_of_activation"]
+__all__ = [
+    "HostOffsets",
+    "expert_bounds",
+    "expert_wgrad_into",
+    "per_expert_linear",
+    "per_expert_linear_of_activation",
+]
+
+# how a bf16 GEMM writes an fp32 target on CUDA: "mm" (mm(out_dtype=)), "addmm" (addmm(beta=0, out_dtype=)),
+# "unfused" (neither exists in this torch: a bf16 GEMM then a copy), None: not tried yet
+_MIXED_DTYPE_WRITE: str | None = None
 
 
 def expert_bounds(offsets: torch.Tensor) -> list[tuple[int, int]]:
     """``[(start, end)]`` row range of each expert from the cumulative ``offsets`` [E]: a device-to-host copy (the
     host sync of this mode, once per layer forward)."""
-    ends = offsets.tolist()
+    return _bounds_of(offsets.tolist())
+
+
+def _bounds_of(ends: list[int]) -> list[tuple[int, int]]:
     return list(zip([0, *ends[:-1]], ends))
+
+
+class HostOffsets:
+    """The experts' cumulative row offsets on their way to the host. :meth:`start` queues the copy (CUDA:
+    non-blocking into pinned memory, an event behind it; no wait); :meth:`bounds` waits for that copy alone and
+    gives ``[(start, end)]`` per expert. :meth:`from_ends`: offsets already on the host (no copy, no wait)."""
+
+    def __init__(self, host: torch.Tensor | list[int], event: torch.cuda.Event | None = None) -> None:
+        self._host, self._event = host, event
+        self._bounds: list[tuple[int, int]] | None = None
+
+    @classmethod
+    def start(cls, offsets: torch.Tensor) -> HostOffsets:
+        """Queue the copy of ``offsets`` [E] (int32, on any device) to the host."""
+        if not offsets.is_cuda:
+            return cls(offsets)
+        host = torch.empty(offsets.shape, dtype=offsets.dtype, pin_memory=True)
+        host.copy_(offsets, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        return cls(host, event)
+
+    @classmethod
+    def from_ends(cls, ends: list[int]) -> HostOffsets:
+        return cls([int(e) for e in ends])
+
+    def bounds(self) -> list[tuple[int, int]]:
+        if self._bounds is None:
+            if self._event is not None:
+                self._event.synchronize()  # the copy queued by start(), not the work queued since
+            ends = self._host if isinstance(self._host, list) else self._host.tolist()
+            self._bounds = _bounds_of(ends)
+        return self._bounds
+
+
+def expert_wgrad_into(w: torch.Tensor, host_offsets: HostOffsets | None = None):
+    """``grouped_gemm``'s ``wgrad_into`` for expert weight ``w``: in backward, DDP's ``main_grad`` (or FSDP2's shard
+    gradient at one rank) as ``(target, accumulate)``, ``accumulate=False`` on the step's first micro-batch
+    (``param_attrs.take_wgrad_target``); ``None`` without a data-parallel wrapper (the gradient is returned). With
+    ``host_offsets`` (``expert_gemm: grouped_fp32_wgrad``) a writer instead: one GEMM per expert accumulating in
+    the target's dtype (fp32) inside the GEMM, from the offsets whose copy to the host started in forward (done by
+    the time backward waits for it)."""
+
+    def into():
+        target, overwrite = take_wgrad_target(w)
+        if target is None:
+            return None
+        mark_wgrad_in_main_grad(w)  # DDP's hook must not add a .grad: the gradient is in main_grad
+        if host_offsets is None:
+            return target, not overwrite
+        return lambda dy, x: _per_expert_weight_grads_(target, not overwrite, host_offsets.bounds(), dy, x)
+
+    return into
+
+
+def _per_expert_weight_grads_(target, accumulate: bool, bounds, dy: torch.Tensor, x: torch.Tensor) -> None:
+    """``target[g] (+)= dy[rows of g]^T @ x[rows of g]`` for each expert, accumulated in ``target``'s precision by
+    the GEMM; written (zeros for an expert without rows, ``target`` not read) unless ``accumulate``."""
+    write = accumulate_weight_grad_ if accumulate else _write_weight_grad_
+    for g, (lo, hi) in enumerate(bounds):
+        if hi > lo:
+            write(target[g], dy[lo:hi], x[lo:hi])
+        elif not accumulate:
+            target[g].zero_()
+
+
+def _write_weight_grad_(target: torch.Tensor, grad_out: torch.Tensor, x: torch.Tensor) -> None:
+    """``target = grad_out^T @ x`` in ``target``'s precision by the GEMM itself, ``target`` not read (beta 0)."""
+    global _MIXED_DTYPE_WRITE
+    a, b = grad_out.t(), x
+    if target.dtype == a.dtype:
+        torch.mm(a, b, out=target)
+        return
+    if target.is_cuda and _MIXED_DTYPE_WRITE != "unfused":
+        for name in (_MIXED_DTYPE_WRITE,) if _MIXED_DTYPE_WRITE else ("mm", "addmm"):
+            try:
+                if name == "mm":
+                    torch.mm(a, b, out_dtype=target.dtype, out=target)
+                else:  # beta 0: cuBLAS does not read the output (NaN in it is not propagated)
+                    torch.addmm(target, a, b, beta=0, out_dtype=target.dtype, out=target)
+                _MIXED_DTYPE_WRITE = name
+                return
+            except (RuntimeError, TypeError, NotImplementedError):
+                continue
+        _MIXED_DTYPE_WRITE = "unfused"  # older torch: the unfused form from now on
+    target.copy_(a.matmul(b))
 
 
 def per_expert_linear(x: torch.Tensor, w: torch.Tensor, bounds: list[tuple[int, int]]) -> torch.Tensor:
@@ -54,16 +165,18 @@ def _forward(a: torch.Tensor, w: torch.Tensor, bounds: list[tuple[int, int]]) ->
     return y
 
 
-def _backward(dy, a, w, bounds, need_da: bool, need_dw: bool):
-    """(da, dw): ``dw`` is ``None`` when it went into ``w.main_grad`` (fp32, inside the GEMM)."""
+def _backward(dy, a, w, bounds, need_da: bool, need_dw: bool, wgrad_into):
+    """(da, dw): ``dw`` is ``None`` when it went into ``w``'s ``main_grad`` (``wgrad_into``: the forward's
+    :func:`expert_wgrad_into` of the parameter itself; under non-reentrant recompute the saved ``w`` comes back as
+    another tensor object, without the parameter's attributes)."""
     dy = dy.contiguous()
     # every row of an expert is written by its GEMM: only the rows of no expert (and the weight gradients of
     # experts without rows) are zero-filled, not the whole [rows, K] / [E, M, K] outputs
     da = torch.empty_like(a) if need_da else None
     if da is not None:
         da[bounds[-1][1] :].zero_()
-    target = fused_wgrad_target(w) if need_dw else None
-    dw = torch.empty_like(w) if need_dw and target is None else None
+    into = wgrad_into() if need_dw else None
+    dw = torch.empty_like(w) if need_dw and into is None else None
     for g, (lo, hi) in enumerate(bounds):
         if hi <= lo:
             if dw is not None:
@@ -71,12 +184,10 @@ def _backward(dy, a, w, bounds, need_da: bool, need_dw: bool):
             continue
         if da is not None:
             torch.mm(dy[lo:hi], w[g], out=da[lo:hi])
-        if target is not None:
-            accumulate_weight_grad_(target[g], dy[lo:hi], a[lo:hi])
-        elif dw is not None:
+        if dw is not None:
             torch.mm(dy[lo:hi].t(), a[lo:hi], out=dw[g])
-    if target is not None:
-        mark_wgrad_in_main_grad(w)
+    if into is not None:
+        _per_expert_weight_grads_(into[0], into[1], bounds, dy, a)
     return da, dw
 
 
@@ -84,13 +195,14 @@ class _PerExpertLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, w, bounds):
         ctx.save_for_backward(x, w)
-        ctx.bounds = bounds
+        ctx.bounds, ctx.wgrad_into = bounds, expert_wgrad_into(w)
         return _forward(x, w, bounds)
 
     @staticmethod
     def backward(ctx, dy):
         x, w = ctx.saved_tensors
-        dx, dw = _backward(dy, x, w, ctx.bounds, ctx.needs_input_grad[0], ctx.needs_input_grad[1])
+        need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        dx, dw = _backward(dy, x, w, ctx.bounds, need_dx, need_dw, ctx.wgrad_into)
         return dx, dw, None
 
 
@@ -98,7 +210,7 @@ class _PerExpertLinearOfActivation(torch.autograd.Function):
     @staticmethod
     def forward(ctx, h, w, bounds, activation):
         ctx.save_for_backward(h, w)
-        ctx.bounds, ctx.activation = bounds, activation
+        ctx.bounds, ctx.activation, ctx.wgrad_into = bounds, activation, expert_wgrad_into(w)
         return _forward(activation(h), w, bounds)  # no graph inside forward: the activation's output is not kept
 
     @staticmethod
@@ -108,6 +220,6 @@ class _PerExpertLinearOfActivation(torch.autograd.Function):
         with torch.enable_grad():
             h_leaf = h.detach().requires_grad_(need_dh)
             a = ctx.activation(h_leaf)
-        da, dw = _backward(dy, a.detach(), w, ctx.bounds, need_dh, ctx.needs_input_grad[1])
+        da, dw = _backward(dy, a.detach(), w, ctx.bounds, need_dh, ctx.needs_input_grad[1], ctx.wgrad_into)
         dh = torch.autograd.grad(a, h_leaf, da)[0] if need_dh else None
         return dh, dw, None, None

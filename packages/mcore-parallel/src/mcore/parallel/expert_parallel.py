@@ -41,14 +41,23 @@ from mcore.kernels.moe import (
 )
 from mcore.parallel.comm import group_rank, group_size, reduce_from_tp_region
 from mcore.parallel.expert_dispatch import DISPATCHERS, AllGatherDispatcher, AllToAllDispatcher
-from mcore.parallel.expert_gemm import expert_bounds, per_expert_linear, per_expert_linear_of_activation
+from mcore.parallel.expert_gemm import (
+    HostOffsets,
+    expert_wgrad_into,
+    per_expert_linear,
+    per_expert_linear_of_activation,
+)
 from mcore.parallel.grid import ProcessGroups
 from mcore.parallel.tensor_parallel import set_tensor_parallel_attributes
 
 __all__ = ["GroupedExperts", "MoEConfig", "MoELayer", "Router", "moe_metrics", "update_expert_biases"]
 
 _AUX_LOSS_TYPES = ("micro_batch", "sequence")
-EXPERT_GEMMS = ("grouped", "per_expert")
+# grouped: torch._grouped_mm for all three GEMMs; per_expert: one cuBLAS GEMM per expert for all three;
+# grouped_fp32_wgrad: grouped forward and input-gradient GEMMs, the weight gradients one GEMM per expert accumulating
+# in fp32 into main_grad (the offsets' host copy starts in forward and is waited for in backward: no stall)
+EXPERT_GEMMS = ("grouped", "per_expert", "grouped_fp32_wgrad")
+PER_EXPERT_WGRAD = "grouped_fp32_wgrad"
 
 
 def squared_relu(h: torch.Tensor) -> torch.Tensor:
@@ -67,8 +76,10 @@ class MoEConfig:
     ``capacity_factor=None`` is dropless; ``align`` pads each expert's rows (16 for FP8 grouped GEMMs);
     ``aux_loss_type`` ``"micro_batch"`` or ``"sequence"`` (per sequence, hidden states ``[s, b, h]``).
     ``expert_bias`` enables aux-loss-free balancing with step ``bias_update_rate``. ``expert_gemm``: ``"grouped"``
-    (``torch._grouped_mm``, no host sync) or ``"per_expert"`` (one cuBLAS GEMM per expert, fp32 weight gradients
-    straight into ``main_grad``; one host sync per layer; for a few large experts, see ``expert_gemm.py``).
+    (``torch._grouped_mm``, no host sync), ``"per_expert"`` (one cuBLAS GEMM per expert, fp32 weight gradients
+    straight into ``main_grad``; one host sync per layer; for a few large experts, see ``expert_gemm.py``) or
+    ``"grouped_fp32_wgrad"`` (grouped forward and input gradients, per-expert fp32 weight gradients into
+    ``main_grad`` from offsets copied to the host during forward: no bf16 gradient copied into ``main_grad``).
     ``activation``: the experts' ``"swiglu"`` (gated) or ``"relu2"`` (Nemotron-H's non-gated squared ReLU); set by the
     MLP part (``moe`` / ``moe_relu2``), not a ``moe_router`` knob.
     """
@@ -246,21 +257,38 @@ class GroupedExperts(nn.Module):
         down = torch.stack([torch.empty(h, f).normal_(0.0, std, generator=g) for g in gens])
         self.load_full_experts(first, down)
 
-    def forward(self, rows: torch.Tensor, offsets: torch.Tensor, tail_rows: int | None = None) -> torch.Tensor:
+    @property
+    def wants_host_offsets(self) -> bool:
+        """Whether forward needs the offsets on the host (per-expert GEMMs): the dispatcher then starts their copy
+        early and passes ``host_offsets``."""
+        return self.gemm in ("per_expert", PER_EXPERT_WGRAD) and self.low_precision is None
+
+    def forward(
+        self,
+        rows: torch.Tensor,
+        offsets: torch.Tensor,
+        tail_rows: int | None = None,
+        host_offsets: HostOffsets | None = None,
+    ) -> torch.Tensor:
         """``tail_rows``: at most that many last rows lie past ``offsets[-1]`` (``None``: unknown), see
-        ``grouped_gemm``."""
+        ``grouped_gemm``; ``host_offsets``: ``offsets`` on their way to the host (per-expert GEMMs; ``None``: copied
+        here)."""
         w_in, act = self.input_weight, self.activation_fn
         rows = rows.to(w_in.dtype)
         if self.low_precision is not None:  # fp8 experts (mcore.parallel.low_precision): both GEMMs quantized
             h = self.low_precision(rows, w_in, offsets)
             return self.low_precision(act(h), self.down, offsets)
         if self.gemm == "per_expert":
-            bounds = expert_bounds(offsets)  # the host sync of this mode (see expert_gemm.py)
+            bounds = (host_offsets or HostOffsets.start(offsets)).bounds()  # the host sync of this mode
             h = per_expert_linear(rows, w_in, bounds)
             return per_expert_linear_of_activation(h, self.down, bounds, act)
-        h = grouped_gemm(rows, w_in, offsets, tail_rows=tail_rows)
+        # weight gradients go into main_grad (written on a step's first micro-batch, added after), not returned;
+        # grouped_fp32_wgrad: by one fp32-accumulating GEMM per expert, from offsets copied to the host meanwhile
+        host = (host_offsets or HostOffsets.start(offsets)) if self.gemm == PER_EXPERT_WGRAD else None
+        h = grouped_gemm(rows, w_in, offsets, tail_rows=tail_rows, wgrad_into=expert_wgrad_into(w_in, host))
         # the activation's output ([rows, F/etp]) is recomputed in backward rather than kept
-        return grouped_gemm_of_activation(h, self.down, offsets, act, tail_rows=tail_rows)
+        into = expert_wgrad_into(self.down, host)
+        return grouped_gemm_of_activation(h, self.down, offsets, act, tail_rows=tail_rows, wgrad_into=into)
 
 
 class _RouterLogits(torch.autograd.Function):

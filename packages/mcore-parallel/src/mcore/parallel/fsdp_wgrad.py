@@ -6,10 +6,11 @@ fp32 gradient of the shard: 14 bytes of copies per parameter per micro-batch. Ze
 accumulate in fp32 into its gradient buffer (``gradient_accumulation_fusion``). At one rank the shard is the whole
 tensor, so the same fusion applies: each gathered parameter of the mcore linear layers gets, through
 :func:`~mcore.parallel.param_attrs.attach_wgrad_buffer`, the fp32 gradient of its shard as the GEMM's target
-(allocated, zeroed, at the step's first weight gradient, so gradients still live only from backward to the
-optimizer step). The GEMM then returns no gradient, and FSDP has nothing to copy for that parameter; the other
-parameters (norms, the embedding) keep FSDP's path, which adds into the same shard gradients when both occur (a
-tied output layer's weight). Micro-batches accumulate in fp32, as under ZeRO-1.
+(allocated at the step's first weight gradient, so gradients still live only from backward to the optimizer step:
+zeroed for the linears, which add into it, uninitialised for the experts' GEMMs, which write their first gradient
+of the step without reading it). The GEMM then returns no gradient, and FSDP has nothing to copy for that
+parameter; the other parameters (norms, the embedding) keep FSDP's path, which adds into the same shard gradients
+when both occur (a tied output layer's weight). Micro-batches accumulate in fp32, as under ZeRO-1.
 """
 
 from __future__ import annotations
@@ -42,15 +43,19 @@ def _own_parameters(group: nn.Module, units: Sequence[nn.Module]) -> list[tuple[
     return out
 
 
-def _shard_gradient(sharded: nn.Parameter, gathered: torch.Tensor) -> torch.Tensor:
-    """The fp32 gradient of ``sharded`` (its local tensor, shaped as ``gathered``), created zeroed when absent."""
-    if sharded.grad is None:
-        local = torch.zeros(sharded.to_local().shape, dtype=sharded.dtype, device=sharded.device)
-        mesh, placements = sharded.device_mesh, sharded.placements
-        sharded.grad = DTensor.from_local(
-            local, mesh, placements, run_check=False, shape=sharded.shape, stride=sharded.stride()
-        )
-    return sharded.grad.to_local().view(gathered.shape)
+def _shard_gradient(sharded: nn.Parameter, gathered: torch.Tensor, zeroed: bool) -> tuple[torch.Tensor, bool]:
+    """``(gradient, fresh)``: the fp32 gradient of ``sharded`` (its local tensor, shaped as ``gathered``) and
+    whether this call created it (the step's first weight gradient). Created zeroed when ``zeroed``, else left
+    uninitialised for a GEMM that writes all of it (the experts': no zero fill, no read)."""
+    if sharded.grad is not None:
+        return sharded.grad.to_local().view(gathered.shape), False
+    make = torch.zeros if zeroed else torch.empty
+    local = make(sharded.to_local().shape, dtype=sharded.dtype, device=sharded.device)
+    mesh, placements = sharded.device_mesh, sharded.placements
+    sharded.grad = DTensor.from_local(
+        local, mesh, placements, run_check=False, shape=sharded.shape, stride=sharded.stride()
+    )
+    return local.view(gathered.shape), True
 
 
 def _attach_on_forward(owner: object, entries: list[tuple[nn.Module, str, nn.Parameter]]):

@@ -32,6 +32,11 @@ Gradient plumbing (set by ``DistributedDataParallel`` while it wraps the module)
 - ``mcore_wgrad_buffer`` (set by ``FullyShardedDataParallel`` at one rank on the gathered parameters): where a
   weight-gradient GEMM accumulates when the parameter has no ``main_grad``: a function giving the fp32 gradient of
   the shard, allocated at its first use. :func:`attach_wgrad_buffer`.
+- ``mcore_main_grad_zeroed``: ``main_grad`` holds nothing of this step yet (DDP zeroed it, and no gradient came
+  since), so a weight-gradient GEMM may write it instead of adding to it (``beta = 0``: it is not read).
+  :func:`mark_main_grad_zeroed` (DDP's ``zero_grad_buffer``), :func:`take_wgrad_target` (the GEMMs that can
+  overwrite: the experts'); every other writer clears it (:func:`fused_wgrad_target`, DDP's gradient hook
+  through :func:`take_wgrad_in_main_grad`), so a parameter written twice in one step accumulates the second time.
 """
 
 from __future__ import annotations
@@ -58,11 +63,13 @@ __all__ = [
     "mark_sequence_parallel",
     "mark_shared_embedding",
     "mark_vocab_padded",
+    "mark_main_grad_zeroed",
     "mark_wgrad_in_main_grad",
     "persistent_buffers",
     "set_main_grad",
     "set_tensor_parallel_attributes",
     "take_wgrad_in_main_grad",
+    "take_wgrad_target",
     "tp_split",
     "vocab_padding",
 ]
@@ -81,6 +88,7 @@ _FUSE_WGRAD = "mcore_fuse_wgrad"
 _WGRAD_IN_MAIN_GRAD = "mcore_wgrad_in_main_grad"
 _GRAD_READY_HOOK = "mcore_grad_ready_hook"
 _WGRAD_BUFFER = "mcore_wgrad_buffer"
+_MAIN_GRAD_ZEROED = "mcore_main_grad_zeroed"
 
 
 def persistent_buffers(module: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
@@ -193,23 +201,50 @@ def attach_gradient_plumbing(
     setattr(param, _WGRAD_IN_MAIN_GRAD, False)
 
 
-def attach_wgrad_buffer(param: torch.Tensor, *, owner: object, buffer: Callable[[torch.Tensor], torch.Tensor]) -> None:
-    """Let weight-gradient GEMMs accumulate into ``buffer(param)`` (an fp32 tensor of ``param``'s shape) while
-    ``owner`` is alive (a weak reference, as for DDP)."""
+def attach_wgrad_buffer(
+    param: torch.Tensor, *, owner: object, buffer: Callable[[torch.Tensor, bool], tuple[torch.Tensor, bool]]
+) -> None:
+    """Let weight-gradient GEMMs write into ``buffer(param, zeroed)`` while ``owner`` is alive (a weak reference,
+    as for DDP). ``buffer`` returns ``(tensor, fresh)``: a tensor of ``param``'s shape (fp32) and whether it was
+    created by this call, i.e. holds nothing of this step yet; a tensor it creates is zero when ``zeroed``, else
+    uninitialised (the caller then writes all of it)."""
     setattr(param, _FUSE_WGRAD, weakref.ref(owner))
     setattr(param, _WGRAD_BUFFER, buffer)
 
 
-def fused_wgrad_target(param: torch.Tensor) -> torch.Tensor | None:
-    """``main_grad`` (or the attached wgrad buffer) when a weight-gradient GEMM may accumulate into it now (the
-    owning wrapper is alive), else ``None`` (the GEMM returns the gradient as usual)."""
+def _wgrad_target(param: torch.Tensor, zeroed: bool) -> tuple[torch.Tensor | None, bool]:
     owner = getattr(param, _FUSE_WGRAD, None)
     if owner is None or owner() is None:
-        return None
+        return None, False
     buffer = main_grad(param)
-    if buffer is None and getattr(param, _WGRAD_BUFFER, None) is not None:
-        return getattr(param, _WGRAD_BUFFER)(param)
-    return buffer
+    if buffer is not None:
+        fresh = bool(getattr(param, _MAIN_GRAD_ZEROED, False))
+        setattr(param, _MAIN_GRAD_ZEROED, False)  # whatever the caller does next, it writes main_grad
+        return buffer, fresh
+    attached = getattr(param, _WGRAD_BUFFER, None)
+    if attached is None:
+        return None, False
+    return attached(param, zeroed)
+
+
+def fused_wgrad_target(param: torch.Tensor) -> torch.Tensor | None:
+    """``main_grad`` (or the attached wgrad buffer) when a weight-gradient GEMM may accumulate into it now (the
+    owning wrapper is alive), else ``None`` (the GEMM returns the gradient as usual). The caller adds to it."""
+    return _wgrad_target(param, zeroed=True)[0]
+
+
+def take_wgrad_target(param: torch.Tensor) -> tuple[torch.Tensor | None, bool]:
+    """``(target, overwrite)``: the target of :func:`fused_wgrad_target` (``None``: return the gradient as usual)
+    and whether it holds nothing of this step yet (the step's first weight gradient of ``param``). With
+    ``overwrite`` the caller must write **every** element (zeros for experts without rows) instead of adding, and
+    must not read the target (it may be uninitialised); the next caller in the step gets ``overwrite=False``."""
+    return _wgrad_target(param, zeroed=False)
+
+
+def mark_main_grad_zeroed(param: torch.Tensor) -> None:
+    """``main_grad`` of ``param`` was just zeroed (the start of a step): its first weight-gradient GEMM may write it
+    without reading it (:func:`take_wgrad_target`)."""
+    setattr(param, _MAIN_GRAD_ZEROED, True)
 
 
 def mark_wgrad_in_main_grad(param: torch.Tensor) -> None:
@@ -218,7 +253,10 @@ def mark_wgrad_in_main_grad(param: torch.Tensor) -> None:
 
 
 def take_wgrad_in_main_grad(param: torch.Tensor) -> bool:
-    """Whether this backward's weight gradient went into ``main_grad``; resets the flag for the next one."""
+    """Whether this backward's weight gradient went into ``main_grad``; resets the flag for the next one. DDP's
+    gradient hook calls it after every backward of ``param``, which may then add ``param.grad`` into ``main_grad``:
+    from here on ``main_grad`` is no longer known to be zero."""
+    setattr(param, _MAIN_GRAD_ZEROED, False)
     fused = bool(getattr(param, _WGRAD_IN_MAIN_GRAD, False))
     if fused:
         setattr(param, _WGRAD_IN_MAIN_GRAD, False)

@@ -73,6 +73,12 @@ class FullyShardedOptimizer(MixedPrecisionOptimizer):
     def _norm_dp_group(self):
         return self.dp_group  # each dp rank holds a different shard of every gradient
 
+    def _norm_expert_groups(self):
+        """The experts' too (ep = 1 under FSDP2: sharded over the same dp mesh as the rest), so their squared norm
+        sums over it as well (without it a MoE model's clipping norm left out the other ranks' expert shards)."""
+        groups = super()._norm_expert_groups()
+        return None if groups is None else (groups[0], groups[1], self.dp_group)
+
     def _load_params(self, tensors: dict[str, torch.Tensor]) -> None:
         """Nothing left to do: the masters alias the parameter shards, which ``load_state_dict`` just set."""
 

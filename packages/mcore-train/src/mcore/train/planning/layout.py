@@ -60,8 +60,9 @@ class Layout:
     # Megatron-Core r0.8's default check_for_nan_in_loss_and_grad: the norm of each bucket's gradients is checked
     # for NaN before its collective
     grad_nan_check: bool = False
-    # the routed experts' GEMMs (``moe_router.expert_gemm``): one grouped GEMM per linear, or one GEMM per expert
-    expert_gemm: Literal["grouped", "per_expert"] = "grouped"
+    # the routed experts' GEMMs (``moe_router.expert_gemm``): one grouped GEMM per linear, one GEMM per expert, or
+    # grouped forward / input-gradient GEMMs with one weight-gradient GEMM per expert
+    expert_gemm: Literal["grouped", "per_expert", "grouped_fp32_wgrad"] = "grouped"
     # packed documents (data.packing, cu_seqlens): the lengths of the documents in each sequence, summing to
     # seq_length; empty: one causal document per sequence
     document_lengths: tuple[int, ...] = ()
@@ -103,8 +104,10 @@ class Layout:
             )
         if self.cp_comm_type not in CP_COMM_TYPES:
             raise ValueError(f"Layout.cp_comm_type must be one of {CP_COMM_TYPES}, got {self.cp_comm_type!r}")
-        if self.expert_gemm not in ("grouped", "per_expert"):
-            raise ValueError(f"Layout.expert_gemm must be 'grouped' or 'per_expert', got {self.expert_gemm!r}")
+        if self.expert_gemm not in ("grouped", "per_expert", "grouped_fp32_wgrad"):
+            raise ValueError(
+                f"Layout.expert_gemm must be 'grouped', 'per_expert' or 'grouped_fp32_wgrad', got {self.expert_gemm!r}"
+            )
         if self.cross_entropy not in CROSS_ENTROPY:
             raise ValueError(f"Layout.cross_entropy must be one of {CROSS_ENTROPY}, got {self.cross_entropy!r}")
         if self.recompute_modules is not None:

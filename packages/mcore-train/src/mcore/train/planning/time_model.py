@@ -172,7 +172,8 @@ class TimeModel:
     def _experts(self, cost: OpCost) -> None:
         """The routed experts: per linear one grouped GEMM over this rank's experts (``mcore.kernels.grouped_gemm``;
         forward, input gradient and weight gradient each a grouped GEMM of the same kind), or under
-        ``expert_gemm="per_expert"`` one dense GEMM per expert of its (balanced) rows."""
+        ``expert_gemm="per_expert"`` one dense GEMM per expert of its (balanced) rows (``"grouped_fp32_wgrad"``: for
+        the weight gradient only)."""
         s, lay, g = self.shape, self.layout, self.gpu
         local = s.num_experts // lay.ep
         rows = self.moe_tokens * s.top_k * lay.ep / s.num_experts  # per expert, on average (balanced routing)
@@ -187,6 +188,8 @@ class TimeModel:
                 fwd = g.grouped_gemm_seconds(local, rows, n, k, self.precision)
                 dgrad = g.grouped_gemm_seconds(local, rows, k, n, self.precision)
                 wgrad = fwd * self.wgrad_slowdown  # the same FLOPs, writing fp32 into the gradient buffer
+                if lay.expert_gemm == "grouped_fp32_wgrad":  # the weight gradients one fp32 GEMM per expert
+                    wgrad = local * g.gemm_seconds(n, k, rows, self.precision) * self.wgrad_slowdown
             cost.add("F", "gemm", fwd)
             cost.add("B", "gemm", dgrad + wgrad)
             cost.wgrad += wgrad
