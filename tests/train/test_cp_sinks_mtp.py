@@ -7,9 +7,10 @@ gloo spawn, against the same model in one process (fp32):
   MoE, two MTP depths) for each ``cp_comm_type`` at cp 2 and 4 (a2a+p2p as 2 x 2), plain and packed: the loss, the
   MTP loss and every parameter's gradient (summed over the CP group, as the dp x cp reduction does) within 1e-5;
 - mcore-train runs (``run_training``) over 4 AdamW steps: GPT-OSS at cp2 x dp2 (p2p, packed mock documents padded per
-  document), cp4 a2a+p2p 2 x 2 and cp2 x tp2 with sequence parallelism; DeepSeek-V3 with MTP at cp2 x dp2 (a2a) and
-  cp2 x tp2 (SP): per-step loss and gradient norm of the single process within 1e-5, and the DeepSeek runs' expert
-  biases bit-equal (unpacked rows: the padding tokens of packed CP rows would enter the bias counts).
+  document), cp4 a2a+p2p 2 x 2, cp2 x tp2 with sequence parallelism and cp2 x ep4 (packed); DeepSeek-V3 with MTP at
+  cp2 x dp2 (a2a), cp2 x tp2 (SP) and cp2 x ep2: per-step loss and gradient norm of the single process within 1e-5,
+  and the DeepSeek runs' expert biases bit-equal (unpacked rows: the padding tokens of packed CP rows would enter
+  the bias counts).
 """
 
 from __future__ import annotations
@@ -165,6 +166,8 @@ RUNS = {  # name: (single-process reference, overrides of the 4-rank run)
     "gpt_oss_cp2_tp2_sp_packed": ("gpt_oss_packed", [*CP2, *TP2_SP]),
     "deepseek_mtp_cp2_a2a": ("deepseek", [*CP2, "parallel.cp_comm_type=a2a"]),
     "deepseek_mtp_cp2_tp2_sp": ("deepseek", [*CP2, *TP2_SP]),
+    "deepseek_mtp_cp2_ep2": ("deepseek", [*CP2, "parallel.ep=2"]),
+    "gpt_oss_cp2_ep4_packed": ("gpt_oss_packed", [*CP2, "parallel.ep=4"]),
 }
 
 

@@ -198,8 +198,6 @@ def check_context_parallel(parallel: ParallelSection, model: TransformerConfig, 
             f"parallel.cp={cp}: layers with token mixer(s) {mixers} cannot run context-parallel (only "
             f"{list(CP_MIXERS)} can); use parallel.cp=1"
         )
-    if parallel.ep > 1:
-        raise ValueError(f"parallel.cp={cp} with parallel.ep={parallel.ep} is not supported yet; use ep=1 or cp=1")
     router = model.moe_router or {}
     if model.num_experts is not None and (model.router_aux_loss_coef or router.get("z_loss_coef")):
         # the MoE layers' aux losses are those of the tokens of their tp ranks; under CP they would need the

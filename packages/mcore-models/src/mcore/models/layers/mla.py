@@ -121,8 +121,8 @@ class MultiLatentAttention(nn.Module):
         context_parallel: CPContext | None = None,
     ) -> torch.Tensor:
         """``x [s(/tp), b, h]``; ``rope`` the cos/sin tables ``[s, b, 1, qk_rope_head_dim]``. ``context_parallel``:
-        ``x`` is this rank's CP shard and the core attends over the CP group (the up-projected K/V travel, as in
-        Megatron: every head's 192 + 128 values per token, not the 576 latents)."""
+        ``x`` is this rank's CP shard and the core attends over the CP group (the up-projected K/V travel: every head's
+        192 + 128 values per token in V3, not the 576 latents, so the blocks need no expansion per step)."""
         if context_parallel is not None and (kv_cache is not None or cu_seqlens is not None):
             raise ValueError("MLA under context parallelism takes no kv_cache or cu_seqlens (the sharding has them)")
         q_in = x if self.q_proj is not None else self.q_norm(self.q_down(x))
