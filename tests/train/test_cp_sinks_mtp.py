@@ -8,9 +8,10 @@ gloo spawn, against the same model in one process (fp32):
   MTP loss and every parameter's gradient (summed over the CP group, as the dp x cp reduction does) within 1e-5;
 - mcore-train runs (``run_training``) over 4 AdamW steps: GPT-OSS at cp2 x dp2 (p2p, packed mock documents padded per
   document), cp4 a2a+p2p 2 x 2, cp2 x tp2 with sequence parallelism and cp2 x ep4 (packed); DeepSeek-V3 with MTP at
-  cp2 x dp2 (a2a), cp2 x tp2 (SP) and cp2 x ep2: per-step loss and gradient norm of the single process within 1e-5,
-  and the DeepSeek runs' expert biases bit-equal (unpacked rows: the padding tokens of packed CP rows would enter
-  the bias counts).
+  cp2 x dp2 (a2a), cp2 x tp2 (SP) and cp2 x ep2, with the sequence-wise aux loss; Mixtral with the global aux loss
+  and the z-loss at cp4 and cp2 x tp2 (SP): per-step loss and gradient norm of the single process within 1e-5, and
+  the MoE runs' expert biases bit-equal (unpacked rows: the padding tokens of packed CP rows would enter the bias
+  counts and the aux statistics).
 """
 
 from __future__ import annotations
@@ -152,12 +153,18 @@ DEEPSEEK = [
     "model=deepseek_v3-tiny",
     "model.num_nextn_predict_layers=1",
     "model.moe_router={score_function: sigmoid, expert_bias: true, n_group: 4, topk_group: 2, "
-    "routed_scaling_factor: 2.5, bias_update_rate: 0.01}",
+    "routed_scaling_factor: 2.5, bias_update_rate: 0.01, aux_loss_type: sequence}",
+    "model.router_aux_loss_coef=0.01",  # sequence-wise: each sequence's statistics span its CP shards
     "train.mtp_loss_weight=0.3",
+]
+MIXTRAL = [  # the global load-balancing loss and the z-loss, with the expert bias
+    "model=mixtral-tiny",
+    "model.router_aux_loss_coef=0.01",
+    "model.moe_router={z_loss_coef: 0.001, expert_bias: true, bias_update_rate: 0.01}",
 ]
 STEPS = ["train.steps=4", "train.global_batch_size=8", "checkpoint.save_at_end=false", "optim.eps=1e-6"]
 PACKED = ["data.mock=true", "data.packing=true"]
-REFERENCES = {"gpt_oss": GPT_OSS, "gpt_oss_packed": [*GPT_OSS, *PACKED], "deepseek": DEEPSEEK}
+REFERENCES = {"gpt_oss": GPT_OSS, "gpt_oss_packed": [*GPT_OSS, *PACKED], "deepseek": DEEPSEEK, "mixtral": MIXTRAL}
 CP2, TP2_SP = ["parallel.cp=2"], ["parallel.tp=2", "parallel.sequence_parallel=true"]
 CP4_2X2 = ["parallel.cp=4", "parallel.cp_comm_type=a2a+p2p", "parallel.cp_a2a_size=2"]
 RUNS = {  # name: (single-process reference, overrides of the 4-rank run)
@@ -168,6 +175,8 @@ RUNS = {  # name: (single-process reference, overrides of the 4-rank run)
     "deepseek_mtp_cp2_tp2_sp": ("deepseek", [*CP2, *TP2_SP]),
     "deepseek_mtp_cp2_ep2": ("deepseek", [*CP2, "parallel.ep=2"]),
     "gpt_oss_cp2_ep4_packed": ("gpt_oss_packed", [*CP2, "parallel.ep=4"]),
+    "mixtral_aux_cp4": ("mixtral", ["parallel.cp=4"]),
+    "mixtral_aux_cp2_tp2_sp": ("mixtral", [*CP2, *TP2_SP]),
 }
 
 
@@ -257,8 +266,9 @@ def test_training_under_cp_equals_the_single_process(results, name):
         for step, ((loss, norm), (want_loss, want_norm)) in enumerate(zip(curve, want_curve), start=1):
             assert loss == pytest.approx(want_loss, rel=REL, abs=0), (name, rank, step)
             assert norm == pytest.approx(want_norm, rel=REL, abs=0), (name, rank, step)
-        if name.startswith("deepseek"):
-            assert set(biases) == set(want_biases) and any(".mtp." in f".{n}" for n in biases), (rank, sorted(biases))
+        if name.startswith(("deepseek", "mixtral")):
+            assert "mixtral" in name or any(".mtp." in f".{n}" for n in biases), (rank, sorted(biases))
+            assert set(biases) == set(want_biases), (rank, sorted(biases))
             assert any(any(b) for b in want_biases.values())  # the biases moved
             for bias_name, bias in biases.items():
                 assert bias == want_biases[bias_name], (name, rank, bias_name)

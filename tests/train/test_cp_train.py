@@ -227,7 +227,6 @@ def test_cp_keys_and_world_size():
         (["parallel.cp=2", "parallel.cp_comm_type=a2a", "parallel.cp_dynamic=true"], "cp_comm_type=p2p"),
         (["parallel.cp=2", "parallel.dp_shard=true", "parallel.cp_dynamic=true"], "no dp_shard"),
         (["model=mixtral-tiny", "parallel.cp=2", "parallel.cp_dynamic=true"], "does not run MoE models yet"),
-        (["model=mixtral-tiny", "model.router_aux_loss_coef=0.01", "parallel.cp=2"], "MoE aux losses"),
     ],
 )
 def test_bad_cp_layouts_are_refused_naming_the_key(extra, match):

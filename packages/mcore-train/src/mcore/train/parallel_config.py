@@ -198,15 +198,6 @@ def check_context_parallel(parallel: ParallelSection, model: TransformerConfig, 
             f"parallel.cp={cp}: layers with token mixer(s) {mixers} cannot run context-parallel (only "
             f"{list(CP_MIXERS)} can); use parallel.cp=1"
         )
-    router = model.moe_router or {}
-    if model.num_experts is not None and (model.router_aux_loss_coef or router.get("z_loss_coef")):
-        # the MoE layers' aux losses are those of the tokens of their tp ranks; under CP they would need the
-        # statistics of the whole tp x cp group and a cp-scaled gradient
-        raise ValueError(
-            f"parallel.cp={cp} with MoE aux losses (model.router_aux_loss_coef={model.router_aux_loss_coef}, "
-            f"model.moe_router.z_loss_coef={router.get('z_loss_coef')}) is not supported yet; set them to 0 (the "
-            "aux-loss-free expert_bias works) or use cp=1"
-        )
     if parallel.cp_dynamic and model.num_experts is not None:
         raise ValueError("parallel.cp_dynamic=true does not run MoE models yet (their aux losses); use static CP")
     if parallel.cp_dynamic and model.num_nextn_predict_layers:
