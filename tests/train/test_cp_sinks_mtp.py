@@ -11,7 +11,8 @@ gloo spawn, against the same model in one process (fp32):
   cp2 x dp2 (a2a), cp2 x tp2 (SP), cp2 x ep2 and cp2 x pp2 (MTP on the last stage, MLA recomputed by module), with
   the sequence-wise aux loss; Mixtral with the global aux loss and the z-loss at cp4 and cp2 x tp2 (SP): per-step
   loss and gradient norm of the single process within 1e-5, and the MoE runs' expert biases bit-equal (unpacked
-  rows: the padding tokens of packed CP rows would enter the bias counts and the aux statistics).
+  rows: the padding tokens of packed CP rows would enter the bias counts and the aux statistics); DeepSeek-V3 with
+  two MTP depths on packed mock documents (no expert bias, no aux loss) at cp2 x dp2.
 """
 
 from __future__ import annotations
@@ -144,6 +145,7 @@ def _check_model(name: str, groups) -> dict[str, float]:
 
 # ------------------------------------------------------------------------------------------------ training
 
+PACKED = ["data.mock=true", "data.packing=true"]
 GPT_OSS = [
     "model=gpt_oss-tiny",
     "model.num_hidden_layers=2",
@@ -157,14 +159,23 @@ DEEPSEEK = [
     "model.router_aux_loss_coef=0.01",  # sequence-wise: each sequence's statistics span its CP shards
     "train.mtp_loss_weight=0.3",
 ]
+# packed documents: without the expert bias and the aux loss, whose statistics would count CP's padding tokens
+DEEPSEEK_PACKED = [
+    "model=deepseek_v3-tiny",
+    "model.num_nextn_predict_layers=2",
+    "model.moe_router={score_function: sigmoid, expert_bias: false, n_group: 4, topk_group: 2, "
+    "routed_scaling_factor: 2.5}",
+    "train.mtp_loss_weight=0.3",
+    *PACKED,
+]
 MIXTRAL = [  # the global load-balancing loss and the z-loss, with the expert bias
     "model=mixtral-tiny",
     "model.router_aux_loss_coef=0.01",
     "model.moe_router={z_loss_coef: 0.001, expert_bias: true, bias_update_rate: 0.01}",
 ]
 STEPS = ["train.steps=4", "train.global_batch_size=8", "checkpoint.save_at_end=false", "optim.eps=1e-6"]
-PACKED = ["data.mock=true", "data.packing=true"]
 REFERENCES = {"gpt_oss": GPT_OSS, "gpt_oss_packed": [*GPT_OSS, *PACKED], "deepseek": DEEPSEEK, "mixtral": MIXTRAL}
+REFERENCES["deepseek_packed"] = DEEPSEEK_PACKED
 CP2, TP2_SP = ["parallel.cp=2"], ["parallel.tp=2", "parallel.sequence_parallel=true"]
 # MTP on the last stage; MLA's up projections and core recomputed (the CP collectives run again in backward)
 RECOMPUTE_MLA = ["train.recompute=selective", "train.recompute_modules=[mla_up_proj,core_attn,layernorm]"]
@@ -180,6 +191,7 @@ RUNS = {  # name: (single-process reference, overrides of the 4-rank run)
         "deepseek",
         [*CP2, "parallel.pp=2", "parallel.pipeline_layout=balanced", *RECOMPUTE_MLA],
     ),
+    "deepseek_mtp2_cp2_p2p_packed": ("deepseek_packed", CP2),  # two MTP depths across document ends
     "gpt_oss_cp2_ep4_packed": ("gpt_oss_packed", [*CP2, "parallel.ep=4"]),
     "mixtral_aux_cp4": ("mixtral", ["parallel.cp=4"]),
     "mixtral_aux_cp2_tp2_sp": ("mixtral", [*CP2, *TP2_SP]),
@@ -272,11 +284,11 @@ def test_training_under_cp_equals_the_single_process(results, name):
         for step, ((loss, norm), (want_loss, want_norm)) in enumerate(zip(curve, want_curve), start=1):
             assert loss == pytest.approx(want_loss, rel=REL, abs=0), (name, rank, step)
             assert norm == pytest.approx(want_norm, rel=REL, abs=0), (name, rank, step)
-        if name.startswith(("deepseek", "mixtral")):
+        if want_biases:
             assert biases and set(biases) <= set(want_biases), (rank, sorted(biases))  # a stage's layers under pp
             assert any(any(b) for b in want_biases.values())  # the biases moved
             for bias_name, bias in biases.items():
                 assert bias == want_biases[bias_name], (name, rank, bias_name)
-    if name.startswith(("deepseek", "mixtral")):  # every layer's bias on some rank, the MTP layer's included
+    if want_biases:  # every layer's bias on some rank, the MTP layer's included
         held = {n for out in per_rank for n in out[name][1]}
         assert held == set(want_biases) and ("mixtral" in name or any(n.startswith("mtp.") for n in held)), held
