@@ -35,10 +35,12 @@ MODEL_CASES = {
     "gpt_oss-all_gather-cp2": ("gpt_oss-tiny", "all_gather", 2, False),
     "gpt_oss-a2a-cp2-packed": ("gpt_oss-tiny", "a2a", 2, True),
     "gpt_oss-p2p-cp4-packed": ("gpt_oss-tiny", "p2p", 4, True),
-    "gpt_oss-a2a+p2p-cp4": ("gpt_oss-tiny", "a2a+p2p", 4, False),
+    "gpt_oss-all_gather-cp4-packed": ("gpt_oss-tiny", "all_gather", 4, True),
+    "gpt_oss-a2a+p2p-cp4-packed": ("gpt_oss-tiny", "a2a+p2p", 4, True),
     "deepseek_v3-p2p-cp2-packed": ("deepseek_v3-tiny", "p2p", 2, True),
     "deepseek_v3-a2a-cp2": ("deepseek_v3-tiny", "a2a", 2, False),
     "deepseek_v3-all_gather-cp4-packed": ("deepseek_v3-tiny", "all_gather", 4, True),
+    "deepseek_v3-a2a-cp4-packed": ("deepseek_v3-tiny", "a2a", 4, True),
     "deepseek_v3-a2a+p2p-cp4-packed": ("deepseek_v3-tiny", "a2a+p2p", 4, True),
 }
 SHIFT_CASES = [(cp, k, packed) for cp in (2, 4) for k in (1, 2, 3) for packed in (False, True)]
