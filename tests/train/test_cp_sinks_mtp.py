@@ -12,7 +12,8 @@ gloo spawn, against the same model in one process (fp32):
   the sequence-wise aux loss; Mixtral with the global aux loss and the z-loss at cp4 and cp2 x tp2 (SP): per-step
   loss and gradient norm of the single process within 1e-5, and the MoE runs' expert biases bit-equal (unpacked
   rows: the padding tokens of packed CP rows would enter the bias counts and the aux statistics); DeepSeek-V3 with
-  two MTP depths on packed mock documents (no expert bias, no aux loss) at cp2 x dp2.
+  two MTP depths on packed mock documents (no expert bias, no aux loss) at cp2 x dp2; Mixtral (no aux loss) under
+  dynamic CP (``parallel.cp_dynamic``) on 64-token packed rows.
 """
 
 from __future__ import annotations
@@ -178,6 +179,7 @@ MIXTRAL = [  # the global load-balancing loss and the z-loss, with the expert bi
 STEPS = ["train.steps=4", "train.global_batch_size=8", "checkpoint.save_at_end=false", "optim.eps=1e-6"]
 REFERENCES = {"gpt_oss": GPT_OSS, "gpt_oss_packed": [*GPT_OSS, *PACKED], "deepseek": DEEPSEEK, "mixtral": MIXTRAL}
 REFERENCES["deepseek_packed"] = DEEPSEEK_PACKED
+REFERENCES["mixtral_packed64"] = ["model=mixtral-tiny", "data.packing=true", "data.seq_length=64"]
 CP2, TP2_SP = ["parallel.cp=2"], ["parallel.tp=2", "parallel.sequence_parallel=true"]
 # MTP on the last stage; MLA's up projections and core recomputed (the CP collectives run again in backward)
 RECOMPUTE_MLA = ["train.recompute=selective", "train.recompute_modules=[mla_up_proj,core_attn,layernorm]"]
@@ -196,6 +198,7 @@ RUNS = {  # name: (single-process reference, overrides of the 4-rank run)
     "deepseek_mtp2_cp2_p2p_packed": ("deepseek_packed", CP2),  # two MTP depths across document ends
     "gpt_oss_cp2_ep4_packed": ("gpt_oss_packed", [*CP2, "parallel.ep=4"]),
     "mixtral_aux_cp4": ("mixtral", ["parallel.cp=4"]),
+    "mixtral_dynamic_cp2_packed64": ("mixtral_packed64", [*CP2, "parallel.cp_dynamic=true"]),
     "mixtral_aux_cp2_tp2_sp": ("mixtral", [*CP2, *TP2_SP]),
 }
 

@@ -226,7 +226,14 @@ def test_cp_keys_and_world_size():
         (["parallel.cp=2", "parallel.tp=2", "parallel.cp_dynamic=true"], r"needs tp = pp = 1 \(got tp=2, pp=1\)"),
         (["parallel.cp=2", "parallel.cp_comm_type=a2a", "parallel.cp_dynamic=true"], "cp_comm_type=p2p"),
         (["parallel.cp=2", "parallel.dp_shard=true", "parallel.cp_dynamic=true"], "no dp_shard"),
-        (["model=mixtral-tiny", "parallel.cp=2", "parallel.cp_dynamic=true"], "does not run MoE models yet"),
+        (
+            ["model=mixtral-tiny", "model.router_aux_loss_coef=0.01", "parallel.cp=2", "parallel.cp_dynamic=true"],
+            "runs MoE models only without aux losses",
+        ),
+        (
+            ["model=mixtral-tiny", "parallel.cp=2", "parallel.ep=2", "parallel.cp_dynamic=true"],
+            "and with parallel.ep=1",
+        ),
     ],
 )
 def test_bad_cp_layouts_are_refused_naming_the_key(extra, match):

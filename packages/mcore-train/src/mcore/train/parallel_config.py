@@ -198,8 +198,16 @@ def check_context_parallel(parallel: ParallelSection, model: TransformerConfig, 
             f"parallel.cp={cp}: layers with token mixer(s) {mixers} cannot run context-parallel (only "
             f"{list(CP_MIXERS)} can); use parallel.cp=1"
         )
-    if parallel.cp_dynamic and model.num_experts is not None:
-        raise ValueError("parallel.cp_dynamic=true does not run MoE models yet (their aux losses); use static CP")
+    router = model.moe_router or {}
+    aux = model.num_experts is not None and (model.router_aux_loss_coef or router.get("z_loss_coef"))
+    if parallel.cp_dynamic and (aux or (model.num_experts is not None and parallel.ep > 1)):
+        # dynamic CP's ranks run different numbers of forward passes: the aux statistics' all-reduces and the
+        # experts' all-to-alls would not pair up across ranks
+        raise ValueError(
+            "parallel.cp_dynamic=true runs MoE models only without aux losses (model.router_aux_loss_coef, "
+            "model.moe_router.z_loss_coef = 0; the aux-loss-free expert_bias works) and with parallel.ep=1; use "
+            "static CP"
+        )
     if parallel.cp_dynamic and model.num_nextn_predict_layers:
         # dynamic CP weights each document's loss by its micro-batch; the MTP loss is a per-micro-batch mean
         raise ValueError(
