@@ -207,8 +207,10 @@ def build_spec(
     expert_gemm: str = "grouped",
     layout: str | None = None,
     recompute_modules: str | None = None,
+    extra_overrides: list[str] | None = None,
 ) -> RunSpec:
-    """``layout``: one of ``LAYOUTS`` (default ``"fsdp"`` when ``fsdp``, else ``"zero1"``)."""
+    """``layout``: one of ``LAYOUTS`` (default ``"fsdp"`` when ``fsdp``, else ``"zero1"``); ``extra_overrides``:
+    config overrides appended last (``--override``, e.g. the optimizer's dtypes)."""
     layout = layout or ("fsdp" if fsdp else "zero1")
     shape = SHAPES[shape_name]
     overrides = [
@@ -229,6 +231,7 @@ def build_spec(
         overrides += LAYOUT_OVERRIDES[layout]
     if recompute_modules:  # selective recompute of these sub-blocks (comma-separated, Megatron's names)
         overrides += ["train.recompute=selective", f"train.recompute_modules=[{recompute_modules}]"]
+    overrides += list(extra_overrides or [])
     model = moe_model(shape, align=1 if dry_run else 8, expert_gemm=expert_gemm)
     name = f"{variant_label(layout, expert_gemm)}_{shape_name}"
     return RunSpec(name, 1, overrides, model, 1 + warmup, profile_steps=profile_steps)
@@ -245,6 +248,7 @@ def run_ours(args: argparse.Namespace) -> int:
         expert_gemm=args.expert_gemm,
         layout=args.layout,
         recompute_modules=args.recompute_modules,
+        extra_overrides=args.override,
     )
     result, runtime = run_spec(spec)
     runtime.shutdown()
@@ -257,6 +261,7 @@ def run_ours(args: argparse.Namespace) -> int:
         "precision": result["precision"],
         "expert_gemm": args.expert_gemm,
         "recompute_modules": args.recompute_modules,
+        "overrides": args.override,
         "flops_per_token": result["flops_per_token"],
         "iters": args.iters,
         "warmup": args.warmup,
@@ -279,6 +284,8 @@ def _runs(args: argparse.Namespace, shape: str, out: Path) -> list[tuple[str, li
         ours += ["--warmup", str(args.warmup), "--profile-steps", str(args.profile_steps), "--expert-gemm", gemm]
         if args.recompute_modules:
             ours += ["--recompute-modules", args.recompute_modules]
+        for item in args.override:
+            ours += ["--override", item]
         ours += ["--json", str(out / f"{label}_{shape}.json")]
         runs.append((label, ours + (["--dry-run"] if args.dry_run else []) + ["--layout", layout]))
     if args.skip_baseline or args.dry_run or not SHAPES[shape].get("baseline", True):
@@ -384,6 +391,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--recompute-modules", default=None, help="ours: train.recompute_modules, comma-separated (selective recompute)"
     )
     ap.add_argument(
+        "--override", action="append", default=[], metavar="KEY=VALUE",
+        help="ours: a config override, appended last (repeatable; e.g. optim.exp_avg_dtype=bf16)",
+    )  # fmt: skip
+    ap.add_argument(
         "--profile-steps", type=int, default=None, help="steps after the timed ones under the CUDA profiler (1; dry 0)"
     )
     args = ap.parse_args(argv)
@@ -392,6 +403,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args.profile_steps = args.profile_steps if args.profile_steps is not None else (0 if args.dry_run else 1)
     if args.profile_steps < 0 or (args.dry_run and args.profile_steps):
         ap.error(f"--profile-steps must be >= 0 and needs a GPU (0 in dry runs), got {args.profile_steps}")
+    bad = [o for o in args.override if "=" not in o]
+    if bad:
+        ap.error(f"--override wants KEY=VALUE, got {bad[0]!r}")
     if args.iters < 1 or args.warmup < 0:
         ap.error(f"--iters must be >= 1 and --warmup >= 0, got {args.iters} and {args.warmup}")
     if args.only and (args.json is None or args.shape in ("all", "gptoss")):

@@ -31,6 +31,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -315,6 +316,15 @@ TRAIN_CONFIGS = {
     # memory checks of zero1 with the Mamba and attention cores, or whole layers, recomputed (not run by default)
     "zero1_selective": ["parallel.distributed_optimizer=true", "train.recompute=selective"],
     "zero1_full": ["parallel.distributed_optimizer=true", "train.recompute=full"],
+    # the Mamba cores, the norms and the MLP layers recomputed, the attention core kept (train.recompute_modules)
+    "zero1_modules": [
+        "parallel.distributed_optimizer=true",
+        "train.recompute=selective",
+        "train.recompute_modules=[mamba_core,layernorm,mlp]",
+    ],
+    # FSDP2 at world size 1 with its auto settings (kept gathered forward to backward), nothing recomputed; A_log,
+    # D and dt_bias in fp32 groups of their own
+    "fsdp": ["parallel.dp_shard=true"],
     "fsdp_selective": [
         "parallel.dp_shard=true",
         "parallel.dp_shard_reshard_after_forward=true",
@@ -324,13 +334,15 @@ TRAIN_CONFIGS = {
 
 
 def training_spec(preset: str, seq: int, iters: int, warmup: int, dry_run: bool, profile: int = 0,
-                  config: str = "zero1") -> RunSpec:  # fmt: skip
+                  config: str = "zero1", extra: Sequence[str] = ()) -> RunSpec:  # fmt: skip
     """The real ``mcore-train`` step on ``preset``: bf16 compute with fp32 master weights and AdamW states (on the
-    CPU dry run too), one of :data:`TRAIN_CONFIGS`, micro-batch 1, mock data."""
+    CPU dry run too), one of :data:`TRAIN_CONFIGS` plus ``extra`` overrides (``--override``), micro-batch 1, mock
+    data."""
     overrides = [
         f"train.device={'cpu' if dry_run else 'cuda'}",
         "train.precision=bf16",
         *TRAIN_CONFIGS[config],
+        *extra,
         f"data.seq_length={seq}",
         "train.micro_batch_size=1",
         "train.global_batch_size=1",
@@ -347,10 +359,12 @@ def run_ours(a: argparse.Namespace) -> int:
     """``--only mcore``: our training step in this process (a child of :func:`main`), its JSON to ``--json``."""
     preset, seq = TRAIN_SHAPES["tiny" if a.dry_run else "nemotronh8b4l"]
     (config,) = a.train_configs
-    result, runtime = run_spec(training_spec(preset, seq, a.iters, a.warmup, a.dry_run, a.profile_steps, config))
+    spec = training_spec(preset, seq, a.iters, a.warmup, a.dry_run, a.profile_steps, config, a.override)
+    result, runtime = run_spec(spec)
     runtime.shutdown()
     keys = ("params", "tokens_per_s", "step_s", "tflops_per_gpu", "mfu", "peak_mem_gb", "first_step_s", "gpu", "torch")
-    record = {"impl": "mcore", "config": config, "overrides": TRAIN_CONFIGS[config], "preset": preset, "seq": seq}
+    overrides = [*TRAIN_CONFIGS[config], *a.override]
+    record = {"impl": "mcore", "config": config, "overrides": overrides, "preset": preset, "seq": seq}
     record |= {k: result[k] for k in keys}
     record |= {k: result[k] for k in ("precision", "flops_per_token", "step_times_s", "losses", "profile")}
     write_json(a.json, record)
@@ -364,6 +378,7 @@ def bench_training(a: argparse.Namespace, config: str) -> dict:
     argv = ["--only", "mcore", "--json", str(json_path), "--iters", str(a.iters), "--warmup", str(a.warmup)]
     argv += ["--out", str(a.out), "--profile-steps", str(a.profile_steps), "--train-configs", config]
     argv += ["--dry-run"] if a.dry_run else []
+    argv += [f"--override={o}" for o in a.override]
     launch = launch_workers(Path(__file__).resolve(), 1, argv, names=[json_path.stem],
                             log_path=a.out / f"ssm_training_{config}.log", env=child_env(dry_run=a.dry_run),
                             timeout_s=a.timeout)  # fmt: skip
@@ -407,6 +422,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--timeout", type=float, default=600.0, help="seconds for each of our training runs (600)")
     ap.add_argument("--train-configs", type=lambda t: t.split(","), default=["zero1", "fsdp_selective"],
                     help=f"comma-separated, of {', '.join(TRAIN_CONFIGS)} (all)")  # fmt: skip
+    ap.add_argument("--override", action="append", default=[], metavar="KEY=VALUE",
+                    help="an mcore-train override added to every one of our training configs (repeatable)")  # fmt: skip
     ap.add_argument("--json", type=Path, help=argparse.SUPPRESS)
     ap.add_argument("--only", choices=["mcore"], help=argparse.SUPPRESS)
     a = ap.parse_args(argv)

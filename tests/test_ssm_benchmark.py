@@ -37,6 +37,22 @@ def test_ssm_benchmark_dry_run_writes_its_json(tmp_path):
         assert train["precision"] == "bf16" and all(math.isfinite(loss) for loss in train["losses"])
 
 
+def test_ssm_benchmark_dry_run_trains_the_memory_configs(tmp_path):
+    """recompute_modules and FSDP2's auto settings through the benchmark's Trainer runs (the GPU plan's configs)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "", "TRITON_INTERPRET": "1"}
+    argv = [sys.executable, str(ROOT / "benchmarks" / "ssm_throughput.py"), "--dry-run", "--out", str(tmp_path),
+            "--skip-kernels", "--train-configs", "zero1_modules,fsdp,zero1_full",
+            "--override=train.seed=3"]  # fmt: skip
+    proc = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads((tmp_path / "ssm_throughput.json").read_text())
+    assert [t["config"] for t in result["training"]] == ["zero1_modules", "fsdp", "zero1_full"]
+    for train in result["training"]:
+        assert train["tokens_per_s"] > 0 and all(math.isfinite(loss) for loss in train["losses"]), train["config"]
+    assert "train.recompute_modules=[mamba_core,layernorm,mlp]" in result["training"][0]["overrides"]
+    assert all(t["overrides"][-1] == "train.seed=3" for t in result["training"])  # --override reaches every run
+
+
 def test_tile_sweep_restores_the_defaults_and_times_every_value(monkeypatch):
     import time
 

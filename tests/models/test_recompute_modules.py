@@ -68,7 +68,7 @@ def test_each_module_keeps_gradients_and_saves_bytes(baseline, module, name):
     ref = baseline[name]
     got = _run(config, [module])
     _assert_same(ref, got)
-    if module == "moe_act":  # our experts never keep the activation: nothing more to drop
+    if module in ("moe_act", "mamba_core"):  # our experts never keep the activation; no Mamba layer here
         assert got[2] == ref[2]
     else:
         assert got[2] < ref[2], (module, got[2], ref[2])

@@ -122,14 +122,17 @@ def _grouped(g, rows: float) -> float:
     return out
 
 
-def _saved_by_mamba_layer(device: str, tokens: int, recompute: str) -> tuple[float, float]:
-    """(planned, measured) bytes one Nemotron-H-8B Mamba-2 layer in bf16 keeps for backward: the distinct
-    storages autograd saves during its forward against ``activation_parts_per_layer``."""
+def _saved_by_mamba_layer(
+    device: str, tokens: int, recompute: str, modules: tuple[str, ...] | None = None, index: int = 0
+) -> tuple[float, float]:
+    """(planned, measured) bytes one Nemotron-H-8B layer (``index`` 0: Mamba-2, 1: MLP) in bf16 keeps for backward:
+    the distinct storages autograd saves during its forward against ``activation_parts_per_layer``."""
     from mcore.train.planning.memory import activation_parts_per_layer
 
     config = get_config("nemotron-h-8b-4l")
-    model = GPTModel(config, layer_range=(0, 1), pre_process=False, post_process=False, params_dtype=torch.bfloat16,
-                     device=device, recompute=None if recompute == "none" else recompute)  # fmt: skip
+    model = GPTModel(config, layer_range=(index, index + 1), pre_process=False, post_process=False,
+                     params_dtype=torch.bfloat16, device=device, recompute=None if recompute == "none" else recompute,
+                     recompute_modules=modules)  # fmt: skip
     x = torch.randn(tokens, 1, config.hidden_size, device=device, dtype=torch.bfloat16, requires_grad=True)
     storages: dict[int, int] = {}
 
@@ -139,10 +142,9 @@ def _saved_by_mamba_layer(device: str, tokens: int, recompute: str) -> tuple[flo
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        model.layers["0"](x, None)
-    parts = activation_parts_per_layer(
-        ModelShape.from_config(config), Layout(seq_length=tokens, recompute=recompute), 0
-    )
+        model.layers[str(index)](x, None)
+    layout = Layout(seq_length=tokens, recompute=recompute, recompute_modules=modules)
+    parts = activation_parts_per_layer(ModelShape.from_config(config), layout, index)
     return sum(parts.values()), float(sum(storages.values()))
 
 
@@ -153,10 +155,49 @@ def test_mamba_layer_with_its_core_recomputed_saves_what_the_planner_counts():
     assert planned == pytest.approx(measured, rel=0.01)
 
 
+@pytest.mark.parametrize(
+    "index,modules",
+    [
+        (0, ("mamba_core",)),
+        (0, ("layernorm", "mamba_core")),
+        (1, ("mlp",)),
+        (1, ("layernorm",)),
+        (1, ("layernorm", "mlp")),
+    ],
+)
+def test_recompute_modules_on_hybrid_layers_save_what_the_planner_counts(index, modules):
+    """train.recompute_modules on a Mamba-2 layer (the core recomputed: the CPU scan's saved tensors are not the
+    Triton kernels', so the core itself is compared on CUDA) and on an MLP layer: within 1%."""
+    planned, measured = _saved_by_mamba_layer("cpu", 256, "selective", modules, index)
+    assert planned == pytest.approx(measured, rel=0.01)
+
+
+def test_a_list_without_mamba_core_plans_the_core_kept():
+    shape = ModelShape.from_config(get_config("nemotron-h-8b-4l"))
+    from mcore.train.planning.memory import activation_bytes_per_layer
+
+    default, mlp_only, core = (
+        activation_bytes_per_layer(shape, Layout(seq_length=4096, recompute="selective", recompute_modules=m), 0)
+        for m in (None, ("mlp",), ("mamba_core",))
+    )
+    plain = activation_bytes_per_layer(shape, Layout(seq_length=4096), 0)
+    assert default == core < mlp_only == plain
+    f_mlp, f_core = (
+        TimeModel(shape, Layout(seq_length=4096, recompute="selective", recompute_modules=m), H200).layer_cost(0)
+        for m in (("mlp",), ("mamba_core",))
+    )
+    assert f_core.backward["ssm"] == pytest.approx(f_mlp.backward["ssm"] + f_mlp.forward["ssm"])
+    assert f_mlp.backward == TimeModel(shape, Layout(seq_length=4096), H200).layer_cost(0).backward
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (the Triton scan saves what it saves)")
-@pytest.mark.parametrize("recompute", ["none", "selective"])
-def test_mamba_layer_saves_what_the_planner_counts_on_cuda(recompute):
-    """At 4,096 tokens with the Triton SSD and conv kernels, within 10%."""
-    planned, measured = _saved_by_mamba_layer("cuda", 4096, recompute)
+@pytest.mark.parametrize(
+    "recompute,modules",
+    [("none", None), ("selective", None), ("selective", ("mlp",)), ("selective", ("layernorm", "mamba_core"))],
+)
+def test_mamba_layer_saves_what_the_planner_counts_on_cuda(recompute, modules):
+    """At 4,096 tokens with the Triton SSD and conv kernels, within 10% (a list without mamba_core: the core's
+    tensors are kept, as without recompute)."""
+    planned, measured = _saved_by_mamba_layer("cuda", 4096, recompute, modules)
     assert planned == pytest.approx(measured, rel=0.10)

@@ -10,6 +10,13 @@ Per element, in fp32 (``g`` read in its own dtype and upcast; ``t`` the step num
     p  = p - (lr / (1 - beta1**t)) * m / (sqrt(v) / sqrt(1 - beta2**t) + eps)
     model_param = p cast to the model parameter's dtype
 
+The moments may be stored in bf16 (Megatron-Core's precision-aware optimizer, ``--exp-avg-dtype`` /
+``--exp-avg-sq-dtype``): they are upcast on load, updated and used for the parameter update in fp32, and rounded
+to bf16 once on store; the parameter update sees the unrounded values. fp16 moments are refused: ``exp_avg_sq``
+holds squared gradients (1e-10 for a gradient of 1e-5), far below fp16's smallest subnormal (6e-8), so they flush
+to zero and the update becomes ``m / eps``; making fp16 safe needs a per-tensor scale (as Transformer Engine's
+FusedAdam keeps), which this kernel does not have.
+
 This is the order of operations of ``torch.optim.AdamW`` (``amsgrad=False, maximize=False``) and of its
 fused CUDA kernel; the step-dependent scalars are computed in double precision on the host (as torch's
 non-capturable paths do) and rounded once to fp32. A mixed-precision optimizer can therefore fold gradient
@@ -32,6 +39,14 @@ __all__ = ["AdamWScalars", "adamw_step_", "reference_adamw_step"]
 
 _GRAD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _MODEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_MOMENT_DTYPES = (torch.float32, torch.bfloat16)
+_ALLOWED_DTYPES = {
+    "params": (torch.float32,),
+    "grads": _GRAD_DTYPES,
+    "exp_avgs": _MOMENT_DTYPES,
+    "exp_avg_sqs": _MOMENT_DTYPES,
+    "model_params": _MODEL_DTYPES,
+}
 
 
 def adamw_step_(
@@ -56,7 +71,8 @@ def adamw_step_(
         params: fp32 tensors updated in place (the master weights); contiguous, any shape.
         grads: ``grads[i]`` has ``params[i].numel()`` elements (any shape and layout); fp32, bf16 or fp16,
             read and upcast to fp32, never written.
-        exp_avgs, exp_avg_sqs: fp32 Adam moments, contiguous, ``params[i].numel()`` elements each; updated.
+        exp_avgs, exp_avg_sqs: Adam moments, contiguous, ``params[i].numel()`` elements each; updated. fp32 or
+            bf16, chosen per tensor (read and upcast, updated in fp32, rounded once when written back).
         steps: the step number *after* this update (1 on the first step), used for the bias corrections of
             every tensor of the call; tensors at different step counts need separate calls.
         lr, beta1, beta2, eps, weight_decay: as in ``torch.optim.AdamW`` (decoupled weight decay).
@@ -92,10 +108,12 @@ def reference_adamw_step(
     scalars: AdamWScalars,
     grad_multiplier: torch.Tensor | None,
 ) -> None:
-    """Pure-torch update, one tensor at a time, with the same fp32 operations in the same order as the kernel."""
+    """Pure-torch update, one tensor at a time, with the same fp32 operations in the same order as the kernel
+    (bf16 moments: upcast, updated in fp32, the parameter updated with the fp32 values, rounded once on store)."""
     s = scalars
-    for p, g, m, v, out in zip(params, grads, exp_avgs, exp_avg_sqs, model_params):
-        p, m, v = p.view(-1), m.view(-1), v.view(-1)
+    for p, g, m_stored, v_stored, out in zip(params, grads, exp_avgs, exp_avg_sqs, model_params):
+        p = p.view(-1)
+        m, v = (t.view(-1) if t.dtype == torch.float32 else t.view(-1).float() for t in (m_stored, v_stored))
         g = g.reshape(-1).float()
         if grad_multiplier is not None:
             g = g * grad_multiplier.reshape(())
@@ -105,6 +123,9 @@ def reference_adamw_step(
         v.mul_(s.beta2).addcmul_(g, g, value=s.one_minus_beta2)
         denom = (v.sqrt() / s.bias_correction2_sqrt).add_(s.eps)
         p.addcdiv_(m, denom, value=-s.step_size)
+        for stored, fp32 in ((m_stored, m), (v_stored, v)):
+            if stored.dtype != torch.float32:
+                stored.view(-1).copy_(fp32)
         if out is not None:
             out.view(-1).copy_(p)
 
@@ -182,10 +203,12 @@ def _check_lists(
                 raise TypeError(f"adamw_step_: {name}[{i}] must be a torch.Tensor, got {type(t).__name__}")
         numel = params[i].numel()
         for name, t in entries.items():
-            allowed = _GRAD_DTYPES if name == "grads" else _MODEL_DTYPES if name == "model_params" else (torch.float32,)
+            allowed = _ALLOWED_DTYPES[name]
             if t.dtype not in allowed:
                 names = ", ".join(str(d).removeprefix("torch.") for d in allowed)
-                raise TypeError(f"adamw_step_: {name}[{i}] must be {names}, got {t.dtype}")
+                moment = allowed is _MOMENT_DTYPES
+                why = " (fp16 moments underflow without a per-tensor scale; use bfloat16)" if moment else ""
+                raise TypeError(f"adamw_step_: {name}[{i}] must be {names}, got {t.dtype}{why}")
             if t.numel() != numel:
                 raise ValueError(
                     f"adamw_step_: {name}[{i}] has shape {tuple(t.shape)} ({t.numel()} elements) but params[{i}] has "

@@ -11,10 +11,14 @@ forward and run again in backward (Megatron's names):
 - ``shared_experts``: an MoE layer's shared experts;
 - ``moe_act``: the routed experts' activation. Our grouped experts always recompute it (the SwiGLU / squared
   ReLU output is never kept, see ``mcore.kernels.grouped_gemm``), so the name is accepted for Megatron recipes
-  and changes nothing in the model.
+  and changes nothing in the model;
+- ``mamba_core`` (an mcore name; Megatron-Core has none for Mamba layers): a Mamba-2 mixer's core, everything
+  between ``in_proj`` and ``out_proj`` (the causal conv, the SSD scan, the gated norm); ``in_proj``'s output and
+  the core's output stay. In hybrid models ``layernorm`` applies to every layer's pre-norm and ``mlp`` to the
+  dense MLP layers (Nemotron-H's ``-``, Falcon-H1's gated MLP), ``core_attn`` to the attention layers.
 
 Without a list (``None``), each part keeps its own selective default: attention recomputes its core, MLA its
-up-projections and core, Mamba-2 its conv + SSD + norm.
+up-projections and core, Mamba-2 its core (``mamba_core``).
 
 Two forms:
 
@@ -39,9 +43,18 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-RECOMPUTE_MODULES = ("core_attn", "mla_up_proj", "layernorm", "mlp", "moe", "shared_experts", "moe_act")
+RECOMPUTE_MODULES = (
+    "core_attn",
+    "mla_up_proj",
+    "layernorm",
+    "mlp",
+    "moe",
+    "shared_experts",
+    "moe_act",
+    "mamba_core",
+)
 # what "selective" recomputes without a list (the parts' defaults before recompute_modules existed)
-DEFAULT_SELECTIVE = frozenset({"core_attn", "mla_up_proj"})
+DEFAULT_SELECTIVE = frozenset({"core_attn", "mla_up_proj", "mamba_core"})
 
 
 def check_recompute_modules(modules: Iterable[str] | None, recompute: str | None, where: str) -> tuple | None:

@@ -1,14 +1,15 @@
 """Data parallelism with gradient reduction overlapped with backward.
 
-``DistributedDataParallel`` keeps every gradient in contiguous fp32 buffers (``param.main_grad``), split
-into buckets (see ``grad_buffer``). A post-accumulate-grad hook adds ``param.grad`` into ``main_grad`` and
+``DistributedDataParallel`` keeps every gradient in contiguous buffers (``param.main_grad``) of ``grad_dtype``
+(fp32; bf16 halves their memory and the reduction's bytes: Megatron's ``--main-grads-dtype``), split into buckets
+(see ``grad_buffer``). A post-accumulate-grad hook adds ``param.grad`` into ``main_grad`` and
 frees ``param.grad``; when a bucket's last gradient arrives its collective starts asynchronously
 (``overlap_grad_reduce``), while autograd keeps computing the gradients of earlier layers. Gradients are
 averaged over ``dp_group`` (pass the dp x cp group under context parallelism).
 
 Gradient-accumulation fusion (``gradient_accumulation_fusion``, on by default, Megatron's option of that name):
-the tensor-parallel linears compute their weight gradient with a GEMM that accumulates into the fp32
-``main_grad`` directly, instead of materializing a bf16 gradient that the hook then adds (a full extra pass over
+the tensor-parallel linears compute their weight gradient with a GEMM that accumulates into ``main_grad``
+(in its dtype) directly, instead of materializing a bf16 gradient that the hook then adds (a full extra pass over
 every weight gradient, ~5% of a step on an H200 for an 8B-layer shape). Other parameters go through the hook.
 
 Gradient accumulation: run the backward of every micro-batch but the last inside ``no_sync()``; the

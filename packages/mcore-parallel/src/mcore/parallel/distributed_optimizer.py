@@ -98,5 +98,9 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
                             continue
                         lo, hi = buf.ranges[p]
                         rng = slice(lo - bucket.start, hi - bucket.start)
-                        out[p] = {kind: full[k, rng].view(p.shape).clone() for k, kind in enumerate(STATE_KINDS)}
+                        # gathered in fp32 (exact for bf16 moments), returned in their storage dtype
+                        out[p] = {
+                            kind: full[k, rng].view(p.shape).to(self.state_dtypes[kind], copy=True)
+                            for k, kind in enumerate(STATE_KINDS)
+                        }
         return out

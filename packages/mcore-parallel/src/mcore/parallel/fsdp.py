@@ -14,8 +14,9 @@ sharded ``DTensor`` parameters, so gradient clipping, ``finalize_model_grads`` a
 
 Precision: the sharded parameters keep the dtype the module was built with (build it in fp32: they are the
 master weights the optimizer updates in place); ``param_dtype`` (bf16) is what forward and backward compute
-with, ``reduce_dtype`` (fp32) what gradients are reduced and stored in. ``FullyShardedOptimizer`` (see
-``sharded_optimizer``) runs AdamW on the local shards.
+with, except for parameters marked fp32-compute (Mamba-2's ``A_log``, ``D``, ``dt_bias``: gathered in fp32 by
+groups of their own, ``fsdp_fp32``); ``reduce_dtype`` (fp32) is what gradients are reduced and stored in.
+``FullyShardedOptimizer`` (see ``sharded_optimizer``) runs AdamW on the local shards.
 
 The wrapper keeps ``DistributedDataParallel``'s interface where the pipeline schedules, ``finalize_model_grads``
 and the optimizer use it: ``no_sync()`` (gradients of micro-batches accumulate unreduced, in ``reduce_dtype``, only
@@ -44,6 +45,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Shard
 
+from mcore.parallel.fsdp_fp32 import fp32_holders, shard_fp32_holders
 from mcore.parallel.fsdp_wgrad import fuse_wgrad_into_shards
 
 __all__ = [
@@ -148,6 +150,9 @@ class FullyShardedDataParallel(nn.Module):
         kwargs = dict(mesh=mesh, mp_policy=policy)
         with_params = [unit for unit in units if any(True for _ in unit.parameters())]
         self.reshard_after_forward = reshard_policy(reshard_after_forward, len(with_params), self.dp_size)
+        # parameters the model computes with in fp32 (Mamba-2's A_log, D, dt_bias) get groups of their own (fsdp_fp32)
+        holders = fp32_holders(module) if param_dtype not in (None, torch.float32) else []
+        nested = shard_fp32_holders(holders, with_params, self.reshard_after_forward, mesh, policy)
         sharded: list[FSDPModule] = [
             fully_shard(unit, reshard_after_forward=reshard, **kwargs)
             for unit, reshard in zip(with_params, self.reshard_after_forward, strict=True)
@@ -160,14 +165,14 @@ class FullyShardedDataParallel(nn.Module):
             for key, value in attributes[name].items():
                 setattr(p, key, value)
         if prefetch:
-            _set_prefetch(sharded)
+            _set_prefetch(sharded, nested)
         # a forward without backward (evaluation, generation) would leave the units kept gathered, and the module
         # would show their gathered parameters instead of the shards (to checkpoints, to the next step)
         self._fsdp_modules = [m for m in module.modules() if isinstance(m, FSDPModule)]
         module.register_forward_hook(self._reshard_unless_training)
         self.gradient_accumulation_fusion = gradient_accumulation_fusion and self.dp_size == 1
         if self.gradient_accumulation_fusion:
-            fuse_wgrad_into_shards(self, self._fsdp_modules, with_params)
+            fuse_wgrad_into_shards(self, self._fsdp_modules, [*with_params, *(g for gs in nested.values() for g in gs)])
         self._hook_handles = [user.register_forward_pre_hook(_tie(attr, owner, src)) for user, attr, owner, src in tied]
         for user, attr, owner, src in tied:
             user._parameters[attr] = getattr(owner, src)  # the sharded parameter until the first forward
@@ -239,13 +244,14 @@ def _check_arguments(module, mesh, units, tied, no_backward_gather) -> None:
             )
 
 
-def _set_prefetch(sharded: Sequence[FSDPModule]) -> None:
-    """Each unit's forward issues the next unit's gather, its backward the previous unit's."""
+def _set_prefetch(sharded: Sequence[FSDPModule], nested: dict[int, list[FSDPModule]]) -> None:
+    """Each unit's forward issues the next unit's gathers (its nested fp32 groups' too), its backward the previous
+    unit's."""
     for i, unit in enumerate(sharded):
         if i + 1 < len(sharded):
-            unit.set_modules_to_forward_prefetch([sharded[i + 1]])
+            unit.set_modules_to_forward_prefetch([sharded[i + 1], *nested.get(id(sharded[i + 1]), [])])
         if i > 0:
-            unit.set_modules_to_backward_prefetch([sharded[i - 1]])
+            unit.set_modules_to_backward_prefetch([sharded[i - 1], *nested.get(id(sharded[i - 1]), [])])
 
 
 def _tie(attr: str, owner: nn.Module, src: str):

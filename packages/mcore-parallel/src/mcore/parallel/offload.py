@@ -100,7 +100,15 @@ def host_offload(optimizer, fraction: float, impl: str | None) -> HostOffload | 
             "optimizer: offload_fraction > 0 with a loss scaler (fp16) needs the fused step (fused_step=True, the "
             "default on CUDA), which keeps the gradients scaled until the update"
         )
-    offload = HostOffload(optimizer._pieces, fraction, optimizer.device, impl or DEFAULT_HOST_ADAMW)
+    low = [k for k, d in optimizer.state_dtypes.items() if d != torch.float32]
+    if low and impl not in (None, "mcore"):
+        raise ValueError(
+            f"optimizer: offload_impl={impl!r} runs torch's AdamW, which keeps fp32 moments; {', '.join(low)} in "
+            "bf16 need offload_impl='mcore' (or None, which picks it)"
+        )
+    # bf16 moments: torch's host AdamW cannot keep them, mcore's reference update can
+    impl = impl or ("mcore" if low else DEFAULT_HOST_ADAMW)
+    offload = HostOffload(optimizer._pieces, fraction, optimizer.device, impl)
     offload.attach(optimizer.chunks)
     return offload
 

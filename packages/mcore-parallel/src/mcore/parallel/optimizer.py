@@ -26,9 +26,16 @@ Either way a ``torch.optim.AdamW`` object holds the param groups (``lr``, ``beta
 ``weight_decay``, ``lr_mult``) and the per-master state ``{"step", "exp_avg", "exp_avg_sq"}`` with the
 dtypes and devices torch creates, so both kinds of step read and write the same state.
 
+Precision-aware choices (Megatron-Core's ``--use-precision-aware-optimizer``): the gradient buffers may be bf16
+(``DistributedDataParallel(grad_dtype=...)``: accumulation, reduction and the norm in bf16) and the two moments
+may be stored in bf16 (``exp_avg_dtype``, ``exp_avg_sq_dtype``); either needs the fused step (the default then,
+on any device): ``torch.optim.AdamW`` keeps its moments in the master's dtype and would need an fp32 copy of the
+whole gradient, while ``adamw_step_`` upcasts each piece inside the update (see ``mcore.kernels.optimizer``).
+
 ``state_dict()`` is independent of the dp size: per parameter name (as in the module's
-``named_parameters()``), TP-local full fp32 tensors ``"<name>/master"``, ``"<name>/exp_avg"``,
-``"<name>/exp_avg_sq"`` (gathered over dp), plus the step count and the loss-scaler state.
+``named_parameters()``), TP-local full tensors ``"<name>/master"`` (fp32), ``"<name>/exp_avg"``,
+``"<name>/exp_avg_sq"`` (in their storage dtype; gathered over dp), plus the step count and the loss-scaler state.
+``load_state_dict`` casts moments saved in another dtype to this optimizer's (``load_casts`` says which).
 """
 
 from __future__ import annotations
@@ -45,6 +52,7 @@ from mcore.parallel.grad_clip import clip_coefficient, clip_grads_, total_grad_n
 from mcore.parallel.grid import ProcessGroups
 from mcore.parallel.loss_scaler import DynamicLossScaler
 from mcore.parallel.offload import host_offload
+from mcore.parallel.optimizer_state import check_loaded_state, loaded_casts, moment_dtypes
 from mcore.parallel.optimizer_types import MasterPiece, StepResult, default_param_groups
 from mcore.parallel.param_attrs import main_grad
 
@@ -76,7 +84,8 @@ class MixedPrecisionOptimizer:
     update with the fused ``mcore.kernels.adamw_step_`` (``True``) or with ``torch.optim.AdamW.step``
     (``False``); ``None`` picks the fused step on CUDA (see the module docstring). ``offload_fraction``: the share
     of the masters and moments kept in host memory and updated by the CPU (``offload_impl``: its AdamW, one of
-    ``mcore.parallel.offload.HOST_ADAMW_IMPLS``; see ``mcore.parallel.offload``).
+    ``mcore.parallel.offload.HOST_ADAMW_IMPLS``; see ``mcore.parallel.offload``). ``exp_avg_dtype`` /
+    ``exp_avg_sq_dtype``: the storage dtype of the two moments (fp32 or bf16; bf16 needs the fused step).
     """
 
     def __init__(
@@ -95,6 +104,8 @@ class MixedPrecisionOptimizer:
         fused_step: bool | None = None,
         offload_fraction: float = 0.0,
         offload_impl: str | None = None,
+        exp_avg_dtype: torch.dtype = torch.float32,
+        exp_avg_sq_dtype: torch.dtype = torch.float32,
     ) -> None:
         self.chunks = [model_chunks] if isinstance(model_chunks, nn.Module) else list(model_chunks)
         if not self.chunks or not all(isinstance(c, nn.Module) for c in self.chunks):
@@ -115,6 +126,8 @@ class MixedPrecisionOptimizer:
                         f"MixedPrecisionOptimizer: model_chunks[{i}] reduce-scatters its gradients "
                         "(use_distributed_optimizer=True); use DistributedOptimizer with it"
                     )
+        self.state_dtypes = {"master": torch.float32, **moment_dtypes(exp_avg_dtype, exp_avg_sq_dtype)}
+        self.load_casts: list[str] = []  # what the last load_state_dict cast (one line per state kind)
         self.groups = groups or ProcessGroups.single()
         self.clip_grad = float(clip_grad)
         self.loss_scaler = loss_scaler
@@ -132,7 +145,7 @@ class MixedPrecisionOptimizer:
 
         # torch's AdamW is fused on CUDA: that fixes the dtype and device of the 'step' state for both kinds of step
         self._fused = self.device.type == "cuda"
-        self._fused_step = self._fused if fused_step is None else fused_step
+        self._fused_step = self._choose_fused_step(fused_step)
         # before the AdamW below takes the masters: the offloaded ones move to host memory
         self._offload = host_offload(self, offload_fraction, offload_impl)
         self._offloaded = frozenset(self._offload.indices) if self._offload is not None else frozenset()
@@ -142,6 +155,23 @@ class MixedPrecisionOptimizer:
         self._lr = lr
 
     # ---- construction ---------------------------------------------------------------------------------------
+
+    def _low_precision_states(self) -> list[str]:
+        """The states that are not fp32 (moments, gradient buffers): what only the fused step handles in place."""
+        out = [f"{k}={str(d).removeprefix('torch.')}" for k, d in self.state_dtypes.items() if d != torch.float32]
+        grads = {pc.grad_view.dtype for pc in self._pieces if pc.grad_view is not None} - {torch.float32}
+        return out + [f"grad buffer={str(d).removeprefix('torch.')}" for d in sorted(grads, key=str)]
+
+    def _choose_fused_step(self, fused_step: bool | None) -> bool:
+        low = self._low_precision_states()
+        if fused_step is None:  # CUDA, or states torch's AdamW would need fp32 copies of
+            return self._fused or bool(low)
+        if not fused_step and any(not s.startswith("grad buffer") for s in low):
+            raise ValueError(
+                f"optimizer: fused_step=False runs torch.optim.AdamW, which keeps its moments in the master's dtype "
+                f"(fp32); {', '.join(low)} needs the fused step: pass fused_step=True or None"
+            )
+        return fused_step
 
     def _build_adam(self, lr: float, betas: tuple[float, float], eps: float) -> torch.optim.AdamW | None:
         """The AdamW holding the param groups and the state of every master (``None``: nothing on this rank)."""
@@ -398,8 +428,9 @@ class MixedPrecisionOptimizer:
         state = self._adam.state[master]
         if not state:
             state["step"] = self._step_tensor(0, master.device)
-            state["exp_avg"] = torch.zeros_like(master, memory_format=torch.preserve_format)
-            state["exp_avg_sq"] = torch.zeros_like(master, memory_format=torch.preserve_format)
+            for kind in ("exp_avg", "exp_avg_sq"):
+                dtype = self.state_dtypes[kind]
+                state[kind] = torch.zeros_like(master, dtype=dtype, memory_format=torch.preserve_format)
         return state
 
     def _reported_scale(self) -> float | None:
@@ -411,17 +442,18 @@ class MixedPrecisionOptimizer:
         if kind == "master":
             return pc.master
         state = {} if self._adam is None else self._adam.state.get(pc.master, {})
-        return state[kind] if kind in state else torch.zeros_like(pc.master)
+        return state[kind] if kind in state else torch.zeros_like(pc.master, dtype=self.state_dtypes[kind])
 
     def _full_states(self) -> dict[nn.Parameter, dict[str, torch.Tensor]]:
         out = {}
         for pc in self._pieces:
             shape = pc.param.shape
-            out[pc.param] = {k: self._piece_state(pc, k).detach().float().view(shape).clone() for k in STATE_KINDS}
+            out[pc.param] = {k: self._piece_state(pc, k).detach().view(shape).clone() for k in STATE_KINDS}
         return out
 
     def state_dict(self) -> dict:
-        """``{"step": int, "tensors": {"<name>/<kind>": fp32 TP-local full tensor}, "loss_scaler": dict | None}``.
+        """``{"step": int, "tensors": {"<name>/<kind>": TP-local full tensor}, "loss_scaler": dict | None}``; each
+        tensor in its storage dtype (``state_dtypes``: fp32 masters, the moments as configured).
 
         Collective over the dp group for ``DistributedOptimizer`` (every dp rank must call it)."""
         tensors = {}
@@ -440,26 +472,10 @@ class MixedPrecisionOptimizer:
     @torch.no_grad()
     def load_state_dict(self, state: dict, strict: bool = True) -> None:
         """Load a ``state_dict()`` saved at any dp size; also sets the model parameters from the masters."""
-        if not isinstance(state, dict) or "tensors" not in state or "step" not in state:
-            raise ValueError("optimizer.load_state_dict: expected a dict with 'step' and 'tensors' (see state_dict())")
-        tensors = state["tensors"]
-        expected = {f"{self.names[p]}/{k}" for p in self._optimized_params() for k in STATE_KINDS}
-        missing = sorted(expected - set(tensors))
-        extra = sorted(set(tensors) - expected)
-        if missing or (strict and extra):
-            raise ValueError(
-                f"optimizer.load_state_dict: missing {missing[:6]}{'...' if len(missing) > 6 else ''}, "
-                f"unexpected {extra[:6]}{'...' if len(extra) > 6 else ''} (strict={strict})"
-            )
-        for p in self._optimized_params():
-            for k in STATE_KINDS:
-                t = tensors[f"{self.names[p]}/{k}"]
-                if tuple(t.shape) != tuple(p.shape):
-                    raise ValueError(
-                        f"optimizer.load_state_dict: {self.names[p]}/{k} has shape {tuple(t.shape)}, the TP-local "
-                        f"parameter has {tuple(p.shape)}; reshard the checkpoint for this tensor-parallel size"
-                    )
+        names = {self.names[p]: tuple(p.shape) for p in self._optimized_params()}
+        tensors = check_loaded_state(state, names, STATE_KINDS, strict)
         step = int(state["step"])
+        self.load_casts = loaded_casts(tensors, self.state_dtypes)
         for chunk in self.chunks:
             if isinstance(chunk, DistributedDataParallel):
                 chunk.finish_param_sync()  # a gather still in flight would overwrite what is loaded here
@@ -470,8 +486,10 @@ class MixedPrecisionOptimizer:
                 device = pc.master.device  # the host for offloaded pieces
                 self._adam.state[pc.master] = {
                     "step": self._step_tensor(step, device),
-                    "exp_avg": full["exp_avg"].to(device=device, dtype=torch.float32).clone(),
-                    "exp_avg_sq": full["exp_avg_sq"].to(device=device, dtype=torch.float32).clone(),
+                    **{
+                        k: full[k].to(device=device, dtype=self.state_dtypes[k]).clone()
+                        for k in ("exp_avg", "exp_avg_sq")
+                    },
                 }
         self._load_params(tensors)
         self._piece_steps = [step] * len(self._pieces)

@@ -16,11 +16,14 @@ Layout (set when the parameter is created; read by grad clipping, finalize, chec
   their gradients are summed. :func:`mark_shared_embedding`, :func:`is_shared_embedding`.
 - ``vocab_padded_dim`` / ``vocab_size``: dimension padded to the padded vocabulary and the real vocabulary
   size (rows past it are padding that checkpoints drop). :func:`mark_vocab_padded`, :func:`vocab_padding`.
+- ``mcore_fp32_compute``: the model computes with this parameter in fp32 whatever the run's compute dtype (Mamba-2's
+  ``A_log``, ``D``, ``dt_bias``); FSDP2's mixed precision then gathers it in fp32 (``fsdp``).
+  :func:`mark_fp32_compute`, :func:`computes_in_fp32`.
 
 Gradient plumbing (set by ``DistributedDataParallel`` while it wraps the module):
 
-- ``main_grad``: the fp32 view into DDP's gradient buffer that gradients accumulate into. :func:`main_grad`,
-  :func:`set_main_grad`, :func:`accumulated_grad`.
+- ``main_grad``: the view into DDP's gradient buffer (fp32, or bf16 with ``grad_dtype``) that gradients
+  accumulate into. :func:`main_grad`, :func:`set_main_grad`, :func:`accumulated_grad`.
 - ``mcore_fuse_wgrad``: a weak reference to the DDP wrapper when weight-gradient GEMMs may accumulate straight
   into ``main_grad``; ``mcore_wgrad_in_main_grad``: the GEMM did so this backward (so DDP must not add
   ``.grad`` again). :func:`fused_wgrad_target`, :func:`take_wgrad_in_main_grad`.
@@ -44,12 +47,14 @@ __all__ = [
     "accumulated_grad",
     "attach_gradient_plumbing",
     "attach_wgrad_buffer",
+    "computes_in_fp32",
     "fused_wgrad_target",
     "grad_ready_hook",
     "is_sequence_parallel",
     "is_shared_embedding",
     "is_tensor_parallel",
     "main_grad",
+    "mark_fp32_compute",
     "mark_sequence_parallel",
     "mark_shared_embedding",
     "mark_vocab_padded",
@@ -70,6 +75,7 @@ _SEQUENCE_PARALLEL = "sequence_parallel"
 _SHARED_EMBEDDING = "shared_embedding"
 _VOCAB_PADDED_DIM = "vocab_padded_dim"
 _VOCAB_SIZE = "vocab_size"
+_FP32_COMPUTE = "mcore_fp32_compute"
 _MAIN_GRAD = "main_grad"
 _FUSE_WGRAD = "mcore_fuse_wgrad"
 _WGRAD_IN_MAIN_GRAD = "mcore_wgrad_in_main_grad"
@@ -137,6 +143,14 @@ def mark_shared_embedding(param: torch.Tensor, shared: bool) -> None:
 
 def is_shared_embedding(param: torch.Tensor) -> bool:
     return bool(getattr(param, _SHARED_EMBEDDING, False))
+
+
+def mark_fp32_compute(param: torch.Tensor) -> None:
+    setattr(param, _FP32_COMPUTE, True)
+
+
+def computes_in_fp32(param: torch.Tensor) -> bool:
+    return bool(getattr(param, _FP32_COMPUTE, False))
 
 
 def mark_vocab_padded(param: torch.Tensor, dim: int, vocab_size: int) -> None:

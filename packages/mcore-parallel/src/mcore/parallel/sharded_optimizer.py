@@ -4,7 +4,7 @@ The sharded fp32 parameters of ``FullyShardedDataParallel`` are the master weigh
 of each parameter in place (the next forward all-gathers them in the compute dtype), with its shard of the
 reduce-scattered fp32 gradient. Everything else is ``MixedPrecisionOptimizer``'s: the step (fused kernel on CUDA,
 ``torch.optim.AdamW`` elsewhere), the loss scaler, clipping by the global norm, now summed over the disjoint dp
-shards as well; and the state dict, which holds per parameter name the whole TP-local fp32 tensors
+shards as well; and the state dict, which holds per parameter name the whole TP-local tensors
 (``"<name>/master"``, ``"/exp_avg"``, ``"/exp_avg_sq"``) gathered over dp, the same format as the replicated and
 ZeRO-1 optimizers: a state saved by any of the three loads into any other, at any dp size.
 """
@@ -83,7 +83,7 @@ class FullyShardedOptimizer(MixedPrecisionOptimizer):
             p = pc.param
             states = {}
             for kind in STATE_KINDS:
-                flat = self._piece_state(pc, kind).detach().float()
+                flat = self._piece_state(pc, kind).detach()  # in its storage dtype (bf16 moments stay bf16)
                 if isinstance(p, DTensor):
                     local = flat.view(p.to_local().shape)
                     whole = DTensor.from_local(local, p.device_mesh, p.placements, shape=p.shape, stride=p.stride())

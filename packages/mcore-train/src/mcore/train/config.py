@@ -80,12 +80,25 @@ class DataSection:
             raise ValueError("data.path is an empty list; give a prefix, a [weight, prefix, ...] list, or null")
 
 
+# bf16 keeps 8 significant bits: 1 - beta2 must exceed half an ulp (2**-9 to 2**-8 of the value, by where it lies
+# in its binade) for v * beta2 to round below v for every v; 2**-8 = 0.0039 gives beta2 < 0.996.
+BF16_BETA2_LIMIT = 1 - 2**-8
+
+
 @dataclass
 class OptimSection:
     """AdamW with decoupled weight decay (not applied to norms and biases) and gradient clipping.
 
     ``offload_fraction``: the share (0 to 1) of the fp32 master weights and AdamW moments kept in host memory and
     updated by the CPU (see ``mcore.parallel.offload``); the rest stays on the device.
+    ``main_grads_dtype``: the dtype gradients accumulate, are reduced over dp and clipped in (DDP's buffers; under
+    dp_shard, FSDP2's reduce_dtype), fp32 or bf16 (Megatron's ``--main-grads-dtype``).
+    ``exp_avg_dtype``: the storage dtype of AdamW's first moment, fp32 or bf16 (Megatron's ``--exp-avg-dtype``).
+    ``exp_avg_sq_dtype``: the storage dtype of AdamW's second moment, fp32 or bf16 (``--exp-avg-sq-dtype``).
+    The update itself always runs in fp32 on fp32 master weights. bf16 moments keep 8 significant bits: with
+    ``beta2`` >= 0.996 some values of a bf16 ``exp_avg_sq`` can no longer decay (``beta2 * v`` rounds back to ``v``;
+    from 0.998 none can), so such a ``beta2`` with a bf16 second moment is refused; fp16 is not offered
+    (``exp_avg_sq`` underflows it).
     """
 
     weight_decay: float = 0.1
@@ -94,8 +107,23 @@ class OptimSection:
     eps: float = 1e-8
     clip_grad: float = 1.0
     offload_fraction: float = 0.0
+    main_grads_dtype: Literal["fp32", "bf16"] = "fp32"
+    exp_avg_dtype: Literal["fp32", "bf16"] = "fp32"
+    exp_avg_sq_dtype: Literal["fp32", "bf16"] = "fp32"
 
     def __post_init__(self) -> None:
+        for name in ("main_grads_dtype", "exp_avg_dtype", "exp_avg_sq_dtype"):
+            if getattr(self, name) not in ("fp32", "bf16"):
+                raise ValueError(
+                    f"optim.{name} must be 'fp32' or 'bf16', got {getattr(self, name)!r} (fp16 is not offered: "
+                    "squared gradients underflow it)"
+                )
+        if self.exp_avg_sq_dtype == "bf16" and self.beta2 >= BF16_BETA2_LIMIT:
+            raise ValueError(
+                f"optim.beta2={self.beta2} with optim.exp_avg_sq_dtype=bf16: bf16 rounds beta2 * v back to v for "
+                f"beta2 >= {BF16_BETA2_LIMIT}, so the second moment could never decay; use a smaller beta2 or "
+                "exp_avg_sq_dtype=fp32"
+            )
         if not 0.0 <= self.offload_fraction <= 1.0:
             raise ValueError(
                 f"optim.offload_fraction must lie in [0, 1] (a share of the states), got {self.offload_fraction}"

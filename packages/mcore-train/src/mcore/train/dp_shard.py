@@ -83,7 +83,8 @@ def fully_shard_chunks(
                 mesh,
                 units=units,
                 param_dtype=None if compute_dtype == torch.float32 else compute_dtype,
-                reduce_dtype=torch.float32,
+                # optim.main_grads_dtype: bf16 halves the reduce-scatter (FSDP2 keeps the shard's gradient in fp32)
+                reduce_dtype=torch.bfloat16 if config.optim.main_grads_dtype == "bf16" else torch.float32,
                 reshard_after_forward=config.parallel.dp_shard_reshard_after_forward,
                 reduce_every_microbatch=config.parallel.dp_shard_reduce_every_microbatch,
                 tied=tied,

@@ -122,6 +122,7 @@ class Plan:
     modes: tuple[MemoryMode, ...] = field(default=())
     cp: int = 1
     ep_traffic: tuple[EPTraffic, ...] = field(default=())  # all-to-all bytes per step per pp rank (MoE, ep > 1)
+    states: str = "fp32 gradients and optimizer states"  # optim.main_grads_dtype / exp_avg_dtype / exp_avg_sq_dtype
 
     @property
     def worst(self) -> StageMemory:
@@ -175,6 +176,9 @@ def layout_of(config: Config, world_size: int) -> Layout:
         distributed_optimizer=parallel.distributed_optimizer,
         dp_shard=bool(getattr(parallel, "dp_shard", False)),
         optimizer_offload_fraction=float(getattr(config.optim, "offload_fraction", 0.0) or 0.0),
+        main_grads_dtype=config.optim.main_grads_dtype,
+        exp_avg_dtype=config.optim.exp_avg_dtype,
+        exp_avg_sq_dtype=config.optim.exp_avg_sq_dtype,
         overlap_grad_reduce=parallel.overlap_grad_reduce,
         overlap_param_gather=parallel.overlap_param_gather,
         precision="fp32" if precision == "fp32" else "bf16",
@@ -239,6 +243,13 @@ def _modes(shape: ModelShape, layout: Layout, memory_gb: float, network: Network
     return tuple(out)
 
 
+def _states(layout: Layout) -> str:
+    dtypes = (layout.main_grads_dtype, layout.exp_avg_dtype, layout.exp_avg_sq_dtype)
+    if dtypes == ("fp32", "fp32", "fp32"):
+        return Plan.states
+    return f"{dtypes[0]} gradients, fp32 masters, {dtypes[1]} exp_avg, {dtypes[2]} exp_avg_sq"
+
+
 def make_plan(config: Config, world_size: int, gpu_memory_gb: float, network: Network | None = None) -> Plan:
     """Memory (and, with ``network``, time) of ``config`` on ``world_size`` ranks."""
     layout = layout_of(config, world_size)
@@ -268,6 +279,7 @@ def make_plan(config: Config, world_size: int, gpu_memory_gb: float, network: Ne
         prediction=prediction,
         calibration=network.gpu.name if network is not None else None,
         modes=_modes(shape, layout, gpu_memory_gb, network),
+        states=_states(layout),
         ep_traffic=ep_traffic(shape, layout, micro),
     )
 

@@ -9,7 +9,7 @@ from mcore.train.planning.memory import GB
 
 
 def _memory_lines(plan: Plan) -> list[str]:
-    lines = [f"memory per rank ({plan.precision} parameters, fp32 gradients and optimizer states), GB:"]
+    lines = [f"memory per rank ({plan.precision} parameters, {plan.states}), GB:"]
     lines.append(
         "  pp rank   layers   params(M)   weights   grads   optimizer   activations   logits   margin+runtime   total"
     )

@@ -59,6 +59,8 @@ from mcore.train.low_precision import apply_low_precision, base_precision
 from mcore.train.runtime import Runtime
 
 PRECISION_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+# optim.main_grads_dtype / exp_avg_dtype / exp_avg_sq_dtype (the precision-aware optimizer)
+STATE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 SCHEDULES: dict[str, type[PipelineSchedule]] = {
     "gpipe": GPipe,
     "1f1b": OneFOneB,
@@ -223,6 +225,8 @@ class Trainer:
             loss_scaler=scaler,
             groups=groups,
             check_nonfinite=self.skip_nonfinite,
+            exp_avg_dtype=STATE_DTYPES[cfg.optim.exp_avg_dtype],
+            exp_avg_sq_dtype=STATE_DTYPES[cfg.optim.exp_avg_sq_dtype],
             **offload,
         )
 
@@ -236,7 +240,7 @@ class Trainer:
                 overlap_grad_reduce=cfg.parallel.overlap_grad_reduce,
                 overlap_param_gather=cfg.parallel.overlap_param_gather,
                 use_distributed_optimizer=cfg.parallel.distributed_optimizer,
-                grad_dtype=torch.float32,
+                grad_dtype=STATE_DTYPES[cfg.optim.main_grads_dtype],  # bf16: Megatron's --main-grads-dtype
                 gradient_accumulation_fusion=cfg.parallel.gradient_accumulation_fusion,
                 expert_dp_group=groups.expert_dp,  # MoE experts: reduced over the expert grid's dp
             )

@@ -47,7 +47,10 @@ class ParallelHybridMixer(nn.Module):
 
     def forward(self, x: torch.Tensor, rope, *, cu_seqlens=None, kv_cache=None) -> torch.Tensor:
         m = self.mamba(x, rope, cu_seqlens=cu_seqlens, kv_cache=kv_cache)
-        a = self.attention(x * self.attention_in, rope, cu_seqlens=cu_seqlens, kv_cache=kv_cache)
+        # no copy at a multiplier of 1: the attention's projections then keep the norm output itself, which
+        # recompute_modules' layernorm can drop
+        h = x if self.attention_in == 1.0 else x * self.attention_in
+        a = self.attention(h, rope, cu_seqlens=cu_seqlens, kv_cache=kv_cache)
         return m * self.ssm_out + a * self.attention_out
 
 

@@ -25,7 +25,7 @@ from mcore.models.config import TransformerConfig
 from mcore.models.parts.registry import PartContext, PartSpec
 from mcore.parallel.comm import group_rank
 from mcore.parallel.init import normal_init, partition_slice
-from mcore.parallel.param_attrs import set_tensor_parallel_attributes
+from mcore.parallel.param_attrs import mark_fp32_compute, set_tensor_parallel_attributes
 from mcore.parallel.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 
 # dt's initial range (HF Mamba2 / NemotronH defaults: time_step_min, time_step_max, time_step_floor).
@@ -81,7 +81,8 @@ class GroupedGatedNorm(nn.Module):
 
 
 class Mamba2Mixer(nn.Module):
-    """Mamba-2 mixer on ``[s(/tp), b, hidden]``; ``recompute="selective"`` recomputes conv + SSD + norm."""
+    """Mamba-2 mixer on ``[s(/tp), b, hidden]``; selective recompute of ``mamba_core`` (the default of
+    ``recompute="selective"`` without ``recompute_modules``) recomputes conv + SSD + norm in backward."""
 
     def __init__(self, config: TransformerConfig, layer_index: int, context: PartContext | None = None) -> None:
         super().__init__()
@@ -96,7 +97,7 @@ class Mamba2Mixer(nn.Module):
         self.local_groups, self.state = c.n_groups // tp, c.ssm_state_size
         self.local_inner, self.chunk_size = d_inner // tp, c.chunk_size
         self.time_step_limit = tuple(float(v) for v in c.time_step_limit)
-        self.recompute_core = ctx.recompute == "selective"
+        self.recompute_core = ctx.recomputes("mamba_core")
         common = dict(tp_group=ctx.tp_group, sequence_parallel=ctx.sequence_parallel)
         common.update(params_dtype=ctx.params_dtype, device=ctx.device)
         init = normal_init(c.initializer_range)
@@ -112,6 +113,8 @@ class Mamba2Mixer(nn.Module):
         self.A_log = _shard_param((heads,), tp, None, **fp32)
         self.D = _shard_param((heads,), tp, None, **fp32)
         self.dt_bias = _shard_param((heads,), tp, None, **fp32)
+        for p in (self.A_log, self.D, self.dt_bias):
+            mark_fp32_compute(p)  # also when a wrapper casts the rest for compute (FSDP2's mixed precision)
         # Without the gated norm (Falcon-H1's mamba_rms_norm=False) the output is y * silu(z).
         self.norm = None
         if c.mamba_rms_norm:

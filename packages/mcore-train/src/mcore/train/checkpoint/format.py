@@ -5,7 +5,7 @@
     iter_0000100/
       metadata.json                 format, version, iteration, layout, model_config, train_config, tensors
       model/tp00-pp00.safetensors   global parameter names, TP-local slices (padded vocab rows included)
-      optim/tp00-pp00.safetensors   "<name>/master", "<name>/exp_avg", "<name>/exp_avg_sq" (fp32)
+      optim/tp00-pp00.safetensors   "<name>/master" (fp32), "<name>/exp_avg", "<name>/exp_avg_sq" (fp32 or bf16)
       train_state.json              step, consumed samples, data position, lr schedule, loss scaler
       rng/rank00000.safetensors     RNG states of each global rank
 

@@ -100,15 +100,21 @@ def load_training_state(
         for name, param, _ in trainer.named_local_parameters():
             for kind in OPTIM_KINDS:
                 key = f"{name}/{kind}"
-                tensors[key] = read_param(
-                    reader, name, param, trainer.groups, kind="optim", key=key, dtype=torch.float32
-                )
+                # masters in fp32; moments as saved (fp32 or bf16): the optimizer casts them to its own dtypes
+                dtype = torch.float32 if kind == "master" else None
+                tensors[key] = read_param(reader, name, param, trainer.groups, kind="optim", key=key, dtype=dtype)
         optim = state["optimizer"]
         scaler = optim.get("loss_scaler")
         restored["optimizer"] = {"step": int(optim["step"]), "tensors": tensors, "loss_scaler": scaler}
     else:
         notes.append("optimizer state not loaded (checkpoint.load_optimizer=false)")
     trainer.load_state_dict(restored)
+    casts = trainer.optimizer.load_casts if "optimizer" in restored else []
+    if casts:
+        notes.append(
+            f"optimizer moments cast on load ({'; '.join(casts)}): the checkpoint was saved with other "
+            "optim.exp_avg_dtype / optim.exp_avg_sq_dtype"
+        )
     same_layout = reader.layout == layout_of(trainer)
     if load_rng and same_layout:
         tensors = reader.rng_state(trainer.runtime.rank)

@@ -65,8 +65,25 @@ class Layout:
     # packed documents (data.packing, cu_seqlens): the lengths of the documents in each sequence, summing to
     # seq_length; empty: one causal document per sequence
     document_lengths: tuple[int, ...] = ()
+    # the precision-aware optimizer (optim.main_grads_dtype / exp_avg_dtype / exp_avg_sq_dtype)
+    main_grads_dtype: Literal["fp32", "bf16"] = "fp32"
+    exp_avg_dtype: Literal["fp32", "bf16"] = "fp32"
+    exp_avg_sq_dtype: Literal["fp32", "bf16"] = "fp32"
+
+    @property
+    def grad_bytes(self) -> int:
+        """Bytes per element of DDP's gradient buffers (FSDP2 keeps its shards' gradients in fp32 either way)."""
+        return 2 if self.main_grads_dtype == "bf16" else 4
+
+    @property
+    def moment_bytes(self) -> int:
+        """Bytes per parameter of AdamW's two moments."""
+        return sum(2 if d == "bf16" else 4 for d in (self.exp_avg_dtype, self.exp_avg_sq_dtype))
 
     def __post_init__(self) -> None:
+        for name in ("main_grads_dtype", "exp_avg_dtype", "exp_avg_sq_dtype"):
+            if getattr(self, name) not in ("fp32", "bf16"):
+                raise ValueError(f"Layout.{name} must be 'fp32' or 'bf16', got {getattr(self, name)!r}")
         for name in ("tp", "pp", "dp", "vpp", "cp", "ep", "micro_batch", "global_batch", "seq_length"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -231,6 +248,9 @@ class Layout:
         out.append(f"parallel.overlap_param_gather={str(self.overlap_param_gather).lower()}")
         if self.optimizer_offload_fraction:
             out.append(f"optim.offload_fraction={self.optimizer_offload_fraction:g}")
+        for name in ("main_grads_dtype", "exp_avg_dtype", "exp_avg_sq_dtype"):
+            if getattr(self, name) != "fp32":
+                out.append(f"optim.{name}={getattr(self, name)}")
         out += [f"train.micro_batch_size={self.micro_batch}", f"train.global_batch_size={self.global_batch}"]
         if self.recompute != "none":
             out.append(f"train.recompute={self.recompute}")

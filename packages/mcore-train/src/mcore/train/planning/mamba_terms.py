@@ -18,8 +18,9 @@ size ``N`` and a depthwise conv of ``K`` taps runs, per token:
 
 ``rates_from_ssm_benchmark`` derives the two calibration entries from ``benchmarks/ssm_throughput.py``'s
 ``kernels`` record (the per-kernel CUDA profile of one layer's conv and SSD at the benchmark's shape).
-``train.recompute=selective`` recomputes the conv, the scan and the gated norm in backward
-(``Mamba2Mixer.recompute_core``) and keeps only ``in_proj``'s output and the core's output.
+``train.recompute=selective`` (``mamba_core``, its default; with ``train.recompute_modules`` only when listed)
+recomputes the conv, the scan and the gated norm in backward (``Mamba2Mixer.recompute_core``) and keeps only
+``in_proj``'s output and the core's output.
 """
 
 from __future__ import annotations
@@ -72,14 +73,14 @@ class MambaShape:
         q = min(self.chunk, seq_length)
         return 2.0 * (2 * q * self.d_inner + 4 * self.d_inner * self.state)
 
-    def saved_bytes_per_token(self, tp: int, recompute: str) -> float:
+    def saved_bytes_per_token(self, tp: int, core_recomputed: bool) -> float:
         """What the mixer keeps for backward per token on one rank (its input apart: the layer counts the norm
         output ``in_proj`` saves). ``in_proj``'s output (z and the conv input are views of it); then unless the
-        core is recomputed the conv output (x, B, C for the scan), the scan's saved tensors (the fp32 incoming
-        chunk states, ``H P N`` per chunk; the fp32 ``C B^T`` of each chunk, ``G Q`` per token; fp32 cumulative
-        decays and dt), the gated norm's inputs y and z (contiguous copies); and ``out_proj``'s input."""
+        core is recomputed (``mamba_core``) the conv output (x, B, C for the scan), the scan's saved tensors (the
+        fp32 incoming chunk states, ``H P N`` per chunk; the fp32 ``C B^T`` of each chunk, ``G Q`` per token; fp32
+        cumulative decays and dt), the gated norm's inputs y and z (contiguous copies); and ``out_proj``'s input."""
         out = 2 * (self.in_width + self.d_inner) / tp
-        if recompute != "selective":
+        if not core_recomputed:
             states = 4 * self.heads * self.head_dim * self.state / self.chunk
             out += (2 * self.conv_dim + states + 4 * self.groups * self.chunk + 12 * self.heads + 4 * self.d_inner) / tp
         return out

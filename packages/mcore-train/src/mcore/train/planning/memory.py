@@ -6,13 +6,15 @@ Per rank (a pipeline stage, the same on every tp / cp / dp rank of it):
   output layer on the last) in bf16 (fp32 when training in fp32); under ``dp_shard`` (ZeRO-3, FSDP2 as
   ``mcore.train.dp_shard`` builds it) a 1/dp shard of fp32 masters plus the two layers gathered at a time in the
   compute dtype (the one running and the one prefetched);
-- gradients: fp32 (DDP's ``main_grad`` buffers); under ``dp_shard`` 1/dp shards that FSDP2 creates as each
-  layer's backward ends and drops at the step (``zero_grad_buffer`` sets them to None): with one micro-batch per
-  step they grow while the activations are freed, so the peak holds the larger of the two, else all of them;
+- gradients: fp32 or bf16 (DDP's ``main_grad`` buffers, ``main_grads_dtype``); under ``dp_shard`` fp32 1/dp
+  shards (FSDP2 casts its reduced gradients back to the parameters' dtype, whatever its reduce_dtype) that it
+  creates as each layer's backward ends and drops at the step (``zero_grad_buffer`` sets them to None): with one
+  micro-batch per step they grow while the activations are freed, so the peak holds the larger of the two, else
+  all of them;
 - optimizer: fp32 master weights (none for fp32 parameters, none under ``dp_shard``, whose shards are the
-  masters) and AdamW's two moments, divided by dp x cp (expert parameters: by the expert-data-parallel size) under
-  the distributed optimizer or ``dp_shard``, and the part ``optimizer_offload_fraction`` moved to the host taken
-  out;
+  masters) and AdamW's two moments (fp32 or bf16 each: ``exp_avg_dtype``, ``exp_avg_sq_dtype``), divided by
+  dp x cp (expert parameters: by the expert-data-parallel size) under the distributed optimizer or ``dp_shard``,
+  and the part ``optimizer_offload_fraction`` moved to the host taken out;
 - activations: what backward keeps per layer and micro-batch (Korthikanti et al., 2022, adapted to gated MLPs,
   GQA, MoE dispatch buffers and flash attention, which stores no score matrix) times the micro-batches in flight,
   counted by replaying the rank's op order of the schedule (``op_order``: 1F1B holds ``pp - rank``, interleaved
@@ -34,7 +36,7 @@ from functools import lru_cache
 from mcore.parallel.pipeline import GPipe, Interleaved1F1B, NoPipelining, OneFOneB, ZeroBubbleH1, stage_layer_ranges
 from mcore.train.planning.cp_cost import cp_held_bytes
 from mcore.train.planning.layout import Layout
-from mcore.train.planning.recompute_terms import dropped_per_token, uses_module_terms
+from mcore.train.planning.recompute_terms import dropped_per_token, layout_recomputes, uses_module_terms
 from mcore.train.planning.shape import ModelShape
 
 GB = 1e9
@@ -179,10 +181,13 @@ def activation_parts_per_layer(shape: ModelShape, layout: Layout, index: int, dt
 def _hybrid_parts(shape: ModelShape, layout: Layout, index: int, tokens: float, rep: float, dtype_bytes: int) -> dict:
     """A hybrid layer of one Mamba-2 mixer (under ``attention``: the mixer part) or one dense MLP (``mlp``)."""
     mixer = mlp = 0.0
+    kept_norm = 0.0 if layout_recomputes(layout, "layernorm") else rep  # the norm output the block's linear keeps
     if shape.block(index) == "M":
-        mixer = tokens * (dtype_bytes * rep + shape.mamba.saved_bytes_per_token(layout.tp, layout.recompute))
+        core = shape.mamba.saved_bytes_per_token(layout.tp, layout_recomputes(layout, "mamba_core"))
+        mixer = tokens * (dtype_bytes * kept_norm + core)
     else:
-        mlp = dtype_bytes * tokens * (rep + (3 if shape.gated else 2) * shape.ffn / layout.tp)
+        hidden = 0.0 if layout_recomputes(layout, "mlp") else (3 if shape.gated else 2) * shape.ffn / layout.tp
+        mlp = dtype_bytes * tokens * (kept_norm + hidden)
     return {"input_norm": dtype_bytes * tokens * rep, "attention": mixer, "mlp_norm": 0.0, "mlp": mlp}
 
 
@@ -245,13 +250,13 @@ def stage_memory(shape: ModelShape, layout: Layout) -> list[StageMemory]:
         dense, expert = stage_parameters(shape, layout, rank, chunks)
         n = dense + expert
         shards = (layout.dp * layout.cp, layout.expert_dp) if sharded else (1, 1)
-        optimizer = (master + 8) * (dense / shards[0] + expert / shards[1]) * keep
-        weights, grads = param_bytes * n, 4 * n
+        optimizer = (master + layout.moment_bytes) * (dense / shards[0] + expert / shards[1]) * keep
+        weights, grads = param_bytes * n, layout.grad_bytes * n
         if layout.dp_shard:
             layers = sum(e - s for s, e in chunks) or 1
             working = 2 * n / layers  # two layers unsharded at a time, in the compute dtype
             local = dense / shards[0] + expert / shards[1]  # FSDP2 shards over dp x cp (experts: edp)
-            optimizer = 8 * local * keep  # the fp32 shards are the masters: only the moments
+            optimizer = layout.moment_bytes * local * keep  # the fp32 shards are the masters: only the moments
             weights, grads = 4 * local + param_bytes * working, 4 * local
         per_chunk = [
             sum(n * activation_bytes_per_layer(shape, layout, i) for i, n in shape.layer_kinds(s, e).items())

@@ -13,7 +13,10 @@ recomputed module drops these (what ``mcore.models`` discards, measured by ``tes
   rows, the experts' hidden values, the shared expert, dispatch buffers, router probabilities);
   ``shared_experts``: the shared expert's hidden values;
 - ``moe_act``: nothing: mcore's experts never keep their activation (the memory model still counts it in the
-  routed rows, ``3 x moe_ffn`` for gated experts; see the report of issue #17).
+  routed rows, ``3 x moe_ffn`` for gated experts; see the report of issue #17);
+- hybrid layers (``memory._hybrid_parts``): ``layernorm`` their one norm's output, ``mlp`` an MLP layer's hidden
+  values, ``mamba_core`` a Mamba-2 mixer's conv, scan and norm tensors (``MambaShape.saved_bytes_per_token``;
+  its recompute is priced with the mixer, ``time_model._mamba``).
 
 Recompute runs the module's forward again in backward (``recomputed_forward``); for ``moe`` that includes its two
 forward all-to-alls. ``selective`` without a list keeps the memory model's validated formula for attention models;
@@ -64,12 +67,12 @@ def recomputed_forward(model: Any, index: int, cost: Any) -> None:
     linears = {lin.name: lin for lin in s.attention_linears()}
     if s.is_mla and layout_recomputes(lay, "mla_up_proj"):
         model._linears(again, [linears[n] for n in ("q_up", "q", "kv_up") if n in linears], model.tokens)
-    if layout_recomputes(lay, "core_attn"):
+    if s.has_attention(index) and layout_recomputes(lay, "core_attn"):
         attention = new_cost()
         model._attention(attention, index)
         again.forward["attention"] = attention.forward.get("attention", 0.0)
     moe = s.is_moe_layer(index)
-    if not moe and layout_recomputes(lay, "mlp"):
+    if not moe and s.block(index) in ("T", "-") and layout_recomputes(lay, "mlp"):  # hybrid: MLP layers only
         model._linears(again, s.dense_mlp_linears(), model.tokens)
     if moe and layout_recomputes(lay, "moe"):
         model._linears(again, [lin for lin in s.layer_linears(index) if lin.name not in linears], model.tokens)
@@ -77,8 +80,9 @@ def recomputed_forward(model: Any, index: int, cost: Any) -> None:
         model._ep_comm(again)
     elif moe and s.shared_ffn and layout_recomputes(lay, "shared_experts"):
         model._linears(again, s.dense_mlp_linears(s.shared_ffn), model.tokens)
-    if layout_recomputes(lay, "layernorm"):  # two norms: read and write the hidden states of each
+    if layout_recomputes(lay, "layernorm"):  # read and write the hidden states of each norm (a hybrid layer has one)
         rep = s.hidden / lay.tp if lay.sequence_parallel else s.hidden
-        again.add("F", "memory", model.gpu.memory_seconds(4 * rep * model.tokens * model.dtype))
+        norms = 2 if s.block(index) == "T" else 1
+        again.add("F", "memory", model.gpu.memory_seconds(2 * norms * rep * model.tokens * model.dtype))
     for key, seconds in again.forward.items():
         cost.add("B", key, seconds)

@@ -10,13 +10,7 @@ from mcore.train.planning.memory import SCHEDULE_CLASSES, offloaded_bytes_per_la
 from mcore.train.planning.offload_cost import activation_offload_seconds, offloaded_pieces, optimizer_offload_seconds
 from mcore.train.planning.pipeline_sim import estimate, run_schedule
 from mcore.train.planning.shape import ModelShape
-from mcore.train.planning.time_model import (
-    ADAMW_BYTES_PER_PARAM,
-    BUCKET_ELEMENTS,
-    GRAD_NORM_BYTES_PER_PARAM,
-    OpCost,
-    TimeModel,
-)
+from mcore.train.planning.time_model import BUCKET_ELEMENTS, OpCost, TimeModel, adamw_bytes_per_param
 
 # Before each bucket's collective the fp32 gradients are divided by dp in place (mcore's GradBuffer._issue_reduction;
 # Megatron-Core r0.8's Bucket.start_grad_sync, megatron/core/distributed/param_and_grad_buffer.py at f2e5db402c,
@@ -97,10 +91,11 @@ def _data_parallel(
         return out
     sharded = lay.distributed_optimizer
     kind = "reduce_scatter" if sharded else "all_reduce"
-    comm = net.collective(kind, model.dp_group, 4 * dense) + net.collective(kind, model.edp_group, 4 * expert)
+    g = lay.grad_bytes  # the buffers are reduced in their dtype (optim.main_grads_dtype)
+    comm = net.collective(kind, model.dp_group, g * dense) + net.collective(kind, model.edp_group, g * expert)
     if lay.overlap_grad_reduce:
         last_elems = max(BUCKET_ELEMENTS, s.padded_vocab(lay.tp) * s.hidden / lay.tp if first_stage else 0)
-        last = net.collective(kind, model.dp_group, 4 * min(last_elems, dense))
+        last = net.collective(kind, model.dp_group, g * min(last_elems, dense))
         out["dp_grad_comm"] = max(last, comm - last_backward)
         # the backward beside the overlapped part runs slower (NCCL's reduction kernels share SMs and HBM)
         out["dp_overlap_slowdown"] = model.gpu.reduce_overlap_slowdown * (comm - out["dp_grad_comm"])
@@ -126,14 +121,16 @@ def _optimizer(model: TimeModel, dense: float, expert: float, rank: int, chunks,
     if lay.optimizer_offload_fraction:
         pieces = offloaded_pieces(model.shape, lay, rank, chunks, lay.dp * lay.cp if sharded else 1)
     on_gpu = local - sum(pieces)
-    adamw = ADAMW_BYTES_PER_PARAM * on_gpu / (gpu.copy_gbps * 1e9 * gpu.optimizer_efficiency)
-    device = adamw + gpu.memory_seconds(GRAD_NORM_BYTES_PER_PARAM * on_gpu)
+    adamw = adamw_bytes_per_param(lay) * on_gpu / (gpu.copy_gbps * 1e9 * gpu.optimizer_efficiency)
+    grad = 4 if lay.dp_shard else lay.grad_bytes  # the norm reads each gradient once
+    device = adamw + gpu.memory_seconds(grad * on_gpu)
     out = {"optimizer": device}
-    if not lay.dp_shard:  # DDP zeroes its whole fp32 gradient buffer every step (a write-only fill: copy speed)
-        out["grad_zero"] = 4 * (dense + expert) / (gpu.copy_gbps * 1e9)
+    if not lay.dp_shard:  # DDP zeroes its whole gradient buffer every step (a write-only fill: copy speed)
+        out["grad_zero"] = lay.grad_bytes * (dense + expert) / (gpu.copy_gbps * 1e9)
     passes = (BUCKET_SCALE_BYTES if lay.dp * lay.cp > 1 and not lay.dp_shard else 0) + (
         BUCKET_NAN_CHECK_BYTES if lay.grad_nan_check else 0
     )
+    passes *= lay.grad_bytes / 4  # the constants are for fp32 buffers
     if passes:  # on the compute stream, in the last micro-batch's backward
         out["grad_bucket_passes"] = gpu.memory_seconds(passes * (dense + expert))
     if pieces:  # the host step runs beside the device part

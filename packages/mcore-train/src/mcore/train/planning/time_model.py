@@ -40,13 +40,21 @@ from mcore.train.planning.cluster import Group, Network
 from mcore.train.planning.cp_cost import cp_cost
 from mcore.train.planning.layout import Layout
 from mcore.train.planning.memory import layer_parameters_per_rank
-from mcore.train.planning.recompute_terms import recomputed_forward, uses_module_terms
+from mcore.train.planning.recompute_terms import layout_recomputes, recomputed_forward, uses_module_terms
 from mcore.train.planning.shape import ModelShape
 from mcore.train.planning.tp_overlap import PLAIN, OverlapPlan, exposed_seconds, overlap_plans
 
-# the fused AdamW pass (fp32 master, gradient, two moments read, three written, the bf16 parameter written) at the
-# calibration's optimizer_efficiency, and the gradient-norm read at the memory-bound share
-ADAMW_BYTES_PER_PARAM, GRAD_NORM_BYTES_PER_PARAM = 30, 4
+
+def adamw_bytes_per_param(layout: Layout) -> int:
+    """Bytes the fused AdamW pass moves per parameter: the fp32 master read and written (8), the gradient read
+    (DDP's buffer dtype; FSDP2's shards are fp32), both moments read and written in their dtypes and the bf16 model
+    parameter written (2); 30 with every state in fp32, 20 with bf16 gradients and moments. The step charges it at
+    the calibration's optimizer_efficiency, and the gradient-norm read (one gradient read) at the memory-bound
+    share."""
+    grad = 4 if layout.dp_shard else layout.grad_bytes
+    return 8 + grad + 2 * layout.moment_bytes + 2
+
+
 BUCKET_ELEMENTS = 40_000_000
 # Bytes moved per logit element by the loss (forward, backward). fused: mcore's bf16 cross entropy reads the
 # logits once and writes a bf16 gradient (plus a copy). fp32: Megatron-Core r0.8.0's vocab_parallel_cross_entropy
@@ -111,6 +119,10 @@ class TimeModel:
         self.dtype = 4 if layout.precision == "fp32" else 2
         # tokens one rank sends into its MoE layers: its sequence-parallel slice, gathered over the expert-TP group
         self.moe_tokens = self.tokens * layout.expert_tp / layout.tp
+        # weight-gradient GEMMs accumulate into DDP's buffer: the fp32 epilogue's measured slowdown, none assumed for
+        # a bf16 buffer (a plain bf16 GEMM with beta = 1; unmeasured); FSDP2's fused wgrad writes fp32 shards
+        fp32_wgrad = layout.main_grads_dtype == "fp32" or layout.dp_shard
+        self.wgrad_slowdown = network.gpu.wgrad_fp32_slowdown if fp32_wgrad else 1.0
         tp, cp, dp = layout.tp, layout.cp, layout.dp
         self.tp_group, self.cp_group = Group(tp, 1), Group(cp, tp)
         self.dp_group = Group(dp * cp, tp)  # gradients and optimizer states over dp x cp (CP ranks hold replicas)
@@ -137,7 +149,7 @@ class TimeModel:
 
         fwd = split(m, n, k, plan.fwd_chunks) * plan.fwd_slowdown
         dgrad = split(m, k, n, plan.dgrad_chunks) * plan.dgrad_slowdown
-        wgrad = g.gemm_seconds(n, k, m, self.precision) * count * g.wgrad_fp32_slowdown * plan.wgrad_slowdown
+        wgrad = g.gemm_seconds(n, k, m, self.precision) * count * self.wgrad_slowdown * plan.wgrad_slowdown
         cost.add("F", "gemm", fwd)
         cost.add("B", "gemm", dgrad + wgrad)
         cost.wgrad += wgrad
@@ -170,11 +182,11 @@ class TimeModel:
             if lay.expert_gemm == "per_expert":  # one cuBLAS GEMM per expert, its wgrad into fp32 main_grad
                 fwd = local * g.gemm_seconds(rows, n, k, self.precision)
                 dgrad = local * g.gemm_seconds(rows, k, n, self.precision)
-                wgrad = local * g.gemm_seconds(n, k, rows, self.precision) * g.wgrad_fp32_slowdown
+                wgrad = local * g.gemm_seconds(n, k, rows, self.precision) * self.wgrad_slowdown
             else:
                 fwd = g.grouped_gemm_seconds(local, rows, n, k, self.precision)
                 dgrad = g.grouped_gemm_seconds(local, rows, k, n, self.precision)
-                wgrad = fwd * g.wgrad_fp32_slowdown  # the same FLOPs, writing fp32 into the gradient buffer
+                wgrad = fwd * self.wgrad_slowdown  # the same FLOPs, writing fp32 into the gradient buffer
             cost.add("F", "gemm", fwd)
             cost.add("B", "gemm", dgrad + wgrad)
             cost.wgrad += wgrad
@@ -235,7 +247,7 @@ class TimeModel:
         copies_b = (5 * m.d_inner + 2 * m.in_width) / tp * self.tokens * self.dtype
         cost.add("F", "memory", g.memory_seconds(copies_f))
         cost.add("B", "memory", g.memory_seconds(copies_b))
-        if self.layout.recompute == "selective":
+        if layout_recomputes(self.layout, "mamba_core"):
             cost.add("B", "ssm", fwd)
             cost.add("B", "memory", g.memory_seconds(copies_f))
 
@@ -304,7 +316,8 @@ class TimeModel:
 
     def _zero3(self, cost: OpCost, dense: float, expert: float) -> None:
         """ZeRO-3: gather this layer's parameters before its forward and again before its backward, reduce-scatter
-        its fp32 gradients after; dense parameters over dp, expert ones over the expert-data-parallel group."""
+        its gradients after (in ``main_grads_dtype``); dense parameters over dp, expert ones over the
+        expert-data-parallel group."""
         if not self.layout.dp_shard:
             return
         gather = sum(
@@ -312,7 +325,7 @@ class TimeModel:
             for group, n in ((self.dp_group, dense), (self.edp_group, expert))
         )
         scatter = sum(
-            self.net.collective("reduce_scatter", group, n * 4.0)
+            self.net.collective("reduce_scatter", group, n * self.layout.grad_bytes)  # FSDP2's reduce_dtype
             for group, n in ((self.dp_group, dense), (self.edp_group, expert))
         )
         cost.add("F", "dp_shard_comm", max(0.0, gather - cost.f))

@@ -156,9 +156,12 @@ def _moe_layout(r: dict) -> Layout:
     """One GPU, one micro-batch per step: ZeRO-1 at dp=1, or FSDP2 (``impl`` mcore-fsdp: moe_throughput's
     FSDP_OVERRIDES, parameters resharded after forward, its default); the expert GEMMs as recorded."""
     fsdp = r["impl"] == "mcore-fsdp"
+    # --override's optimizer dtypes (the precision-aware optimizer), when the run recorded any
+    o = dict(x.split("=", 1) for x in r.get("overrides") or [])
+    dtypes = {k: o.get(f"optim.{k}", "fp32") for k in ("main_grads_dtype", "exp_avg_dtype", "exp_avg_sq_dtype")}
     return Layout(
         micro_batch=r["mbs"], global_batch=r["mbs"], seq_length=r["seq"], distributed_optimizer=not fsdp,
-        dp_shard=fsdp, expert_gemm=r.get("expert_gemm", "grouped"),
+        dp_shard=fsdp, expert_gemm=r.get("expert_gemm", "grouped"), **dtypes,
     )  # fmt: skip
 
 
@@ -229,10 +232,12 @@ def ssm_cases(results: Path) -> list[Case]:
             raise ValueError(f"{path}: {r['preset']} has {shape.total_parameters()} parameters, the run {r['params']}")
         o = {k: v for k, v in (x.split("=", 1) for x in r["overrides"])}
         dp_shard = o.get("parallel.dp_shard") == "true"
+        modules = o.get("train.recompute_modules")  # "[a,b]", as the benchmark writes it
         layout = Layout(
             micro_batch=1, global_batch=1, seq_length=r["seq"], dp_shard=dp_shard,
             distributed_optimizer=o.get("parallel.distributed_optimizer") == "true",
             recompute=o.get("train.recompute", "none"),
+            recompute_modules=None if modules is None else tuple(modules.strip("[]").split(",")),
         )  # fmt: skip
         if round(r["tokens_per_s"] * r["step_s"]) != r["seq"]:
             raise ValueError(f"{path}: not one sequence of {r['seq']} tokens per step")
