@@ -110,8 +110,9 @@ def test_latent_cache_decoding_equals_full_recomputation():
             assert torch.equal(model(out[:, :t])[:, -1].argmax(-1), out[:, t])
 
 
-def test_context_parallelism_is_refused_clearly():
+def test_context_parallelism_refuses_cu_seqlens_clearly():
+    # MLA under CP: tests/train/test_cp_sinks_mtp.py; its documents come from the CP sharding
     config = get_config("deepseek_v3-tiny")
     module = MultiLatentAttention(config, 0)
-    with pytest.raises(ValueError, match="under context parallelism"):
-        module(torch.randn(8, 1, config.hidden_size), None, context_parallel=object())
+    with pytest.raises(ValueError, match="MLA under context parallelism takes no kv_cache or cu_seqlens"):
+        module(torch.randn(8, 1, config.hidden_size), None, cu_seqlens=torch.tensor([0, 8]), context_parallel=object())

@@ -50,3 +50,34 @@ def test_cp2_on_two_gpus_trains_like_one_gpu(tmp_path, precision, comm_type, dat
         for key in ("loss", "grad_norm"):
             want = single[step][key]
             assert got[step][key] == pytest.approx(want, rel=PRECISION[precision]), (step, key)
+
+
+# GPT-OSS's sinks and sliding window; DeepSeek-V3's MLA (q/k 32, v 16 in the Triton blocks), MoE with the expert bias
+# and the sequence aux loss, and MTP's shift across the CP chunks (tests/train/test_cp_sinks_mtp.py on gloo)
+MODELS = {
+    "gpt_oss": (["model=gpt_oss-tiny", "data.mock=true", "data.packing=true"], "p2p"),
+    "deepseek_v3_mtp": (
+        [
+            "model=deepseek_v3-tiny",
+            "model.num_nextn_predict_layers=1",
+            "model.router_aux_loss_coef=0.01",
+            "model.moe_router={score_function: sigmoid, expert_bias: true, n_group: 4, topk_group: 2, "
+            "routed_scaling_factor: 2.5, bias_update_rate: 0.01, aux_loss_type: sequence}",
+            "train.mtp_loss_weight=0.3",
+        ],
+        "a2a",
+    ),
+}
+
+
+@pytest.mark.parametrize("model", sorted(MODELS))
+def test_cp2_sinks_mla_mtp_on_two_gpus_train_like_one_gpu(tmp_path, model):
+    common, comm_type = MODELS[model]
+    common = ["train.precision=fp32", *common]
+    _, single = _run(tmp_path / "single", 1, *common)
+    out, got = _run(tmp_path / "cp2", 2, *common, "parallel.cp=2", f"parallel.cp_comm_type={comm_type}")
+    assert "world 2 = tp 1 x cp 2 x pp 1 x dp 1" in out
+    assert sorted(got) == sorted(single) == [1, 2, 3, 4]
+    for step in single:
+        for key in ("loss", "grad_norm"):
+            assert got[step][key] == pytest.approx(single[step][key], rel=PRECISION["fp32"]), (model, step, key)

@@ -226,8 +226,14 @@ def test_cp_keys_and_world_size():
         (["parallel.cp=2", "parallel.tp=2", "parallel.cp_dynamic=true"], r"needs tp = pp = 1 \(got tp=2, pp=1\)"),
         (["parallel.cp=2", "parallel.cp_comm_type=a2a", "parallel.cp_dynamic=true"], "cp_comm_type=p2p"),
         (["parallel.cp=2", "parallel.dp_shard=true", "parallel.cp_dynamic=true"], "no dp_shard"),
-        (["model=mixtral-tiny", "parallel.cp=2", "parallel.cp_dynamic=true"], "does not run MoE models yet"),
-        (["model=mixtral-tiny", "model.router_aux_loss_coef=0.01", "parallel.cp=2"], "MoE aux losses"),
+        (
+            ["model=mixtral-tiny", "model.router_aux_loss_coef=0.01", "parallel.cp=2", "parallel.cp_dynamic=true"],
+            "runs MoE models only without aux losses",
+        ),
+        (
+            ["model=mixtral-tiny", "parallel.cp=2", "parallel.ep=2", "parallel.cp_dynamic=true"],
+            "and with parallel.ep=1",
+        ),
     ],
 )
 def test_bad_cp_layouts_are_refused_naming_the_key(extra, match):
@@ -247,15 +253,9 @@ def test_layout_is_refused_when_the_world_does_not_divide():
         ParallelConfig(tp=2, cp=2).resolve(6)
 
 
-def test_attention_sinks_are_refused_under_cp():
-    from mcore.train.parallel_config import ParallelSection, check_context_parallel
-
-    class WithSinks:  # a model config with GPT-OSS's field (the gptoss branch adds it to TransformerConfig)
-        attention_sinks = True
-
-        def __getattr__(self, name):
-            return getattr(_config().model, name)
-
-    with pytest.raises(ValueError, match="model.attention_sinks=true is not supported yet"):
-        check_context_parallel(ParallelSection(cp=2), WithSinks(), 32)
-    check_context_parallel(ParallelSection(cp=2), _config().model, 32)
+def test_sinks_and_mla_run_under_cp_and_mtp_is_refused_with_dynamic_cp():
+    # sinks, MLA and MTP under CP: tests/train/test_cp_sinks_mtp.py
+    assert _config("model=gpt_oss-tiny", "parallel.cp=2").parallel.cp == 2
+    assert _config("model=deepseek_v3-tiny", "model.num_nextn_predict_layers=1", "parallel.cp=2").parallel.cp == 2
+    with pytest.raises(Exception, match=r"cp_dynamic=true does not run multi-token prediction"):
+        _config("model.num_nextn_predict_layers=1", "parallel.cp=2", "parallel.cp_dynamic=true")

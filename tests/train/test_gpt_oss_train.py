@@ -97,9 +97,9 @@ def test_gpt_oss_120b_on_one_node_fits_only_with_the_optimizer_offloaded():
     assert make_plan(offloaded, 8, gpu_memory_gb=141.0).fits
 
 
-def test_context_parallel_refuses_the_sinks():
-    from mcore.train.errors import UserError
+def test_context_parallel_takes_the_sinks():
     from tests.train.tiny import TINY
 
-    with pytest.raises(UserError, match="attention_sinks=true is not supported yet"):
-        load_config(None, [*TINY, "model=gpt_oss-tiny", "parallel.cp=2", "train.global_batch_size=2"])
+    # sinks under CP: tests/train/test_cp_sinks_mtp.py
+    config = load_config(None, [*TINY, "model=gpt_oss-tiny", "parallel.cp=2", "train.global_batch_size=2"])
+    assert config.model.attention_sinks and config.parallel.cp == 2

@@ -1,6 +1,7 @@
 """Scaled dot-product attention with GQA, sliding windows, packed documents, sinks and the log-sum-exp.
 
-Backends (``backend=`` keyword or ``MCORE_KERNELS_BACKEND``):
+Backends (``backend=`` keyword, then ``MCORE_ATTENTION_BACKEND`` for attention alone (``auto`` = the default
+choice below), then ``MCORE_KERNELS_BACKEND``, which every op reads, so it can name only ``triton`` / ``reference``):
 
 - ``triton``: our flash attention (:mod:`mcore.kernels.triton.flash_attention`), every feature, cost
   following the sum of squared document lengths; CUDA, or CPU tensors under ``TRITON_INTERPRET=1``.
@@ -62,6 +63,8 @@ logger = logging.getLogger("mcore.kernels")
 
 SDPA = "sdpa"
 FLEX = "flex"
+ATTENTION_BACKEND_ENV = "MCORE_ATTENTION_BACKEND"
+ATTENTION_BACKENDS = ("auto", dispatch.TRITON, SDPA, FLEX, dispatch.REFERENCE)
 _TENSOR_CORE_DTYPES = (torch.float16, torch.bfloat16)
 
 
@@ -153,6 +156,8 @@ def _select_backend(
 ) -> str:
     tensors = (q, k, v) if sinks is None else (q, k, v, sinks)
     plain = plain and sinks is None
+    if backend is None:
+        backend = attention_backend_from_env()
     if backend is not None or os.environ.get("MCORE_KERNELS_BACKEND"):
         return dispatch.choose("attention", *tensors, backend=backend, extra=(SDPA, FLEX))
     if q.device.type == "cuda":
@@ -168,6 +173,15 @@ def _select_backend(
         name, why = dispatch.REFERENCE, "documents/window/sinks/LSE on the CPU (eager flex has no backward)"
     _log_default(name, q.device.type, why)
     return name
+
+
+def attention_backend_from_env() -> str | None:
+    """The backend ``MCORE_ATTENTION_BACKEND`` names (``None`` when unset or ``auto``): the one way to pick
+    attention's backend for a whole model without changing the other ops' (a benchmark's or a user's choice)."""
+    value = os.environ.get(ATTENTION_BACKEND_ENV, "").strip()
+    if value not in ("", *ATTENTION_BACKENDS):
+        raise ValueError(f"{ATTENTION_BACKEND_ENV}={value!r} is not a backend; expected one of {ATTENTION_BACKENDS}")
+    return None if value in ("", "auto") else value
 
 
 @functools.cache

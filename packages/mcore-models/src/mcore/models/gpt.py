@@ -203,12 +203,11 @@ class GPTModel(nn.Module):
         out = self._head(x, labels, b, s)
         if self.mtp is None or labels is None:
             return out
-        if context_parallel is not None:
-            raise ValueError("GPTModel: multi-token prediction under context parallelism is not supported")
         ids = input_ids if mtp_input_ids is None else mtp_input_ids
         if ids is None or tuple(ids.shape) != (b, s):
             raise ValueError(f"GPTModel: a last stage with MTP modules needs mtp_input_ids [b, s] = [{b}, {s}]")
-        return self.mtp.attach(out, self.mtp.loss(self, x, ids, labels, rope, cu_seqlens, self.mtp_loss_weight))
+        loss = self.mtp.loss(self, x, ids, labels, rope, cu_seqlens, self.mtp_loss_weight, context_parallel)
+        return self.mtp.attach(out, loss)
 
     def _embed(
         self, input_ids: torch.Tensor | None, hidden_states: torch.Tensor | None

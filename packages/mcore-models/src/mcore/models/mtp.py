@@ -6,7 +6,15 @@ hidden state for ``k = 1``) with the embedding of token ``t[i + k]``: ``eh_proj(
 (embedding first, as DeepSeek's checkpoints, Megatron and HF lay out ``eh_proj``), runs one decoder layer (the
 last layer's parts), and predicts ``t[i + k + 1]`` through its own final norm and the model's shared output layer
 (the embedding and output layer are the main model's). Positions whose ``t[i + k]`` lies in another document
-(``cu_seqlens``) or past the row do not predict (Megatron rolls tokens within each packed sequence the same way).
+(``cu_seqlens``) or past the row do not predict and embed token 0 (Megatron rolls tokens within each packed sequence
+the same way and zeroes the positions rolled in).
+
+Under context parallelism (``context_parallel``, an ``mcore.parallel.cp_attention.CPContext``) the rank holds its
+shard of every document; ``t[i + k]`` of a shard's last positions lies on other ranks, and the context's
+``shift_left`` fetches it (the heads of the later pieces, one all-gather over the CP group). The modules' layers
+attend over the CP group as the main model's do. ``mean_k`` is the micro-batch's: each rank sums its positions'
+losses and divides by the depth's valid positions counted over the CP group, so the ranks' MTP losses add up to the
+micro-batch's, as their shares of the main loss do (the trainer scales both by cp, since DDP averages over dp x cp).
 
 Training loss: ``mtp_loss_weight / D x sum_k mean_k``, ``mean_k`` the mean cross entropy of depth ``k`` over its
 valid positions in the micro-batch. It reaches the gradients without changing the returned per-token LM loss: like
@@ -72,11 +80,11 @@ class MTPBlock(nn.Module):
         self.layer = DecoderLayer(config, config.num_hidden_layers - 1, ctx)
         self.final_norm = build_norm(config, h, **norm)
 
-    def forward(self, h: torch.Tensor, emb: torch.Tensor, rope: RopeTables, cu_seqlens) -> torch.Tensor:
+    def forward(self, h: torch.Tensor, emb: torch.Tensor, rope: RopeTables, cu_seqlens, context_parallel=None):
         x = self.eh_proj(torch.cat([self.enorm(emb), self.hnorm(h)], dim=-1))
         if self.sequence_parallel:
             x = scatter_to_sequence_parallel_region(x, self.tp_group)
-        return self.layer(x, rope, cu_seqlens)
+        return self.layer(x, rope, cu_seqlens, None, context_parallel)
 
 
 class MultiTokenPrediction(nn.Module):
@@ -89,31 +97,42 @@ class MultiTokenPrediction(nn.Module):
         self.aux_loss_scale = 1.0
         self.stats: dict[str, torch.Tensor] = {}
 
-    def loss(self, model, h, input_ids, labels, rope, cu_seqlens, loss_weight: float) -> torch.Tensor:
-        """``mtp_loss_weight / D x sum_k mean_k`` (fp32 scalar) for the main model's last hidden state ``h``.
+    def loss(
+        self, model, h, input_ids, labels, rope, cu_seqlens, loss_weight: float, context_parallel=None
+    ) -> torch.Tensor:
+        """``mtp_loss_weight / D x sum_k mean_k`` (fp32 scalar) for the main model's last hidden state ``h``; under
+        ``context_parallel``, this rank's share of it (see the module doc).
 
         ``model`` is the ``GPTModel`` whose embedding, output layer and cross entropy the modules share.
         """
         b, s = input_ids.shape
-        doc = _document_ids(cu_seqlens, b, s, input_ids.device)
-        positions = torch.arange(s, device=input_ids.device)
         total = torch.zeros((), dtype=torch.float32, device=h.device)
         for k in range(1, self.depth + 1):
-            tokens = input_ids.roll(-k, dims=1)
-            valid = (positions < s - k) & (doc == doc.roll(-k, dims=1))
-            targets = labels.roll(-k, dims=1).masked_fill(~valid, IGNORE_INDEX)
+            tokens, targets = _shifted(input_ids, labels, k, cu_seqlens, context_parallel)
             emb = model.embed_tokens(tokens)
-            h = self.layers[str(k - 1)](h, emb, rope, cu_seqlens)
+            h = self.layers[str(k - 1)](h, emb, rope, cu_seqlens, context_parallel)
             per_token = model.token_losses(self.layers[str(k - 1)].final_norm(h), targets, b, s)
-            count = (targets != IGNORE_INDEX).sum().clamp(min=1)
-            total = total + per_token.sum() / count
+            count = (targets != IGNORE_INDEX).sum()
+            if context_parallel is not None:  # the micro-batch's valid positions, not the shard's
+                count = context_parallel.sum(count)
+            total = total + per_token.sum() / count.clamp(min=1)
         total = total * (loss_weight / self.depth)
-        self.stats = {"mtp_loss": total.detach()}
+        self.stats = {"mtp_loss": total.detach() if context_parallel is None else context_parallel.sum(total)}
         return total
 
     def attach(self, out: torch.Tensor, loss: torch.Tensor) -> torch.Tensor:
         """``out`` unchanged, with ``loss`` joining its backward at gradient ``aux_loss_scale``."""
         return _AttachLoss.apply(out, loss, float(self.aux_loss_scale))
+
+
+def _shifted(input_ids, labels, k: int, cu_seqlens, context_parallel) -> tuple[torch.Tensor, torch.Tensor]:
+    """Tokens ``t[i + k]`` (0 where ``i + k`` leaves the document) and their targets (``-100`` there)."""
+    if context_parallel is not None:
+        return context_parallel.shift_left(input_ids, k, 0), context_parallel.shift_left(labels, k, IGNORE_INDEX)
+    b, s = input_ids.shape
+    doc = _document_ids(cu_seqlens, b, s, input_ids.device)
+    valid = (torch.arange(s, device=input_ids.device) < s - k) & (doc == doc.roll(-k, dims=1))
+    return input_ids.roll(-k, dims=1).masked_fill(~valid, 0), labels.roll(-k, dims=1).masked_fill(~valid, IGNORE_INDEX)
 
 
 def _document_ids(cu_seqlens: torch.Tensor | None, b: int, s: int, device: torch.device) -> torch.Tensor:

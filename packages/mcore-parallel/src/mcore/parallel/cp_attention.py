@@ -13,8 +13,21 @@ Every rank holds its :class:`~mcore.parallel.context_parallel.CPSharding` pieces
 - ``a2a+p2p`` (hierarchical): ``a2a`` inside groups of ``a2a_size`` ranks, ``p2p`` across the groups.
 
 The blocks are :func:`mcore.kernels.attention_blocks.layout_forward` / ``layout_backward``: our Triton
-kernel on CUDA, the torch reference elsewhere. Sinks join the softmax once, in the block holding each
-query's own piece.
+kernel on CUDA, the torch reference elsewhere.
+
+Attention sinks (GPT-OSS: one logit ``z_h`` per query head in the denominator only). For a query ``i`` of head ``h``
+over key blocks ``B_1..B_n`` (ring steps, or one gathered block), ``out_i = sum_j exp(s_ij - L_i) v_j`` with
+``L_i = log(exp(z_h) + sum_t sum_{j in B_t} exp(s_ij))``. A block's partial ``(o_t, l_t)`` over its keys merges by
+log-sum-exp (``L = logaddexp(l_1, .., l_n)``, ``out = sum_t exp(l_t - L) o_t``), so the sink must enter exactly one
+block's ``l_t``, else it would count ``n`` times: it goes with the block every query has, step 0's (the query's own
+pieces, whose diagonal is never masked; with a window too). Backward: the kernels take the merged ``L`` and ``out``,
+so ``P_ij = exp(s_ij - L_i)`` is already the whole-row probability in every block, and ``dz_h = -sum_i P_i,sink
+delta_i`` (``P_i,sink = exp(z_h - L_i)``, ``delta_i = dout_i . out_i``) is taken once, again at step 0. Each rank so
+holds the sink gradient of its own queries; the dp x cp gradient reduction sums the ranks' parts, which is the
+whole sequence's. Under ``a2a`` a rank attends all tokens of ``heads / size`` heads: it takes those heads' sink
+logits (a slice of the parameter, whose other entries get zero gradient here) and their gradient is complete for
+the group's tokens; the same sum over the CP group assembles every head. ``a2a+p2p`` is both: the head slice of the
+a2a group, the sink at its ring's step 0.
 """
 
 from __future__ import annotations
@@ -29,6 +42,7 @@ from mcore.kernels import dispatch
 from mcore.kernels.attention_blocks import layout_attention, layout_backward, layout_forward, merge_partials
 from mcore.parallel.comm import gather_from_sequence_parallel_region
 from mcore.parallel.context_parallel import CPSharding, pieces_layout
+from mcore.parallel.cp_shift import shift_left
 
 CP_COMM_TYPES = ("p2p", "all_gather", "a2a", "a2a+p2p")
 
@@ -315,6 +329,17 @@ class CPContext:
     def positions(self, device: torch.device | str = "cpu") -> torch.Tensor:
         """``[b, s_local]`` positions of this rank's tokens inside their documents (for RoPE)."""
         return self.sharding.positions(self.rank).to(device)
+
+    def shift_left(self, x: torch.Tensor, k: int, fill: float | int = 0) -> torch.Tensor:
+        """This rank's shard of ``x`` shifted left by ``k`` tokens inside each document, ``fill`` past a document's
+        end (multi-token prediction's next tokens; :func:`mcore.parallel.cp_shift.shift_left`)."""
+        return shift_left(x, k, self.sharding, self.groups.cp, fill)
+
+    def sum(self, tensor: torch.Tensor) -> torch.Tensor:
+        """``tensor`` summed over the CP group (a new tensor, outside autograd): whole-sequence token counts."""
+        total = tensor.detach().clone()
+        dist.all_reduce(total, group=self.groups.cp)
+        return total
 
     def attention(self, q, k, v, *, causal=True, window_size=None, softmax_scale=None, sinks=None) -> torch.Tensor:
         return context_parallel_attention(

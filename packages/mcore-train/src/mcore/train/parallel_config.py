@@ -20,8 +20,8 @@ __all__ = ["CP_COMM_TYPES", "CP_MIXERS", "PIPELINE_LAYOUTS", "ParallelSection", 
 PIPELINE_LAYOUTS = ("even", "balanced")
 # Megatron-Core's names (--cp-comm-type); the implementations are mcore.parallel.cp_attention's.
 CP_COMM_TYPES = ("p2p", "all_gather", "a2a", "a2a+p2p")
-# Token mixers whose attention runs over the CP group (mcore.models.layers.attention); the others see one shard.
-CP_MIXERS = ("full_attention", "sliding_attention", "nope_attention", "none")
+# Token mixers whose attention runs over the CP group (mcore.models.layers.attention, .mla); the others see one shard.
+CP_MIXERS = ("full_attention", "sliding_attention", "nope_attention", "mla", "none")
 
 
 @dataclass
@@ -198,21 +198,22 @@ def check_context_parallel(parallel: ParallelSection, model: TransformerConfig, 
             f"parallel.cp={cp}: layers with token mixer(s) {mixers} cannot run context-parallel (only "
             f"{list(CP_MIXERS)} can); use parallel.cp=1"
         )
-    if parallel.ep > 1:
-        raise ValueError(f"parallel.cp={cp} with parallel.ep={parallel.ep} is not supported yet; use ep=1 or cp=1")
-    if getattr(model, "attention_sinks", False):  # GPT-OSS (the gptoss branch): the CP path does not pass them yet
-        raise ValueError(f"parallel.cp={cp} with model.attention_sinks=true is not supported yet; use cp=1")
     router = model.moe_router or {}
-    if model.num_experts is not None and (model.router_aux_loss_coef or router.get("z_loss_coef")):
-        # the MoE layers' aux losses are those of the tokens of their tp ranks; under CP they would need the
-        # statistics of the whole tp x cp group and a cp-scaled gradient
+    aux = model.num_experts is not None and (model.router_aux_loss_coef or router.get("z_loss_coef"))
+    if parallel.cp_dynamic and (aux or (model.num_experts is not None and parallel.ep > 1)):
+        # dynamic CP's ranks run different numbers of forward passes: the aux statistics' all-reduces and the
+        # experts' all-to-alls would not pair up across ranks
         raise ValueError(
-            f"parallel.cp={cp} with MoE aux losses (model.router_aux_loss_coef={model.router_aux_loss_coef}, "
-            f"model.moe_router.z_loss_coef={router.get('z_loss_coef')}) is not supported yet; set them to 0 (the "
-            "aux-loss-free expert_bias works) or use cp=1"
+            "parallel.cp_dynamic=true runs MoE models only without aux losses (model.router_aux_loss_coef, "
+            "model.moe_router.z_loss_coef = 0; the aux-loss-free expert_bias works) and with parallel.ep=1; use "
+            "static CP"
         )
-    if parallel.cp_dynamic and model.num_experts is not None:
-        raise ValueError("parallel.cp_dynamic=true does not run MoE models yet (their aux losses); use static CP")
+    if parallel.cp_dynamic and model.num_nextn_predict_layers:
+        # dynamic CP weights each document's loss by its micro-batch; the MTP loss is a per-micro-batch mean
+        raise ValueError(
+            f"parallel.cp_dynamic=true does not run multi-token prediction (model.num_nextn_predict_layers="
+            f"{model.num_nextn_predict_layers}) yet; use static CP (parallel.cp_dynamic=false)"
+        )
     if parallel.cp_comm_type in ("a2a", "a2a+p2p"):
         size = cp if parallel.cp_comm_type == "a2a" else parallel.cp_a2a_size
         heads = {"num_attention_heads": model.num_attention_heads, "num_key_value_heads": model.num_key_value_heads}

@@ -315,9 +315,12 @@ class Trainer:
         lr = self.lr_schedule(self.iteration)
         self.optimizer.set_lr(lr)
         self.optimizer.zero_grad()
+        # MoE layers' and MTP's aux losses: their gradient, scaled as the loss is (under CP each rank's MTP loss is
+        # its share of the micro-batch's and DDP averages over dp x cp: x cp, as _forward_step's loss)
+        aux_scale = self.optimizer.loss_scale / self.num_microbatches * self.groups.cp_size
         for module in (m for chunk in self.chunks for m in chunk.modules()):
-            if hasattr(module, "aux_loss_scale"):  # MoE layers: their aux losses' gradient, scaled as the loss is
-                module.aux_loss_scale = self.optimizer.loss_scale / self.num_microbatches
+            if hasattr(module, "aux_loss_scale"):
+                module.aux_loss_scale = aux_scale
         loss = self._forward_backward(microbatches)
         result: StepResult = self.optimizer.step()
         self.iteration += 1

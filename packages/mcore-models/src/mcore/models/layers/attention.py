@@ -120,11 +120,11 @@ class SelfAttention(nn.Module):
         if kv_cache is not None:
             out = self._attend_with_cache(q, k, v, kv_cache, cu_seqlens)
         elif context_parallel is not None:
-            if self.sinks is not None:
-                raise ValueError("attention sinks (GPT-OSS) under context parallelism are not supported; set cp=1")
-            core = lambda q, k, v: context_parallel.attention(q, k, v, window_size=self.window)  # noqa: E731
+            # sinks join the softmax of each query once, in the CP attention (see mcore.parallel.cp_attention)
+            sinks = None if self.sinks is None else self.sinks.logits()
+            core = lambda q, k, v, z: context_parallel.attention(q, k, v, window_size=self.window, sinks=z)  # noqa: E731
             recompute = self.recompute_core and torch.is_grad_enabled()
-            out = checkpoint(core, q, k, v, use_reentrant=False) if recompute else core(q, k, v)
+            out = checkpoint(core, q, k, v, sinks, use_reentrant=False) if recompute else core(q, k, v, sinks)
         elif self.recompute_core and torch.is_grad_enabled():
             out = checkpoint(self._core, q, k, v, cu_seqlens, use_reentrant=False)
         else:

@@ -25,6 +25,8 @@ together are the default region above.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import nn
 
@@ -40,6 +42,9 @@ from mcore.parallel.comm import copy_to_tp_region, gather_from_sequence_parallel
 from mcore.parallel.init import normal_init
 from mcore.parallel.param_attrs import mark_sequence_parallel
 from mcore.parallel.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+
+if TYPE_CHECKING:  # the CP context lives in mcore.parallel; the model only calls it
+    from mcore.parallel.cp_attention import CPContext
 
 
 class ReplicatedLinear(nn.Module):
@@ -113,13 +118,13 @@ class MultiLatentAttention(nn.Module):
         *,
         cu_seqlens: torch.Tensor | None = None,
         kv_cache: KVCache | None = None,
-        context_parallel: object | None = None,
+        context_parallel: CPContext | None = None,
     ) -> torch.Tensor:
-        """``x [s(/tp), b, h]``; ``rope`` the cos/sin tables ``[s, b, 1, qk_rope_head_dim]``."""
-        if context_parallel is not None:
-            raise ValueError(
-                "multi-head latent attention under context parallelism (parallel.cp > 1) is not supported yet"
-            )
+        """``x [s(/tp), b, h]``; ``rope`` the cos/sin tables ``[s, b, 1, qk_rope_head_dim]``. ``context_parallel``:
+        ``x`` is this rank's CP shard and the core attends over the CP group (the up-projected K/V travel: every head's
+        192 + 128 values per token in V3, not the 576 latents, so the blocks need no expansion per step)."""
+        if context_parallel is not None and (kv_cache is not None or cu_seqlens is not None):
+            raise ValueError("MLA under context parallelism takes no kv_cache or cu_seqlens (the sharding has them)")
         q_in = x if self.q_proj is not None else self.q_norm(self.q_down(x))
         kv_latent, k_rope = self.kv_down(x).split([self.kv_rank, self.rope_dim], dim=-1)
         kv_latent = self.kv_norm(kv_latent)
@@ -131,7 +136,8 @@ class MultiLatentAttention(nn.Module):
             k_rope = copy_to_tp_region(k_rope, self.tp_group)
         if kv_cache is not None:
             return self._forward_cached(q_in, kv_latent, k_rope, rope, kv_cache, cu_seqlens)
-        out = self._recomputed_heads_and_core(q_in, kv_latent, k_rope, rope.cos, rope.sin, cu_seqlens)
+        documents = cu_seqlens if context_parallel is None else context_parallel  # what the core attends within
+        out = self._recomputed_heads_and_core(q_in, kv_latent, k_rope, rope.cos, rope.sin, documents)
         s, b = out.shape[1], out.shape[0]
         return self.out_proj(out.transpose(0, 1).reshape(s, b, -1))
 
@@ -167,23 +173,26 @@ class MultiLatentAttention(nn.Module):
         q_rope, k_rope = self._rotate(q_rope, k_rope, cos, sin)
         return self._keys_values(q_nope, q_rope, kv_latent, k_rope)
 
-    def _core(self, q, k, v, cu_seqlens):
-        return attention(q, k, v, causal=True, softmax_scale=self.softmax_scale, cu_seqlens=cu_seqlens)
+    def _core(self, q, k, v, documents):
+        """``documents``: ``cu_seqlens``, ``None`` or the ``CPContext`` (whose sharding holds them)."""
+        if documents is not None and not isinstance(documents, torch.Tensor):
+            return documents.attention(q, k, v, softmax_scale=self.softmax_scale)
+        return attention(q, k, v, causal=True, softmax_scale=self.softmax_scale, cu_seqlens=documents)
 
-    def _heads_and_core(self, q_in, kv_latent, k_rope, cos, sin, cu_seqlens):
-        return self._core(*self._heads(q_in, kv_latent, k_rope, cos, sin), cu_seqlens)
+    def _heads_and_core(self, q_in, kv_latent, k_rope, cos, sin, documents):
+        return self._core(*self._heads(q_in, kv_latent, k_rope, cos, sin), documents)
 
-    def _recomputed_heads_and_core(self, q_in, kv_latent, k_rope, cos, sin, cu_seqlens):
+    def _recomputed_heads_and_core(self, q_in, kv_latent, k_rope, cos, sin, documents):
         """``_heads_and_core`` with what ``recompute_up`` / ``recompute_core`` discard (see the module doc)."""
         if self.recompute_up and self.recompute_core:
-            return checkpoint_region(self._heads_and_core, q_in, kv_latent, k_rope, cos, sin, cu_seqlens)
+            return checkpoint_region(self._heads_and_core, q_in, kv_latent, k_rope, cos, sin, documents)
         if self.recompute_up:
             return discard_output(self._heads, (q_in, kv_latent, k_rope, cos, sin), lambda q, k, v: self._core(
-                q, k, v, cu_seqlens))  # fmt: skip
+                q, k, v, documents))  # fmt: skip
         q, k, v = self._heads(q_in, kv_latent, k_rope, cos, sin)
         if self.recompute_core:
-            return checkpoint_region(self._core, q, k, v, cu_seqlens)
-        return self._core(q, k, v, cu_seqlens)
+            return checkpoint_region(self._core, q, k, v, documents)
+        return self._core(q, k, v, documents)
 
     def _forward_cached(self, q_in, kv_latent, k_rope, rope, cache: KVCache, cu_seqlens) -> torch.Tensor:
         """Inference with a cache of what MLA saves per token, ``[c_kv; rotated k_rope]`` (576 values in V3); the

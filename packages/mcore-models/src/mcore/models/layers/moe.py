@@ -60,7 +60,7 @@ class MoEMLP(MoELayer):
             dataclasses.replace(moe_layer_config(config), activation=activation),
             groups=ctx.groups,
             init_std=config.initializer_range,
-            token_split_group=ctx.tp_group if ctx.tp_size > 1 else None,  # each tp rank routes part of the sequence
+            token_split_group=_token_split_group(ctx),
             params_dtype=ctx.params_dtype,
             device=ctx.device,
         )
@@ -132,3 +132,12 @@ MOE_MLP = PartSpec(
     matmul_weights=moe_matmul_weights,
     check_tensor_parallel=check_moe_tensor_parallel,
 )
+
+
+def _token_split_group(ctx: PartContext):
+    """The ranks that route parts of one micro-batch, whose aux-loss statistics are summed: each tp rank routes part
+    of the sequence, and each CP rank its shard of it (``tp_cp``; the same as ``tp`` at cp 1)."""
+    groups = ctx.groups
+    if groups is not None and groups.cp_size > 1:
+        return groups.tp_cp
+    return ctx.tp_group if ctx.tp_size > 1 else None

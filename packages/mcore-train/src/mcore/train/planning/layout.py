@@ -210,8 +210,6 @@ class Layout:
     def _cp_problems(self, shape: ModelShape) -> list[str]:
         """What mcore-train's parallel config refuses for CP (``parallel_config.check_context_parallel``)."""
         out = []
-        if self.cp > 1 and self.ep > 1:
-            out.append(f"cp={self.cp} with ep={self.ep}: mcore-train does not run context and expert parallel together")
         divisors = [d for d in range(2, self.cp) if self.cp % d == 0]
         if self.cp_comm_type == "a2a+p2p" and self.cp_a2a_size not in divisors:
             out.append(f"cp_comm_type a2a+p2p needs cp_a2a_size among the divisors {divisors} of cp={self.cp}")
