@@ -38,7 +38,9 @@ from mcore.parallel.param_attrs import (
     attach_gradient_plumbing,
     main_grad,
     mark_main_grad_zeroed,
+    take_main_grad_unfilled,
     take_wgrad_in_main_grad,
+    wgrad_overwrites_main_grad,
 )
 
 __all__ = ["DistributedDataParallel"]
@@ -51,7 +53,10 @@ class DistributedDataParallel(nn.Module):
     additions to the contract's signature. Wrap the model before building its optimizer: with the distributed
     optimizer the parameters' storage moves into the flat parameter buffer. ``expert_dp_group``: the group over
     which parameters flagged ``expert_parallel`` are reduced (``groups.expert_dp``); the default ``"dense"``
-    reduces them with the rest, which is right only when ep = etp = 1.
+    reduces them with the rest, which is right only when ep = etp = 1. ``skip_overwritten_fill`` (default on):
+    ``zero_grad_buffer`` does not zero-fill the ``main_grad`` of parameters whose first weight gradient of a step
+    overwrites it (the experts' GEMMs: ``param_attrs.take_wgrad_target``), one pass over the experts' gradient
+    memory less per step; off, every gradient is zero-filled (the results are the same bit for bit).
     """
 
     def __init__(
@@ -66,6 +71,7 @@ class DistributedDataParallel(nn.Module):
         overlap_param_gather: bool = False,
         gradient_accumulation_fusion: bool = True,
         expert_dp_group: dist.ProcessGroup | None | str = "dense",
+        skip_overwritten_fill: bool = True,
     ) -> None:
         super().__init__()
         if not isinstance(module, nn.Module):
@@ -88,6 +94,7 @@ class DistributedDataParallel(nn.Module):
         self.overlap_grad_reduce = overlap_grad_reduce
         self.use_distributed_optimizer = use_distributed_optimizer
         self.overlap_param_gather = overlap_param_gather
+        self.skip_overwritten_fill = bool(skip_overwritten_fill)
         self._sync_enabled = True
 
         # No parameter is allowed: an empty virtual pipeline stage (a chunk without layers, which a balanced
@@ -152,6 +159,8 @@ class DistributedDataParallel(nn.Module):
             if p.grad is None and not fused:
                 return
             if p.grad is not None:
+                if take_main_grad_unfilled(p):  # zero_grad_buffer left it stale for an overwrite that did not come
+                    main_grad(p).zero_()
                 main_grad(p).add_(p.grad)
                 p.grad = None
             if ddp._sync_enabled and ddp.overlap_grad_reduce:
@@ -182,12 +191,17 @@ class DistributedDataParallel(nn.Module):
             buf.finish_grad_sync()
 
     def zero_grad_buffer(self) -> None:
-        """Zero ``main_grad`` (and ``param.grad``) before the next step's first micro-batch."""
+        """Zero ``main_grad`` (and ``param.grad``) before the next step's first micro-batch; with
+        ``skip_overwritten_fill``, the regions of parameters whose first weight gradient overwrites are left
+        unfilled (``GradBuffer.zero``: whatever would read them zeroes them first)."""
         for buf in self._grad_buffers:
-            buf.zero()
+            unfilled = [p for p in buf.ranges if wgrad_overwrites_main_grad(p)] if self.skip_overwritten_fill else []
+            buf.zero(unfilled)
+            left = {id(p) for p in unfilled}  # marked by zero()
             for p in buf.ranges:
                 p.grad = None
-                mark_main_grad_zeroed(p)  # the expert GEMMs' first weight gradient writes it, not adds to it
+                if id(p) not in left:
+                    mark_main_grad_zeroed(p)  # the expert GEMMs' first weight gradient writes it, not adds to it
 
     def launched_buckets(self) -> int:
         """Buckets whose collective has been issued in the current step (all buffers)."""

@@ -14,7 +14,7 @@ updated shards are all-gathered in place, bucket by bucket.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -22,7 +22,7 @@ import torch.distributed as dist
 from torch import nn
 
 from mcore.parallel.comm import all_gather_into, group_rank, group_size, reduce_scatter_into
-from mcore.parallel.param_attrs import set_main_grad
+from mcore.parallel.param_attrs import mark_main_grad_unfilled, set_main_grad, take_main_grad_unfilled
 
 __all__ = ["Bucket", "GradBuffer"]
 
@@ -139,6 +139,10 @@ class GradBuffer:
 
     def _launch(self, bucket: Bucket) -> None:
         bucket.launched = True
+        for p in bucket.params:  # left unfilled by zero() and written by nothing this step: its gradient is zero
+            if take_main_grad_unfilled(p):
+                lo, hi = self.ranges[p]
+                self.grad_data[lo:hi].zero_()
         self._next_to_launch = bucket.index + 1
         if self.grad_scale is not None and self.grad_scale != 1.0:
             self.grad_data[bucket.start : bucket.end].mul_(self.grad_scale)
@@ -179,14 +183,36 @@ class GradBuffer:
             bucket.launched = False
         self._next_to_launch = 0
 
-    def zero(self) -> None:
-        """Zero the gradients and forget readiness (waits for any collective still in flight)."""
+    def zero(self, unfilled: Collection[nn.Parameter] = ()) -> None:
+        """Zero the gradients and forget readiness (waits for any collective still in flight). The regions of
+        ``unfilled`` (parameters whose first write of a step overwrites, see ``param_attrs.take_wgrad_target``)
+        keep their stale values and are marked so (``param_attrs.mark_main_grad_unfilled``): a writer that adds
+        zeroes its region first, and a bucket zeroes those still unwritten before it is reduced (``_launch``), so
+        no stale value reaches a collective, the optimizer or the gradient norm."""
         for bucket in self.buckets:
             if bucket.grad_handle is not None:
                 bucket.grad_handle.wait()
                 bucket.grad_handle = None
-        self.grad_data.zero_()
+        if not unfilled:
+            self.grad_data.zero_()
+        else:
+            for lo, hi in self._fill_ranges(unfilled):
+                self.grad_data[lo:hi].zero_()
+            for p in unfilled:
+                mark_main_grad_unfilled(p)
         self._reset_readiness()
+
+    def _fill_ranges(self, unfilled: Collection[nn.Parameter]) -> list[tuple[int, int]]:
+        """The ranges of ``grad_data`` outside ``unfilled``'s regions (bucket padding included), merged."""
+        skipped = sorted(self.ranges[p] for p in unfilled)
+        out, cursor = [], 0
+        for lo, hi in skipped:
+            if lo > cursor:
+                out.append((cursor, lo))
+            cursor = max(cursor, hi)
+        if cursor < self.grad_data.numel():
+            out.append((cursor, self.grad_data.numel()))
+        return out
 
     # ---- parameter all-gather (distributed optimizer) -------------------------------------------------------
 

@@ -37,6 +37,11 @@ Gradient plumbing (set by ``DistributedDataParallel`` while it wraps the module)
   :func:`mark_main_grad_zeroed` (DDP's ``zero_grad_buffer``), :func:`take_wgrad_target` (the GEMMs that can
   overwrite: the experts'); every other writer clears it (:func:`fused_wgrad_target`, DDP's gradient hook
   through :func:`take_wgrad_in_main_grad`), so a parameter written twice in one step accumulates the second time.
+- ``mcore_wgrad_overwrites``: the first weight gradient of a step overwrote ``main_grad`` (:func:`take_wgrad_target`
+  gave ``overwrite``), so DDP's next ``zero_grad_buffer`` leaves it unfilled: :func:`wgrad_overwrites_main_grad`.
+  ``mcore_main_grad_unfilled``: ``main_grad`` holds stale values, not zeros (:func:`mark_main_grad_unfilled`); the
+  first writer of the step that adds zeroes it first (:func:`fused_wgrad_target`, :func:`take_main_grad_unfilled`
+  in DDP's hook), and DDP zeroes it before reducing a bucket if nothing wrote it (a step without its gradient).
 """
 
 from __future__ import annotations
@@ -60,6 +65,7 @@ __all__ = [
     "is_tensor_parallel",
     "main_grad",
     "mark_fp32_compute",
+    "mark_main_grad_unfilled",
     "mark_sequence_parallel",
     "mark_shared_embedding",
     "mark_vocab_padded",
@@ -68,10 +74,12 @@ __all__ = [
     "persistent_buffers",
     "set_main_grad",
     "set_tensor_parallel_attributes",
+    "take_main_grad_unfilled",
     "take_wgrad_in_main_grad",
     "take_wgrad_target",
     "tp_split",
     "vocab_padding",
+    "wgrad_overwrites_main_grad",
 ]
 
 # The attribute names, in one place (other modules use the helpers, never the names).
@@ -89,6 +97,8 @@ _WGRAD_IN_MAIN_GRAD = "mcore_wgrad_in_main_grad"
 _GRAD_READY_HOOK = "mcore_grad_ready_hook"
 _WGRAD_BUFFER = "mcore_wgrad_buffer"
 _MAIN_GRAD_ZEROED = "mcore_main_grad_zeroed"
+_MAIN_GRAD_UNFILLED = "mcore_main_grad_unfilled"
+_WGRAD_OVERWRITES = "mcore_wgrad_overwrites"
 
 
 def persistent_buffers(module: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
@@ -218,8 +228,13 @@ def _wgrad_target(param: torch.Tensor, zeroed: bool) -> tuple[torch.Tensor | Non
         return None, False
     buffer = main_grad(param)
     if buffer is not None:
-        fresh = bool(getattr(param, _MAIN_GRAD_ZEROED, False))
+        unfilled = take_main_grad_unfilled(param)
+        fresh = unfilled or bool(getattr(param, _MAIN_GRAD_ZEROED, False))
         setattr(param, _MAIN_GRAD_ZEROED, False)  # whatever the caller does next, it writes main_grad
+        if unfilled and zeroed:  # the caller adds: it needs the zeros that zero_grad_buffer left out
+            buffer.zero_()
+        if fresh and not zeroed:  # the caller overwrites: the next zero_grad_buffer may leave main_grad unfilled
+            setattr(param, _WGRAD_OVERWRITES, True)
         return buffer, fresh
     attached = getattr(param, _WGRAD_BUFFER, None)
     if attached is None:
@@ -245,6 +260,30 @@ def mark_main_grad_zeroed(param: torch.Tensor) -> None:
     """``main_grad`` of ``param`` was just zeroed (the start of a step): its first weight-gradient GEMM may write it
     without reading it (:func:`take_wgrad_target`)."""
     setattr(param, _MAIN_GRAD_ZEROED, True)
+    setattr(param, _MAIN_GRAD_UNFILLED, False)
+
+
+def wgrad_overwrites_main_grad(param: torch.Tensor) -> bool:
+    """Whether a step's first weight gradient of ``param`` has overwritten ``main_grad`` (:func:`take_wgrad_target`
+    gave ``overwrite``): DDP then skips zero-filling it (a step whose first writer adds still gets zeros, see
+    :func:`mark_main_grad_unfilled`)."""
+    return bool(getattr(param, _WGRAD_OVERWRITES, False))
+
+
+def mark_main_grad_unfilled(param: torch.Tensor) -> None:
+    """``main_grad`` of ``param`` holds nothing of this step and was **not** zeroed (stale values): a writer that
+    overwrites writes it as is, one that adds must zero it first (:func:`take_main_grad_unfilled`)."""
+    setattr(param, _MAIN_GRAD_ZEROED, True)
+    setattr(param, _MAIN_GRAD_UNFILLED, True)
+
+
+def take_main_grad_unfilled(param: torch.Tensor) -> bool:
+    """Whether ``main_grad`` is still unfilled (:func:`mark_main_grad_unfilled`); clears the mark: the caller
+    zeroes or overwrites it now."""
+    unfilled = bool(getattr(param, _MAIN_GRAD_UNFILLED, False))
+    if unfilled:
+        setattr(param, _MAIN_GRAD_UNFILLED, False)
+    return unfilled
 
 
 def mark_wgrad_in_main_grad(param: torch.Tensor) -> None:

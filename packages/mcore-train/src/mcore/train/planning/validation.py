@@ -156,13 +156,17 @@ def _moe_layout(r: dict) -> Layout:
     """One GPU, one micro-batch per step: ZeRO-1 at dp=1, or FSDP2 (``impl`` mcore-fsdp: moe_throughput's
     FSDP_OVERRIDES, parameters resharded after forward, its default); the expert GEMMs as recorded."""
     fsdp = r["impl"] == "mcore-fsdp"
-    # --override's optimizer dtypes (the precision-aware optimizer), when the run recorded any
-    o = dict(x.split("=", 1) for x in r.get("overrides") or [])
-    dtypes = {k: o.get(f"optim.{k}", "fp32") for k in ("main_grads_dtype", "exp_avg_dtype", "exp_avg_sq_dtype")}
     return Layout(
         micro_batch=r["mbs"], global_batch=r["mbs"], seq_length=r["seq"], distributed_optimizer=not fsdp,
-        dp_shard=fsdp, expert_gemm=r.get("expert_gemm", "grouped"), **dtypes,
+        dp_shard=fsdp, expert_gemm=r.get("expert_gemm", "grouped"), **_optim_dtypes(r),
     )  # fmt: skip
+
+
+def _optim_dtypes(r: dict) -> dict[str, str]:
+    """The optimizer dtypes (the precision-aware optimizer: ``optim.main_grads_dtype`` / ``exp_avg_dtype`` /
+    ``exp_avg_sq_dtype``) a record's ``overrides`` set, fp32 where it set none (or recorded no overrides)."""
+    o = _overrides(r) if r.get("overrides") else {}
+    return {k: o.get(f"optim.{k}", "fp32") for k in ("main_grads_dtype", "exp_avg_dtype", "exp_avg_sq_dtype")}
 
 
 def moe_cases(results: Path) -> list[Case]:
@@ -223,14 +227,15 @@ def memory_mode_cases(results: Path) -> list[Case]:
 
 def ssm_cases(results: Path) -> list[Case]:
     """The hybrid (Nemotron-H) training steps of ``benchmarks/ssm_throughput.py``: the preset's shape, one
-    sequence per step, the layout its overrides set (ZeRO-1 at dp=1, or ``dp_shard`` with selective recompute)."""
+    sequence per step, the layout its overrides set (ZeRO-1 at dp=1, or ``dp_shard`` with selective recompute; the
+    optimizer dtypes, as for the MoE runs)."""
     out = []
     for path in sorted(results.glob(SSM_RUN_FILES)):
         r = json.loads(path.read_text())
         shape = ModelShape.from_config(get_config(r["preset"]), name=r["preset"])
         if shape.total_parameters() != r["params"]:
             raise ValueError(f"{path}: {r['preset']} has {shape.total_parameters()} parameters, the run {r['params']}")
-        o = {k: v for k, v in (x.split("=", 1) for x in r["overrides"])}
+        o = _overrides(r)
         dp_shard = o.get("parallel.dp_shard") == "true"
         modules = o.get("train.recompute_modules")  # "[a,b]", as the benchmark writes it
         layout = Layout(
@@ -238,6 +243,7 @@ def ssm_cases(results: Path) -> list[Case]:
             distributed_optimizer=o.get("parallel.distributed_optimizer") == "true",
             recompute=o.get("train.recompute", "none"),
             recompute_modules=None if modules is None else tuple(modules.strip("[]").split(",")),
+            **_optim_dtypes(r),
         )  # fmt: skip
         if round(r["tokens_per_s"] * r["step_s"]) != r["seq"]:
             raise ValueError(f"{path}: not one sequence of {r['seq']} tokens per step")
