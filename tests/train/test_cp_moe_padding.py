@@ -127,6 +127,45 @@ def _check(family: str, groups, cp_groups) -> dict[str, float]:
     return errors
 
 
+def _sp_mask() -> torch.Tensor:
+    return torch.rand(B, 22, generator=torch.Generator().manual_seed(4)) < 0.3
+
+
+def _mlp_stats(model) -> dict[str, dict[str, torch.Tensor]]:
+    layers = _moe_layers(model)
+    return {n: {"counts": m.step_tokens_per_expert.clone(), **{k: m.stats[k] for k in ("aux_loss", "z_loss")}}
+            for n, m in layers.items()}  # fmt: skip
+
+
+@functools.cache
+def _sp_reference():
+    model = _model("mixtral-tiny")
+    ids = torch.randint(0, model.config.vocab_size, (B, 22), generator=torch.Generator().manual_seed(6))
+    model(ids, labels=ids, padding_mask=_sp_mask()).sum().backward()
+    return ids, _mlp_stats(model)
+
+
+def _check_sequence_parallel(groups) -> dict[str, float]:
+    """A given padding mask under tp 2 with sequence parallelism (each tp rank routes its slice of the sequence)."""
+    import torch.distributed as dist
+
+    from mcore.models.families import get_config
+    from mcore.models.gpt import GPTModel
+
+    model = GPTModel(get_config("mixtral-tiny", **MIXTRAL), groups=groups, sequence_parallel=True)
+    model.init_weights(11)
+    ids, want = _sp_reference()
+    model(ids, labels=ids, padding_mask=_sp_mask()).sum().backward()
+    errors = {}
+    for name, stats in _mlp_stats(model).items():
+        for key in ("counts", "z_loss"):  # each tp rank's share
+            dist.all_reduce(stats[key], group=groups.tp)
+        errors[f"counts:{name}"] = float((stats["counts"] != want[name]["counts"]).sum())
+        for key in ("aux_loss", "z_loss"):
+            errors[f"{key}:{name}"] = abs(stats[key].item() - want[name][key].item()) / want[name][key].item()
+    return errors
+
+
 def _workers(rank: int, world_size: int):
     from mcore.parallel.cp_groups import build_cp_groups
     from mcore.parallel.grid import ParallelConfig, build_process_groups
@@ -134,7 +173,9 @@ def _workers(rank: int, world_size: int):
     torch.set_num_threads(1)
     groups = build_process_groups(ParallelConfig(cp=2))
     cp_groups = build_cp_groups(groups)
-    return run_cases({family: functools.partial(_check, family, groups, cp_groups) for family in CASES})
+    cases = {family: functools.partial(_check, family, groups, cp_groups) for family in CASES}
+    cases["tp2_sp"] = functools.partial(_check_sequence_parallel, build_process_groups(ParallelConfig(tp=2)))
+    return run_cases(cases)
 
 
 @pytest.fixture(scope="module")
@@ -156,3 +197,93 @@ def test_padded_cp_run_equals_the_unpadded_single_process(results, family):
         assert not exact, (rank, exact)
         close = {k: v for k, v in errors.items() if k.startswith(("loss", "grad:", "aux:", "z:")) and not v < REL}
         assert not close, (rank, close)
+
+
+def test_a_padding_mask_under_sequence_parallelism_equals_the_single_process(results):
+    for rank, errors in enumerate(case_result(results, "tp2_sp")):
+        assert len(errors) == 6, errors  # two MoE layers
+        bad = {k: v for k, v in errors.items() if (v != 0 if k.startswith("counts:") else not v < REL)}
+        assert not bad, (rank, bad)
+
+
+# ------------------------------------------------------------------------------------------------ kernels
+
+
+def _routing(tokens=40, experts=8, k=2, seed=0):
+    from mcore.kernels.moe import RouterConfig, route
+
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(tokens, experts, generator=g, dtype=torch.float64).requires_grad_()
+    padding = torch.rand(tokens, generator=g) < 0.3
+    return logits, route(logits, RouterConfig(num_experts=experts, topk=k)), padding
+
+
+def test_masked_counts_and_losses_equal_the_unmasked_ones_on_the_real_tokens():
+    from mcore.kernels.moe import load_balancing_loss, tokens_per_expert, z_loss
+
+    logits, routing, padding = _routing()
+    real = ~padding
+    assert torch.equal(tokens_per_expert(routing.indices, 8, padding), tokens_per_expert(routing.indices[real], 8))
+    got = load_balancing_loss(routing.probs, routing.indices, padding_mask=padding)
+    want = load_balancing_loss(routing.probs[real], routing.indices[real])
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=0)
+    torch.testing.assert_close(z_loss(logits, padding), z_loss(logits[real]), rtol=1e-12, atol=0)
+    (g_got,) = torch.autograd.grad(got + z_loss(logits, padding), logits, retain_graph=True)
+    (g_want,) = torch.autograd.grad(want + z_loss(logits[real]), logits)
+    torch.testing.assert_close(g_got, g_want, rtol=1e-12, atol=1e-15)
+    assert g_got[padding].abs().max() == 0  # padding gets no aux gradient
+
+
+def test_sequence_wise_loss_averages_each_sequence_over_its_real_tokens():
+    from mcore.kernels.moe import load_balancing_loss
+
+    logits, routing, padding = _routing(tokens=40)
+    got = load_balancing_loss(routing.probs, routing.indices, sequence_length=10, padding_mask=padding)
+    rows = []
+    for r in range(4):
+        keep = torch.zeros(40, dtype=torch.bool)
+        keep[10 * r : 10 * (r + 1)] = True
+        keep &= ~padding
+        rows.append(load_balancing_loss(routing.probs[keep], routing.indices[keep]))
+    torch.testing.assert_close(got, torch.stack(rows).mean(), rtol=1e-12, atol=0)
+
+
+def test_without_a_mask_the_layer_losses_are_bit_equal_to_the_unmasked_formulas():
+    from mcore.kernels.moe import load_balancing_loss, route, tokens_per_expert, z_loss
+    from mcore.parallel.expert_parallel import MoEConfig, MoELayer
+
+    cfg = MoEConfig(hidden_size=16, num_experts=4, topk=2, moe_intermediate_size=8, aux_loss_coef=0.01,
+                    z_loss_coef=0.001, expert_bias=True)  # fmt: skip
+    layer = MoELayer(cfg)
+    layer.router.reset_parameters(torch.Generator().manual_seed(1))
+    layer.experts.reset_parameters(torch.Generator().manual_seed(2))
+    x = torch.randn(6, 3, 16, generator=torch.Generator().manual_seed(3))
+    layer(x)
+    logits = layer.router.logits(x.reshape(-1, 16))
+    routing = route(logits, layer.router_config, layer.expert_bias)
+    assert torch.equal(layer.stats["aux_loss"], load_balancing_loss(routing.probs, routing.indices))
+    assert torch.equal(layer.stats["z_loss"], z_loss(logits))
+    assert torch.equal(layer.stats["tokens_per_expert"], tokens_per_expert(routing.indices, 4))
+    with pytest.raises(ValueError, match=r"padding_mask must be a bool tensor \(6, 3\)"):
+        layer(x, torch.zeros(3, 6, dtype=torch.bool))
+    with pytest.raises(TypeError, match="padding_mask must be a bool tensor"):
+        layer(x, torch.zeros(6, 3))
+
+
+def test_cp_shard_flags_exactly_the_padding():
+    from mcore.train.context_parallel import CPBatches
+
+    batch = _batch(1000)
+    shards = [CPBatches(2, r, groups=None, granule=4).shard(batch) for r in range(2)]
+    sharding = shards[0]["context_parallel"].sharding
+    mask = sharding.unshard([s["padding_mask"] for s in shards])
+    tokens = sharding.unshard([s["tokens"] for s in shards])
+    assert mask.dtype == torch.bool and int((~mask).sum()) == B * S
+    for row, start, length in sharding.documents():
+        flags = mask[row, start : start + length]
+        real = int((~flags).sum())
+        assert not flags[:real].any() and flags[real:].all()  # the document first, then its padding
+    real_tokens = [tokens[row][~mask[row]] for row in range(B)]
+    assert all(torch.equal(real_tokens[row], batch["tokens"][row]) for row in range(B))
+    unpacked = {k: batch[k][:, :20] for k in ("tokens", "labels", "loss_mask")}  # plain rows: no padding added
+    assert "padding_mask" not in CPBatches(2, 0, groups=None, granule=4).shard(unpacked)

@@ -33,13 +33,10 @@ from mcore.kernels.moe import (
     expert_bias_update,
     grouped_gemm,
     grouped_gemm_of_activation,
-    load_balancing_loss_from_stats,
-    load_balancing_stats,
     route,
     tokens_per_expert,
-    z_loss,
 )
-from mcore.parallel.comm import group_rank, group_size, reduce_from_tp_region
+from mcore.parallel.comm import group_rank, group_size
 from mcore.parallel.expert_dispatch import DISPATCHERS, AllGatherDispatcher, AllToAllDispatcher
 from mcore.parallel.expert_gemm import (
     HostOffsets,
@@ -48,6 +45,7 @@ from mcore.parallel.expert_gemm import (
     per_expert_linear_of_activation,
 )
 from mcore.parallel.grid import ProcessGroups
+from mcore.parallel.moe_aux_losses import moe_aux_losses
 from mcore.parallel.tensor_parallel import set_tensor_parallel_attributes
 
 __all__ = ["GroupedExperts", "MoEConfig", "MoELayer", "Router", "moe_metrics", "update_expert_biases"]
@@ -423,54 +421,13 @@ class MoELayer(nn.Module):
             counts = tokens_per_expert(routing.indices, cfg.num_experts, padding_mask)
             if self.training and self.expert_bias is not None:
                 self.step_tokens_per_expert += counts
-            aux = self._aux_losses(logits, routing, shape, padding_mask)
+            aux = moe_aux_losses(cfg, logits, routing, shape, self.token_split_group, padding_mask)
         self.stats = {"tokens_per_expert": counts, "dropped": plan.dropped, **{k: v.detach() for k, v in aux.items()}}
         coefs = {"aux_loss": cfg.aux_loss_coef, "z_loss": cfg.z_loss_coef}
         weighted = [coefs[name] * value for name, value in aux.items() if value.requires_grad]
         if weighted and self.training:
             out = _AttachAuxLoss.apply(out, sum(weighted), float(self.aux_loss_scale))
         return out
-
-    def _aux_losses(self, logits, routing, shape, padding_mask=None) -> dict[str, torch.Tensor]:
-        """The differentiable ``aux_loss`` / ``z_loss`` whose coefficients are set.
-
-        With ``token_split_group`` (the tp ranks splitting one sequence), both are those of the whole group's tokens:
-        the load-balancing sums are all-reduced over it (the probabilities' with an identity backward, so each rank's
-        gradient reaches its own tokens) and the z-loss mean is divided by its size; every rank attaches them. With
-        ``padding_mask`` the means are over the real tokens, counted over the same group.
-        """
-        cfg = self.config
-        out: dict[str, torch.Tensor] = {}
-        split = group_size(self.token_split_group)
-        if cfg.aux_loss_coef:
-            probs, indices, mask, seq = routing.probs, routing.indices, padding_mask, None
-            if cfg.aux_loss_type == "sequence" and len(shape) == 3:
-                s, b = shape[0], shape[1]  # [s, b, h]: regroup the tokens sequence by sequence
-                probs = probs.view(s, b, -1).transpose(0, 1).reshape(s * b, -1)
-                indices = indices.view(s, b, -1).transpose(0, 1).reshape(s * b, -1)
-                mask = None if mask is None else mask.view(s, b).t().reshape(-1)
-                seq = s
-            counts, prob_sums = load_balancing_stats(probs, indices, sequence_length=seq, padding_mask=mask)
-            if split > 1:
-                dist.all_reduce(counts, group=self.token_split_group)
-                prob_sums = reduce_from_tp_region(prob_sums, self.token_split_group)
-            if mask is None:
-                tokens = (probs.shape[0] if seq is None else seq) * split
-            else:  # each group's real tokens, over the ranks splitting it
-                tokens = self._split_sum((~mask).view(counts.shape[0], -1).sum(1).float())
-            out["aux_loss"] = load_balancing_loss_from_stats(counts, prob_sums, tokens, cfg.topk)
-        if cfg.z_loss_coef:
-            if padding_mask is None:
-                out["z_loss"] = z_loss(logits) / split
-            else:
-                out["z_loss"] = z_loss(logits, padding_mask, self._split_sum((~padding_mask).sum().float()))
-        return out
-
-    def _split_sum(self, value: torch.Tensor) -> torch.Tensor:
-        """``value`` summed over ``token_split_group`` (itself without one)."""
-        if group_size(self.token_split_group) > 1:
-            dist.all_reduce(value, group=self.token_split_group)
-        return value
 
 
 @torch.no_grad()
