@@ -9,7 +9,10 @@ whose lengths need padding, against the same unpadded documents in one process (
 over the CP group, as the dp x cp reduction does), every MoE layer's aux / z loss and tokens per expert, and the
 expert biases after one update (bit-equal). Without the mask the counts would include the padding (checked, so the
 comparison can fail). The kernels' masked statistics equal the unmasked ones on the real tokens alone, and without a
-mask an MoE layer's losses are bit-equal to the unmasked formulas.
+mask an MoE layer's losses are bit-equal to the unmasked formulas. End to end: mcore-train runs of both models on
+packed mock documents at cp 2 (the trainer passes ``padding_mask``) equal the unpadded single process over 3 AdamW
+steps (loss and gradient norm within 1e-5, expert biases bit-equal), and a given mask under tp 2 with sequence
+parallelism reaches each rank's slice of the routed tokens.
 """
 
 from __future__ import annotations
@@ -166,7 +169,26 @@ def _check_sequence_parallel(groups) -> dict[str, float]:
     return errors
 
 
-def _workers(rank: int, world_size: int):
+PACKED_RUNS = {  # mcore-train on packed mock documents (padded per document at cp 2), 3 AdamW steps
+    "mixtral": ["model=mixtral-tiny", "model.router_aux_loss_coef=0.01",
+                "model.moe_router={z_loss_coef: 0.001, expert_bias: true, bias_update_rate: 0.01}"],
+    "deepseek_mtp": ["model=deepseek_v3-tiny", "model.num_nextn_predict_layers=1", "model.router_aux_loss_coef=0.01",
+                     "model.moe_router={score_function: sigmoid, expert_bias: true, n_group: 4, topk_group: 2, "
+                     "routed_scaling_factor: 2.5, bias_update_rate: 0.01, aux_loss_type: sequence}",
+                     "train.mtp_loss_weight=0.3"],
+}  # fmt: skip
+PACKED = ["data.mock=true", "data.packing=true"]
+
+
+def _train(run_dir: str, *overrides: str):
+    from tests.train.test_cp_sinks_mtp import STEPS
+    from tests.train.test_cp_sinks_mtp import _train as train_capturing
+
+    # 3 steps: the sign updates of these runs' 4th step happen to bring the biases back to 0
+    return train_capturing(run_dir, *STEPS, "train.steps=3", *PACKED, *overrides)
+
+
+def _workers(rank: int, world_size: int, run_root: str):
     from mcore.parallel.cp_groups import build_cp_groups
     from mcore.parallel.grid import ParallelConfig, build_process_groups
 
@@ -175,12 +197,38 @@ def _workers(rank: int, world_size: int):
     cp_groups = build_cp_groups(groups)
     cases = {family: functools.partial(_check, family, groups, cp_groups) for family in CASES}
     cases["tp2_sp"] = functools.partial(_check_sequence_parallel, build_process_groups(ParallelConfig(tp=2)))
-    return run_cases(cases)
+    out = run_cases(cases)
+    torch.distributed.barrier()
+    for name, overrides in PACKED_RUNS.items():
+        out[f"run:{name}"] = _train(f"{run_root}/{name}", *overrides, "parallel.cp=2")
+    return out
 
 
 @pytest.fixture(scope="module")
-def results():
-    return run_workers(2, _workers, timeout=600)
+def runs(tmp_path_factory):
+    """(single-process runs, each rank's results) of the packed mcore-train runs and the model cases."""
+    root = tmp_path_factory.mktemp("cp_moe_padding")
+    singles = {name: _train(str(root / f"single-{name}"), *extra) for name, extra in PACKED_RUNS.items()}
+    return singles, run_workers(2, _workers, str(root), timeout=600)
+
+
+@pytest.fixture(scope="module")
+def results(runs):
+    return runs[1]
+
+
+@pytest.mark.parametrize("name", list(PACKED_RUNS))
+def test_packed_training_at_cp2_equals_the_single_process(runs, name):
+    singles, per_rank = runs
+    want_curve, want_biases, _ = singles[name]
+    assert len(want_curve) == 3 and any(any(b) for b in want_biases.values())
+    for rank, out in enumerate(per_rank):
+        curve, biases, cp = out[f"run:{name}"]
+        assert cp == 2 and len(curve) == 3, (rank, cp, curve)
+        for step, ((loss, norm), (want_loss, want_norm)) in enumerate(zip(curve, want_curve), start=1):
+            assert loss == pytest.approx(want_loss, rel=REL, abs=0), (name, rank, step)
+            assert norm == pytest.approx(want_norm, rel=REL, abs=0), (name, rank, step)
+        assert biases == want_biases, (name, rank)  # the counts of every step without the padding: bit-equal
 
 
 @pytest.mark.parametrize("family", list(CASES))
