@@ -177,6 +177,10 @@ PACKED_RUNS = {  # mcore-train on packed mock documents (padded per document at 
                      "routed_scaling_factor: 2.5, bias_update_rate: 0.01, aux_loss_type: sequence}",
                      "train.mtp_loss_weight=0.3"],
 }  # fmt: skip
+# the mask through recomputed layers (full) and recomputed MoE feed-forwards (selective)
+PACKED_RUNS["mixtral_full_recompute"] = [*PACKED_RUNS["mixtral"], "train.recompute=full"]
+PACKED_RUNS["mixtral_moe_recompute"] = [*PACKED_RUNS["mixtral"], "train.recompute=selective",
+                                        "train.recompute_modules=[moe]"]  # fmt: skip
 PACKED = ["data.mock=true", "data.packing=true"]
 
 
