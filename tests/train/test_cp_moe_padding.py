@@ -11,8 +11,8 @@ expert biases after one update (bit-equal). Without the mask the counts would in
 comparison can fail). The kernels' masked statistics equal the unmasked ones on the real tokens alone, and without a
 mask an MoE layer's losses are bit-equal to the unmasked formulas. End to end: mcore-train runs of both models on
 packed mock documents at cp 2 (the trainer passes ``padding_mask``) equal the unpadded single process over 3 AdamW
-steps (loss and gradient norm within 1e-5, expert biases bit-equal), and a given mask under tp 2 with sequence
-parallelism reaches each rank's slice of the routed tokens.
+steps (loss and gradient norm within 1e-5, expert biases bit-equal; also with full and MoE-only recompute, and under
+dynamic CP), and a given mask under tp 2 with sequence parallelism reaches each rank's slice of the routed tokens.
 """
 
 from __future__ import annotations
@@ -181,6 +181,11 @@ PACKED_RUNS = {  # mcore-train on packed mock documents (padded per document at 
 PACKED_RUNS["mixtral_full_recompute"] = [*PACKED_RUNS["mixtral"], "train.recompute=full"]
 PACKED_RUNS["mixtral_moe_recompute"] = [*PACKED_RUNS["mixtral"], "train.recompute=selective",
                                         "train.recompute_modules=[moe]"]  # fmt: skip
+# dynamic CP (no aux losses there): each document padded to 2 x world, the expert bias without the padding
+PACKED_RUNS["mixtral_dynamic_bias"] = ["model=mixtral-tiny", "model.moe_router={expert_bias: true, bias_update_rate: "
+                                       "0.01}", "data.seq_length=64"]  # fmt: skip
+CP_OVERRIDES = {name: ["parallel.cp=2"] for name in PACKED_RUNS}
+CP_OVERRIDES["mixtral_dynamic_bias"] = ["parallel.cp=2", "parallel.cp_dynamic=true"]
 PACKED = ["data.mock=true", "data.packing=true"]
 
 
@@ -204,7 +209,7 @@ def _workers(rank: int, world_size: int, run_root: str):
     out = run_cases(cases)
     torch.distributed.barrier()
     for name, overrides in PACKED_RUNS.items():
-        out[f"run:{name}"] = _train(f"{run_root}/{name}", *overrides, "parallel.cp=2")
+        out[f"run:{name}"] = _train(f"{run_root}/{name}", *overrides, *CP_OVERRIDES[name])
     return out
 
 
