@@ -11,7 +11,7 @@ gloo spawn, against the same model in one process (fp32):
   cp2 x dp2 (a2a), cp2 x tp2 (SP), cp2 x ep2 and cp2 x pp2 (MTP on the last stage, MLA recomputed by module), with
   the sequence-wise aux loss; Mixtral with the global aux loss and the z-loss at cp4 and cp2 x tp2 (SP): per-step
   loss and gradient norm of the single process within 1e-5, and the MoE runs' expert biases bit-equal (unpacked
-  rows: the padding tokens of packed CP rows would enter the bias counts and the aux statistics); DeepSeek-V3 with
+  rows; packed rows with the padding mask: ``test_cp_moe_padding.py``); DeepSeek-V3 with
   two MTP depths on packed mock documents (no expert bias, no aux loss) at cp2 x dp2; Mixtral (no aux loss) under
   dynamic CP (``parallel.cp_dynamic``) on 64-token packed rows.
 """
@@ -162,7 +162,7 @@ DEEPSEEK = [
     "model.router_aux_loss_coef=0.01",  # sequence-wise: each sequence's statistics span its CP shards
     "train.mtp_loss_weight=0.3",
 ]
-# packed documents: without the expert bias and the aux loss, whose statistics would count CP's padding tokens
+# packed documents, no expert bias or aux loss (those with CP's padding: test_cp_moe_padding.py)
 DEEPSEEK_PACKED = [
     "model=deepseek_v3-tiny",
     "model.num_nextn_predict_layers=2",

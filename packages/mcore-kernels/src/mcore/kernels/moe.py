@@ -152,15 +152,35 @@ def _topk_indices(choice: torch.Tensor, config: RouterConfig) -> torch.Tensor:
     return choice.topk(config.topk, dim=-1).indices
 
 
-def tokens_per_expert(indices: torch.Tensor, num_experts: int) -> torch.Tensor:
-    """How many (token, choice) pairs chose each expert: int64 [E], no host sync."""
+def tokens_per_expert(
+    indices: torch.Tensor, num_experts: int, padding_mask: torch.Tensor | None = None
+) -> torch.Tensor:
+    """How many (token, choice) pairs chose each expert: int64 [E], no host sync. ``padding_mask`` [T] bool (True:
+    a padding token, e.g. context parallelism's per-document padding): those tokens' choices are not counted."""
     flat = indices.reshape(-1)
     counts = torch.zeros(num_experts, dtype=torch.int64, device=indices.device)
-    return counts.scatter_add_(0, flat, torch.ones_like(flat))
+    if padding_mask is None:
+        return counts.scatter_add_(0, flat, torch.ones_like(flat))
+    real = _real_tokens(padding_mask, indices.shape[0]).to(torch.int64)
+    return counts.scatter_add_(0, flat, real.unsqueeze(1).expand_as(indices).reshape(-1))
+
+
+def _real_tokens(padding_mask: torch.Tensor, tokens: int) -> torch.Tensor:
+    """``~padding_mask`` [T] bool, after checking it is one flag per token."""
+    if not isinstance(padding_mask, torch.Tensor) or padding_mask.dtype != torch.bool:
+        kind = padding_mask.dtype if isinstance(padding_mask, torch.Tensor) else type(padding_mask).__name__
+        raise TypeError(f"MoE routing: padding_mask must be a bool tensor [tokens={tokens}], got {kind}")
+    if tuple(padding_mask.shape) != (tokens,):
+        raise ValueError(f"MoE routing: padding_mask must be [tokens={tokens}], got {tuple(padding_mask.shape)}")
+    return ~padding_mask
 
 
 def load_balancing_loss(
-    probs: torch.Tensor, indices: torch.Tensor, *, sequence_length: int | None = None
+    probs: torch.Tensor,
+    indices: torch.Tensor,
+    *,
+    sequence_length: int | None = None,
+    padding_mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The Switch Transformer load-balancing loss ``E * sum_e f_e * P_e`` (1.0 when perfectly balanced).
 
@@ -168,19 +188,27 @@ def load_balancing_loss(
     the mean of ``probs[:, e]`` over the tokens. With ``sequence_length`` the tokens are ``[B * S]`` in
     sequence order and the loss is computed per sequence and averaged (DeepSeek-V3's sequence-wise loss);
     otherwise over the whole micro-batch. Hugging Face's ``load_balancing_loss_func`` returns ``k`` times
-    this value (its ``f_e`` sums to k).
+    this value (its ``f_e`` sums to k). ``padding_mask`` [T] bool: padding tokens are left out of the counts, the
+    probability sums and the token counts (the loss of the real tokens alone).
     """
-    counts, prob_sums = load_balancing_stats(probs, indices, sequence_length=sequence_length)
+    counts, prob_sums = load_balancing_stats(probs, indices, sequence_length=sequence_length, padding_mask=padding_mask)
     seq = probs.shape[0] if sequence_length is None else sequence_length
+    if padding_mask is not None:
+        seq = (~padding_mask).reshape(counts.shape[0], seq).sum(1).float()
     return load_balancing_loss_from_stats(counts, prob_sums, seq, indices.shape[1])
 
 
 def load_balancing_stats(
-    probs: torch.Tensor, indices: torch.Tensor, *, sequence_length: int | None = None
+    probs: torch.Tensor,
+    indices: torch.Tensor,
+    *,
+    sequence_length: int | None = None,
+    padding_mask: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The sums behind :func:`load_balancing_loss`, per group of tokens (one group, or one per sequence):
     ``counts`` [G, E] choices per expert (no gradient) and ``prob_sums`` [G, E] (differentiable). Sums add over
-    ranks that split the same tokens (sequence parallelism), which makes the loss that of all of them."""
+    ranks that split the same tokens (sequence parallelism), which makes the loss that of all of them.
+    ``padding_mask`` [T] bool: padding tokens add nothing to either sum."""
     tokens, num_experts = probs.shape
     if indices.dim() != 2 or indices.shape[0] != tokens:
         raise ValueError(f"load_balancing_loss: indices must be [{tokens}, k], got {tuple(indices.shape)}")
@@ -190,21 +218,42 @@ def load_balancing_stats(
         raise ValueError(f"load_balancing_loss: sequence_length={sequence_length} must divide the {tokens} tokens")
     batches = tokens // seq
     counts = torch.zeros(batches, num_experts, dtype=torch.float32, device=probs.device)
-    counts.scatter_add_(1, indices.reshape(batches, seq * k), torch.ones(batches, seq * k, device=probs.device))
-    return counts, probs.float().reshape(batches, seq, num_experts).sum(1)
+    probs = probs.float()
+    if padding_mask is None:
+        ones = torch.ones(batches, seq * k, device=probs.device)
+    else:
+        real = _real_tokens(padding_mask, tokens).float()
+        ones = real.unsqueeze(1).expand(tokens, k).reshape(batches, seq * k)
+        probs = probs * real.unsqueeze(1)
+    counts.scatter_add_(1, indices.reshape(batches, seq * k), ones)
+    return counts, probs.reshape(batches, seq, num_experts).sum(1)
 
 
 def load_balancing_loss_from_stats(
-    counts: torch.Tensor, prob_sums: torch.Tensor, tokens_per_group: int, topk: int
+    counts: torch.Tensor, prob_sums: torch.Tensor, tokens_per_group: int | torch.Tensor, topk: int
 ) -> torch.Tensor:
-    """``E * mean_g sum_e f_ge * P_ge`` with ``f = counts / (tokens * k)`` and ``P = prob_sums / tokens``."""
+    """``E * mean_g sum_e f_ge * P_ge`` with ``f = counts / (tokens * k)`` and ``P = prob_sums / tokens``.
+
+    ``tokens_per_group``: an int, or a tensor [G] of each group's (real) tokens; a group without any counts 0."""
+    if isinstance(tokens_per_group, torch.Tensor):
+        tokens_per_group = tokens_per_group.to(counts.dtype).clamp(min=1.0).unsqueeze(-1)
     fraction = counts / (tokens_per_group * topk)
     return counts.shape[-1] * (fraction * (prob_sums / tokens_per_group)).sum(-1).mean()
 
 
-def z_loss(logits: torch.Tensor) -> torch.Tensor:
-    """Router z-loss (ST-MoE): the mean over tokens of ``logsumexp(logits)**2``, in fp32."""
-    return torch.logsumexp(logits.float(), dim=-1).square().mean()
+def z_loss(
+    logits: torch.Tensor, padding_mask: torch.Tensor | None = None, num_tokens: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Router z-loss (ST-MoE): the mean over tokens of ``logsumexp(logits)**2``, in fp32.
+
+    ``padding_mask`` [T] bool: the sum runs over the real tokens only and is divided by ``num_tokens`` (default:
+    their count here; pass the count over every rank that splits the same tokens to get their joint mean)."""
+    squares = torch.logsumexp(logits.float(), dim=-1).square()
+    if padding_mask is None:
+        return squares.mean()
+    real = _real_tokens(padding_mask, logits.shape[0])
+    count = real.sum() if num_tokens is None else num_tokens
+    return torch.where(real, squares, 0.0).sum() / count.to(squares.dtype).clamp(min=1.0)
 
 
 @torch.no_grad()

@@ -170,6 +170,7 @@ class GPTModel(nn.Module):
         kv_cache: KVCache | None = None,
         context_parallel: CPContext | None = None,
         mtp_input_ids: torch.Tensor | None = None,
+        padding_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Run this stage.
 
@@ -184,7 +185,14 @@ class GPTModel(nn.Module):
         ``shard``), documents and positions come from the sharding, attention spans the CP group.
         ``mtp_input_ids [b, s]``: the micro-batch's tokens, which a last stage with MTP modules needs when it is not
         also the first (with ``labels`` the MTP loss joins the returned loss's backward; see ``mcore.models.mtp``).
+        ``padding_mask [b, s]`` bool (True: a padding token the data path added, e.g. context parallelism's per-document
+        padding): MoE layers leave those tokens out of their expert counts and aux / z losses.
         """
+        if padding_mask is not None and (padding_mask.dtype != torch.bool or padding_mask.dim() != 2):
+            raise ValueError(
+                f"GPTModel: padding_mask must be a bool tensor [b, s], got {padding_mask.dtype} "
+                f"{tuple(padding_mask.shape)}"
+            )
         if kv_cache is not None and (labels is not None or cu_seqlens is not None or self.sequence_parallel):
             raise ValueError("GPTModel: kv_cache is for inference: no labels, no cu_seqlens, no sequence parallel")
         if context_parallel is not None and (cu_seqlens is not None or kv_cache is not None):
@@ -195,7 +203,7 @@ class GPTModel(nn.Module):
         if context_parallel is not None and position_ids is None:
             position_ids = context_parallel.positions(x.device)
         rope = self.rotary(self._position_ids(position_ids, cu_seqlens, b, s, x.device, kv_cache))
-        x = self._run_layers(x, rope, cu_seqlens, kv_cache, context_parallel)
+        x = self._run_layers(x, rope, cu_seqlens, kv_cache, context_parallel, padding_mask)
         if kv_cache is not None:
             kv_cache.advance(s)
         if not self.post_process:
@@ -206,7 +214,8 @@ class GPTModel(nn.Module):
         ids = input_ids if mtp_input_ids is None else mtp_input_ids
         if ids is None or tuple(ids.shape) != (b, s):
             raise ValueError(f"GPTModel: a last stage with MTP modules needs mtp_input_ids [b, s] = [{b}, {s}]")
-        loss = self.mtp.loss(self, x, ids, labels, rope, cu_seqlens, self.mtp_loss_weight, context_parallel)
+        weight = self.mtp_loss_weight
+        loss = self.mtp.loss(self, x, ids, labels, rope, cu_seqlens, weight, context_parallel, padding_mask)
         return self.mtp.attach(out, loss)
 
     def _embed(
@@ -242,13 +251,14 @@ class GPTModel(nn.Module):
         cu_seqlens: torch.Tensor | None,
         kv_cache: KVCache | None,
         context_parallel: CPContext | None = None,
+        padding_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
         for layer in self.layers.values():
             if self.recompute == "full" and torch.is_grad_enabled():
                 # the recomputed forward must not count an MoE layer's tokens again (checkpoint_region restores them)
-                x = checkpoint_region(layer, x, rope, cu_seqlens, None, context_parallel, state=layer)
+                x = checkpoint_region(layer, x, rope, cu_seqlens, None, context_parallel, padding_mask, state=layer)
             else:
-                x = layer(x, rope, cu_seqlens, kv_cache, context_parallel)
+                x = layer(x, rope, cu_seqlens, kv_cache, context_parallel, padding_mask)
         return x
 
     def _head(self, x: torch.Tensor, labels: torch.Tensor | None, b: int, s: int) -> torch.Tensor:

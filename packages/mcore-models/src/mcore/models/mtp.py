@@ -80,11 +80,13 @@ class MTPBlock(nn.Module):
         self.layer = DecoderLayer(config, config.num_hidden_layers - 1, ctx)
         self.final_norm = build_norm(config, h, **norm)
 
-    def forward(self, h: torch.Tensor, emb: torch.Tensor, rope: RopeTables, cu_seqlens, context_parallel=None):
+    def forward(
+        self, h: torch.Tensor, emb: torch.Tensor, rope: RopeTables, cu_seqlens, context_parallel=None, padding_mask=None
+    ):
         x = self.eh_proj(torch.cat([self.enorm(emb), self.hnorm(h)], dim=-1))
         if self.sequence_parallel:
             x = scatter_to_sequence_parallel_region(x, self.tp_group)
-        return self.layer(x, rope, cu_seqlens, None, context_parallel)
+        return self.layer(x, rope, cu_seqlens, None, context_parallel, padding_mask)
 
 
 class MultiTokenPrediction(nn.Module):
@@ -98,7 +100,16 @@ class MultiTokenPrediction(nn.Module):
         self.stats: dict[str, torch.Tensor] = {}
 
     def loss(
-        self, model, h, input_ids, labels, rope, cu_seqlens, loss_weight: float, context_parallel=None
+        self,
+        model,
+        h,
+        input_ids,
+        labels,
+        rope,
+        cu_seqlens,
+        loss_weight: float,
+        context_parallel=None,
+        padding_mask=None,
     ) -> torch.Tensor:
         """``mtp_loss_weight / D x sum_k mean_k`` (fp32 scalar) for the main model's last hidden state ``h``; under
         ``context_parallel``, this rank's share of it (see the module doc).
@@ -110,7 +121,7 @@ class MultiTokenPrediction(nn.Module):
         for k in range(1, self.depth + 1):
             tokens, targets = _shifted(input_ids, labels, k, cu_seqlens, context_parallel)
             emb = model.embed_tokens(tokens)
-            h = self.layers[str(k - 1)](h, emb, rope, cu_seqlens, context_parallel)
+            h = self.layers[str(k - 1)](h, emb, rope, cu_seqlens, context_parallel, padding_mask)
             per_token = model.token_losses(self.layers[str(k - 1)].final_norm(h), targets, b, s)
             count = (targets != IGNORE_INDEX).sum()
             if context_parallel is not None:  # the micro-batch's valid positions, not the shard's

@@ -33,13 +33,10 @@ from mcore.kernels.moe import (
     expert_bias_update,
     grouped_gemm,
     grouped_gemm_of_activation,
-    load_balancing_loss_from_stats,
-    load_balancing_stats,
     route,
     tokens_per_expert,
-    z_loss,
 )
-from mcore.parallel.comm import group_rank, group_size, reduce_from_tp_region
+from mcore.parallel.comm import group_rank, group_size
 from mcore.parallel.expert_dispatch import DISPATCHERS, AllGatherDispatcher, AllToAllDispatcher
 from mcore.parallel.expert_gemm import (
     HostOffsets,
@@ -48,6 +45,7 @@ from mcore.parallel.expert_gemm import (
     per_expert_linear_of_activation,
 )
 from mcore.parallel.grid import ProcessGroups
+from mcore.parallel.moe_aux_losses import moe_aux_losses
 from mcore.parallel.tensor_parallel import set_tensor_parallel_attributes
 
 __all__ = ["GroupedExperts", "MoEConfig", "MoELayer", "Router", "moe_metrics", "update_expert_biases"]
@@ -397,9 +395,17 @@ class MoELayer(nn.Module):
         self.router.weight.copy_(router)
         self.experts.load_full_experts(input_weight[experts], down[experts])
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, padding_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """``padding_mask`` (bool, ``x.shape[:-1]``, True: a padding token, e.g. context parallelism's per-document
+        padding): those tokens are routed and dispatched as any (their outputs are out of the loss) but left out of
+        the tokens per expert (so of the expert-bias update) and of the aux and z losses' statistics."""
         shape = x.shape
         tokens = x.reshape(-1, shape[-1])
+        if padding_mask is not None:
+            if not isinstance(padding_mask, torch.Tensor) or tuple(padding_mask.shape) != tuple(shape[:-1]):
+                got = tuple(padding_mask.shape) if isinstance(padding_mask, torch.Tensor) else type(padding_mask)
+                raise ValueError(f"MoELayer: padding_mask must be a bool tensor {tuple(shape[:-1])}, got {got}")
+            padding_mask = padding_mask.reshape(-1)
         with record_function("mcore.moe.router"):
             logits = self.router.logits(tokens)
             routing = route(logits, self.router_config, self.expert_bias)
@@ -412,42 +418,15 @@ class MoELayer(nn.Module):
         out, plan = self.dispatcher(tokens, routing, self.experts, **plan_kwargs)
         out = out.to(x.dtype).view(shape)
         with record_function("mcore.moe.router"):
-            counts = tokens_per_expert(routing.indices, cfg.num_experts)
+            counts = tokens_per_expert(routing.indices, cfg.num_experts, padding_mask)
             if self.training and self.expert_bias is not None:
                 self.step_tokens_per_expert += counts
-            aux = self._aux_losses(logits, routing, shape)
+            aux = moe_aux_losses(cfg, logits, routing, shape, self.token_split_group, padding_mask)
         self.stats = {"tokens_per_expert": counts, "dropped": plan.dropped, **{k: v.detach() for k, v in aux.items()}}
         coefs = {"aux_loss": cfg.aux_loss_coef, "z_loss": cfg.z_loss_coef}
         weighted = [coefs[name] * value for name, value in aux.items() if value.requires_grad]
         if weighted and self.training:
             out = _AttachAuxLoss.apply(out, sum(weighted), float(self.aux_loss_scale))
-        return out
-
-    def _aux_losses(self, logits, routing, shape) -> dict[str, torch.Tensor]:
-        """The differentiable ``aux_loss`` / ``z_loss`` whose coefficients are set.
-
-        With ``token_split_group`` (the tp ranks splitting one sequence), both are those of the whole group's tokens:
-        the load-balancing sums are all-reduced over it (the probabilities' with an identity backward, so each rank's
-        gradient reaches its own tokens) and the z-loss mean is divided by its size; every rank attaches them.
-        """
-        cfg = self.config
-        out: dict[str, torch.Tensor] = {}
-        split = group_size(self.token_split_group)
-        if cfg.aux_loss_coef:
-            probs, indices, seq = routing.probs, routing.indices, None
-            if cfg.aux_loss_type == "sequence" and len(shape) == 3:
-                s, b = shape[0], shape[1]  # [s, b, h]: regroup the tokens sequence by sequence
-                probs = probs.view(s, b, -1).transpose(0, 1).reshape(s * b, -1)
-                indices = indices.view(s, b, -1).transpose(0, 1).reshape(s * b, -1)
-                seq = s
-            counts, prob_sums = load_balancing_stats(probs, indices, sequence_length=seq)
-            if split > 1:
-                dist.all_reduce(counts, group=self.token_split_group)
-                prob_sums = reduce_from_tp_region(prob_sums, self.token_split_group)
-            tokens = (probs.shape[0] if seq is None else seq) * split
-            out["aux_loss"] = load_balancing_loss_from_stats(counts, prob_sums, tokens, cfg.topk)
-        if cfg.z_loss_coef:
-            out["z_loss"] = z_loss(logits) / split
         return out
 
 

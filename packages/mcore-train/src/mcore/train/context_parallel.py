@@ -6,10 +6,11 @@ loss mask of the same tokens, RoPE positions of those tokens inside their docume
 model's attention runs over the CP group with.
 
 Packed documents (``data.packing``: the batch carries ``cu_seqlens``) are padded one by one to a multiple of
-``2 * cp`` (padding tokens have label ``-100`` and loss mask 0, so they stay out of the loss; nothing is cut), and
-the rows to a common length, a multiple of :func:`~mcore.train.parallel_config.cp_granule` (the row padding is one
-more padding document). The padded length changes from micro-batch to micro-batch, so pipeline stages then
-exchange activation shapes (``variable_shapes``).
+``2 * cp`` (padding tokens have label ``-100`` and loss mask 0, so they stay out of the loss, and ``padding_mask``
+True, so MoE layers leave them out of their expert counts and aux / z losses; nothing is cut), and the rows to a
+common length, a multiple of :func:`~mcore.train.parallel_config.cp_granule` (the row padding is one more padding
+document). The padded length changes from micro-batch to micro-batch, so pipeline stages then exchange activation
+shapes (``variable_shapes``).
 
 The loss: ``loss_tokens`` is the micro-batch's count of tokens in the loss over all its sequences (what summing
 the shards' counts over the CP group gives); each rank's loss is ``cp x`` (its token-loss sum) / ``loss_tokens``,
@@ -34,6 +35,8 @@ __all__ = ["CPBatches", "pad_packed_batch"]
 IGNORE_INDEX = -100
 # Per-token tensors of a micro-batch and the value their padding takes.
 _PADDED = {"tokens": 0, "labels": IGNORE_INDEX, "loss_mask": 0.0}
+# The padding's own flag (True: a padding token), which MoE layers read to leave it out of their routing statistics.
+_PADDING_MASK = "padding_mask"
 
 
 @dataclass(frozen=True)
@@ -61,7 +64,8 @@ class CPBatches:
     def shard(self, batch: Mapping[str, Any]) -> dict[str, Any]:
         """This rank's part of a collated micro-batch (``tokens``, ``labels``, ``loss_mask`` ``[b, s]``, optional
         ``cu_seqlens``): the same keys ``[b, s' / cp]`` with ``position_ids``, ``loss_tokens`` (0-dim, the whole
-        micro-batch's) and ``context_parallel``; no ``cu_seqlens`` (the documents are the sharding's)."""
+        micro-batch's) and ``context_parallel``; no ``cu_seqlens`` (the documents are the sharding's). Packed rows also
+        get ``padding_mask`` (bool, True on the padding added here), which the model's MoE layers read."""
         for key in _PADDED:
             if key not in batch:
                 raise ValueError(f"CPBatches.shard: the micro-batch has no {key!r}; it has {sorted(batch)}")
@@ -69,6 +73,7 @@ class CPBatches:
         b, s = tensors["tokens"].shape
         bounds = None
         if batch.get("cu_seqlens") is not None:
+            tensors[_PADDING_MASK] = torch.zeros(b, s, dtype=torch.bool, device=tensors["tokens"].device)
             tensors, bounds = pad_packed_batch(tensors, batch["cu_seqlens"], 2 * self.cp, self.granule)
             s = tensors["tokens"].shape[1]
         elif s % self.granule:
@@ -90,7 +95,7 @@ def pad_packed_batch(
     """Every document of ``[b, s]`` rows (bounds ``cu_seqlens`` over the flattened ``b * s`` tokens) padded to a
     multiple of ``multiple``, and every row to ``L``, the longest padded row rounded up to ``granule`` (a multiple of
     ``multiple``). Returns the ``[b, L]`` tensors and the new document bounds over ``b * L`` (the row padding is a
-    document of its own). Padding takes the values of ``_PADDED``; no token is dropped."""
+    document of its own). Padding takes the values of ``_PADDED`` (``padding_mask``: True); no token is dropped."""
     if granule % multiple:
         raise ValueError(f"pad_packed_batch: granule {granule} must be a multiple of {multiple}")
     b, s = tensors["tokens"].shape
@@ -113,7 +118,7 @@ def pad_packed_batch(
     index = src + shift[doc_of]  # each token's place in the padded flat [b * L]
     out = {}
     for key, t in tensors.items():
-        flat = t.new_full((b * length,), _PADDED[key])
+        flat = t.new_full((b * length,), True if key == _PADDING_MASK else _PADDED[key])
         out[key] = flat.index_copy_(0, index, t.reshape(-1)).view(b, length)
     new_bounds = {0}
     for row, d, n in zip(rows, dest, padded):

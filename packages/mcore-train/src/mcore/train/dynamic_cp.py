@@ -124,13 +124,15 @@ class DynamicCP:
             for key, pad in zip(_KEYS, (0, -100, 0.0)):
                 piece = flat[key][lo:hi]
                 tensors[key] = torch.cat([piece, piece.new_full((padded - (hi - lo),), pad)]).to(self.device)
+            # the padding, which MoE layers leave out of their expert counts (so of the bias update)
+            tensors["padding_mask"] = torch.arange(padded, device=self.device) >= hi - lo
             out.append(_Document(index, tensors))
         return out
 
     def _group_loss(self, module, docs: list[_Document], counts: list[float], first: int, size: int) -> torch.Tensor:
         """Sum over this rank's tokens of the documents of one group (whole at size 1, CP shards otherwise) of
         each token's loss over its micro-batch's loss-token count."""
-        row = {k: torch.cat([d.tensors[k] for d in docs])[None] for k in _KEYS}
+        row = {k: torch.cat([d.tensors[k] for d in docs])[None] for k in (*_KEYS, "padding_mask")}
         row["loss_mask"] = row["loss_mask"] * torch.cat(
             [torch.full_like(d.tensors["loss_mask"], 1.0 / counts[d.microbatch]) for d in docs]
         )
@@ -146,5 +148,5 @@ class DynamicCP:
             sharding = CPSharding(1, bounds[-1], size, tuple(bounds))
             row = {k: sharding.shard(t, self.rank - first) for k, t in row.items()}
             kwargs["context_parallel"] = CPContext(sharding, CPGroups(self.blocks[(first, size)]), "p2p")
-        out = module(row["tokens"], labels=row["labels"], **kwargs)
+        out = module(row["tokens"], labels=row["labels"], padding_mask=row["padding_mask"], **kwargs)
         return (out * row["loss_mask"]).sum()

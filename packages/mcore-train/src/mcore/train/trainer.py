@@ -292,6 +292,8 @@ class Trainer:
         kwargs: dict[str, Any] = {"position_ids": batch["position_ids"], "cu_seqlens": batch.get("cu_seqlens")}
         if "context_parallel" in batch:
             kwargs["context_parallel"] = batch["context_parallel"]
+        if batch.get("padding_mask") is not None:  # CP's per-document padding: out of the MoE routing statistics
+            kwargs["padding_mask"] = batch["padding_mask"]
         if chunk.post_process:
             kwargs["labels"] = batch["labels"]
             if chunk.mtp is not None:  # MTP modules embed the next tokens on the last stage

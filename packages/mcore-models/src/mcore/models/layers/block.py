@@ -69,7 +69,10 @@ class DecoderLayer(nn.Module):
         cu_seqlens: torch.Tensor | None = None,
         kv_cache: KVCache | None = None,
         context_parallel: CPContext | None = None,
+        padding_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        """``padding_mask`` [b, s] bool (True: a padding token): reaches an MoE feed-forward, which leaves those
+        tokens out of its routing statistics (other parts need nothing: a padding token's output is out of the loss)."""
         if self.mixer_name is not None:
             # Only mixers that support context parallelism take the keyword (the others raise TypeError).
             cp = {} if context_parallel is None else {"context_parallel": context_parallel}
@@ -78,17 +81,19 @@ class DecoderLayer(nn.Module):
                 self.input_norm, x, lambda h: mixer(h, rope, cu_seqlens=cu_seqlens, kv_cache=kv_cache, **cp)
             )
         if self.mlp_name is not None:
-            x = x + self._after_norm(self.mlp_norm, x, self._run_feed_forward)
+            moe_mask = padding_mask if isinstance(self.feed_forward, MoELayer) else None
+            x = x + self._after_norm(self.mlp_norm, x, lambda h: self._run_feed_forward(h, moe_mask))
         return x
 
     def _after_norm(self, norm: nn.Module, x: torch.Tensor, block) -> torch.Tensor:
         return discard_output(norm, (x,), block) if self.recompute_norms else block(norm(x))
 
-    def _run_feed_forward(self, h: torch.Tensor) -> torch.Tensor:
+    def _run_feed_forward(self, h: torch.Tensor, padding_mask: torch.Tensor | None = None) -> torch.Tensor:
+        args = (h,) if padding_mask is None else (h, padding_mask)
         if self.recompute_feed_forward:
             # the buffers are put back after the recompute: an MoE layer counts its tokens once per micro-batch
-            return checkpoint_region(self.feed_forward, h, state=self.feed_forward)
-        return self.feed_forward(h)
+            return checkpoint_region(self.feed_forward, *args, state=self.feed_forward)
+        return self.feed_forward(*args)
 
 
 def layer_module_names(config: TransformerConfig, layer_index: int) -> tuple[str, ...]:

@@ -22,7 +22,12 @@ from mcore.models.layers.mlp import GatedMLP
 from mcore.models.moe_fields import moe_layer_config
 from mcore.models.parts.registry import PartContext, PartSpec
 from mcore.models.recompute import checkpoint_region
-from mcore.parallel.comm import gather_from_sequence_parallel_region, scatter_to_sequence_parallel_region
+from mcore.parallel.comm import (
+    gather_from_sequence_parallel_region,
+    group_rank,
+    group_size,
+    scatter_to_sequence_parallel_region,
+)
 from mcore.parallel.expert_biases import use_gpt_oss_options
 from mcore.parallel.expert_parallel import MoELayer
 from mcore.parallel.tensor_parallel import set_tensor_parallel_attributes
@@ -82,13 +87,16 @@ class MoEMLP(MoELayer):
                     config.hidden_size, config.initializer_range, ctx.params_dtype, ctx.device, ctx.sequence_parallel
                 )
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, padding_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """``x`` [s(/tp), b, h]; ``padding_mask`` [b, s] bool (True: a padding token, out of the routing statistics;
+        see ``MoELayer.forward``), over the micro-batch's whole sequence (this rank's CP shard of it)."""
+        mask = None if padding_mask is None else self._routed_mask(padding_mask)
         if self.split_sequence:
-            routed = super().forward(scatter_to_sequence_parallel_region(x, self.tp_group))
+            routed = super().forward(scatter_to_sequence_parallel_region(x, self.tp_group), mask)
             # the output is replicated over tp: its gradient is too, so backward keeps this rank's slice
             out = gather_from_sequence_parallel_region(routed, self.tp_group, tensor_parallel_output_grad=False)
         else:
-            out = super().forward(x)
+            out = super().forward(x, mask)
         if self.shared_expert is not None:
             recompute = self.recompute_shared_expert  # recompute_modules' shared_experts
             shared = checkpoint_region(self.shared_expert, x) if recompute else self.shared_expert(x)
@@ -96,6 +104,16 @@ class MoEMLP(MoELayer):
                 shared = self.shared_expert_gate(x) * shared
             out = out + shared
         return out
+
+    def _routed_mask(self, padding_mask: torch.Tensor) -> torch.Tensor:
+        """``padding_mask`` [b, s] as the routed tokens' ``[s(/tp), b]``: each tp rank routes its slice of s."""
+        mask = padding_mask.t()
+        tp = group_size(self.tp_group)
+        if tp > 1:
+            if mask.shape[0] % tp:
+                raise ValueError(f"MoEMLP: padding_mask {tuple(padding_mask.shape)}: s must divide by tp = {tp}")
+            mask = mask.chunk(tp, dim=0)[group_rank(self.tp_group)]
+        return mask
 
 
 def moe_parameters(config: Any, layer_index: int = 0) -> int:
