@@ -84,7 +84,10 @@ def test_hybrid_errors_name_the_problem():
     assert Layout(tp=4, seq_length=64).problems(shape) == [
         "tp=4 does not divide the 2 Mamba-2 groups (whole groups per rank)"
     ]
-    assert any("no context parallelism" in p for p in Layout(cp=2, seq_length=64).problems(shape))
+    assert Layout(cp=2, seq_length=64).problems(shape) == []  # the mixer's all-to-all: whole groups per CP rank
+    assert Layout(tp=2, cp=2, seq_length=64).problems(shape) == [
+        "cp=2 does not divide each TP rank's 1 Mamba-2 groups and 4 heads"
+    ]
     no_rates = replace(H200.gpu, ssd_tflops=None)
     with pytest.raises(UserError, match="no Mamba-2 rates"):
         TimeModel(shape, Layout(seq_length=64), Network(H200.cluster, no_rates)).layer_cost(0)
