@@ -33,18 +33,21 @@ def _config(preset: str, tp: int):
     return get_config(preset, **({"n_groups": 4} if tp > 1 else {}))
 
 
-def _global_batch(config, step, dp):
+def _global_batch(config, step, dp, device="cpu"):
     g = torch.Generator().manual_seed(70 + step)
     batches = []
     for _ in range(dp):
         ids = torch.randint(0, config.vocab_size, (B, S), generator=g)
         labels = torch.randint(0, config.vocab_size, (B, S), generator=g)
         labels[torch.rand(B, S, generator=g) < 0.2] = -100
-        batches.append({"ids": ids, "labels": labels, "bounds": DOCS if step % 2 == 0 else None})
+        bounds = DOCS if step % 2 == 0 else None
+        batches.append({"ids": ids.to(device), "labels": labels.to(device), "bounds": bounds})
     return batches
 
 
-def _run(case: str) -> dict[str, float]:
+def _run(case: str, device: str = "cpu", backend: str = "gloo") -> dict[str, float]:
+    """Relative errors (max-abs over max-abs) of the losses and every gradient, ``STEPS`` SGD steps; ``device`` /
+    ``backend`` ``cuda`` / ``nccl`` for test_cp_hybrid_nccl (the Triton kernels)."""
     import torch.distributed as dist
 
     from mcore.models.gpt import GPTModel
@@ -55,18 +58,18 @@ def _run(case: str) -> dict[str, float]:
 
     preset, tp, sp, recompute = CASES[case]
     config = _config(preset, tp)
-    groups = build_process_groups(ParallelConfig(tp=tp, cp=2), backend="gloo")
+    groups = build_process_groups(ParallelConfig(tp=tp, cp=2), backend=backend)
     extra = {"recompute": "selective", "recompute_modules": ["mamba_core"]} if recompute else {}
-    model = GPTModel(config, groups=groups, sequence_parallel=sp, **extra)
+    model = GPTModel(config, groups=groups, sequence_parallel=sp, device=device, **extra)
     model.init_weights(11)
-    reference = GPTModel(config)
+    reference = GPTModel(config, device=device)
     reference.init_weights(11)
     ref_params, padded = dict(reference.named_parameters()), config.padded_vocab_size(tp)
     cp_rank, dp = dist.get_rank(groups.cp), groups.dp_size
     dp_rank = dist.get_rank(groups.dp) if groups.dp is not None else 0
     errors = {}
     for step in range(STEPS):
-        batches = _global_batch(config, step, dp)
+        batches = _global_batch(config, step, dp, device)
         count = sum(int((b["labels"] != -100).sum()) for b in batches)
         mine = batches[dp_rank]
         sharding = CPSharding(B, S, 2, mine["bounds"])
@@ -79,7 +82,9 @@ def _run(case: str) -> dict[str, float]:
             dist.all_reduce(p.grad, group=groups.dp_cp)
         total = loss.detach().clone()
         dist.all_reduce(total, group=groups.dp_cp)
-        ref_loss = sum(reference(b["ids"], labels=b["labels"], cu_seqlens=_cu(b["bounds"])).sum() for b in batches)
+        ref_loss = sum(
+            reference(b["ids"], labels=b["labels"], cu_seqlens=_cu(b["bounds"], device)).sum() for b in batches
+        )
         (ref_loss / count).backward()
         errors[f"loss{step}"] = _rel_err(total, ref_loss.detach() / count)
         for n, p in model.named_parameters():
@@ -91,8 +96,8 @@ def _run(case: str) -> dict[str, float]:
     return errors
 
 
-def _cu(bounds):
-    return None if bounds is None else torch.tensor(bounds, dtype=torch.int32)
+def _cu(bounds, device):
+    return None if bounds is None else torch.tensor(bounds, dtype=torch.int32, device=device)
 
 
 def _refusal() -> str:
