@@ -50,15 +50,29 @@ def block_rank_index(blocks: tuple[int, ...], cp: int) -> torch.Tensor:
     return torch.cat(parts)
 
 
-@functools.lru_cache(maxsize=256)
-def _order(sharding: CPSharding) -> tuple[torch.Tensor, torch.Tensor]:
-    """(gathered -> sequence order, sequence order -> gathered) indices over the flattened tokens.
+# Small caches: packed micro-batches each have their own sharding, and the indices are token-sized device tensors
+# (a few micro-batches are in flight at once under pipelining; a miss only rebuilds them).
+@functools.lru_cache(maxsize=8)
+def _order(sharding: CPSharding, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(gathered -> sequence order, sequence order -> gathered) indices over the flattened tokens, on ``device``
+    (cached: every Mamba layer of a micro-batch uses them, in forward and backward).
 
     The gathered layout is ``[source rank, b, s_local]`` flattened; the sequence order ``[b, seq_len]`` flattened."""
     to_global = torch.cat([sharding.global_index(r) for r in range(sharding.cp)])
     to_gathered = torch.empty_like(to_global)
     to_gathered[to_global] = torch.arange(to_global.numel())
-    return to_gathered, to_global
+    return to_gathered.to(device), to_global.to(device)
+
+
+@functools.lru_cache(maxsize=256)
+def _rank_index(blocks: tuple[int, ...], cp: int, device: torch.device) -> torch.Tensor:
+    return block_rank_index(blocks, cp).to(device)
+
+
+@functools.lru_cache(maxsize=8)
+def _seq_idx(sharding: CPSharding, device: torch.device) -> torch.Tensor:
+    cu = torch.tensor(sharding.bounds, dtype=torch.int64, device=device)
+    return seq_idx_from_cu_seqlens(cu, sharding.batch, sharding.seq_len, check_values=False)
 
 
 class _AllToAll(torch.autograd.Function):
@@ -103,11 +117,11 @@ class SequenceHeadExchange:
                 f"SequenceHeadExchange.to_heads: x must be [s_local={sh.local_len}, b={sh.batch}, {sum(blocks)}] with "
                 f"every block of {list(blocks)} divisible by cp={self.cp}; got {tuple(x.shape)}"
             )
-        index = block_rank_index(tuple(blocks), self.cp).to(x.device)
+        index = _rank_index(tuple(blocks), self.cp, x.device)
         send = x.index_select(2, index).view(s, b, self.cp, width // self.cp).permute(2, 1, 0, 3)  # [dest, b, s, w]
         recv = _AllToAll.apply(send, self.group)  # [source rank, b, s_local, w]: the group's tokens, my channels
-        to_order, _ = _order(sh)
-        ordered = recv.reshape(-1, width // self.cp).index_select(0, to_order.to(x.device))
+        to_order, _ = _order(sh, x.device)
+        ordered = recv.reshape(-1, width // self.cp).index_select(0, to_order)
         return ordered.view(b, sh.seq_len, width // self.cp)
 
     def to_sequence(self, y: torch.Tensor) -> torch.Tensor:
@@ -120,21 +134,17 @@ class SequenceHeadExchange:
                 f"SequenceHeadExchange.to_sequence: y must be [b={sh.batch}, seq_len={sh.seq_len}, w], got "
                 f"{tuple(y.shape)}"
             )
-        _, to_gathered = _order(sh)
-        send = y.reshape(-1, width).index_select(0, to_gathered.to(y.device)).view(self.cp, b, sh.local_len, width)
+        _, to_gathered = _order(sh, y.device)
+        send = y.reshape(-1, width).index_select(0, to_gathered).view(self.cp, b, sh.local_len, width)
         recv = _AllToAll.apply(send, self.group)  # [source rank (its channels), b, s_local, w]
         return recv.permute(1, 2, 0, 3).reshape(b, sh.local_len, self.cp * width)
 
     def channel_share(self, t: torch.Tensor, blocks: tuple[int, ...] | None = None) -> torch.Tensor:
         """This rank's share of a per-channel parameter (dim 0, split block by block as the exchange splits it)."""
         n = t.shape[0]
-        index = block_rank_index(tuple(blocks) if blocks else (n,), self.cp).view(self.cp, -1)[self.rank]
-        return t.index_select(0, index.to(t.device))
+        index = _rank_index(tuple(blocks) if blocks else (n,), self.cp, t.device).view(self.cp, -1)[self.rank]
+        return t.index_select(0, index)
 
     def seq_idx(self, device: torch.device | str) -> torch.Tensor | None:
         """``[b, seq_len]`` int32 document index of every token in sequence order, ``None`` without packing."""
-        bounds = self.sharding.bounds
-        if bounds is None:
-            return None
-        cu = torch.tensor(bounds, dtype=torch.int64, device=device)
-        return seq_idx_from_cu_seqlens(cu, self.sharding.batch, self.sharding.seq_len, check_values=False)
+        return None if self.sharding.bounds is None else _seq_idx(self.sharding, torch.device(device))
