@@ -1,8 +1,9 @@
 """Mamba-2 hybrids under context parallelism on 4 gloo ranks: Nemotron-H (Mamba, attention and MLP layers) and
-Falcon-H1 (Mamba and attention side by side) at cp2 x dp2 and cp2 x tp2 (sequence parallel), packed documents in
-the even steps, give the single-process loss and every gradient (fp32, relative 1e-5) over two SGD steps; the
-Mamba mixer trades sequence shards for head shards around its conv and scan (mcore.parallel.cp_ssm). Also the
-one clear error when cp does not divide the groups, and the exchange's channel split."""
+Falcon-H1 (Mamba and attention side by side) at cp2 x dp2 and cp2 x tp2 (sequence parallel), Nemotron-H also at
+cp2 x pp2 (1F1B), packed documents in the even steps, give the single-process loss and every gradient (fp32,
+relative 1e-5) over two SGD steps; the Mamba mixer trades sequence shards for head shards around its conv and
+scan (mcore.parallel.cp_ssm). Also the one clear error when cp does not divide the groups, and the exchange's
+channel split."""
 
 from __future__ import annotations
 
@@ -18,11 +19,12 @@ REL_TOL = 1e-5
 LR = 0.2
 B, S, STEPS = 2, 24, 2
 DOCS = (0, 8, 24, 28, 48)  # document lengths 8, 16, 4, 20: multiples of 2 x cp
-CASES = {  # name -> (preset, tp, sequence parallel, recompute the Mamba core)
-    "nemotron_h-cp2xdp2": ("nemotron_h-tiny", 1, False, False),
-    "falcon_h1-cp2xdp2": ("falcon_h1-tiny", 1, False, True),
-    "nemotron_h-cp2xtp2-sp": ("nemotron_h-tiny", 2, True, True),
-    "falcon_h1-cp2xtp2": ("falcon_h1-tiny", 2, False, False),
+CASES = {  # name -> (preset, tp, sequence parallel, recompute the Mamba core, pp)
+    "nemotron_h-cp2xdp2": ("nemotron_h-tiny", 1, False, False, 1),
+    "falcon_h1-cp2xdp2": ("falcon_h1-tiny", 1, False, True, 1),
+    "nemotron_h-cp2xtp2-sp": ("nemotron_h-tiny", 2, True, True, 1),
+    "falcon_h1-cp2xtp2": ("falcon_h1-tiny", 2, False, False, 1),
+    "nemotron_h-cp2xpp2": ("nemotron_h-tiny", 1, False, False, 2),  # M- | *M: a Mamba layer on each stage (1F1B)
 }
 
 
@@ -55,12 +57,22 @@ def _run(case: str, device: str = "cpu", backend: str = "gloo") -> dict[str, flo
     from mcore.parallel.cp_attention import CPContext, CPGroups
     from mcore.parallel.finalize import finalize_model_grads
     from mcore.parallel.grid import ParallelConfig, build_process_groups
+    from mcore.parallel.pipeline import NoPipelining, OneFOneB, p2p_activation_shape, stage_layer_ranges
 
-    preset, tp, sp, recompute = CASES[case]
+    preset, tp, sp, recompute, pp = CASES[case]
     config = _config(preset, tp)
-    groups = build_process_groups(ParallelConfig(tp=tp, cp=2), backend=backend)
+    groups = build_process_groups(ParallelConfig(tp=tp, pp=pp, cp=2), backend=backend)
+    ((start, end),) = stage_layer_ranges(config.num_hidden_layers, pp)[groups.pp_rank]
     extra = {"recompute": "selective", "recompute_modules": ["mamba_core"]} if recompute else {}
-    model = GPTModel(config, groups=groups, sequence_parallel=sp, device=device, **extra)
+    model = GPTModel(
+        config, groups=groups, layer_range=(start, end), pre_process=groups.is_first_stage,
+        post_process=groups.is_last_stage, sequence_parallel=sp, device=device, **extra,
+    )  # fmt: skip
+    schedule = (OneFOneB if pp > 1 else NoPipelining)(
+        [model], num_microbatches=1, pp_group=groups.pp,
+        activation_shape=p2p_activation_shape(S // 2, B, config.hidden_size, tp_size=tp, sequence_parallel=sp),
+        finalize_grads=lambda: finalize_model_grads([model], groups),
+    )  # fmt: skip
     model.init_weights(11)
     reference = GPTModel(config, device=device)
     reference.init_weights(11)
@@ -75,18 +87,23 @@ def _run(case: str, device: str = "cpu", backend: str = "gloo") -> dict[str, flo
         sharding = CPSharding(B, S, 2, mine["bounds"])
         local = {k: sharding.shard(mine[k], cp_rank) for k in ("ids", "labels")}
         context = CPContext(sharding, CPGroups(groups.cp), "p2p")
-        loss = model(local["ids"], labels=local["labels"], context_parallel=context).sum() / count
-        loss.backward()
-        finalize_model_grads([model], groups)
+
+        def forward_step(chunk, input_tensor, mb, context=context, local=local, count=count):
+            kwargs = {"context_parallel": context, **({"labels": local["labels"]} if model.post_process else {})}
+            out = model(local["ids"], **kwargs) if model.pre_process else model(hidden_states=input_tensor, **kwargs)
+            return out.sum() / count if model.post_process else out
+
+        losses = schedule.run(forward_step, [None])
         for p in model.parameters():  # what DDP over the dp-cp group does
             dist.all_reduce(p.grad, group=groups.dp_cp)
-        total = loss.detach().clone()
-        dist.all_reduce(total, group=groups.dp_cp)
         ref_loss = sum(
             reference(b["ids"], labels=b["labels"], cu_seqlens=_cu(b["bounds"], device)).sum() for b in batches
         )
         (ref_loss / count).backward()
-        errors[f"loss{step}"] = _rel_err(total, ref_loss.detach() / count)
+        if model.post_process:
+            total = losses[0].detach().clone()
+            dist.all_reduce(total, group=groups.dp_cp)
+            errors[f"loss{step}"] = _rel_err(total, ref_loss.detach() / count)
         for n, p in model.named_parameters():
             errors[f"grad{step}:{n}"] = _rel_err(p.grad, _full_slice(ref_params[n].grad, p, groups.tp_rank, tp, padded))
         with torch.no_grad():
@@ -140,6 +157,7 @@ def test_hybrid_cp_equals_single_process(results, case):
     from tests.parallel._helpers import case_result
 
     per_rank = case_result(results, case)
+    assert any(f"loss{STEPS - 1}" in errors for errors in per_rank)
     for rank, errors in enumerate(per_rank):
         bad = {k: v for k, v in errors.items() if v > REL_TOL}
         assert not bad, (rank, bad)
