@@ -81,3 +81,24 @@ def test_cp2_sinks_mla_mtp_on_two_gpus_train_like_one_gpu(tmp_path, model):
     for step in single:
         for key in ("loss", "grad_norm"):
             assert got[step][key] == pytest.approx(single[step][key], rel=PRECISION["fp32"]), (model, step, key)
+
+
+# Mamba-2 hybrids: the all-to-all around the Triton conv + scan (mcore.parallel.cp_ssm; tests/models/test_cp_hybrid.py
+# on gloo), Nemotron-H with packed documents, Falcon-H1's parallel mixer with the a2a attention
+HYBRIDS = {
+    "nemotron_h": (["model=nemotron_h-tiny", "data.mock=true", "data.packing=true"], "p2p"),
+    "falcon_h1": (["model=falcon_h1-tiny"], "a2a"),
+}
+
+
+@pytest.mark.parametrize("model", sorted(HYBRIDS))
+def test_cp2_mamba_hybrids_on_two_gpus_train_like_one_gpu(tmp_path, model):
+    common, comm_type = HYBRIDS[model]
+    common = ["train.precision=fp32", *common]
+    _, single = _run(tmp_path / "single", 1, *common)
+    out, got = _run(tmp_path / "cp2", 2, *common, "parallel.cp=2", f"parallel.cp_comm_type={comm_type}")
+    assert "world 2 = tp 1 x cp 2 x pp 1 x dp 1" in out
+    assert sorted(got) == sorted(single) == [1, 2, 3, 4]
+    for step in single:
+        for key in ("loss", "grad_norm"):
+            assert got[step][key] == pytest.approx(single[step][key], rel=PRECISION["fp32"]), (model, step, key)

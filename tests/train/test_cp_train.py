@@ -6,9 +6,10 @@ single-process run's within 1e-5 (fp32, CPU), and two runs' final weights equal 
 - cp2 (x dp2) with each ``cp_comm_type`` (p2p, all_gather, a2a), without and with packed documents (mock data: 1 to 15
   tokens per document, so odd lengths are padded per document to a multiple of 2 x cp) and a sliding window;
 - cp4 (p2p, packed and not) and a2a+p2p as 2 x 2 (packed with a window, and not);
-- an MoE model (mixtral-tiny) at cp2; cp2 x tp2 with sequence parallelism; cp2 x pp2 (1F1B: fixed activation
-  shapes unpacked, exchanged shapes packed) and cp2 x pp2 x vpp2 (interleaved) with full recompute; cp2 x dp2 with
-  the distributed optimizer, and with ``dp_shard`` (FSDP2 over the dp x cp ranks);
+- an MoE model (mixtral-tiny) at cp2; Mamba-2 hybrids (nemotron_h-tiny packed, falcon_h1-tiny) at cp2; cp2 x tp2
+  with sequence parallelism; cp2 x pp2 (1F1B: fixed activation shapes unpacked, exchanged shapes packed) and
+  cp2 x pp2 x vpp2 (interleaved) with full recompute; cp2 x dp2 with the distributed optimizer, and with
+  ``dp_shard`` (FSDP2 over the dp x cp ranks);
 - dynamic CP (``parallel.cp_dynamic``) over the 4 ranks at cp2 x dp2 and cp4: each document placed by its length,
   the losses of static CP;
 - checkpoints: a run stopped at step 2 at cp2 x dp2 resumes at cp1 x dp4, and one stopped at cp1 x dp4 resumes at
@@ -52,6 +53,8 @@ REFERENCES = {
     "packed64": PACKED64,
     "moe": ["model=mixtral-tiny"],
     "packed_4layers": [*PACKED, "model.num_hidden_layers=4"],
+    "nemotron_h_packed": ["model=nemotron_h-tiny", *PACKED],
+    "falcon_h1": ["model=falcon_h1-tiny"],
 }
 CP2, CP4 = ["parallel.cp=2"], ["parallel.cp=4"]
 # name: (single-process reference, overrides of the 4-rank run)
@@ -81,6 +84,8 @@ CASES = {
     "cp2_dp2_dp_shard_packed": ("packed", [*CP2, "parallel.dp_shard=true"]),  # FSDP2 over dp x cp
     "cp2_p2p_packed64": ("packed64", CP2),
     "cp2_moe": ("moe", CP2),  # mixtral-tiny: no aux loss
+    "cp2_nemotron_h_packed": ("nemotron_h_packed", CP2),  # Mamba-2 layers: the all-to-all around the scan
+    "cp2_falcon_h1": ("falcon_h1", CP2),
     "cp2_dynamic_packed64": ("packed64", [*CP2, "parallel.cp_dynamic=true"]),
     "cp4_dynamic_packed64": ("packed64", [*CP4, "parallel.cp_dynamic=true"]),
 }
@@ -221,7 +226,8 @@ def test_cp_keys_and_world_size():
         (["parallel.cp=2", "parallel.cp_a2a_size=2"], "parallel.cp_a2a_size=2 is the a2a group size"),
         (["parallel.cp=2", "parallel.cp_comm_type=ring"], "cp_comm_type"),
         (["parallel.cp=0"], "parallel.cp must be > 0"),
-        (["model=mamba2-tiny", "parallel.cp=2"], r"token mixer\(s\) \['mamba2'\] cannot run context-parallel"),
+        (["model=mamba2-tiny", "parallel.cp=4"], r"model.n_groups=2 / parallel.tp=1 = 2 groups .* by 4"),
+        (["model=nemotron_h-tiny", "parallel.cp=2", "parallel.cp_dynamic=true"], "does not run Mamba-2 layers"),
         (["parallel.cp_dynamic=true"], r"cp_dynamic=true needs parallel.cp > 1"),
         (["parallel.cp=2", "parallel.tp=2", "parallel.cp_dynamic=true"], r"needs tp = pp = 1 \(got tp=2, pp=1\)"),
         (["parallel.cp=2", "parallel.cp_comm_type=a2a", "parallel.cp_dynamic=true"], "cp_comm_type=p2p"),

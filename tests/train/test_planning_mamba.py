@@ -16,7 +16,7 @@ from mcore.train.config import load_config
 from mcore.train.errors import UserError
 from mcore.train.plan import layout_of
 from mcore.train.planning.calibration import load_calibration
-from mcore.train.planning.cluster import PRESETS, Network
+from mcore.train.planning.cluster import PRESETS, Group, Network
 from mcore.train.planning.layout import Layout
 from mcore.train.planning.mamba_terms import MambaShape, rates_from_ssm_benchmark
 from mcore.train.planning.memory import GB, stage_memory
@@ -71,6 +71,18 @@ def test_selective_recompute_trades_mamba_activations_for_scan_time():
     assert "attention" not in f0.forward
 
 
+def test_mamba_layers_under_cp_pay_the_all_to_all_around_the_scan():
+    shape = ModelShape.from_config(get_config("nemotron-h-8b-4l"))
+    cp2 = Layout(seq_length=8192, cp=2, distributed_optimizer=True)
+    m, tokens = shape.mamba, 8192 / 2
+    # in_proj's output in, the core's output back: bf16, over the 2 CP ranks, once in forward and once in backward
+    want = H200.collective("all_to_all", Group(2, 1), tokens * (m.in_width + m.d_inner) * 2)
+    mamba = TimeModel(shape, cp2, H200).layer_cost(0)
+    assert want > 0
+    assert mamba.forward["cp_comm"] == pytest.approx(want) and mamba.backward["cp_comm"] == pytest.approx(want)
+    assert "cp_comm" not in TimeModel(shape, cp2.replace(cp=1), H200).layer_cost(0).forward
+
+
 def test_hybrid_errors_name_the_problem():
     base = dict(hidden=64, ffn=96, layers=3, heads=4, kv_heads=2, head_dim=16, vocab=256, gated=False)
     with pytest.raises(ValueError, match="hybrid_pattern"):
@@ -84,7 +96,10 @@ def test_hybrid_errors_name_the_problem():
     assert Layout(tp=4, seq_length=64).problems(shape) == [
         "tp=4 does not divide the 2 Mamba-2 groups (whole groups per rank)"
     ]
-    assert any("no context parallelism" in p for p in Layout(cp=2, seq_length=64).problems(shape))
+    assert Layout(cp=2, seq_length=64).problems(shape) == []  # the mixer's all-to-all: whole groups per CP rank
+    assert Layout(tp=2, cp=2, seq_length=64).problems(shape) == [
+        "cp=2 does not divide each TP rank's 1 Mamba-2 groups and 4 heads"
+    ]
     no_rates = replace(H200.gpu, ssd_tflops=None)
     with pytest.raises(UserError, match="no Mamba-2 rates"):
         TimeModel(shape, Layout(seq_length=64), Network(H200.cluster, no_rates)).layer_cost(0)

@@ -20,8 +20,10 @@ __all__ = ["CP_COMM_TYPES", "CP_MIXERS", "PIPELINE_LAYOUTS", "ParallelSection", 
 PIPELINE_LAYOUTS = ("even", "balanced")
 # Megatron-Core's names (--cp-comm-type); the implementations are mcore.parallel.cp_attention's.
 CP_COMM_TYPES = ("p2p", "all_gather", "a2a", "a2a+p2p")
-# Token mixers whose attention runs over the CP group (mcore.models.layers.attention, .mla); the others see one shard.
-CP_MIXERS = ("full_attention", "sliding_attention", "nope_attention", "mla", "none")
+# Token mixers whose attention runs over the CP group (mcore.models.layers.attention, .mla) or whose Mamba-2 scan
+# runs on whole sequences of heads / cp heads (mcore.parallel.cp_ssm); the others see one shard.
+CP_MIXERS = ("full_attention", "sliding_attention", "nope_attention", "mla", "none", "mamba2", "falcon_h1_parallel")
+MAMBA_MIXERS = ("mamba2", "falcon_h1_parallel")
 
 
 @dataclass
@@ -198,6 +200,8 @@ def check_context_parallel(parallel: ParallelSection, model: TransformerConfig, 
             f"parallel.cp={cp}: layers with token mixer(s) {mixers} cannot run context-parallel (only "
             f"{list(CP_MIXERS)} can); use parallel.cp=1"
         )
+    if any(model.mixer_type(i) in MAMBA_MIXERS for i in range(model.num_hidden_layers)):
+        _check_mamba_context_parallel(parallel, model)
     router = model.moe_router or {}
     aux = model.num_experts is not None and (model.router_aux_loss_coef or router.get("z_loss_coef"))
     if parallel.cp_dynamic and (aux or (model.num_experts is not None and parallel.ep > 1)):
@@ -224,3 +228,21 @@ def check_context_parallel(parallel: ParallelSection, model: TransformerConfig, 
                     f"model.{key}={count} / parallel.tp={parallel.tp} = {count // parallel.tp} is not divisible by "
                     f"{size}; use cp_comm_type p2p or all_gather, or a size dividing it"
                 )
+
+
+def _check_mamba_context_parallel(parallel: ParallelSection, model: TransformerConfig) -> None:
+    """The Mamba-2 mixer's all-to-all gives each CP rank whole groups of each TP rank's heads (static CP only)."""
+    if parallel.cp_dynamic:
+        # untested: each dynamic CP size would need to divide the groups, and the ranks' passes differ in number
+        raise ValueError(
+            "parallel.cp_dynamic=true does not run Mamba-2 layers (model.layer_types mamba2 / falcon_h1_parallel); "
+            "use static CP (parallel.cp_dynamic=false)"
+        )
+    groups, heads = model.n_groups // parallel.tp, model.mamba_num_heads // parallel.tp
+    if groups % parallel.cp or heads % parallel.cp:
+        raise ValueError(
+            f"parallel.cp={parallel.cp}: the Mamba-2 layers give each CP rank whole groups of each TP rank's heads, "
+            f"but model.n_groups={model.n_groups} / parallel.tp={parallel.tp} = {groups} groups and "
+            f"model.mamba_num_heads={model.mamba_num_heads} / tp = {heads} heads do not both divide by {parallel.cp}; "
+            "use a cp dividing both"
+        )

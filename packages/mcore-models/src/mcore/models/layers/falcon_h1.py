@@ -45,12 +45,13 @@ class ParallelHybridMixer(nn.Module):
         self.attention_out = config.attention_out_multiplier
         self.ssm_out = config.ssm_out_multiplier
 
-    def forward(self, x: torch.Tensor, rope, *, cu_seqlens=None, kv_cache=None) -> torch.Tensor:
-        m = self.mamba(x, rope, cu_seqlens=cu_seqlens, kv_cache=kv_cache)
+    def forward(self, x: torch.Tensor, rope, *, cu_seqlens=None, kv_cache=None, context_parallel=None) -> torch.Tensor:
+        cp = {} if context_parallel is None else {"context_parallel": context_parallel}
+        m = self.mamba(x, rope, cu_seqlens=cu_seqlens, kv_cache=kv_cache, **cp)
         # no copy at a multiplier of 1: the attention's projections then keep the norm output itself, which
         # recompute_modules' layernorm can drop
         h = x if self.attention_in == 1.0 else x * self.attention_in
-        a = self.attention(h, rope, cu_seqlens=cu_seqlens, kv_cache=kv_cache)
+        a = self.attention(h, rope, cu_seqlens=cu_seqlens, kv_cache=kv_cache, **cp)
         return m * self.ssm_out + a * self.attention_out
 
 

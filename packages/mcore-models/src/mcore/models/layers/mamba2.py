@@ -14,6 +14,7 @@ Parameter names are HF's (``in_proj``, ``conv1d``, ``A_log``, ``D``, ``dt_bias``
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -24,6 +25,7 @@ from mcore.kernels.ssd import seq_idx_from_cu_seqlens
 from mcore.models.config import TransformerConfig
 from mcore.models.parts.registry import PartContext, PartSpec
 from mcore.parallel.comm import group_rank
+from mcore.parallel.cp_ssm import SequenceHeadExchange, check_ssm_context_parallel
 from mcore.parallel.init import normal_init, partition_slice
 from mcore.parallel.param_attrs import mark_fp32_compute, set_tensor_parallel_attributes
 from mcore.parallel.tensor_parallel import ColumnParallelLinear, RowParallelLinear
@@ -74,10 +76,26 @@ class GroupedGatedNorm(nn.Module):
         with torch.no_grad():
             self.weight.fill_(1.0)
 
-    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
+        """``weight``: a share of ``self.weight`` (context parallelism's heads); the whole weight by default."""
+        weight = self.weight if weight is None else weight
         return gated_rms_norm(
-            x, gate, self.weight, group_size=self.group_size, eps=self.eps, norm_before_gate=self.norm_before_gate
+            x, gate, weight, group_size=self.group_size, eps=self.eps, norm_before_gate=self.norm_before_gate
         )
+
+
+class _CoreParams(NamedTuple):
+    """What the conv + scan + norm core runs on: its head, group and channel counts and those heads' parameters."""
+
+    heads: int
+    groups: int
+    inner: int
+    conv_weight: torch.Tensor  # [inner + 2 * groups * state, k]
+    conv_bias: torch.Tensor | None
+    A_log: torch.Tensor
+    D: torch.Tensor
+    dt_bias: torch.Tensor
+    norm_weight: torch.Tensor | None
 
 
 class Mamba2Mixer(nn.Module):
@@ -151,48 +169,85 @@ class Mamba2Mixer(nn.Module):
             for p, full in ((self.A_log, a), (self.D, torch.ones(heads)), (self.dt_bias, inv_dt)):
                 p.copy_(partition_slice(full, 0, self.tp_rank, self.tp_size))
 
-    def forward(self, x: torch.Tensor, rope=None, *, cu_seqlens=None, kv_cache=None) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, rope=None, *, cu_seqlens=None, kv_cache=None, context_parallel=None
+    ) -> torch.Tensor:
         """``x`` ``[s(/tp), b, hidden]``; ``rope`` is unused (no positions: the scan is ordered). With ``kv_cache``
-        (inference) the conv inputs and the SSM state continue from the previous call and are stored for the next."""
+        (inference) the conv inputs and the SSM state continue from the previous call and are stored for the next.
+        ``context_parallel`` (an ``mcore.parallel.cp_attention.CPContext``): ``x`` is this rank's CP shard; the
+        conv + scan run on whole sequences of ``heads / cp`` heads (:mod:`mcore.parallel.cp_ssm`)."""
         proj = self.in_proj(x if self.in_multiplier == 1.0 else x * self.in_multiplier)  # [s, b, local widths]
         if self.block_multipliers is not None:
             proj = proj * self.block_multipliers.to(proj.device, proj.dtype)
+        if context_parallel is not None:
+            return self._forward_context_parallel(proj, cu_seqlens, kv_cache, context_parallel)
         s, b = proj.shape[:2]
+        params = self._core_params()
         if kv_cache is not None:
             if cu_seqlens is not None:
                 raise ValueError("mamba2 with a cache does not take cu_seqlens (one sequence per batch row)")
-            y = self._core(proj, None, kv_cache)
+            y = self._core(proj.transpose(0, 1), None, params, kv_cache)
         else:
             seq_idx = None if cu_seqlens is None else seq_idx_from_cu_seqlens(cu_seqlens, b, s, check_values=False)
-            if self.recompute_core and torch.is_grad_enabled():
-                y = checkpoint(self._core, proj, seq_idx, use_reentrant=False)
-            else:
-                y = self._core(proj, seq_idx)
+            y = self._run_core(proj.transpose(0, 1), seq_idx, params)
         return self.out_proj(y.transpose(0, 1))
 
-    def _core(self, proj: torch.Tensor, seq_idx: torch.Tensor | None, cache=None) -> torch.Tensor:
-        """``[s, b, in_proj local]`` -> gated-norm output ``[b, s, d_inner local]``."""
-        z, xbc, dt = proj.transpose(0, 1).split(
-            [self.local_inner, self.local_inner + 2 * self.local_groups * self.state, self.local_heads], dim=-1
-        )
+    def _forward_context_parallel(self, proj, cu_seqlens, kv_cache, context_parallel) -> torch.Tensor:
+        if cu_seqlens is not None or kv_cache is not None:
+            raise ValueError("mamba2 under context parallelism takes no kv_cache or cu_seqlens (the sharding has them)")
+        exchange = SequenceHeadExchange(context_parallel.sharding, context_parallel.groups.cp)
+        check_ssm_context_parallel(self.local_heads, self.local_groups, exchange.cp)
+        blocks = tuple(width // self.tp_size for width in self.in_blocks)
+        sequence = exchange.to_heads(proj, blocks)  # [b, seq_len, this CP rank's channels]
+        y = self._run_core(sequence, exchange.seq_idx(proj.device), self._core_params(exchange))
+        return self.out_proj(exchange.to_sequence(y).transpose(0, 1))
+
+    def _run_core(self, xp: torch.Tensor, seq_idx: torch.Tensor | None, params: _CoreParams) -> torch.Tensor:
+        if self.recompute_core and torch.is_grad_enabled():
+            return checkpoint(self._core, xp, seq_idx, params, use_reentrant=False)
+        return self._core(xp, seq_idx, params)
+
+    def _core_params(self, exchange: SequenceHeadExchange | None = None) -> _CoreParams:
+        """The conv, SSM and norm parameters the core runs with: this TP rank's, or this CP rank's share of them."""
+        norm_weight = None if self.norm is None else self.norm.weight
+        full = _CoreParams(
+            self.local_heads, self.local_groups, self.local_inner, self.conv1d.weight.squeeze(1), self.conv1d.bias,
+            self.A_log, self.D, self.dt_bias, norm_weight,
+        )  # fmt: skip
+        if exchange is None:
+            return full
+        cp, gn = exchange.cp, self.local_groups * self.state
+        conv_blocks = (self.local_inner, gn, gn)
+        share = exchange.channel_share
+        return _CoreParams(
+            self.local_heads // cp, self.local_groups // cp, self.local_inner // cp,
+            share(full.conv_weight, conv_blocks),
+            None if full.conv_bias is None else share(full.conv_bias, conv_blocks),
+            share(self.A_log), share(self.D), share(self.dt_bias), None if norm_weight is None else share(norm_weight),
+        )  # fmt: skip
+
+    def _core(self, xp: torch.Tensor, seq_idx: torch.Tensor | None, p: _CoreParams, cache=None) -> torch.Tensor:
+        """``[b, s, in_proj channels]`` -> gated-norm output ``[b, s, p.inner]``."""
+        gn = p.groups * self.state
+        z, xbc, dt = xp.split([p.inner, p.inner + 2 * gn, p.heads], dim=-1)
         conv_states = ssm_states = None
         if cache is not None and self.layer_index in cache.states:
             conv_states, ssm_states = cache.states[self.layer_index]
-        w = self.conv1d.weight.squeeze(1)
         conv_in = xbc
-        xbc = causal_conv1d(xbc, w, self.conv1d.bias, activation="silu", seq_idx=seq_idx, conv_states=conv_states)
-        gn = self.local_groups * self.state
-        xs, B, C = xbc.split([self.local_inner, gn, gn], dim=-1)
+        xbc = causal_conv1d(
+            xbc, p.conv_weight, p.conv_bias, activation="silu", seq_idx=seq_idx, conv_states=conv_states
+        )
+        xs, B, C = xbc.split([p.inner, gn, gn], dim=-1)
         b, s = xs.shape[:2]
         y, final = ssd_scan(
-            xs.reshape(b, s, self.local_heads, self.head_dim),
+            xs.reshape(b, s, p.heads, self.head_dim),
             dt,
-            -torch.exp(self.A_log.float()),
-            B.reshape(b, s, self.local_groups, self.state),
-            C.reshape(b, s, self.local_groups, self.state),
+            -torch.exp(p.A_log.float()),
+            B.reshape(b, s, p.groups, self.state),
+            C.reshape(b, s, p.groups, self.state),
             chunk_size=self.chunk_size,
-            D=self.D,
-            dt_bias=self.dt_bias,
+            D=p.D,
+            dt_bias=p.dt_bias,
             dt_limit=self.time_step_limit,
             seq_idx=seq_idx,
             initial_states=ssm_states,
@@ -204,10 +259,10 @@ class Mamba2Mixer(nn.Module):
             window = torch.cat([history.to(conv_in.dtype), conv_in.transpose(1, 2)], dim=2)
             window = window[:, :, window.shape[2] - (k - 1) :]
             cache.states[self.layer_index] = (window, final)
-        y = y.reshape(b, s, self.local_inner)
+        y = y.reshape(b, s, p.inner)
         if self.norm is None:
             return y * torch.nn.functional.silu(z)
-        return self.norm(y, z)
+        return self.norm(y, z, p.norm_weight)
 
 
 def check_mamba2_tensor_parallel(config: TransformerConfig, tp: int) -> None:

@@ -170,8 +170,9 @@ class Layout:
                 out.append(
                     f"tp={self.tp} does not divide the {shape.mamba.groups} Mamba-2 groups (whole groups per rank)"
                 )
-            if self.cp > 1:
-                out.append(f"cp={self.cp} with Mamba-2 layers: the Mamba-2 mixer takes no context parallelism")
+            groups, heads = shape.mamba.groups // self.tp, shape.mamba.heads // self.tp
+            if self.cp > 1 and (groups % self.cp or heads % self.cp):  # mcore.parallel.cp_ssm's all-to-all
+                out.append(f"cp={self.cp} does not divide each TP rank's {groups} Mamba-2 groups and {heads} heads")
         per_step = self.micro_batch * self.dp
         if self.global_batch % per_step:
             out.append(f"global batch {self.global_batch} is not a multiple of micro_batch x dp = {per_step}")

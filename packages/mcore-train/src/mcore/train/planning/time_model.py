@@ -16,7 +16,9 @@ Per layer and micro-batch on one rank (tokens = seq x micro-batch / cp):
   overlap them); ``tp_comm_overlap`` (Megatron's ``--tp-comm-overlap``) runs them as Transformer Engine's
   userbuffers do, split GEMMs beside the communication (``tp_overlap``);
 - CP by ``cp_comm_type`` (``cp_cost``): the p2p ring of K/V (and backward's fp32 dK/dV) overlapped with the
-  attention it feeds, all-gather / all-to-all blocking; EP all-to-all (dispatch, combine) exposed;
+  attention it feeds, all-gather / all-to-all blocking; a Mamba-2 layer's all-to-all of its in_proj output and
+  core output (``mcore.parallel.cp_ssm``), blocking, in forward and backward; EP all-to-all (dispatch, combine)
+  exposed;
 - ZeRO-3 (``dp_shard``): per layer parameter all-gather (forward and backward) and gradient reduce-scatter,
   prefetched under the layer's compute (exposed: what exceeds it), and FSDP2's copies into and out of the
   collectives' flat buffers (memory-bound, on the compute stream, at any dp);
@@ -253,6 +255,11 @@ class TimeModel:
         if layout_recomputes(self.layout, "mamba_core"):
             cost.add("B", "ssm", fwd)
             cost.add("B", "memory", g.memory_seconds(copies_f))
+        if self.layout.cp > 1:  # mcore.parallel.cp_ssm: in_proj's output in, the core's output back, not overlapped
+            exchanged = self.tokens * (m.in_width + m.d_inner) / tp * self.dtype
+            seconds = self.net.collective("all_to_all", self.cp_group, exchanged)
+            cost.add("F", "cp_comm", seconds)
+            cost.add("B", "cp_comm", seconds)  # the adjoint exchanges (outside the recomputed core)
 
     def _memory_bound(self, cost: OpCost, moe: bool, block: str = "T") -> None:
         s, lay = self.shape, self.layout
