@@ -561,6 +561,31 @@ def report_launch(launch: Launch) -> None:
         print("    " + launch.tail.replace("\n", "\n    "), flush=True)
 
 
+def run_one_launch(
+    argv: Sequence[str],
+    json_path: Path,
+    what: str,
+    *,
+    log: Path,
+    env: Mapping[str, str],
+    timeout_s: float | None,
+    failures: list[str],
+) -> dict[str, Any] | None:
+    """Launch one single-process run (``argv[0]`` the script) that writes ``json_path``; its parsed result, or None
+    with ``what`` and the exit status appended to ``failures`` (a stale file from an earlier call is removed first,
+    so a failed run can never be read as a result)."""
+    json_path.unlink(missing_ok=True)
+    print(f"running {what}", flush=True)
+    launch = launch_workers(
+        Path(argv[0]), 1, list(argv[1:]), names=[json_path.stem], log_path=log, env=dict(env), timeout_s=timeout_s
+    )
+    report_launch(launch)
+    if launch.returncode == 0 and json_path.is_file():
+        return json.loads(json_path.read_text())
+    failures.append(f"{what}: exit {launch.returncode} (log {launch.log})")
+    return None
+
+
 def launch_groups(specs: Sequence[RunSpec], *, one_launch: bool) -> list[list[RunSpec]]:
     """Split ``specs`` (in order) into process groups: one per spec, or with ``one_launch`` each run of
     consecutive specs of the same world size shares one (cheap for dry runs)."""

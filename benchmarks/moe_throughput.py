@@ -47,7 +47,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from _common import RunSpec, check_spec, child_env, launch_workers, report_launch, run_spec, write_json
+from _common import RunSpec, check_spec, child_env, run_one_launch, run_spec, write_json
 from gpt_oss_bench import DRY_RUN_SHAPES as GPT_OSS_DRY_RUN
 from gpt_oss_bench import GPT_OSS_SHAPES, gpt_oss_model
 from gpt_oss_bench import SHAPES as GPT_OSS_BENCH_SHAPES
@@ -327,17 +327,10 @@ def orchestrate(args: argparse.Namespace) -> int:
     for shape in shapes:
         results: dict[str, dict[str, Any] | None] = {}
         for label, argv in _runs(args, shape, out):
-            json_path = out / f"{label}_{shape}.json"
-            json_path.unlink(missing_ok=True)
-            print(f"running {label} on {shape}", flush=True)
-            launch = launch_workers(
-                Path(argv[0]), 1, argv[1:], names=[json_path.stem], log_path=log, env=env, timeout_s=args.timeout
-            )
-            report_launch(launch)
-            ok = launch.returncode == 0 and json_path.is_file()
-            results[label] = json.loads(json_path.read_text()) if ok else None
-            if results[label] is None:
-                summary["failures"].append(f"{label} on {shape}: exit {launch.returncode} (log {launch.log})")
+            results[label] = run_one_launch(
+                argv, out / f"{label}_{shape}.json", f"{label} on {shape}", log=log, env=env,
+                timeout_s=args.timeout, failures=summary["failures"],
+            )  # fmt: skip
             baseline = "skipped" if skip_baseline else str(args.hf_baseline)
             entry = {"results": results, "ratios": ratios(results), "baseline": baseline}
             entry["ratios_by_variant"] = {

@@ -57,10 +57,9 @@ from _common import (
     RunSpec,
     check_spec,
     child_env,
-    launch_workers,
     llama_model,
     markdown_table,
-    report_launch,
+    run_one_launch,
     run_spec,
     spec_config,
     write_json,
@@ -336,16 +335,10 @@ def _run_entry(args, shape: str, entry: str, packed, env, log: Path, summary: di
     results: dict[str, dict[str, Any] | None] = {}
     for label, argv in _runs(args, shape, entry, packed):
         json_path = Path(argv[argv.index("--json") + 1])
-        json_path.unlink(missing_ok=True)
-        print(f"running {label} on {entry}", flush=True)
-        launch = launch_workers(
-            Path(argv[0]), 1, argv[1:], names=[json_path.stem], log_path=log, env=env, timeout_s=args.timeout
-        )
-        report_launch(launch)
-        ok = launch.returncode == 0 and json_path.is_file()
-        results[label] = json.loads(json_path.read_text()) if ok else None
-        if results[label] is None:
-            summary["failures"].append(f"{label} on {entry}: exit {launch.returncode} (log {launch.log})")
+        results[label] = run_one_launch(
+            argv, json_path, f"{label} on {entry}", log=log, env=env, timeout_s=args.timeout,
+            failures=summary["failures"],
+        )  # fmt: skip
         mine = [k for k in _labels(args) if k in results]
         summary["shapes"][entry] = {
             "results": results,
