@@ -145,13 +145,31 @@ def ssd_scan(
     if dispatch.choose("ssd_scan", *tensors, backend=backend) == dispatch.TRITON:
         from mcore.kernels.ssd_triton import ssd_chunked_triton
 
+        x = x.contiguous()  # the scan's own copy of x (a view of the conv output in the mixer); the D term saves it too
         y, final = ssd_chunked_triton(x, dt, A.float(), B, C, chunk_size, initial_states, seq_idx)
     else:
         y, final = _ssd_chunked(x.float(), dt, A.float(), B.float(), C.float(), chunk_size, initial_states, seq_idx)
     if D is not None:
-        y = y + D.float()[:, None] * x.float()
+        y = _SkipConnection.apply(y, D.float(), x)
     y = y.to(x.dtype)
     return (y, final) if return_final_states else y
+
+
+class _SkipConnection(torch.autograd.Function):
+    """``y + D x`` (``y`` fp32 ``[b, L, h, p]``, ``D`` fp32 ``[h]``) saving ``x`` in its own dtype: autograd's
+    ``D * x.float()`` would keep an fp32 copy of ``x`` (4 bytes per token and channel) for ``D``'s gradient."""
+
+    @staticmethod
+    def forward(ctx, y, D, x):
+        ctx.save_for_backward(D, x)
+        return y + D[:, None] * x.float()
+
+    @staticmethod
+    def backward(ctx, dy):
+        D, x = ctx.saved_tensors
+        dD = (dy * x.float()).sum(dim=(0, 1, 3)) if ctx.needs_input_grad[1] else None
+        dx = (dy * D[:, None]).to(x.dtype) if ctx.needs_input_grad[2] else None
+        return dy, dD, dx
 
 
 def _chunk(t: torch.Tensor, pad: int, chunk_size: int) -> torch.Tensor:

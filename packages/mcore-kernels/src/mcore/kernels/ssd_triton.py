@@ -40,6 +40,30 @@ class _IntraChunk(torch.autograd.Function):
         return dx.to(x.dtype), ddt, dcs, dcb, None
 
 
+class _ChunkScores(torch.autograd.Function):
+    """``C B^T`` per chunk and group ``[b, c, g, Q, Q]`` fp32 from ``C``, ``B`` ``[b, Lp, g, n]`` in their own dtype:
+    the fp32 copies the matmul needs are made again in backward instead of being saved (8 bytes per token and
+    state element less than autograd's matmul; the inputs saved are the contiguous B and C the state kernels save)."""
+
+    @staticmethod
+    def forward(ctx, Cp, Bp, q):
+        b, length, g, n = Bp.shape
+        ctx.save_for_backward(Cp, Bp)
+        ctx.q = q
+        Cc, Bc = (t.float().view(b, length // q, q, g, n).transpose(2, 3) for t in (Cp, Bp))  # [b, c, g, Q, n]
+        return torch.matmul(Cc, Bc.transpose(-1, -2)).contiguous()
+
+    @staticmethod
+    def backward(ctx, dcb):
+        Cp, Bp = ctx.saved_tensors
+        b, length, g, n = Bp.shape
+        q = ctx.q
+        Cc, Bc = (t.float().view(b, length // q, q, g, n).transpose(2, 3) for t in (Cp, Bp))
+        dC = torch.matmul(dcb, Bc).transpose(2, 3).reshape(b, length, g, n)
+        dB = torch.matmul(dcb.transpose(-1, -2), Cc).transpose(2, 3).reshape(b, length, g, n)
+        return dC.to(Cp.dtype), dB.to(Bp.dtype), None
+
+
 class _StatePassing(torch.autograd.Function):
     @staticmethod
     def forward(ctx, local, carry, initial):
@@ -155,15 +179,15 @@ def ssd_chunked_triton(x, dt, A, B, C, chunk_size, initial_states, seq_idx):
     nc = (length + pad) // q
     xp = _pad_to_chunks(x, pad).contiguous()
     dtp = _pad_to_chunks(dt, pad).contiguous()  # padding: dt = 0, no decay and no input
-    Bc = _pad_to_chunks(B, pad).float().view(b, nc, q, g, n)  # fp32 for the C B^T matmul
-    Cc = _pad_to_chunks(C, pad).float().view(b, nc, q, g, n)
+    # One contiguous copy each of B and C, saved by every kernel that needs them (scores, chunk states, inter output)
+    Bp, Cp = _pad_to_chunks(B, pad).contiguous(), _pad_to_chunks(C, pad).contiguous()
     if seq_idx is None:
         seq = None
     else:
         seq = seq_idx.to(torch.int32)
         seq = torch.cat([seq, seq[:, -1:].expand(b, pad)], dim=1).contiguous() if pad else seq.contiguous()
     cs = torch.cumsum((dtp * A).view(b, nc, q, h), dim=2)  # [b, c, Q, h]
-    cb = torch.matmul(Cc.permute(0, 1, 3, 2, 4), Bc.permute(0, 1, 3, 4, 2)).contiguous()  # [b, c, g, Q, Q]
+    cb = _ChunkScores.apply(Cp, Bp, q)  # [b, c, g, Q, Q]
     y = _IntraChunk.apply(xp, dtp, cs.view(b, -1, h), cb, seq)
 
     decay_to_end = torch.exp(cs[:, :, -1:] - cs)  # [b, c, Q, h]
@@ -180,7 +204,6 @@ def ssd_chunked_triton(x, dt, A, B, C, chunk_size, initial_states, seq_idx):
     w = (decay_to_end * dtp.view(b, nc, q, h)).reshape(b, -1, h)  # each token's weight in its chunk's state
     v = decay_from_start.reshape(b, -1, h)  # the incoming state's weight in each token's output
     dims = (b, nc, q, g, h, p, n)
-    Bp, Cp = _pad_to_chunks(B, pad), _pad_to_chunks(C, pad)
     path = STATE_MATMULS
     if path == "auto":
         from mcore.kernels.ssd_state_choice import choose_state_matmuls

@@ -75,15 +75,21 @@ class MambaShape:
 
     def saved_bytes_per_token(self, tp: int, core_recomputed: bool) -> float:
         """What the mixer keeps for backward per token on one rank (its input apart: the layer counts the norm
-        output ``in_proj`` saves). ``in_proj``'s output (z and the conv input are views of it); then unless the
-        core is recomputed (``mamba_core``) the conv output (x, B, C for the scan), the scan's saved tensors (the
-        fp32 incoming chunk states, ``H P N`` per chunk; the fp32 ``C B^T`` of each chunk, ``G Q`` per token; fp32
-        cumulative decays and dt), the gated norm's inputs y and z (contiguous copies); and ``out_proj``'s input."""
+        output ``in_proj`` saves): ``in_proj``'s output (z and the conv input are views of it) and ``out_proj``'s
+        input; then, unless the core is recomputed (``mamba_core``), what the Triton conv, SSD and gated norm save
+        (``mcore.kernels.ssd_triton``; ``tests/train/test_planning_mamba.py`` counts it under the interpreter)."""
         out = 2 * (self.in_width + self.d_inner) / tp
-        if not core_recomputed:
-            states = 4 * self.heads * self.head_dim * self.state / self.chunk
-            out += (2 * self.conv_dim + states + 4 * self.groups * self.chunk + 12 * self.heads + 4 * self.d_inner) / tp
-        return out
+        if core_recomputed:
+            return out
+        h, g = self.heads, self.groups
+        scan_inputs = 2 * self.conv_dim  # bf16 contiguous copies of the conv output's x, B and C (not the output)
+        states = 4 * h * self.head_dim * self.state / self.chunk  # fp32 incoming state of each chunk
+        scores = 4 * g * self.chunk  # fp32 C B^T of each chunk and group, Q per token and group
+        # fp32 per head: softplus's input, dt, the cumulative decay, the decays to the chunk end and from its start,
+        # each token's weight in its chunk state (six per token), and the chunk's carried decay (one per chunk)
+        per_head = 6 * 4 * h + 4 * h / self.chunk
+        norm = 2 * self.d_inner + 4 * g  # the gated norm's bf16 input y and fp32 rstd per group (z: in_proj's view)
+        return out + (scan_inputs + states + scores + per_head + norm) / tp
 
 
 def rates_from_ssm_benchmark(kernels: dict) -> dict[str, list[float]]:
