@@ -247,8 +247,12 @@ def test_mamba_layer_with_the_triton_kernels_saves_what_the_planner_counts(recom
     "recompute,modules",
     [("none", None), ("selective", None), ("selective", ("mlp",)), ("selective", ("layernorm", "mamba_core"))],
 )
-def test_mamba_layer_saves_what_the_planner_counts_on_cuda(recompute, modules):
-    """At 4,096 tokens with the Triton SSD and conv kernels, within 10% (a list without mamba_core: the core's
-    tensors are kept, as without recompute)."""
+def test_mamba_layer_saves_what_the_planner_counts_on_cuda(recompute, modules, monkeypatch):
+    """At 4,096 tokens with the Triton SSD and conv kernels, within 3% (a list without mamba_core: the core's
+    tensors are kept, as without recompute). The state matmuls are pinned to the Triton kernels the planner counts
+    (``auto`` picks them at this shape on an H200, by timing: torch's fp32 matmuls would save other tensors)."""
+    import mcore.kernels.ssd_triton as ssd_triton
+
+    monkeypatch.setattr(ssd_triton, "STATE_MATMULS", "triton")
     planned, measured = _saved_by_mamba_layer("cuda", 4096, recompute, modules)
-    assert planned == pytest.approx(measured, rel=0.10)
+    assert planned == pytest.approx(measured, rel=0.03)
