@@ -3,7 +3,8 @@ Triton kernels (:mod:`mcore.kernels.triton.ssd`), the matmul-shaped parts in tor
 
 Which part runs where, and why:
 - chunk cumsum of ``dt * A``: torch (``cumsum`` over a ``[b, c, Q, h]`` view: one elementwise pass, autograd).
-- ``C B^T`` per chunk and group: a torch batched matmul (``[Q, n] @ [n, Q]``).
+- ``C B^T`` per chunk and group: a torch batched matmul (``[Q, n] @ [n, Q]``) in fp32, in ``_ChunkScores``, which
+  saves B and C in their own dtype (autograd's matmul would keep the fp32 copies).
 - intra-chunk output (``C B^T`` masked by the decay, times ``dt x``): Triton, forward and backward. Torch has to
   materialize the decay ``[b, c, Q, Q, h]`` (268 MB fp32 for one Nemotron-H-8B layer at 4k tokens) and its
   gradient; the kernel keeps it in registers.
