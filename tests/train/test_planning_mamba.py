@@ -119,8 +119,12 @@ def test_per_expert_gemms_are_dense_gemms_per_expert():
     fc2 = g.gemm_seconds(rows, 4096, 14336) + g.gemm_seconds(rows, 14336, 4096)
     fc2 += g.gemm_seconds(4096, 14336, rows) * g.wgrad_fp32_slowdown
     t0, t1 = (TimeModel(shape, lay, H200).layer_cost(0) for lay in (grouped, per_expert))
+    # the grouped weight gradient is a bf16 GEMM (no fp32 epilogue) copied into main_grad: read 2, write 4 bytes
+    bf16_wgrad = sum(g.grouped_gemm_seconds(8, rows, n, k) for n, k in ((2 * 14336, 4096), (4096, 14336)))
+    grouped_experts = _grouped(g, rows) - bf16_wgrad * (g.wgrad_fp32_slowdown - 1)
+    grouped_experts += g.memory_seconds(6 * 8 * 3 * 14336 * 4096)
     # everything but the experts is the same in both: the difference is theirs
-    assert (t1.f + t1.b) - (t0.f + t0.b) == pytest.approx(8 * (fc1 + fc2) - _grouped(g, rows), rel=1e-9)
+    assert (t1.f + t1.b) - (t0.f + t0.b) == pytest.approx(8 * (fc1 + fc2) - grouped_experts, rel=1e-9)
     assert predict_step(shape, per_expert, H200).step_s < predict_step(shape, grouped, H200).step_s  # 2,048 rows each
     assert stage_memory(shape, per_expert)[0].allocated / GB == stage_memory(shape, grouped)[0].allocated / GB
     with pytest.raises(ValueError, match="expert_gemm"):
@@ -140,7 +144,8 @@ def test_grouped_fp32_wgrad_is_grouped_but_for_the_weight_gradients():
     dense_wgrad = g.gemm_seconds(2 * 14336, 4096, rows) + g.gemm_seconds(4096, 14336, rows)
     t0, t1 = (TimeModel(shape, lay, H200).layer_cost(0) for lay in (grouped, hybrid))
     assert t1.f == pytest.approx(t0.f, rel=1e-12)  # the forward GEMMs are the grouped ones
-    want = 8 * dense_wgrad * g.wgrad_fp32_slowdown - grouped_wgrad * g.wgrad_fp32_slowdown
+    # grouped: a bf16 weight-gradient GEMM, then its copy into main_grad (read 2, write 4 bytes per element)
+    want = 8 * dense_wgrad * g.wgrad_fp32_slowdown - grouped_wgrad - g.memory_seconds(6 * 8 * 3 * 14336 * 4096)
     assert t1.b - t0.b == pytest.approx(want, rel=1e-9)
     config = load_config(overrides=["model=mixtral-8x7b", "model.moe_router={expert_gemm: grouped_fp32_wgrad}"])
     assert layout_of(config, 1).expert_gemm == "grouped_fp32_wgrad"

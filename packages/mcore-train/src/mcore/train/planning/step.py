@@ -112,6 +112,19 @@ def _data_parallel(
     return out
 
 
+def _filled_gradients(shape: ModelShape, dense: float, expert: float) -> float:
+    """Gradient-buffer elements DDP's ``zero_grad_buffer`` zero-fills each step (a write-only fill: copy speed).
+    Not the expert weights: with ``skip_overwritten_fill`` (its default) their regions are left stale, since every
+    expert GEMM mode (grouped, per_expert, grouped_fp32_wgrad) writes the step's first weight gradient over them
+    without reading (``param_attrs.take_wgrad_target``). Still filled: the dense parameters (their GEMMs add), the
+    expert biases (GPT-OSS: added by autograd) and the bucket padding (under a bucket's alignment, not counted)."""
+    if not expert:
+        return dense
+    weights = sum(lin.weights for lin in shape.expert_linears())
+    biases = sum(lin.out_features for lin in shape.expert_linears()) if shape.expert_bias else 0
+    return dense + expert * biases / (weights + biases)
+
+
 def _optimizer(model: TimeModel, dense: float, expert: float, rank: int, chunks, last_backward: float):
     """The device part of the AdamW step and what the host part (``offload_cost``) adds beyond it."""
     lay, gpu = model.layout, model.gpu
@@ -125,8 +138,8 @@ def _optimizer(model: TimeModel, dense: float, expert: float, rank: int, chunks,
     grad = 4 if lay.dp_shard else lay.grad_bytes  # the norm reads each gradient once
     device = adamw + gpu.memory_seconds(grad * on_gpu)
     out = {"optimizer": device}
-    if not lay.dp_shard:  # DDP zeroes its whole gradient buffer every step (a write-only fill: copy speed)
-        out["grad_zero"] = lay.grad_bytes * (dense + expert) / (gpu.copy_gbps * 1e9)
+    if not lay.dp_shard:  # FSDP2 has no buffer to fill: its shard gradients are set to None and made afresh
+        out["grad_zero"] = lay.grad_bytes * _filled_gradients(model.shape, dense, expert) / (gpu.copy_gbps * 1e9)
     passes = (BUCKET_SCALE_BYTES if lay.dp * lay.cp > 1 and not lay.dp_shard else 0) + (
         BUCKET_NAN_CHECK_BYTES if lay.grad_nan_check else 0
     )

@@ -189,12 +189,25 @@ class TimeModel:
             else:
                 fwd = g.grouped_gemm_seconds(local, rows, n, k, self.precision)
                 dgrad = g.grouped_gemm_seconds(local, rows, k, n, self.precision)
-                wgrad = fwd * self.wgrad_slowdown  # the same FLOPs, writing fp32 into the gradient buffer
+                # torch._grouped_mm has no fp32 output: a bf16 weight gradient (the same FLOPs), then copied into
+                # main_grad (mcore.kernels.grouped_gemm's wgrad_into) on the step's first micro-batch, added after
+                wgrad = fwd
                 if lay.expert_gemm == "grouped_fp32_wgrad":  # the weight gradients one fp32 GEMM per expert
                     wgrad = local * g.gemm_seconds(n, k, rows, self.precision) * self.wgrad_slowdown
+                else:
+                    cost.add("B", "memory", g.memory_seconds(local * n * k * self._expert_wgrad_copy_bytes()))
             cost.add("F", "gemm", fwd)
             cost.add("B", "gemm", dgrad + wgrad)
             cost.wgrad += wgrad
+
+    def _expert_wgrad_copy_bytes(self) -> float:
+        """Bytes per expert weight element, averaged over a step's micro-batches, of the grouped GEMM's bf16
+        weight gradient taken into ``main_grad`` (FSDP2 at one rank: the fp32 shard gradient): the first micro-batch
+        writes it (read 2, write the target), later ones add (read 2, read and write the target)."""
+        lay = self.layout
+        target = 4 if lay.dp_shard else lay.grad_bytes
+        m = lay.num_microbatches
+        return (2 + target + (m - 1) * (2 + 2 * target)) / m
 
     def _attention(self, cost: OpCost, index: int) -> None:
         s, lay = self.shape, self.layout
@@ -324,10 +337,10 @@ class TimeModel:
         cost.add("F", "ep_comm", 2 * one)
         cost.add("B", "ep_comm", 2 * one)
 
-    def _zero3(self, cost: OpCost, dense: float, expert: float) -> None:
+    def _zero3(self, cost: OpCost, dense: float, expert: float, unfused: float) -> None:
         """ZeRO-3: gather this layer's parameters before its forward and again before its backward, reduce-scatter
         its gradients after (in ``main_grads_dtype``); dense parameters over dp, expert ones over the
-        expert-data-parallel group."""
+        expert-data-parallel group. ``unfused``: those whose gradient no GEMM writes (norms, biases)."""
         if not self.layout.dp_shard:
             return
         gather = sum(
@@ -342,14 +355,23 @@ class TimeModel:
         hidden_scatter = min(scatter, max(0.0, cost.b - gather))
         cost.add("B", "dp_shard_comm", max(0.0, gather + scatter - cost.b))
         cost.add("B", "dp_overlap_slowdown", self.gpu.reduce_overlap_slowdown * hidden_scatter)
-        self._zero3_copies(cost, dense + expert)
+        self._zero3_copies(cost, dense + expert, unfused)
 
-    def _zero3_copies(self, cost: OpCost, params: float) -> None:
+    def _zero3_copies(self, cost: OpCost, params: float, unfused: float) -> None:
         """FSDP2's copies around its collectives, at any dp (also 1): an all-gather reads the fp32 shard and writes
         it in the compute dtype into the flat buffer, then splits the gathered buffer into the parameters; a
         reduce-scatter casts the gradients into an fp32 buffer and writes the fp32 shard. Forward gathers, backward
         gathers again (``reshard_after_forward``) and reduce-scatters."""
         shards, dt = self.layout.dp * self.layout.cp, self.dtype
+        if shards == 1:
+            # one rank (mcore.parallel.fsdp's "auto" settings and fsdp_wgrad, the default gradient-accumulation
+            # fusion): the units stay gathered from the first forward to the last backward, so one gather per
+            # step; the linear and expert GEMMs write their weight gradients into the fp32 shard gradients, so
+            # only the ``unfused`` parameters' gradients take FSDP's copies, once per step (one reduction)
+            per_microbatch = 1 / self.layout.num_microbatches
+            cost.add("F", "dp_shard_copy", self.gpu.memory_seconds(params * (4 + 3 * dt) * per_microbatch))
+            cost.add("B", "dp_shard_copy", self.gpu.memory_seconds(unfused * (dt + 8) * per_microbatch))
+            return
         gather = params * ((4 + dt) / shards + 2 * dt)
         scatter = params * (dt + 4 + 4 / shards)
         cost.add("F", "dp_shard_copy", self.gpu.memory_seconds(gather))
@@ -381,7 +403,7 @@ class TimeModel:
         host = self.gpu.host_ms_per_layer * 1e-3
         cost.add("F", "host", host / 3)
         cost.add("B", "host", 2 * host / 3)
-        self._zero3(cost, *layer_parameters_per_rank(s, index, lay))
+        self._zero3(cost, *layer_parameters_per_rank(s, index, lay), s.layer_norm_and_bias_params(index, lay.tp))
         return cost
 
     def mtp_cost(self) -> OpCost:
@@ -404,7 +426,8 @@ class TimeModel:
             cost.add("B", "memory", self.gpu.memory_seconds(self.tokens * s.hidden * 10))
             self._tp_comm(cost, 1)
         if lay.dp_shard:  # the embedding and the output layer are FSDP units of their own
-            self._zero3_copies(cost, (int(first) + int(last and (not s.tied or lay.pp > 1))) * vocab * s.hidden)
+            units = int(first) + int(last and (not s.tied or lay.pp > 1))
+            self._zero3_copies(cost, units * vocab * s.hidden, int(first) * vocab * s.hidden)  # output layer fused
         if last:
             self._gemms(cost, self.tokens, s.hidden, vocab)
             elements = self.tokens * vocab

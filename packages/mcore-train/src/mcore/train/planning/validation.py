@@ -32,12 +32,24 @@ THROUGHPUT_RUNS = "throughput-h200-"
 MOE_RUNS = "moe-h200-"
 # the MoE records: moe-h200-<run>/mcore_<shape>.json, and later calls' moe-<shapes>-h200-<run>/<shape>/mcore_*.json
 # and the helper calls' moe branch records, one per variant (helpers-h200-<run>/moe/mcore-<variant>_<shape>.json:
-# ``--expert-gemm per_expert``, ``--fsdp``)
-MOE_RUN_FILES = (f"{MOE_RUNS}*/mcore_*.json", "moe-*-h200-*/*/mcore_*.json", "helpers-h200-*/moe/mcore-*_*.json")
+# ``--expert-gemm per_expert``, ``--fsdp``), and session 5's calls (s5-h200-<date>/<call dir>/mcore*.json: one
+# directory per run, the variant in the record's ``impl`` and its optimizer dtypes in its ``overrides``)
+MOE_RUN_FILES = (
+    f"{MOE_RUNS}*/mcore_*.json",
+    "moe-*-h200-*/*/mcore_*.json",
+    "helpers-h200-*/moe/mcore-*_*.json",
+    "s5-h200-*/*/mcore*.json",
+)
 GPT_OSS_WINDOW = 128
 # MoE runs of code rewritten since: the permutes (Triton tiles) and the grouped GEMM's output zeroing changed at
 # the moe branch's 4d34bbc / 1904bee; the calibration describes the code after them (moe-h200-2026-12-01-e21cc44)
 SUPERSEDED_MOE_RUNS = ("moe-h200-2026-12-01",)
+# dp_shard (FSDP2) runs at one rank of code rewritten since: a0894e6 keeps the units gathered from forward to
+# backward at dp=1 and f3d9adc (gradient-accumulation fusion into the shards) removes FSDP's bf16 gradient and its
+# two copies; these calls measured code before both (final call1: 253c4e1; the helpers' moe and ssm branch heads,
+# helpers-h200-*/commits.txt), the planner describes the code after them (session 5's FSDP2 rows). Their other
+# rows (ZeRO-1, offload) stay cases.
+SUPERSEDED_DP_SHARD_RUNS = ("final-h200-2026-12-01/call1", "helpers-h200-2026-12-01-s3")
 MULTI_GPU_RUNS = "multi-gpu-h200-2026-11-30-rerun"
 # benchmarks/memory_modes.py's summaries: the probe call (activation offload), the two final calls of 2026-12-01 and
 # the later runs of their own directory (memory-<part>-h200-<date>-<session>)
@@ -47,7 +59,7 @@ MEMORY_MODE_RUNS = (
     "memory-*-h200-*/summary.json",
 )
 # benchmarks/ssm_throughput.py's training records: a hybrid preset through the real Trainer, one GPU
-SSM_RUN_FILES = "helpers-h200-*/ssm/mcore_*.json"
+SSM_RUN_FILES = ("helpers-h200-*/ssm/mcore_*.json", "s5-h200-*/ssm/mcore_nemotronh8b4l_*.json")
 SCHEDULES = {"none": "none", "1f1b": "1f1b", "interleaved-1f1b": "interleaved", "zb-h1": "zero-bubble"}
 # benchmarks/_common.py's 8b4l: the Llama-3-8B layer shape with 4 layers (the two-GPU runs record only its size)
 SHAPE_8B4L = {"hidden": 4096, "layers": 4, "heads": 32, "kv": 8, "ffn": 14336, "vocab": 128256}
@@ -155,7 +167,7 @@ def _mla_fields(r: dict) -> dict:
 def _moe_layout(r: dict) -> Layout:
     """One GPU, one micro-batch per step: ZeRO-1 at dp=1, or FSDP2 (``impl`` mcore-fsdp: moe_throughput's
     FSDP_OVERRIDES, parameters resharded after forward, its default); the expert GEMMs as recorded."""
-    fsdp = r["impl"] == "mcore-fsdp"
+    fsdp = r["impl"].split("-")[:2] == ["mcore", "fsdp"]  # "mcore-fsdp", or "mcore-fsdp-<expert gemm>" (session 5)
     return Layout(
         micro_batch=r["mbs"], global_batch=r["mbs"], seq_length=r["seq"], distributed_optimizer=not fsdp,
         dp_shard=fsdp, expert_gemm=r.get("expert_gemm", "grouped"), **_optim_dtypes(r),
@@ -173,7 +185,8 @@ def moe_cases(results: Path) -> list[Case]:
     """The single-GPU MoE runs (``benchmarks/moe_throughput.py``): one micro-batch per step, the distributed
     optimizer at dp=1."""
     out = []
-    for path in sorted(p for pattern in MOE_RUN_FILES for p in results.glob(pattern)):
+    hybrid = {p for pattern in SSM_RUN_FILES for p in results.glob(pattern)}  # session 5's ssm/ sits beside the MoE
+    for path in sorted({p for pattern in MOE_RUN_FILES for p in results.glob(pattern)} - hybrid):
         top = path.relative_to(results).parts[0]
         if top in SUPERSEDED_MOE_RUNS:
             continue
@@ -181,9 +194,22 @@ def moe_cases(results: Path) -> list[Case]:
         shape = _moe_shape(r)
         run = top.removeprefix(MOE_RUNS).removeprefix("moe-")
         variant = r["impl"].removeprefix("mcore").lstrip("-")
-        name = f"{r['shape']}{' ' + variant if variant else ''} (1 GPU, MoE, {run})"
-        out.append(Case(name, shape, _moe_layout(r), r["step_s"], (r["peak_mem_gb"],)))
+        layout = _moe_layout(r)
+        if layout.dp_shard and _superseded_dp_shard(path.relative_to(results)):
+            continue
+        # the same variant run with fp32 and with bf16 optimizer states (session 5) needs the dtypes in its name
+        states = sorted({v for k, v in _optim_dtypes(r).items()} - {"fp32"})
+        tag = "".join(f" {v} states" for v in states)
+        name = f"{r['shape']}{' ' + variant if variant else ''}{tag} (1 GPU, MoE, {run})"
+        if any(c.name == name for c in out):
+            raise ValueError(f"{path}: a second MoE record named {name!r}")
+        out.append(Case(name, shape, layout, r["step_s"], (r["peak_mem_gb"],)))
     return out
+
+
+def _superseded_dp_shard(record: Path) -> bool:
+    """Whether ``record`` (relative to the results) lies under one of ``SUPERSEDED_DP_SHARD_RUNS``."""
+    return any(record.as_posix().startswith(run + "/") for run in SUPERSEDED_DP_SHARD_RUNS)
 
 
 def _overrides(run: dict) -> dict[str, str]:
@@ -220,6 +246,8 @@ def memory_mode_cases(results: Path) -> list[Case]:
                 recompute=o.get("train.recompute", "none"),
                 activation_offload=tuple(p.strip() for p in parts.split(",") if p.strip()),
             )  # fmt: skip
+            if layout.dp_shard and _superseded_dp_shard(path.relative_to(results)):
+                continue
             shape = _memory_mode_shape(r["params"])
             out.append(Case(f"{name} (1 GPU, {where})", shape, layout, r["step_s"], (r["peak_mem_gb"],)))
     return out
@@ -230,7 +258,7 @@ def ssm_cases(results: Path) -> list[Case]:
     sequence per step, the layout its overrides set (ZeRO-1 at dp=1, or ``dp_shard`` with selective recompute; the
     optimizer dtypes, as for the MoE runs)."""
     out = []
-    for path in sorted(results.glob(SSM_RUN_FILES)):
+    for path in sorted(p for pattern in SSM_RUN_FILES for p in results.glob(pattern)):
         r = json.loads(path.read_text())
         shape = ModelShape.from_config(get_config(r["preset"]), name=r["preset"])
         if shape.total_parameters() != r["params"]:
@@ -245,6 +273,8 @@ def ssm_cases(results: Path) -> list[Case]:
             recompute_modules=None if modules is None else tuple(modules.strip("[]").split(",")),
             **_optim_dtypes(r),
         )  # fmt: skip
+        if dp_shard and _superseded_dp_shard(path.relative_to(results)):
+            continue
         if round(r["tokens_per_s"] * r["step_s"]) != r["seq"]:
             raise ValueError(f"{path}: not one sequence of {r['seq']} tokens per step")
         run = path.parent.parent.name
