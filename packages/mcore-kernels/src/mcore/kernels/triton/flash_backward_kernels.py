@@ -19,6 +19,9 @@ from mcore.kernels.triton.flash_attention import _allowed, _load_rows, _visible_
 
 # dQ in the dK/dV kernel: not at all (the dQ kernel runs), by fp32 atomics, or stored (single-block documents).
 DQ_SEPARATE, DQ_ATOMIC, DQ_STORE = 0, 1, 2
+# Row statistics (lse2, delta): read from the preprocess pass's head-major buffers, or computed by the kernel from
+# the output tile and the forward's lse (the dQ kernel, or the dK/dV kernel when it stores dQ: once per row).
+STATS_LOAD, STATS_FUSED = 0, 1
 
 
 @triton.jit
@@ -74,11 +77,27 @@ def _load_stats(LSE2, DELTA, stat_base, rows, rows_valid, MASKED: tl.constexpr):
 
 
 @triton.jit
+def _row_stats(o_ptrs, do, lse_ptrs, dlse_ptrs, rows_valid, offs_dv, D_V, MASKED: tl.constexpr,
+               EVEN_D: tl.constexpr, HAS_DLSE: tl.constexpr):  # fmt: skip
+    """``(lse2, delta)`` of a tile's rows computed in place of the preprocess pass: ``delta = rowsum(dO * O)
+    [- dlse]`` from the output tile, ``lse2`` from the forward's token-major lse (+inf where P must be 0)."""
+    o = _load_rows(o_ptrs, rows_valid, offs_dv, D_V, MASKED, EVEN_D)
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
+    if HAS_DLSE:
+        delta -= tl.load(dlse_ptrs, mask=rows_valid, other=0.0)
+    lse = tl.load(lse_ptrs, mask=rows_valid, other=float("-inf"))
+    lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
+    return lse2, delta
+
+
+@triton.jit
 def _bwd_kv_block(
     dk, dv, k, v, q_base, do_base, stat_base, LSE2, DELTA, dq_base, query, q_len, q_pos, k_rows_pos, k_valid,
     stride_qs, stride_ds, stride_dqs, pack_row, q_off, do_off, dq_off, stat_off, offs_dqk, offs_dv, D_QK, D_V,
-    scale, scale_log2, window, edge, MASKED: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
+    scale, scale_log2, window, edge, o_base, lse_base, dlse_base, stride_os, o_off, stride_ls, lse_off,
+    MASKED: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
     DQ_MODE: tl.constexpr, PRECISION: tl.constexpr, EVEN_D: tl.constexpr,
+    STATS: tl.constexpr, HAS_DLSE: tl.constexpr, STORE_DELTA: tl.constexpr,
 ):  # fmt: skip
     # Tile row r is query `query + pack_row[r]` of the head whose rows start `q_off[r]` after the base (the GQA
     # heads packed into one tile, or all one head: offsets 0).
@@ -89,7 +108,15 @@ def _bwd_kv_block(
     q = _load_rows(q_ptrs, q_valid, offs_dqk, D_QK, MASKED > 0, EVEN_D)
     do_ptrs = do_base + (qm64 * stride_ds + do_off)[:, None] + offs_dv[None, :]
     do = _load_rows(do_ptrs, q_valid, offs_dv, D_V, MASKED > 0, EVEN_D)
-    lse2, delta = _load_stats(LSE2, DELTA, stat_base + stat_off, qm64, q_valid, MASKED > 0)
+    if STATS == 0:  # STATS_LOAD
+        lse2, delta = _load_stats(LSE2, DELTA, stat_base + stat_off, qm64, q_valid, MASKED > 0)
+    else:  # STATS_FUSED: this program is the only one that sees these (query, head) rows (single-block documents)
+        o_ptrs = o_base + (qm64 * stride_os + o_off)[:, None] + offs_dv[None, :]
+        stat_ptrs = qm64 * stride_ls + lse_off
+        lse2, delta = _row_stats(o_ptrs, do, lse_base + stat_ptrs, dlse_base + stat_ptrs, q_valid, offs_dv, D_V,
+                                 MASKED > 0, EVEN_D, HAS_DLSE)  # fmt: skip
+        if STORE_DELTA:  # the sinks' gradient reads it
+            tl.store(DELTA + stat_base + stat_off + qm64, delta, mask=q_valid)
     scores_t = tl.dot(k, tl.trans(q), input_precision=PRECISION) * scale_log2
     p_t = tl.exp2(scores_t - lse2[None, :])
     if MASKED == 1:
@@ -120,8 +147,10 @@ def _bwd_kv_block(
 def _bwd_kv_segment(
     dk, dv, k, v, q_base, do_base, stat_base, LSE2, DELTA, dq_base, q_len, q_pos, k_first, k_rows, k_rows_pos,
     k_valid, stride_qs, stride_ds, stride_dqs, pack_row, q_off, do_off, dq_off, stat_off, offs_dqk, offs_dv, D_QK,
-    D_V, scale, scale_log2, window, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, DQ_MODE: tl.constexpr,
+    D_V, scale, scale_log2, window, o_base, lse_base, dlse_base, stride_os, o_off, stride_ls, lse_off,
+    CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, DQ_MODE: tl.constexpr,
     PRECISION: tl.constexpr, EVEN_D: tl.constexpr, ONE_LOOP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    STATS: tl.constexpr, HAS_DLSE: tl.constexpr, STORE_DELTA: tl.constexpr,
 ):  # fmt: skip
     """One key block against one query segment: the window-edge, interior and diagonal stretches."""
     k_last = k_first + k_rows - 1
@@ -136,34 +165,38 @@ def _bwd_kv_segment(
             dk, dv = _bwd_kv_block(
                 dk, dv, k, v, q_base, do_base, stat_base, LSE2, DELTA, dq_base, query, q_len, q_pos, k_rows_pos,
                 k_valid, stride_qs, stride_ds, stride_dqs, pack_row, q_off, do_off, dq_off, stat_off, offs_dqk, offs_dv,
-                D_QK, D_V, scale, scale_log2, window, (query < mid_lo) | (query >= mid_hi), 2, CAUSAL, HAS_WINDOW,
-                DQ_MODE, PRECISION, EVEN_D,
+                D_QK, D_V, scale, scale_log2, window, (query < mid_lo) | (query >= mid_hi), o_base, lse_base, dlse_base,
+                stride_os, o_off, stride_ls, lse_off, 2, CAUSAL, HAS_WINDOW, DQ_MODE, PRECISION, EVEN_D,
+                STATS, HAS_DLSE, STORE_DELTA,
             )  # fmt: skip
     else:
         for query in range(lo, head_hi, BLOCK_M):
             dk, dv = _bwd_kv_block(
                 dk, dv, k, v, q_base, do_base, stat_base, LSE2, DELTA, dq_base, query, q_len, q_pos, k_rows_pos,
                 k_valid, stride_qs, stride_ds, stride_dqs, pack_row, q_off, do_off, dq_off, stat_off, offs_dqk, offs_dv,
-                D_QK, D_V, scale, scale_log2, window, True, 1, CAUSAL, HAS_WINDOW, DQ_MODE, PRECISION, EVEN_D,
+                D_QK, D_V, scale, scale_log2, window, True, o_base, lse_base, dlse_base, stride_os, o_off,
+                stride_ls, lse_off, 1, CAUSAL, HAS_WINDOW, DQ_MODE, PRECISION, EVEN_D, STATS, HAS_DLSE, STORE_DELTA,
             )  # fmt: skip
         for query in range(mid_lo, mid_hi, BLOCK_M):
             dk, dv = _bwd_kv_block(
                 dk, dv, k, v, q_base, do_base, stat_base, LSE2, DELTA, dq_base, query, q_len, q_pos, k_rows_pos,
                 k_valid, stride_qs, stride_ds, stride_dqs, pack_row, q_off, do_off, dq_off, stat_off, offs_dqk, offs_dv,
-                D_QK, D_V, scale, scale_log2, window, False, 0, CAUSAL, HAS_WINDOW, DQ_MODE, PRECISION, EVEN_D,
+                D_QK, D_V, scale, scale_log2, window, False, o_base, lse_base, dlse_base, stride_os, o_off,
+                stride_ls, lse_off, 0, CAUSAL, HAS_WINDOW, DQ_MODE, PRECISION, EVEN_D, STATS, HAS_DLSE, STORE_DELTA,
             )  # fmt: skip
         for query in range(tl.maximum(mid_hi, head_hi), hi, BLOCK_M):
             dk, dv = _bwd_kv_block(
                 dk, dv, k, v, q_base, do_base, stat_base, LSE2, DELTA, dq_base, query, q_len, q_pos, k_rows_pos,
                 k_valid, stride_qs, stride_ds, stride_dqs, pack_row, q_off, do_off, dq_off, stat_off, offs_dqk, offs_dv,
-                D_QK, D_V, scale, scale_log2, window, True, 1, CAUSAL, HAS_WINDOW, DQ_MODE, PRECISION, EVEN_D,
+                D_QK, D_V, scale, scale_log2, window, True, o_base, lse_base, dlse_base, stride_os, o_off,
+                stride_ls, lse_off, 1, CAUSAL, HAS_WINDOW, DQ_MODE, PRECISION, EVEN_D, STATS, HAS_DLSE, STORE_DELTA,
             )  # fmt: skip
     return dk, dv
 
 
 @triton.jit
 def _bwd_kv_kernel(
-    Q, K, V, DO, LSE2, DELTA, DQ, DK, DV, BLOCKS, SEGS,
+    Q, K, V, DO, LSE2, DELTA, DQ, DK, DV, BLOCKS, SEGS, OUT, LSE, DLSE, stride_ob, stride_os, stride_oh,
     stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
     stride_db, stride_ds, stride_dh, stride_dqb, stride_dqs, stride_dqh,
     stride_dkb, stride_dks, stride_dkh, stride_dvb, stride_dvs, stride_dvh,
@@ -171,6 +204,7 @@ def _bwd_kv_kernel(
     CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, DQ_MODE: tl.constexpr, PRECISION: tl.constexpr,
     EVEN_D: tl.constexpr, ONE_LOOP: tl.constexpr, PACK: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
+    STATS: tl.constexpr, HAS_DLSE: tl.constexpr, STORE_DELTA: tl.constexpr,
 ):  # fmt: skip
     kv_head = tl.program_id(0)
     block = tl.program_id(1)
@@ -200,6 +234,7 @@ def _bwd_kv_kernel(
     do_off = pack_head * stride_dh
     dq_off = pack_head * stride_dqh
     stat_off = pack_head * q_len_row
+    o_off = pack_head * stride_oh
     # The group's query heads share this K/V block: it stays in registers, dK/dV sum over them in place.
     for g in range(0, group, PACK):
         head = kv_head * group + g
@@ -207,6 +242,7 @@ def _bwd_kv_kernel(
             q_start = tl.load(SEGS + seg * 3).to(tl.int64)
             q_len = tl.load(SEGS + seg * 3 + 1)
             q_pos = tl.load(SEGS + seg * 3 + 2)
+            token_major = (row * q_len_row + q_start) * n_heads + head  # the forward's [b, s, Hq] lse
             dk, dv = _bwd_kv_segment(
                 dk, dv, k, v,
                 Q + row * stride_qb + head * stride_qh + q_start * stride_qs,
@@ -215,7 +251,10 @@ def _bwd_kv_kernel(
                 DQ + row * stride_dqb + head * stride_dqh + q_start * stride_dqs,
                 q_len, q_pos, k_first, k_rows, k_rows_pos, k_valid, stride_qs, stride_ds, stride_dqs,
                 pack_row, q_off, do_off, dq_off, stat_off, offs_dqk, offs_dv, D_QK, D_V, scale, scale_log2, window,
+                OUT + row * stride_ob + head * stride_oh + q_start * stride_os, LSE + token_major,
+                DLSE + token_major, stride_os, o_off, n_heads, pack_head,
                 CAUSAL, HAS_WINDOW, DQ_MODE, PRECISION, EVEN_D, ONE_LOOP, BLOCK_M // PACK, BLOCK_N,
+                STATS, HAS_DLSE, STORE_DELTA,
             )  # fmt: skip
     kmask = k_valid[:, None] & (offs_dqk < D_QK)[None, :]
     vmask = k_valid[:, None] & (offs_dv < D_V)[None, :]
@@ -293,13 +332,14 @@ def _bwd_q_segment(
 
 @triton.jit
 def _bwd_q_kernel(
-    Q, K, V, DO, LSE2, DELTA, DQ, BLOCKS, SEGS,
+    Q, K, V, DO, LSE2, DELTA, DQ, BLOCKS, SEGS, OUT, LSE, DLSE, stride_ob, stride_os, stride_oh,
     stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
     stride_db, stride_ds, stride_dh, stride_dqb, stride_dqs, stride_dqh,
     q_len_row, n_heads, group, scale, scale_log2, window, D_QK, D_V,
     CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, PRECISION: tl.constexpr, EVEN_D: tl.constexpr,
     ONE_LOOP: tl.constexpr, PACK: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
+    STATS: tl.constexpr, HAS_DLSE: tl.constexpr,
 ):  # fmt: skip
     head = tl.program_id(0) * PACK  # the first of PACK heads (of one GQA group) whose rows share the tile
     block = tl.program_id(1)
@@ -326,7 +366,16 @@ def _bwd_q_kernel(
     do = _load_rows(DO + row * stride_db + head * stride_dh + do_rows_off[:, None] + offs_dv[None, :], m_valid,
                     offs_dv, D_V, True, EVEN_D)  # fmt: skip
     stat_base = (row * n_heads + head) * q_len_row + pack_head * q_len_row
-    lse2, delta = _load_stats(LSE2, DELTA, stat_base, q_tokens, m_valid, True)
+    if STATS == 0:  # STATS_LOAD
+        lse2, delta = _load_stats(LSE2, DELTA, stat_base, q_tokens, m_valid, True)
+    else:  # STATS_FUSED: computed here, once per (query, head), and stored for the dK/dV kernel that runs next
+        o_rows_off = q_tokens * stride_os + pack_head * stride_oh
+        o_ptrs = OUT + row * stride_ob + head * stride_oh + o_rows_off[:, None] + offs_dv[None, :]
+        token_major = (row * q_len_row + q_tokens) * n_heads + head + pack_head
+        lse2, delta = _row_stats(o_ptrs, do, LSE + token_major, DLSE + token_major, m_valid, offs_dv, D_V, True,
+                                 EVEN_D, HAS_DLSE)  # fmt: skip
+        tl.store(LSE2 + stat_base + q_tokens, lse2, mask=m_valid)
+        tl.store(DELTA + stat_base + q_tokens, delta, mask=m_valid)
     q_rows_pos = q_first + pack_row
     k_head = K + row * stride_kb + kv_head * stride_kh
     v_head = V + row * stride_vb + kv_head * stride_vh
