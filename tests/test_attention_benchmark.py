@@ -15,7 +15,7 @@ def test_attention_benchmark_dry_run(tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "", "TRITON_INTERPRET": "1"}
     proc = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "attention.py"), "--dry-run", "--sweep", "--jobs", "1",
-         "--out", str(tmp_path)],
+         "--use-swept", "--no-atomic", "--out", str(tmp_path)],
         capture_output=True, text=True, env=env, timeout=600,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -46,7 +46,11 @@ def test_attention_benchmark_dry_run(tmp_path):
     assert all(row["ok"] and "error" not in row for row in sweep), [r for r in sweep if not r.get("ok")]
     assert all(max(row["errors"].values()) < 1e-5 for row in sweep)
     assert all("ms" in row for row in sweep if not row["kernel"].startswith("total"))
-    assert {row["kernel"] for row in sweep if row["kernel"].startswith("total")} == {"total-best", "total-defaults"}
+    totals = {row["kernel"] for row in sweep if row["kernel"].startswith("total")}
+    assert totals == {"total-best", "total-best-preprocess", "total-defaults"}
+    # --use-swept: the comparison ran the swept case at the sweep's fastest tiles (the interpreter keeps its own)
+    assert set(report["swept_defaults"]) == {"1x48"} and set(report["swept_defaults"]["1x48"]) == {"fwd", "kv", "dq"}
+    assert all("ours-atomic-dq" not in case["impls"] for case in report["cases"])
     assert report["precompile_errors"] == []  # the compile pool ran every candidate once (here interpreted)
     table = (tmp_path / "attention_sweep.md").read_text()
     assert "| 1x48 | kv |" in table and "total-best" in table

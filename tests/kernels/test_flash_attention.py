@@ -180,6 +180,20 @@ def test_table_keys_by_head_dim_and_visible_span():
     assert kernel_configs(192, 128, 16384, False) == _TABLE[(256, None)]
 
 
+def test_set_entry_replaces_one_bucket():
+    from mcore.kernels.triton.flash_configs import FlashConfig, KernelConfigs, kernel_configs, set_entry
+
+    tiles = KernelConfigs(FlashConfig(32, 32, 2, 2), FlashConfig(128, 16, 4, 2), FlashConfig(64, 16, 4, 2))
+    previous = set_entry(128, 128, 100, tiles)
+    try:
+        assert kernel_configs(128, 128, 128, False) == tiles and kernel_configs(128, 128, 129, False) != tiles
+    finally:
+        assert set_entry(128, 128, 128, previous) == tiles
+    assert kernel_configs(128, 128, 128, False) == previous
+    with pytest.raises(TypeError, match="set_entry: configs must be a KernelConfigs"):
+        set_entry(128, 128, 128, tiles.kv)
+
+
 def docs_bounds(length, tokens=16384):
     return list(range(0, tokens + 1, length))
 

@@ -122,6 +122,18 @@ def kernel_configs(head_dim_qk: int, head_dim_v: int, longest: int, interpreting
     return _TABLE[(dim, _bucket(longest, LENGTH_BUCKETS))]
 
 
+def set_entry(head_dim_qk: int, head_dim_v: int, longest: int, configs: KernelConfigs) -> KernelConfigs:
+    """Replace the table's entry for these head dims and this longest document (``benchmarks/attention.py`` runs
+    its comparison with the tiles its sweep just measured fastest); returns the previous entry."""
+    if not isinstance(configs, KernelConfigs):
+        raise TypeError(f"set_entry: configs must be a KernelConfigs, got {type(configs).__name__}")
+    key = (_bucket(max(head_dim_qk, head_dim_v), DIM_BUCKETS), _bucket(longest, LENGTH_BUCKETS))
+    previous = _TABLE[key]
+    _TABLE[key] = configs
+    kernel_configs.cache_clear()
+    return previous
+
+
 def gqa_pack(config: FlashConfig, group: int, tile_rows: int) -> int:
     """How many query heads of a GQA group share a tile's rows: the group if ``pack_gqa`` and it divides the tile
     (a power of two), else 1 (a tile per head)."""
