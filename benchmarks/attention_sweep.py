@@ -25,6 +25,7 @@ import torch
 # the others explore around it: deeper pipelines, 16 warps for the 128/256-key dK/dV blocks (which spill at 8),
 # ``True, True`` rows pack the GQA group's 4 heads into the tiles' rows, ``False`` rows are the three-loop kernels.
 P = (True, True)
+S = (True, False, True)  # dK/dV: the key block as two halves, the second skipped above the causal diagonal
 D128 = {
     "fwd": [(64, 64, 4, 3), (64, 64, 4, 3, *P), (64, 64, 4, 4), (64, 32, 4, 3), (128, 128, 8, 3),
             (128, 128, 8, 3, *P), (128, 64, 8, 3), (128, 64, 8, 3, *P), (128, 128, 8, 4), (128, 64, 8, 3, False)],
@@ -44,7 +45,8 @@ SHORT = {
             (128, 128, 8, 2), (128, 64, 8, 2, *P)],
     "kv": [(128, 32, 8, 3), (128, 32, 8, 2), (128, 32, 8, 1), (128, 32, 4, 2), (128, 16, 8, 2), (128, 16, 4, 2),
            (128, 64, 8, 2), (128, 32, 8, 2, *P), (128, 16, 8, 2, *P), (128, 32, 16, 2), (64, 32, 4, 2),
-           (64, 64, 4, 2), (128, 64, 8, 3)],
+           (64, 64, 4, 2), (128, 64, 8, 3), (128, 32, 8, 3, *S), (128, 32, 8, 2, *S), (128, 16, 8, 2, *S),
+           (128, 32, 4, 2, *S), (128, 64, 8, 2, *S)],
     "dq": [(64, 32, 4, 3), (64, 32, 4, 2), (64, 64, 4, 2), (64, 32, 4, 2, *P), (32, 64, 4, 2), (32, 32, 2, 2),
            (64, 16, 4, 2), (128, 32, 8, 2), (128, 64, 8, 2), (64, 64, 4, 3, *P)],
 }  # fmt: skip

@@ -18,7 +18,7 @@ the same kernels give the gradients of one key block of a ring step):
   dK/dV programs with fp32 atomics (``deterministic=False``; summation order varies between runs);
 - sinks: ``d sink_h = -sum_i exp(sink_h - lse_i) * delta_i`` (the sink column has no value).
 
-Kernel bodies: :mod:`.flash_backward_kernels`; tiles: :mod:`.flash_configs`.
+Kernel bodies: :mod:`.flash_backward_kernels` (dQ: :mod:`.flash_backward_dq`); tiles: :mod:`.flash_configs`.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ import triton
 from mcore.kernels.attention_layout import AttentionLayout
 from mcore.kernels.dispatch import triton_interpreting
 from mcore.kernels.triton.flash_attention import LOG2E, _pad_dim, even_dims, precision_for
+from mcore.kernels.triton.flash_backward_dq import _bwd_q_kernel
 from mcore.kernels.triton.flash_backward_kernels import (
     DQ_ATOMIC,
     DQ_SEPARATE,
@@ -36,7 +37,6 @@ from mcore.kernels.triton.flash_backward_kernels import (
     STATS_FUSED,
     STATS_LOAD,
     _bwd_kv_kernel,
-    _bwd_q_kernel,
     _preprocess_kernel,
 )
 from mcore.kernels.triton.flash_configs import (
@@ -129,7 +129,7 @@ def launch_kv(
     _bwd_kv_kernel[(k.shape[2], blocks.shape[0])](
         q, k, v, dout, lse2, delta, dq, dk, dv, blocks, segments, *stat_args, *_strides(q, k, v, dout, dq, dk, dv),
         *scalars, DQ_MODE=mode, ONE_LOOP=config.one_loop, PACK=pack, BLOCK_M=config.block_n, BLOCK_N=config.block_m,
-        STORE_DELTA=stats is not None and stats.store_delta, num_warps=config.num_warps,
+        STORE_DELTA=stats is not None and stats.store_delta, SPLIT=config.split_keys, num_warps=config.num_warps,
         num_stages=config.num_stages, **stat_constants, **constants,
     )  # fmt: skip
 

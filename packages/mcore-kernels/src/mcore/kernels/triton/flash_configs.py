@@ -36,9 +36,12 @@ class FlashConfig:
     # A tile's rows are (query, head) pairs over the GQA group's heads, which share K/V, instead of one head's
     # queries: K/V read once per group (forward, dQ) and bigger products per K/V tile (dK/dV).
     pack_gqa: bool = False
+    # dK/dV only: the key block held as two halves, the second skipped by query steps that the causal rule hides
+    # it from (a quarter of the work of a document that fits in one key block); every step masked.
+    split_keys: bool = False
 
     def __post_init__(self) -> None:
-        for name in ("one_loop", "pack_gqa"):
+        for name in ("one_loop", "pack_gqa", "split_keys"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"FlashConfig: {name} must be a bool, got {getattr(self, name)!r}")
         for name in ("block_m", "block_n", "num_warps", "num_stages"):
