@@ -265,22 +265,26 @@ def markdown(report: dict) -> str:
 def _run_sweep(args, shape, cases, reps, report, out_dir: Path) -> None:
     import attention_sweep
 
+    totals_only = set(args.totals_only.split(",")) if args.totals_only else set()
     if args.dry_run:
-        sweep_cases = cases[:1]
+        sweep_cases = cases[:1] + [c for c in cases[1:] if c[0] in totals_only]
     else:
         sweep_cases = [c for name in attention_sweep.SWEEP_ORDER for c in cases if c[0] == name]
     if args.sweep_cases:
-        sweep_cases = [c for c in sweep_cases if c[0] in args.sweep_cases.split(",")]
+        sweep_cases = [c for c in sweep_cases if c[0] in set(args.sweep_cases.split(",")) | totals_only]
     jobs = args.jobs if args.jobs is not None else (0 if args.dry_run else 8)
     if jobs > 0:
         start = time.perf_counter()
-        report["precompile_errors"] = attention_sweep.precompile(sweep_cases, shape, jobs, args.dry_run)
+        swept = [c for c in sweep_cases if c[0] not in totals_only]
+        report["precompile_errors"] = attention_sweep.precompile(swept, shape, jobs, args.dry_run)
         report["precompile_s"] = round(time.perf_counter() - start, 1)
         print(f"precompiled in {report['precompile_s']} s; errors: {report['precompile_errors']}", flush=True)
     flops = {c[0]: fwd_flops(c[1], c[2], shape.heads, c[4], c[5], c[3].get("window_size")) for c in cases}
     for case in sweep_cases:
         start = time.perf_counter()
-        rows = attention_sweep.sweep_case(case, shape, lambda fn: _time_ms(fn, shape.device, reps), args.dry_run)
+        rows = attention_sweep.sweep_case(
+            case, shape, lambda fn: _time_ms(fn, shape.device, reps), args.dry_run, case[0] in totals_only
+        )
         report["sweep"].extend(rows)
         (out_dir / "attention.json").write_text(json.dumps(report, indent=1))
         table = attention_sweep.markdown(report["sweep"], flops)
@@ -288,7 +292,7 @@ def _run_sweep(args, shape, cases, reps, report, out_dir: Path) -> None:
         print(attention_sweep.markdown(rows, flops), f"\n({case[0]}: {time.perf_counter() - start:.1f} s)", flush=True)
         if shape.device == "cuda":
             torch.cuda.empty_cache()
-        if args.use_swept:
+        if args.use_swept and case[0] not in totals_only:
             report.setdefault("swept_defaults", {})[case[0]] = _install_best(rows, case)
 
 
@@ -320,6 +324,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--cases", default=None, help="comma-separated case names to run (default: all)")
     parser.add_argument("--sweep-cases", default=None, help="comma-separated cases to sweep (default: all run)")
+    parser.add_argument(
+        "--totals-only", default=None, help="comma-separated cases of the sweep timed at the defaults only"
+    )
     parser.add_argument(
         "--use-swept", action="store_true", help="the comparison runs each swept case at the sweep's fastest tiles"
     )

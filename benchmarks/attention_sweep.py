@@ -183,13 +183,14 @@ def run_candidate(data: CaseData, kind: str, config):
     return fn, outputs, {"fused_dq": mode == DQ_STORE}
 
 
-def sweep_case(case, shape, time_ms, dry: bool) -> list[dict]:
-    """Rows of (case, kernel, config, ms, check) for every candidate, then the best combination end to end."""
+def sweep_case(case, shape, time_ms, dry: bool, totals_only: bool = False) -> list[dict]:
+    """Rows of (case, kernel, config, ms, check) for every candidate, then the best combination end to end
+    (``totals_only``: just the defaults' totals, with and without the preprocess pass)."""
     from mcore.kernels.triton.flash_configs import FlashConfig
 
     data = prepare(case, shape, with_reference=True)
     rows = []
-    for kind, configs in candidates(case, dry).items():
+    for kind, configs in {} if totals_only else candidates(case, dry).items():
         for tiles in configs:
             row = {"case": case[0], "kernel": kind, "config": list(tiles)}
             try:
@@ -230,7 +231,7 @@ def _totals(data: CaseData, case, rows, time_ms) -> list[dict]:
     from mcore.kernels.triton.flash_configs import FlashConfig, KernelConfigs
 
     best = best_configs(rows, case[0])
-    choices = {"defaults": (None, True)}
+    choices = {"defaults": (None, True), "defaults-preprocess": (None, False)}
     if {"fwd", "kv", "dq"} <= set(best):
         chosen = KernelConfigs(*(FlashConfig(*best[kind]["config"]) for kind in ("fwd", "kv", "dq")))
         # the same tiles with the separate preprocess pass: what computing the row statistics in-kernel saves

@@ -108,8 +108,6 @@ def _bwd_q_kernel(
     m_valid = pack_row < q_rows
     q_tokens = (q_start + pack_row).to(tl.int64)
     q_rows_off = q_tokens * stride_qs + pack_head * stride_qh
-    q = _load_rows(Q + row * stride_qb + head * stride_qh + q_rows_off[:, None] + offs_dqk[None, :], m_valid,
-                   offs_dqk, D_QK, True, EVEN_D)  # fmt: skip
     do_rows_off = q_tokens * stride_ds + pack_head * stride_dh
     do = _load_rows(DO + row * stride_db + head * stride_dh + do_rows_off[:, None] + offs_dv[None, :], m_valid,
                     offs_dv, D_V, True, EVEN_D)  # fmt: skip
@@ -124,6 +122,9 @@ def _bwd_q_kernel(
                                  EVEN_D, HAS_DLSE)  # fmt: skip
         tl.store(LSE2 + stat_base + q_tokens, lse2, mask=m_valid)
         tl.store(DELTA + stat_base + q_tokens, delta, mask=m_valid)
+    # Q after the statistics: the output tile they read is dead by then (fewer live registers).
+    q = _load_rows(Q + row * stride_qb + head * stride_qh + q_rows_off[:, None] + offs_dqk[None, :], m_valid,
+                   offs_dqk, D_QK, True, EVEN_D)  # fmt: skip
     q_rows_pos = q_first + pack_row
     k_head = K + row * stride_kb + kv_head * stride_kh
     v_head = V + row * stride_vb + kv_head * stride_vh
