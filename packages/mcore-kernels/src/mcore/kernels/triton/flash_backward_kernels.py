@@ -102,8 +102,6 @@ def _kv_step_inputs(
     qm = query + pack_row
     q_valid = qm < q_len
     qm64 = qm.to(tl.int64)
-    q_ptrs = q_base + (qm64 * stride_qs + q_off)[:, None] + offs_dqk[None, :]
-    q = _load_rows(q_ptrs, q_valid, offs_dqk, D_QK, MASKED, EVEN_D)
     do_ptrs = do_base + (qm64 * stride_ds + do_off)[:, None] + offs_dv[None, :]
     do = _load_rows(do_ptrs, q_valid, offs_dv, D_V, MASKED, EVEN_D)
     if STATS == 0:  # STATS_LOAD
@@ -115,6 +113,9 @@ def _kv_step_inputs(
                                  MASKED, EVEN_D, HAS_DLSE)  # fmt: skip
         if STORE_DELTA:  # the sinks' gradient reads it
             tl.store(DELTA + stat_base + stat_off + qm64, delta, mask=q_valid)
+    # Q after the statistics: the output tile they read is dead by then (fewer live registers).
+    q_ptrs = q_base + (qm64 * stride_qs + q_off)[:, None] + offs_dqk[None, :]
+    q = _load_rows(q_ptrs, q_valid, offs_dqk, D_QK, MASKED, EVEN_D)
     return q, do, lse2, delta, qm, qm64, q_valid
 
 
