@@ -17,7 +17,6 @@ MAX_FUNCTION_LINES = 80
 LONG_TRITON_KERNELS = {
     ("packages/mcore-kernels/src/mcore/kernels/triton/rotary.py", "_rotary_kernel"),
     ("packages/mcore-kernels/src/mcore/kernels/triton/flash_attention.py", "_fwd_kernel"),
-    ("packages/mcore-kernels/src/mcore/kernels/triton/flash_backward_kernels.py", "_bwd_kv_kernel"),
 }
 
 

@@ -425,19 +425,3 @@ def test_rows_in_no_pair_with_sinks_and_an_lse_gradient_keep_the_preprocess(inte
     ((ref_out * dout.double()).sum() + (ref_lse * dlse.double()).sum()).backward()
     for got, want in zip(leaves, ref):
         assert _rel(got.grad, want.grad) < 1e-5
-
-
-@pytest.mark.parametrize(
-    "case_name", ["window_documents_sinks", "short_documents_window_sinks", "documents_bidirectional", "causal_mha"]
-)
-def test_split_key_blocks(case_name, interpreter, monkeypatch):
-    """dK/dV with the key block as two halves (the second skipped where the causal rule hides it): the same
-    gradients as float64 with dQ stored, from the dQ kernel or by atomics, causal or not."""
-    from mcore.kernels.triton import flash_backward as fb
-
-    kv = fb.FlashConfig(32, 16, 1, 1, split_keys=True)
-    monkeypatch.setattr(fb, "backward_configs", lambda *args: (kv, fb.FlashConfig(16, 16, 1, 1)))
-    for deterministic in (True, False):
-        *_, leaves, ref_leaves = _run_case(CASES[case_name], interpreter, torch.float32, deterministic, True)
-        for name, got, want in zip(["q", "k", "v", "sinks"], leaves, ref_leaves):
-            assert _rel(got.grad, want.grad) < 1e-5, (name, deterministic)

@@ -129,7 +129,7 @@ def launch_kv(
     _bwd_kv_kernel[(k.shape[2], blocks.shape[0])](
         q, k, v, dout, lse2, delta, dq, dk, dv, blocks, segments, *stat_args, *_strides(q, k, v, dout, dq, dk, dv),
         *scalars, DQ_MODE=mode, ONE_LOOP=config.one_loop, PACK=pack, BLOCK_M=config.block_n, BLOCK_N=config.block_m,
-        STORE_DELTA=stats is not None and stats.store_delta, SPLIT=config.split_keys, num_warps=config.num_warps,
+        STORE_DELTA=stats is not None and stats.store_delta, num_warps=config.num_warps,
         num_stages=config.num_stages, **stat_constants, **constants,
     )  # fmt: skip
 

@@ -178,43 +178,6 @@ def _bwd_kv_block(
 
 
 @triton.jit
-def _bwd_kv_split_block(
-    dk_a, dv_a, dk_b, dv_b, k_a, v_a, k_b, v_b, q_base, do_base, stat_base, LSE2, DELTA, dq_base, query, q_len,
-    q_pos, k_pos_a, k_valid_a, k_pos_b, k_valid_b, k_first_b, stride_qs, stride_ds, stride_dqs, pack_row, q_off,
-    do_off, dq_off, stat_off, offs_dqk, offs_dv, D_QK, D_V, scale, scale_log2, window, o_base, lse_base, dlse_base,
-    stride_os, o_off, stride_ls, lse_off, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, DQ_MODE: tl.constexpr,
-    PRECISION: tl.constexpr, EVEN_D: tl.constexpr, STATS: tl.constexpr, HAS_DLSE: tl.constexpr,
-    STORE_DELTA: tl.constexpr, BLOCK_M: tl.constexpr,
-):  # fmt: skip
-    """One query step against a key block held as two halves: the second half is skipped when the causal rule
-    hides all of it from this step's queries (the diagonal's upper-right quarter, a quarter of a short
-    document's work when its one key block covers it)."""
-    q, do, lse2, delta, qm, qm64, q_valid = _kv_step_inputs(
-        q_base, do_base, stat_base, LSE2, DELTA, query, q_len, stride_qs, stride_ds, pack_row, q_off, do_off,
-        stat_off, offs_dqk, offs_dv, D_QK, D_V, o_base, lse_base, dlse_base, stride_os, o_off, stride_ls, lse_off,
-        True, EVEN_D, STATS, HAS_DLSE, STORE_DELTA,
-    )  # fmt: skip
-    dk_a, dv_a, ds_a = _kv_step_grads(
-        dk_a, dv_a, k_a, v_a, q, do, lse2, delta, qm, q_valid, q_pos, k_pos_a, k_valid_a, scale_log2, window, True,
-        1, CAUSAL, HAS_WINDOW, PRECISION,
-    )  # fmt: skip
-    if DQ_MODE != 0:
-        dq = tl.dot(tl.trans(ds_a).to(k_a.dtype), k_a, input_precision=PRECISION)
-    # The step's last query position reaches the second half's first key (k_first_b: very negative without the
-    # causal rule, so always).
-    if q_pos + query + BLOCK_M - 1 >= k_first_b:
-        dk_b, dv_b, ds_b = _kv_step_grads(
-            dk_b, dv_b, k_b, v_b, q, do, lse2, delta, qm, q_valid, q_pos, k_pos_b, k_valid_b, scale_log2, window,
-            True, 1, CAUSAL, HAS_WINDOW, PRECISION,
-        )  # fmt: skip
-        if DQ_MODE != 0:
-            dq += tl.dot(tl.trans(ds_b).to(k_b.dtype), k_b, input_precision=PRECISION)
-    if DQ_MODE != 0:
-        _write_dq(dq * scale, dq_base, qm64, q_valid, stride_dqs, dq_off, offs_dqk, D_QK, DQ_MODE)
-    return dk_a, dv_a, dk_b, dv_b
-
-
-@triton.jit
 def _bwd_kv_segment(
     dk, dv, k, v, q_base, do_base, stat_base, LSE2, DELTA, dq_base, q_len, q_pos, k_first, k_rows, k_rows_pos,
     k_valid, stride_qs, stride_ds, stride_dqs, pack_row, q_off, do_off, dq_off, stat_off, offs_dqk, offs_dv, D_QK,
@@ -266,28 +229,6 @@ def _bwd_kv_segment(
 
 
 @triton.jit
-def _bwd_kv_split_segment(
-    dk_a, dv_a, dk_b, dv_b, k_a, v_a, k_b, v_b, q_base, do_base, stat_base, LSE2, DELTA, dq_base, q_len, q_pos,
-    k_first, k_rows, k_pos_a, k_valid_a, k_pos_b, k_valid_b, k_first_b, stride_qs, stride_ds, stride_dqs, pack_row,
-    q_off, do_off, dq_off, stat_off, offs_dqk, offs_dv, D_QK, D_V, scale, scale_log2, window, o_base, lse_base,
-    dlse_base, stride_os, o_off, stride_ls, lse_off, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
-    DQ_MODE: tl.constexpr, PRECISION: tl.constexpr, EVEN_D: tl.constexpr, STATS: tl.constexpr,
-    HAS_DLSE: tl.constexpr, STORE_DELTA: tl.constexpr, BLOCK_M: tl.constexpr,
-):  # fmt: skip
-    """A key block held as two halves against one query segment (every step masked)."""
-    lo, hi, _, _ = _visible_queries(k_first, k_first + k_rows - 1, q_len, q_pos, window, CAUSAL, HAS_WINDOW)
-    for query in range(lo, hi, BLOCK_M):
-        dk_a, dv_a, dk_b, dv_b = _bwd_kv_split_block(
-            dk_a, dv_a, dk_b, dv_b, k_a, v_a, k_b, v_b, q_base, do_base, stat_base, LSE2, DELTA, dq_base, query,
-            q_len, q_pos, k_pos_a, k_valid_a, k_pos_b, k_valid_b, k_first_b, stride_qs, stride_ds, stride_dqs,
-            pack_row, q_off, do_off, dq_off, stat_off, offs_dqk, offs_dv, D_QK, D_V, scale, scale_log2, window,
-            o_base, lse_base, dlse_base, stride_os, o_off, stride_ls, lse_off, CAUSAL, HAS_WINDOW, DQ_MODE,
-            PRECISION, EVEN_D, STATS, HAS_DLSE, STORE_DELTA, BLOCK_M,
-        )  # fmt: skip
-    return dk_a, dv_a, dk_b, dv_b
-
-
-@triton.jit
 def _bwd_kv_kernel(
     Q, K, V, DO, LSE2, DELTA, DQ, DK, DV, BLOCKS, SEGS, OUT, LSE, DLSE, stride_ob, stride_os, stride_oh,
     stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
@@ -297,7 +238,7 @@ def _bwd_kv_kernel(
     CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, DQ_MODE: tl.constexpr, PRECISION: tl.constexpr,
     EVEN_D: tl.constexpr, ONE_LOOP: tl.constexpr, PACK: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
-    STATS: tl.constexpr, HAS_DLSE: tl.constexpr, STORE_DELTA: tl.constexpr, SPLIT: tl.constexpr,
+    STATS: tl.constexpr, HAS_DLSE: tl.constexpr, STORE_DELTA: tl.constexpr,
 ):  # fmt: skip
     kv_head = tl.program_id(0)
     block = tl.program_id(1)
@@ -312,26 +253,11 @@ def _bwd_kv_kernel(
     offs_dv = tl.arange(0, BLOCK_DV)
     k_head = K + row * stride_kb + kv_head * stride_kh + k_start.to(tl.int64) * stride_ks
     v_head = V + row * stride_vb + kv_head * stride_vh + k_start.to(tl.int64) * stride_vs
-    if SPLIT:  # two halves of BLOCK_N // 2 keys: the second one is skipped by steps that cannot see it
-        offs_h = tl.arange(0, BLOCK_N // 2)
-        k_a, v_a, k_valid_a = _load_kv(k_head, v_head, offs_h, k_rows, stride_ks, stride_vs, offs_dqk, offs_dv, D_QK,
-                                       D_V, EVEN_D)  # fmt: skip
-        k_b, v_b, k_valid_b = _load_kv(k_head, v_head, offs_h + BLOCK_N // 2, k_rows, stride_ks, stride_vs, offs_dqk,
-                                       offs_dv, D_QK, D_V, EVEN_D)  # fmt: skip
-        dk_a = tl.zeros([BLOCK_N // 2, BLOCK_DQK], tl.float32)
-        dv_a = tl.zeros([BLOCK_N // 2, BLOCK_DV], tl.float32)
-        dk_b = tl.zeros([BLOCK_N // 2, BLOCK_DQK], tl.float32)
-        dv_b = tl.zeros([BLOCK_N // 2, BLOCK_DV], tl.float32)
-        k_first_b = k_first + BLOCK_N // 2
-        if not CAUSAL:
-            k_first_b = k_first_b * 0 - (1 << 30)
-    else:
-        offs_n = tl.arange(0, BLOCK_N)
-        k, v, k_valid = _load_kv(k_head, v_head, offs_n, k_rows, stride_ks, stride_vs, offs_dqk, offs_dv, D_QK, D_V,
-                                 EVEN_D)  # fmt: skip
-        k_rows_pos = k_first + offs_n
-        dk = tl.zeros([BLOCK_N, BLOCK_DQK], tl.float32)
-        dv = tl.zeros([BLOCK_N, BLOCK_DV], tl.float32)
+    offs_n = tl.arange(0, BLOCK_N)
+    k, v, k_valid = _load_kv(k_head, v_head, offs_n, k_rows, stride_ks, stride_vs, offs_dqk, offs_dv, D_QK, D_V, EVEN_D)
+    k_rows_pos = k_first + offs_n
+    dk = tl.zeros([BLOCK_N, BLOCK_DQK], tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_DV], tl.float32)
     # PACK > 1: a tile's rows are BLOCK_M // PACK queries x PACK heads of the group (one bigger product per step).
     pack_row = offs_m // PACK
     pack_head = (offs_m % PACK).to(tl.int64)
@@ -353,34 +279,17 @@ def _bwd_kv_kernel(
             stat_base = (row * n_heads + head) * q_len_row + q_start
             dq_base = DQ + row * stride_dqb + head * stride_dqh + q_start * stride_dqs
             o_base = OUT + row * stride_ob + head * stride_oh + q_start * stride_os
-            if SPLIT:
-                dk_a, dv_a, dk_b, dv_b = _bwd_kv_split_segment(
-                    dk_a, dv_a, dk_b, dv_b, k_a, v_a, k_b, v_b, q_base, do_base, stat_base, LSE2, DELTA, dq_base,
-                    q_len, q_pos, k_first, k_rows, k_first + offs_h, k_valid_a, k_first + BLOCK_N // 2 + offs_h,
-                    k_valid_b, k_first_b, stride_qs, stride_ds, stride_dqs, pack_row, q_off, do_off, dq_off,
-                    stat_off, offs_dqk, offs_dv, D_QK, D_V, scale, scale_log2, window, o_base, LSE + token_major,
-                    DLSE + token_major, stride_os, o_off, n_heads, pack_head, CAUSAL, HAS_WINDOW, DQ_MODE, PRECISION,
-                    EVEN_D, STATS, HAS_DLSE, STORE_DELTA, BLOCK_M // PACK,
-                )  # fmt: skip
-            else:
-                dk, dv = _bwd_kv_segment(
-                    dk, dv, k, v, q_base, do_base, stat_base, LSE2, DELTA, dq_base,
-                    q_len, q_pos, k_first, k_rows, k_rows_pos, k_valid, stride_qs, stride_ds, stride_dqs,
-                    pack_row, q_off, do_off, dq_off, stat_off, offs_dqk, offs_dv, D_QK, D_V, scale, scale_log2,
-                    window, o_base, LSE + token_major, DLSE + token_major, stride_os, o_off, n_heads, pack_head,
-                    CAUSAL, HAS_WINDOW, DQ_MODE, PRECISION, EVEN_D, ONE_LOOP, BLOCK_M // PACK, BLOCK_N,
-                    STATS, HAS_DLSE, STORE_DELTA,
-                )  # fmt: skip
+            dk, dv = _bwd_kv_segment(
+                dk, dv, k, v, q_base, do_base, stat_base, LSE2, DELTA, dq_base,
+                q_len, q_pos, k_first, k_rows, k_rows_pos, k_valid, stride_qs, stride_ds, stride_dqs,
+                pack_row, q_off, do_off, dq_off, stat_off, offs_dqk, offs_dv, D_QK, D_V, scale, scale_log2,
+                window, o_base, LSE + token_major, DLSE + token_major, stride_os, o_off, n_heads, pack_head,
+                CAUSAL, HAS_WINDOW, DQ_MODE, PRECISION, EVEN_D, ONE_LOOP, BLOCK_M // PACK, BLOCK_N,
+                STATS, HAS_DLSE, STORE_DELTA,
+            )  # fmt: skip
     dk_head = DK + row * stride_dkb + kv_head * stride_dkh + k_start.to(tl.int64) * stride_dks
     dv_head = DV + row * stride_dvb + kv_head * stride_dvh + k_start.to(tl.int64) * stride_dvs
-    if SPLIT:
-        _store_kv(dk_head, dv_head, dk_a * scale, dv_a, offs_h, k_valid_a, stride_dks, stride_dvs, offs_dqk, offs_dv,
-                  D_QK, D_V)  # fmt: skip
-        _store_kv(dk_head, dv_head, dk_b * scale, dv_b, offs_h + BLOCK_N // 2, k_valid_b, stride_dks, stride_dvs,
-                  offs_dqk, offs_dv, D_QK, D_V)  # fmt: skip
-    else:
-        _store_kv(dk_head, dv_head, dk * scale, dv, offs_n, k_valid, stride_dks, stride_dvs, offs_dqk, offs_dv,
-                  D_QK, D_V)  # fmt: skip
+    _store_kv(dk_head, dv_head, dk * scale, dv, offs_n, k_valid, stride_dks, stride_dvs, offs_dqk, offs_dv, D_QK, D_V)
 
 
 @triton.jit
