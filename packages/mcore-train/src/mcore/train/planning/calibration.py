@@ -48,13 +48,14 @@ class Calibration:
     ``gemm``: precision -> achieved TFLOP/s by the FLOPs of one GEMM (``2 m n k``). ``wgrad_fp32_slowdown``: the
     weight-gradient GEMM writing fp32 into the gradient buffer (gradient-accumulation fusion) takes this factor
     longer. ``attention``: document length -> achieved TFLOP/s of causal attention forward + backward (FLOPs of the
-    unmasked half). ``memory_bound_efficiency``: share of ``copy_gbps`` that norms, activations, RoPE, casts and
-    the optimizer reach. ``host_ms_per_layer``: GPU idle per layer and micro-batch while the host launches
-    kernels; ``host_ms_per_step``: the same, once per step. ``nvlink``: collective -> bus bandwidth (GB/s) by
-    message bytes inside one node. ``sm_count``: streaming multiprocessors (what communication kernels beside a
-    GEMM take a share of; 132 on H100 / H200 SXM). ``reduce_overlap_slowdown``: seconds the compute beside an
-    overlapped gradient reduction (all-reduce / reduce-scatter: NCCL kernels that read, add and write on the
-    GPU's SMs and HBM) loses per second of that collective (all-gathers measured no such loss).
+    unmasked half). ``memory_bound_efficiency``: share of ``copy_gbps`` that norms, activations, RoPE and casts
+    reach; ``optimizer_efficiency``: the share the fused AdamW pass reaches. ``host_ms_per_layer``: GPU idle per
+    layer and micro-batch while the host launches kernels; ``host_ms_per_step``: the same, once per step.
+    ``nvlink``: collective -> bus bandwidth (GB/s) by message bytes inside one node. ``sm_count``: streaming
+    multiprocessors (what communication kernels beside a GEMM take a share of; 132 on H100 / H200 SXM).
+    ``reduce_overlap_slowdown``: seconds the compute beside an overlapped gradient reduction (all-reduce /
+    reduce-scatter: NCCL kernels that read, add and write on the GPU's SMs and HBM) loses per second of that
+    collective (all-gathers measured no such loss).
     """
 
     name: str
@@ -66,6 +67,7 @@ class Calibration:
     nvlink: dict[str, list[list[float]]]
     wgrad_fp32_slowdown: float = 1.0
     memory_bound_efficiency: float = 0.85
+    optimizer_efficiency: float = 0.85
     host_ms_per_layer: float = 0.0
     host_ms_per_step: float = 0.0
     nvlink_latency_us: float = 10.0
@@ -87,6 +89,11 @@ class Calibration:
         _check_curve("grouped_gemm", self.grouped_gemm)
         if self.moe_dispatch_gbps is not None and self.moe_dispatch_gbps <= 0:
             raise ValueError(f"calibration {self.name}: moe_dispatch_gbps must be > 0, got {self.moe_dispatch_gbps}")
+        if not 0 < self.optimizer_efficiency <= 1 or not 0 < self.memory_bound_efficiency <= 1:
+            raise ValueError(
+                f"calibration {self.name}: optimizer_efficiency and memory_bound_efficiency must lie in (0, 1], got "
+                f"{self.optimizer_efficiency}, {self.memory_bound_efficiency}"
+            )
         if self.memory_gb <= 0 or self.copy_gbps <= 0:
             raise ValueError(f"calibration {self.name}: memory_gb and copy_gbps must be > 0")
         if "bf16" not in self.gemm:

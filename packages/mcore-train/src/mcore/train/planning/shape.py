@@ -11,7 +11,7 @@ features over TP ranks, ``row`` the input features, ``replicated`` none (MLA's d
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import cached_property
+from functools import cached_property, lru_cache
 from typing import Literal
 
 Role = Literal["column", "row", "replicated"]
@@ -42,7 +42,9 @@ class ModelShape:
     ``mlp_layer_types``). MLA (DeepSeek): ``kv_lora_rank > 0`` replaces Q/K/V by low-rank projections.
     ``mtp_layers``: multi-token-prediction depths (``num_nextn_predict_layers``, ``mcore.models.mtp``) on the last
     stage, each three norms, ``eh_proj`` (2 hidden -> hidden, column-parallel), one layer like the last and the
-    shared output layer with its loss.
+    shared output layer with its loss. ``window``: sliding-window attention of that many tokens, in the layers
+    ``window_layers`` marks (all when None). GPT-OSS's parameters: ``proj_bias`` (the attention output projection's
+    bias), ``expert_bias`` (each expert's and the router's biases), ``sinks`` (one per head and layer).
     """
 
     hidden: int
@@ -69,6 +71,11 @@ class ModelShape:
     v_head_dim: int = 0
     mtp_layers: int = 0
     vocab_divisible_by: int = 128
+    window: int = 0
+    window_layers: tuple[bool, ...] | None = None
+    proj_bias: bool = False
+    expert_bias: bool = False
+    sinks: bool = False
     name: str = "model"
 
     def __post_init__(self) -> None:
@@ -156,15 +163,21 @@ class ModelShape:
         first = self._first_of_kind
         out: dict[int, int] = {}
         for i in range(start, end):
-            key = first[self.is_moe_layer(i)]
+            key = first[self._kind(i)]
             out[key] = out.get(key, 0) + 1
         return out
 
+    def is_window_layer(self, index: int) -> bool:
+        return self.window > 0 and (self.window_layers is None or self.window_layers[index])
+
+    def _kind(self, index: int) -> tuple[bool, bool]:
+        return self.is_moe_layer(index), self.is_window_layer(index)
+
     @cached_property
-    def _first_of_kind(self) -> dict[bool, int]:
-        first: dict[bool, int] = {}
+    def _first_of_kind(self) -> dict[tuple[bool, bool], int]:
+        first: dict[tuple[bool, bool], int] = {}
         for i in range(self.layers):
-            first.setdefault(self.is_moe_layer(i), i)
+            first.setdefault(self._kind(i), i)
         return first
 
     @property
@@ -235,12 +248,18 @@ class ModelShape:
             n += 2 * self.head_dim * (2 if self.layernorm else 1)
         if self.attention_bias:
             n += (self.q_size + 2 * self.kv_size) / tp
+        if self.proj_bias:
+            n += self.hidden  # the row-parallel projection's bias is replicated
+        if self.sinks:
+            n += self.heads / tp
         return n
 
     def layer_parameters(self, index: int) -> int:
         n = sum(lin.weights for lin in self.layer_linears(index)) + int(self.layer_norm_and_bias_params(index))
         if self.is_moe_layer(index):
             n += self.num_experts * sum(lin.weights for lin in self.expert_linears())
+            if self.expert_bias:  # each expert's linears' biases and the router's
+                n += self.num_experts * (sum(lin.out_features for lin in self.expert_linears()) + 1)
         return n
 
     def mtp_eh_proj(self) -> Linear:
@@ -272,6 +291,7 @@ class ModelShape:
             n += self.top_k * sum(lin.weights for lin in self.expert_linears())
         return 6.0 * n + 6 * (self.score_width() + self.attention_width) * seq_length
 
+    @lru_cache(maxsize=256)  # noqa: B019 (shapes are frozen and few; the search asks for each layout)
     def model_flops_per_token(self, seq_length: int) -> float:
         """Training model FLOPs per token: ``6 x active matmul weights + 12 x layers x q width x seq`` (the
         ``mcore.models.model_flops_per_token`` / Megatron convention: full, not causal, attention), and per MTP
