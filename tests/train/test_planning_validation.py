@@ -30,8 +30,13 @@ def test_every_timed_configuration_of_the_performance_doc_is_a_case():
     expected |= {f"{name} (1 GPU, probe-h200-2026-12-01)" for name in probe}
     expected |= {f"{name} (1 GPU, memory-8b-h200-2026-12-01-s3)" for name in ("8b4l_zero1", "8b_optim_offload_0.5")}
     expected |= {f"{name} (2 GPU)" for name in two_gpu}
-    # MoE calls after e21cc44 (moe-<shapes>-h200-<run>/<shape>/mcore_*.json): each record is a case too
+    # the moe branch's helper call: the per-expert GEMMs and FSDP2 at world size 1
+    expected |= {f"mixtral2l {v} (1 GPU, MoE, helpers-h200-2026-12-01-s3)" for v in ("per_expert", "fsdp")}
+    expected |= {f"nemotron-h-8b-4l {c} (1 GPU, helpers-h200-2026-12-01-s3)" for c in ("zero1", "fsdp_selective")}
+    # MoE calls after e21cc44 (moe-<shapes>-h200-<run>/<shape>/mcore_*.json, moonlight8l's hand-written from its
+    # log): each record is a case too
     later = [p for p in RESULTS.glob(MOE_RUN_FILES[1]) if p.relative_to(RESULTS).parts[0] not in SUPERSEDED_MOE_RUNS]
+    assert "moonlight8l (1 GPU, MoE, gptoss-moonlight-h200-2026-12-01-s3)" in CASES
     assert expected <= set(CASES) and len(CASES) == len(expected) + len(later), sorted(set(CASES) - expected)
 
 

@@ -13,6 +13,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Literal
 
+from mcore.models.recompute import check_recompute_modules
 from mcore.train.planning.shape import ModelShape
 
 Recompute = Literal["none", "selective", "full"]
@@ -44,6 +45,7 @@ class Layout:
     sequence_parallel: bool = False
     schedule: str = "auto"
     recompute: Recompute = "none"
+    recompute_modules: tuple[str, ...] | None = None  # train.recompute_modules (selective only; recompute_terms)
     distributed_optimizer: bool = False
     dp_shard: bool = False
     optimizer_offload_fraction: float = 0.0
@@ -58,6 +60,11 @@ class Layout:
     # Megatron-Core r0.8's default check_for_nan_in_loss_and_grad: the norm of each bucket's gradients is checked
     # for NaN before its collective
     grad_nan_check: bool = False
+    # the routed experts' GEMMs (``moe_router.expert_gemm``): one grouped GEMM per linear, or one GEMM per expert
+    expert_gemm: Literal["grouped", "per_expert"] = "grouped"
+    # packed documents (data.packing, cu_seqlens): the lengths of the documents in each sequence, summing to
+    # seq_length; empty: one causal document per sequence
+    document_lengths: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         for name in ("tp", "pp", "dp", "vpp", "cp", "ep", "micro_batch", "global_batch", "seq_length"):
@@ -68,10 +75,27 @@ class Layout:
             raise ValueError(
                 f"Layout.optimizer_offload_fraction must lie in [0, 1], got {self.optimizer_offload_fraction}"
             )
+        lengths = self.document_lengths
+        bad = isinstance(lengths, (str, int)) or any(isinstance(n, bool) or not isinstance(n, int) for n in lengths)
+        if bad or any(n < 1 for n in lengths):
+            raise ValueError(f"Layout.document_lengths must be a tuple of ints >= 1, got {lengths!r}")
+        if lengths and sum(lengths) != self.seq_length:
+            raise ValueError(
+                f"Layout.document_lengths {lengths} sum to {sum(lengths)}, not seq_length {self.seq_length}: "
+                "give the lengths of the documents packed into one sequence"
+            )
         if self.cp_comm_type not in CP_COMM_TYPES:
             raise ValueError(f"Layout.cp_comm_type must be one of {CP_COMM_TYPES}, got {self.cp_comm_type!r}")
+        if self.expert_gemm not in ("grouped", "per_expert"):
+            raise ValueError(f"Layout.expert_gemm must be 'grouped' or 'per_expert', got {self.expert_gemm!r}")
         if self.cross_entropy not in CROSS_ENTROPY:
             raise ValueError(f"Layout.cross_entropy must be one of {CROSS_ENTROPY}, got {self.cross_entropy!r}")
+        if self.recompute_modules is not None:
+            # only selective recompute takes a list: the memory modes switch a layout to none / full, which drops it
+            modules = None
+            if self.recompute == "selective":
+                modules = check_recompute_modules(self.recompute_modules, self.recompute, "Layout")
+            object.__setattr__(self, "recompute_modules", modules)
         unknown = [p for p in self.activation_offload if p not in OFFLOAD_PARTS]
         if isinstance(self.activation_offload, str) or unknown:
             raise ValueError(
@@ -121,6 +145,13 @@ class Layout:
         if self.seq_length % (self.tp * self.cp) and self.sequence_parallel:
             out.append(f"seq_length {self.seq_length} is not a multiple of tp*cp = {self.tp * self.cp}")
         out += self._cp_problems(shape)
+        if shape.mamba is not None and "M" in (shape.hybrid_pattern or ""):
+            if shape.mamba.groups % self.tp:  # mcore.models.layers.mamba2.check_mamba2_tensor_parallel
+                out.append(
+                    f"tp={self.tp} does not divide the {shape.mamba.groups} Mamba-2 groups (whole groups per rank)"
+                )
+            if self.cp > 1:
+                out.append(f"cp={self.cp} with Mamba-2 layers: the Mamba-2 mixer takes no context parallelism")
         per_step = self.micro_batch * self.dp
         if self.global_batch % per_step:
             out.append(f"global batch {self.global_batch} is not a multiple of micro_batch x dp = {per_step}")
@@ -205,6 +236,8 @@ class Layout:
         out += [f"train.micro_batch_size={self.micro_batch}", f"train.global_batch_size={self.global_batch}"]
         if self.recompute != "none":
             out.append(f"train.recompute={self.recompute}")
+        if self.recompute_modules is not None:
+            out.append(f"train.recompute_modules=[{','.join(self.recompute_modules)}]")
         if self.activation_offload:
             out.append(f"train.activation_offload=[{','.join(self.activation_offload)}]")
         return out

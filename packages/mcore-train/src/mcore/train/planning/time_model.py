@@ -35,15 +35,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from mcore.train.planning.calibration import Calibration
+from mcore.train.planning.calibration import BACKWARD_ATTENTION_RATIO, Calibration
 from mcore.train.planning.cluster import Group, Network
 from mcore.train.planning.cp_cost import cp_cost
 from mcore.train.planning.layout import Layout
 from mcore.train.planning.memory import layer_parameters_per_rank
+from mcore.train.planning.recompute_terms import recomputed_forward, uses_module_terms
 from mcore.train.planning.shape import ModelShape
 from mcore.train.planning.tp_overlap import PLAIN, OverlapPlan, exposed_seconds, overlap_plans
 
-BACKWARD_ATTENTION_RATIO = 2.5
 # the fused AdamW pass (fp32 master, gradient, two moments read, three written, the bf16 parameter written) at the
 # calibration's optimizer_efficiency, and the gradient-norm read at the memory-bound share
 ADAMW_BYTES_PER_PARAM, GRAD_NORM_BYTES_PER_PARAM = 30, 4
@@ -159,16 +159,22 @@ class TimeModel:
 
     def _experts(self, cost: OpCost) -> None:
         """The routed experts: per linear one grouped GEMM over this rank's experts (``mcore.kernels.grouped_gemm``;
-        forward, input gradient and weight gradient each a grouped GEMM of the same kind)."""
+        forward, input gradient and weight gradient each a grouped GEMM of the same kind), or under
+        ``expert_gemm="per_expert"`` one dense GEMM per expert of its (balanced) rows."""
         s, lay, g = self.shape, self.layout, self.gpu
         local = s.num_experts // lay.ep
         rows = self.moe_tokens * s.top_k * lay.ep / s.num_experts  # per expert, on average (balanced routing)
         for lin in s.expert_linears():
             k = lin.in_features // lay.expert_tp if lin.role == "row" else lin.in_features
             n = lin.out_features // lay.expert_tp if lin.role == "column" else lin.out_features
-            fwd = g.grouped_gemm_seconds(local, rows, n, k, self.precision)
-            dgrad = g.grouped_gemm_seconds(local, rows, k, n, self.precision)
-            wgrad = fwd * g.wgrad_fp32_slowdown  # the same FLOPs, writing fp32 into the gradient buffer
+            if lay.expert_gemm == "per_expert":  # one cuBLAS GEMM per expert, its wgrad into fp32 main_grad
+                fwd = local * g.gemm_seconds(rows, n, k, self.precision)
+                dgrad = local * g.gemm_seconds(rows, k, n, self.precision)
+                wgrad = local * g.gemm_seconds(n, k, rows, self.precision) * g.wgrad_fp32_slowdown
+            else:
+                fwd = g.grouped_gemm_seconds(local, rows, n, k, self.precision)
+                dgrad = g.grouped_gemm_seconds(local, rows, k, n, self.precision)
+                wgrad = fwd * g.wgrad_fp32_slowdown  # the same FLOPs, writing fp32 into the gradient buffer
             cost.add("F", "gemm", fwd)
             cost.add("B", "gemm", dgrad + wgrad)
             cost.wgrad += wgrad
@@ -182,23 +188,63 @@ class TimeModel:
             span = s.window
             pairs = seq * span - span**2 / 2
         causal_fwd = 2.0 * lay.micro_batch * pairs * width / lay.cp
-        # a window's work runs in tiles like a document of its length: the calibrated rate at that length
-        total = self.gpu.attention_seconds(causal_fwd * (1 + BACKWARD_ATTENTION_RATIO), span)
+        if lay.document_lengths:  # packed documents: each its own causal block at the rate for its length
+            fwd, bwd = self._packed_attention(index, width)
+            total = fwd + bwd
+        else:
+            # a window's work runs in tiles like a document of its length: the calibrated rate at that length
+            total = self.gpu.attention_seconds(causal_fwd * (1 + BACKWARD_ATTENTION_RATIO), span)
+            fwd = total / (1 + BACKWARD_ATTENTION_RATIO)
         if lay.dropout:
-            total *= 1 + ATTENTION_DROPOUT_COST
-        fwd = total / (1 + BACKWARD_ATTENTION_RATIO)
+            fwd, total = fwd * (1 + ATTENTION_DROPOUT_COST), total * (1 + ATTENTION_DROPOUT_COST)
         cost.add("F", "attention", fwd)
         cost.add("B", "attention", total - fwd)
         if lay.cp > 1:  # cp_cost: ring transfers under the attention blocks, the rest blocking
             cp = cp_cost(s, lay, self.net, self.dtype)
             cost.add("F", "cp_comm", max(0.0, cp.ring_forward - fwd) + cp.blocking_forward)
             cost.add("B", "cp_comm", max(0.0, cp.ring_backward - (total - fwd)) + cp.blocking_backward)
-        if lay.recompute == "selective":
+        if lay.recompute == "selective" and not uses_module_terms(s, lay):  # else recompute_terms prices it
             cost.add("B", "attention", fwd)
 
-    def _memory_bound(self, cost: OpCost, moe: bool) -> None:
+    def _packed_attention(self, index: int, width: float) -> tuple[float, float]:
+        """(forward, backward) seconds of one micro-batch's packed documents (``Layout.document_lengths``): the
+        work is the sum over documents of their query-key pairs (a window caps each document's span), each at
+        the calibrated packed-kernel rate for its length."""
+        s, lay = self.shape, self.layout
+        fwd = bwd = 0.0
+        for length in lay.document_lengths:
+            span = s.window if s.is_window_layer(index) and s.window < length else length
+            pairs = length * span - span**2 / 2
+            f, b = self.gpu.packed_attention_seconds(2.0 * lay.micro_batch * pairs * width / lay.cp, span)
+            fwd, bwd = fwd + f, bwd + b
+        return fwd, bwd
+
+    def _mamba(self, cost: OpCost) -> None:
+        """A Mamba-2 mixer's conv and scan at the calibrated rates, and its memory-bound work: the gated norm
+        (forward reads y, z and writes the output; backward reads three, writes two) and the conv input's copy out
+        of ``in_proj``'s output (backward: the three gradients written back into one); selective recompute runs the
+        conv, the scan and the norm again in backward (``planning/mamba_terms.py``)."""
+        m, g, tp = self.shape.mamba, self.gpu, self.layout.tp
+        (ssd_f, ssd_b), (conv_f, conv_b) = g.mamba_rates()
+        flops = self.tokens * m.ssd_forward_flops(self.layout.seq_length) / tp
+        conv = self.tokens * m.conv_dim * self.dtype / tp
+        fwd = flops / (ssd_f * 1e12) + 2 * conv / (conv_f * 1e9)
+        cost.add("F", "ssm", fwd)
+        cost.add("B", "ssm", 2 * flops / (ssd_b * 1e12) + 3 * conv / (conv_b * 1e9))
+        copies_f = (3 * m.d_inner + 2 * m.conv_dim) / tp * self.tokens * self.dtype
+        copies_b = (5 * m.d_inner + 2 * m.in_width) / tp * self.tokens * self.dtype
+        cost.add("F", "memory", g.memory_seconds(copies_f))
+        cost.add("B", "memory", g.memory_seconds(copies_b))
+        if self.layout.recompute == "selective":
+            cost.add("B", "ssm", fwd)
+            cost.add("B", "memory", g.memory_seconds(copies_f))
+
+    def _memory_bound(self, cost: OpCost, moe: bool, block: str = "T") -> None:
         s, lay = self.shape, self.layout
         tp = lay.tp
+        if block != "T":  # a hybrid layer: one norm and residual add, then its block's own
+            self._hybrid_memory_bound(cost, block)
+            return
         rep = s.hidden / tp if lay.sequence_parallel else s.hidden
         qkv = (s.q_size + s.kv_size) / tp
         routed = s.moe_ffn * s.top_k / lay.expert_tp * self.moe_tokens / self.tokens
@@ -216,6 +262,18 @@ class TimeModel:
             permute = 4 * s.top_k * s.hidden * self.moe_tokens * self.dtype
             cost.add("F", "moe_dispatch", self.gpu.dispatch_seconds(permute))
             cost.add("B", "moe_dispatch", self.gpu.dispatch_seconds(permute))
+
+    def _hybrid_memory_bound(self, cost: OpCost, block: str) -> None:
+        s, tp = self.shape, self.layout.tp
+        rep = s.hidden / tp if self.layout.sequence_parallel else s.hidden
+        fwd, bwd = 5 * rep + 8 * s.hidden / tp, 6 * rep + 8 * s.hidden / tp  # half a transformer layer's
+        if block == "*":
+            fwd, bwd = fwd + 2 * (s.q_size + s.kv_size) / tp, bwd + 2 * (s.q_size + s.kv_size) / tp
+        elif block == "-":
+            glu_f, glu_b = (3, 5) if s.gated else (2, 3)
+            fwd, bwd = fwd + glu_f * s.ffn / tp, bwd + glu_b * s.ffn / tp
+        cost.add("F", "memory", self.gpu.memory_seconds(fwd * self.tokens * self.dtype))
+        cost.add("B", "memory", self.gpu.memory_seconds(bwd * self.tokens * self.dtype))
 
     def _tp_comm(self, cost: OpCost, collectives: int) -> None:
         lay = self.layout
@@ -284,13 +342,19 @@ class TimeModel:
         if moe:
             self._experts(cost)
             self._ep_comm(cost)
-        self._attention(cost, index)
-        self._memory_bound(cost, moe)
+        block = s.block(index)
+        if s.has_attention(index):
+            self._attention(cost, index)
+        if block == "M":
+            self._mamba(cost)
+        self._memory_bound(cost, moe, block)
         if not self.tp_overlap:  # else charged with the linears
-            self._tp_comm(cost, 2)
+            self._tp_comm(cost, 2 if block == "T" else 1)
         if lay.recompute == "full":
             for k, v in list(cost.forward.items()):
                 cost.add("B", k, v)
+        if uses_module_terms(s, lay):  # train.recompute_modules: each recomputed module's forward again
+            recomputed_forward(self, index, cost)
         host = self.gpu.host_ms_per_layer * 1e-3
         cost.add("F", "host", host / 3)
         cost.add("B", "host", 2 * host / 3)

@@ -3,7 +3,9 @@
 Read: the single-GPU throughput runs (``throughput-h200-*/mcore_<shape>.json``: 1b, 8b4l, before and after the
 per-layer-parts refactor), the two-GPU runs (``multi-gpu-*/results.json``: every layout of the table, 8b4l), the
 single-GPU MoE runs (``moe-h200-*/mcore_<shape>.json``: mixtral2l, qwen3moe4l) and the single-GPU memory-mode runs
-(``memory_modes.py``'s summaries: ZeRO-1, ``dp_shard`` at world size 1, optimizer and activation offload). Not
+(``memory_modes.py``'s summaries: ZeRO-1, ``dp_shard`` at world size 1, optimizer and activation offload) and
+the hybrid Nemotron-H steps (``ssm_throughput.py``'s training records: ZeRO-1, FSDP2 with the Mamba core
+recomputed). Not
 read: the fp32 smoke runs (a host-bound model, no speed measurement), runs of superseded code (``before-fusion-*``,
 ``SUPERSEDED_MOE_RUNS``), the attention and FP8 kernel benchmarks (kernels alone, no training step: ``kernel_rates``
 checks the calibration against them) and the low-precision GPU training runs (stopped before any timing). Each
@@ -29,7 +31,9 @@ from mcore.train.planning.step import predict_step
 THROUGHPUT_RUNS = "throughput-h200-"
 MOE_RUNS = "moe-h200-"
 # the MoE records: moe-h200-<run>/mcore_<shape>.json, and later calls' moe-<shapes>-h200-<run>/<shape>/mcore_*.json
-MOE_RUN_FILES = (f"{MOE_RUNS}*/mcore_*.json", "moe-*-h200-*/*/mcore_*.json")
+# and the helper calls' moe branch records, one per variant (helpers-h200-<run>/moe/mcore-<variant>_<shape>.json:
+# ``--expert-gemm per_expert``, ``--fsdp``)
+MOE_RUN_FILES = (f"{MOE_RUNS}*/mcore_*.json", "moe-*-h200-*/*/mcore_*.json", "helpers-h200-*/moe/mcore-*_*.json")
 GPT_OSS_WINDOW = 128
 # MoE runs of code rewritten since: the permutes (Triton tiles) and the grouped GEMM's output zeroing changed at
 # the moe branch's 4d34bbc / 1904bee; the calibration describes the code after them (moe-h200-2026-12-01-e21cc44)
@@ -42,6 +46,8 @@ MEMORY_MODE_RUNS = (
     "final-h200-*/call*/mm*/summary.json",
     "memory-*-h200-*/summary.json",
 )
+# benchmarks/ssm_throughput.py's training records: a hybrid preset through the real Trainer, one GPU
+SSM_RUN_FILES = "helpers-h200-*/ssm/mcore_*.json"
 SCHEDULES = {"none": "none", "1f1b": "1f1b", "interleaved-1f1b": "interleaved", "zb-h1": "zero-bubble"}
 # benchmarks/_common.py's 8b4l: the Llama-3-8B layer shape with 4 layers (the two-GPU runs record only its size)
 SHAPE_8B4L = {"hidden": 4096, "layers": 4, "heads": 32, "kv": 8, "ffn": 14336, "vocab": 128256}
@@ -118,17 +124,42 @@ def _moe_shape(r: dict) -> ModelShape:
     a sliding window of 128 (``benchmarks/gpt_oss_bench.py``, as gpt-oss-20b) with full attention and carry its
     biases and sinks."""
     gpt_oss = r["family"] == "gpt_oss"
+    mla = r["family"] == "deepseek_v3"  # MLA without q-LoRA, shared experts, dense first layers (moonlight8l)
     shape = ModelShape(
         hidden=r["hidden"], ffn=r.get("dense_ffn", r["moe_ffn"]), layers=r["layers"], heads=r["heads"],
-        kv_heads=r["kv"], head_dim=r["head_dim"], vocab=r["vocab"], num_experts=r["experts"], top_k=r["topk"],
-        moe_ffn=r["moe_ffn"], qk_norm=r["family"] not in ("mixtral", "gpt_oss"), name=r["shape"],
+        kv_heads=r["kv"], head_dim=r["qk_nope"] if mla else r["head_dim"], vocab=r["vocab"],
+        num_experts=r["experts"], top_k=r["topk"], moe_ffn=r["moe_ffn"], qk_norm=r["family"] == "qwen3_moe",
+        name=r["shape"],
         attention_bias=gpt_oss, proj_bias=gpt_oss, expert_bias=gpt_oss, sinks=gpt_oss,
         window=GPT_OSS_WINDOW if gpt_oss else 0,
         window_layers=_sliding_layers(r["layers"]) if gpt_oss else None,
+        **(_mla_fields(r) if mla else {}),
     )  # fmt: skip
     if shape.total_parameters() != r["params"]:
         raise ValueError(f"MoE shape {r['shape']} has {shape.total_parameters()} parameters, the run {r['params']}")
     return shape
+
+
+def _mla_fields(r: dict) -> dict:
+    """A DeepSeek-V3-architecture record's MLA and shared-expert fields as the planner's (its ``head_dim`` is set
+    to the no-rope part, ``qk_nope``, the planner's convention under MLA)."""
+    return dict(
+        kv_lora_rank=r["kv_lora"],
+        qk_rope_head_dim=r["qk_rope"],
+        v_head_dim=r["v_head"],
+        shared_ffn=r["shared"] * r["moe_ffn"],
+        first_dense_layers=r["first_dense"],
+    )
+
+
+def _moe_layout(r: dict) -> Layout:
+    """One GPU, one micro-batch per step: ZeRO-1 at dp=1, or FSDP2 (``impl`` mcore-fsdp: moe_throughput's
+    FSDP_OVERRIDES, parameters resharded after forward, its default); the expert GEMMs as recorded."""
+    fsdp = r["impl"] == "mcore-fsdp"
+    return Layout(
+        micro_batch=r["mbs"], global_batch=r["mbs"], seq_length=r["seq"], distributed_optimizer=not fsdp,
+        dp_shard=fsdp, expert_gemm=r.get("expert_gemm", "grouped"),
+    )  # fmt: skip
 
 
 def moe_cases(results: Path) -> list[Case]:
@@ -141,9 +172,10 @@ def moe_cases(results: Path) -> list[Case]:
             continue
         r = json.loads(path.read_text())
         shape = _moe_shape(r)
-        layout = Layout(micro_batch=r["mbs"], global_batch=r["mbs"], seq_length=r["seq"], distributed_optimizer=True)
         run = top.removeprefix(MOE_RUNS).removeprefix("moe-")
-        out.append(Case(f"{r['shape']} (1 GPU, MoE, {run})", shape, layout, r["step_s"], (r["peak_mem_gb"],)))
+        variant = r["impl"].removeprefix("mcore").lstrip("-")
+        name = f"{r['shape']}{' ' + variant if variant else ''} (1 GPU, MoE, {run})"
+        out.append(Case(name, shape, _moe_layout(r), r["step_s"], (r["peak_mem_gb"],)))
     return out
 
 
@@ -186,5 +218,34 @@ def memory_mode_cases(results: Path) -> list[Case]:
     return out
 
 
+def ssm_cases(results: Path) -> list[Case]:
+    """The hybrid (Nemotron-H) training steps of ``benchmarks/ssm_throughput.py``: the preset's shape, one
+    sequence per step, the layout its overrides set (ZeRO-1 at dp=1, or ``dp_shard`` with selective recompute)."""
+    out = []
+    for path in sorted(results.glob(SSM_RUN_FILES)):
+        r = json.loads(path.read_text())
+        shape = ModelShape.from_config(get_config(r["preset"]), name=r["preset"])
+        if shape.total_parameters() != r["params"]:
+            raise ValueError(f"{path}: {r['preset']} has {shape.total_parameters()} parameters, the run {r['params']}")
+        o = {k: v for k, v in (x.split("=", 1) for x in r["overrides"])}
+        dp_shard = o.get("parallel.dp_shard") == "true"
+        layout = Layout(
+            micro_batch=1, global_batch=1, seq_length=r["seq"], dp_shard=dp_shard,
+            distributed_optimizer=o.get("parallel.distributed_optimizer") == "true",
+            recompute=o.get("train.recompute", "none"),
+        )  # fmt: skip
+        if round(r["tokens_per_s"] * r["step_s"]) != r["seq"]:
+            raise ValueError(f"{path}: not one sequence of {r['seq']} tokens per step")
+        run = path.parent.parent.name
+        out.append(Case(f"{r['preset']} {r['config']} (1 GPU, {run})", shape, layout, r["step_s"], (r["peak_mem_gb"],)))
+    return out
+
+
 def measured_cases(results: Path) -> list[Case]:
-    return throughput_cases(results) + multi_gpu_cases(results) + moe_cases(results) + memory_mode_cases(results)
+    return (
+        throughput_cases(results)
+        + multi_gpu_cases(results)
+        + moe_cases(results)
+        + memory_mode_cases(results)
+        + ssm_cases(results)
+    )
