@@ -94,7 +94,7 @@ def _inputs(docs: int, length: int, shape: Shape, d_qk: int, d_v: int, with_sink
     return q, k, v, sinks, cu
 
 
-def _impls(docs: int, length: int, kwargs: dict, cu: torch.Tensor, shape: Shape, d_qk: int, d_v: int):
+def _impls(docs: int, length: int, kwargs: dict, cu: torch.Tensor, shape: Shape, d_qk: int, d_v: int, atomic: bool):
     """name -> fn(q, k, v, sinks) for every implementation that can express the case."""
     from mcore.kernels import attention
 
@@ -104,10 +104,11 @@ def _impls(docs: int, length: int, kwargs: dict, cu: torch.Tensor, shape: Shape,
         # the op's own choice (the dispatcher's log line says which backend and why)
         "auto": lambda q, k, v, s: attention(q, k, v, sinks=s, window_size=window, **doc_kwargs),
         "ours": lambda q, k, v, s: attention(q, k, v, sinks=s, window_size=window, backend="triton", **doc_kwargs),
-        "ours-atomic-dq": lambda q, k, v, s: attention(
-            q, k, v, sinks=s, window_size=window, backend="triton", deterministic=False, **doc_kwargs
-        ),
     }
+    if atomic:
+        impls["ours-atomic-dq"] = lambda q, k, v, s: attention(
+            q, k, v, sinks=s, window_size=window, backend="triton", deterministic=False, **doc_kwargs
+        )
     if docs == 1 and "sinks" not in kwargs and window is None:
         impls["sdpa"] = lambda q, k, v, s: attention(q, k, v, backend="sdpa")
     impls["flex"] = _flex_prebuilt(docs, length, window, cu, shape)
@@ -214,14 +215,14 @@ def _measure(fn, tensors, grad_out, flops, shape: Shape, reps: int, forward_only
     return row, (out.detach(), torch.autograd.grad(out, inputs, grad_out))
 
 
-def bench_case(case, shape: Shape, reps: int) -> dict:
+def bench_case(case, shape: Shape, reps: int, atomic: bool = True) -> dict:
     name, docs, length, kwargs, d_qk, d_v = case
     q, k, v, sinks, cu = _inputs(docs, length, shape, d_qk, d_v, kwargs.get("sinks", False))
     flops = fwd_flops(docs, length, shape.heads, d_qk, d_v, kwargs.get("window_size"))
     result = {"case": name, "docs": docs, "length": length, "d_qk": d_qk, "d_v": d_v, "fwd_gflop": flops / 1e9}
     result["impls"] = {}
     grad_out = torch.randn(1, docs * length, shape.heads, d_v, device=shape.device, dtype=shape.dtype)
-    impls = _impls(docs, length, kwargs, cu, shape, d_qk, d_v)
+    impls = _impls(docs, length, kwargs, cu, shape, d_qk, d_v, atomic)
     outputs = {}
     for impl, fn in impls.items():
         # torch's flex has no CPU backward (and refuses inputs that require grad there): forward only.
@@ -264,20 +265,26 @@ def markdown(report: dict) -> str:
 def _run_sweep(args, shape, cases, reps, report, out_dir: Path) -> None:
     import attention_sweep
 
+    totals_only = set(args.totals_only.split(",")) if args.totals_only else set()
     if args.dry_run:
-        sweep_cases = cases[:1]
+        sweep_cases = cases[:1] + [c for c in cases[1:] if c[0] in totals_only]
     else:
         sweep_cases = [c for name in attention_sweep.SWEEP_ORDER for c in cases if c[0] == name]
+    if args.sweep_cases:
+        sweep_cases = [c for c in sweep_cases if c[0] in set(args.sweep_cases.split(",")) | totals_only]
     jobs = args.jobs if args.jobs is not None else (0 if args.dry_run else 8)
     if jobs > 0:
         start = time.perf_counter()
-        report["precompile_errors"] = attention_sweep.precompile(sweep_cases, shape, jobs, args.dry_run)
+        swept = [c for c in sweep_cases if c[0] not in totals_only]
+        report["precompile_errors"] = attention_sweep.precompile(swept, shape, jobs, args.dry_run)
         report["precompile_s"] = round(time.perf_counter() - start, 1)
         print(f"precompiled in {report['precompile_s']} s; errors: {report['precompile_errors']}", flush=True)
     flops = {c[0]: fwd_flops(c[1], c[2], shape.heads, c[4], c[5], c[3].get("window_size")) for c in cases}
     for case in sweep_cases:
         start = time.perf_counter()
-        rows = attention_sweep.sweep_case(case, shape, lambda fn: _time_ms(fn, shape.device, reps), args.dry_run)
+        rows = attention_sweep.sweep_case(
+            case, shape, lambda fn: _time_ms(fn, shape.device, reps), args.dry_run, case[0] in totals_only
+        )
         report["sweep"].extend(rows)
         (out_dir / "attention.json").write_text(json.dumps(report, indent=1))
         table = attention_sweep.markdown(report["sweep"], flops)
@@ -285,6 +292,25 @@ def _run_sweep(args, shape, cases, reps, report, out_dir: Path) -> None:
         print(attention_sweep.markdown(rows, flops), f"\n({case[0]}: {time.perf_counter() - start:.1f} s)", flush=True)
         if shape.device == "cuda":
             torch.cuda.empty_cache()
+        if args.use_swept and case[0] not in totals_only:
+            report.setdefault("swept_defaults", {})[case[0]] = _install_best(rows, case)
+
+
+def _install_best(rows: list[dict], case) -> dict | None:
+    """Make the sweep's fastest checked tiles of ``case`` the table entry of its bucket for the comparison that
+    follows (so that "ours" and "auto" run them); returns them, or None when a kernel had no checked row."""
+    import attention_sweep
+
+    from mcore.kernels.triton.flash_configs import FlashConfig, KernelConfigs, set_entry
+
+    best = attention_sweep.best_configs(rows, case[0])
+    if not {"fwd", "kv", "dq"} <= set(best):
+        return None
+    chosen = {kind: best[kind]["config"] for kind in ("fwd", "kv", "dq")}
+    window = case[3].get("window_size")
+    longest = case[2] if window is None else min(case[2], window)  # the table's key: the longest visible span
+    set_entry(case[4], case[5], longest, KernelConfigs(*(FlashConfig(*chosen[k]) for k in ("fwd", "kv", "dq"))))
+    return chosen
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -297,6 +323,14 @@ def main(argv: list[str] | None = None) -> int:
         "--jobs", type=int, default=None, help="processes compiling the sweep's kernels first (8; dry run: 0)"
     )
     parser.add_argument("--cases", default=None, help="comma-separated case names to run (default: all)")
+    parser.add_argument("--sweep-cases", default=None, help="comma-separated cases to sweep (default: all run)")
+    parser.add_argument(
+        "--totals-only", default=None, help="comma-separated cases of the sweep timed at the defaults only"
+    )
+    parser.add_argument(
+        "--use-swept", action="store_true", help="the comparison runs each swept case at the sweep's fastest tiles"
+    )
+    parser.add_argument("--no-atomic", action="store_true", help="leave out the atomic-dQ variant of ours")
     parser.add_argument("--reps", type=int, default=None)
     args = parser.parse_args(argv)
     if not args.dry_run and not torch.cuda.is_available():
@@ -334,7 +368,7 @@ def main(argv: list[str] | None = None) -> int:
         _run_sweep(args, shape, cases, reps, report, out_dir)
         ok = all(row.get("ok", False) for row in report["sweep"] if row["kernel"].startswith("total"))
     for case in [] if args.only_sweep else cases:
-        result = bench_case(case, shape, reps)
+        result = bench_case(case, shape, reps, atomic=not args.no_atomic)
         report["cases"].append(result)
         ok &= result.get("check", {}).get("ok", False)
         (out_dir / "attention.json").write_text(json.dumps(report, indent=1))

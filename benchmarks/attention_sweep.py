@@ -36,6 +36,20 @@ D128 = {
            (128, 64, 8, 2, False)],
     "kv-atomic": [(128, 32, 8, 3)],
 }  # fmt: skip
+# Short documents (128 x 128, 32 x 512): a program visits one to four blocks, so software-pipeline stages
+# mostly cost shared memory (fewer programs per SM); fewer stages, smaller tiles and 2-4 warps are explored. The
+# 5be4d1b defaults come first; the current ones (from this list's 2884fd8 sweep) are among the others.
+SHORT = {
+    "fwd": [(64, 64, 4, 3), (64, 64, 4, 2), (64, 64, 4, 1), (64, 64, 4, 2, *P), (64, 128, 4, 2), (64, 32, 4, 2),
+            (64, 32, 4, 3), (32, 64, 4, 2), (32, 32, 2, 2), (128, 64, 8, 2), (128, 64, 4, 2), (64, 64, 8, 2),
+            (128, 128, 8, 2), (128, 64, 8, 2, *P)],
+    "kv": [(128, 32, 8, 3), (128, 32, 8, 2), (128, 32, 8, 1), (128, 32, 4, 2), (128, 16, 8, 2), (128, 16, 4, 2),
+           (128, 64, 8, 2), (128, 32, 8, 2, *P), (128, 16, 8, 2, *P), (128, 32, 16, 2), (64, 32, 4, 2),
+           (64, 64, 4, 2), (128, 64, 8, 3)],
+    "dq": [(64, 32, 4, 3), (64, 32, 4, 2), (64, 64, 4, 2), (64, 32, 4, 2, *P), (32, 64, 4, 2), (32, 32, 2, 2),
+           (64, 16, 4, 2), (128, 32, 8, 2), (128, 64, 8, 2), (64, 64, 4, 3, *P)],
+}  # fmt: skip
+SHORT_CASES = ("128x128", "32x512")
 WINDOW = {
     "fwd": [(64, 64, 4, 3), (64, 64, 4, 3, *P), (128, 64, 8, 3), (64, 32, 4, 3)],
     "kv": [(128, 32, 8, 3), (128, 32, 8, 3, *P), (128, 64, 8, 3), (64, 32, 8, 3)],
@@ -61,6 +75,8 @@ def candidates(case, dry: bool) -> dict[str, list[tuple[int, int, int, int]]]:
         return MLA
     if kwargs:
         return WINDOW
+    if name in SHORT_CASES:
+        return SHORT
     table = dict(D128)
     if name != "1x16384":
         table.pop("kv-atomic")
@@ -144,9 +160,12 @@ def run_candidate(data: CaseData, kind: str, config):
         fn()
         return fn, lambda: {"out": results["out"]}, {}
     dk, dv = torch.empty_like(k), torch.empty_like(v)
-    if kind == "dq":
+    if kind == "dq":  # as the backward runs it: computing and storing the row statistics (equal values)
         dq = torch.empty_like(q)
-        fn = lambda: fb.launch_dq(q, k, v, data.dout, data.lse2, data.delta, dq, layout, data.scale, config)  # noqa: E731
+        stats = fb.RowStats(data.out, data.lse, None, store_delta=False)
+        fn = lambda: fb.launch_dq(  # noqa: E731
+            q, k, v, data.dout, data.lse2, data.delta, dq, layout, data.scale, config, stats=stats
+        )
         fn()
         return fn, lambda: {"dq": dq}, {}
     if kind == "kv-atomic":
@@ -155,19 +174,22 @@ def run_candidate(data: CaseData, kind: str, config):
         mode = DQ_STORE if fused_dq_possible(layout, config.block_m) else DQ_SEPARATE
     dq = torch.zeros(q.shape, device=q.device, dtype=torch.float32 if mode == DQ_ATOMIC else q.dtype)
     args = (q, k, v, data.dout, data.lse2, data.delta, dq, dk, dv, layout, data.scale, config, mode)
-    fn = lambda: fb.launch_kv(*args)  # noqa: E731
+    # Storing dQ, the kernel computes the row statistics itself (as the backward runs it); otherwise it reads them.
+    stats = fb.RowStats(data.out, data.lse, None, data.sinks is not None) if mode == DQ_STORE else None
+    fn = lambda: fb.launch_kv(*args, stats=stats)  # noqa: E731
     fn()
     outputs = lambda: {"dk": dk, "dv": dv, **({"dq": dq} if mode != DQ_SEPARATE else {})}  # noqa: E731
     return fn, outputs, {"fused_dq": mode == DQ_STORE}
 
 
-def sweep_case(case, shape, time_ms, dry: bool) -> list[dict]:
-    """Rows of (case, kernel, config, ms, check) for every candidate, then the best combination end to end."""
+def sweep_case(case, shape, time_ms, dry: bool, totals_only: bool = False) -> list[dict]:
+    """Rows of (case, kernel, config, ms, check) for every candidate, then the best combination end to end
+    (``totals_only``: just the defaults' totals, with and without the preprocess pass)."""
     from mcore.kernels.triton.flash_configs import FlashConfig
 
     data = prepare(case, shape, with_reference=True)
     rows = []
-    for kind, configs in candidates(case, dry).items():
+    for kind, configs in {} if totals_only else candidates(case, dry).items():
         for tiles in configs:
             row = {"case": case[0], "kernel": kind, "config": list(tiles)}
             try:
@@ -208,11 +230,13 @@ def _totals(data: CaseData, case, rows, time_ms) -> list[dict]:
     from mcore.kernels.triton.flash_configs import FlashConfig, KernelConfigs
 
     best = best_configs(rows, case[0])
-    choices = {"defaults": None}
+    choices = {"defaults": (None, True), "defaults-preprocess": (None, False)}
     if {"fwd", "kv", "dq"} <= set(best):
-        choices["best"] = KernelConfigs(*(FlashConfig(*best[kind]["config"]) for kind in ("fwd", "kv", "dq")))
+        chosen = KernelConfigs(*(FlashConfig(*best[kind]["config"]) for kind in ("fwd", "kv", "dq")))
+        # the same tiles with the separate preprocess pass: what computing the row statistics in-kernel saves
+        choices.update({"best": (chosen, True), "best-preprocess": (chosen, False)})
     out_rows = []
-    for label, configs in choices.items():
+    for label, (configs, fuse_stats) in choices.items():
         row = {"case": case[0], "kernel": f"total-{label}"}
         if configs is not None:
             row["config"] = {kind: best[kind]["config"] for kind in ("fwd", "kv", "dq")}
@@ -220,9 +244,9 @@ def _totals(data: CaseData, case, rows, time_ms) -> list[dict]:
             fwd = lambda c=configs: flash_forward(  # noqa: E731
                 data.q, data.k, data.v, data.layout, data.scale, data.sinks, c.forward if c else None
             )
-            bwd = lambda c=configs: flash_backward(  # noqa: E731
+            bwd = lambda c=configs, fused=fuse_stats: flash_backward(  # noqa: E731
                 data.q, data.k, data.v, data.out, data.lse, data.dout, data.layout, data.scale, data.sinks,
-                deterministic=True, configs=c,
+                deterministic=True, configs=c, fuse_stats=fused,
             )  # fmt: skip
             dq, dk, dv, dsinks = bwd()
             got = {"out": fwd()[0], "dq": dq, "dk": dk, "dv": dv, **({"dsinks": dsinks} if dsinks is not None else {})}

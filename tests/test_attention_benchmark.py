@@ -15,7 +15,7 @@ def test_attention_benchmark_dry_run(tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "", "TRITON_INTERPRET": "1"}
     proc = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "attention.py"), "--dry-run", "--sweep", "--jobs", "1",
-         "--out", str(tmp_path)],
+         "--use-swept", "--no-atomic", "--totals-only", "2x32 sinks window8", "--out", str(tmp_path)],
         capture_output=True, text=True, env=env, timeout=600,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -38,7 +38,11 @@ def test_attention_benchmark_dry_run(tmp_path):
         assert "error" not in case["impls"]["flex"] and "fwd_ms" in case["impls"]["flex"]
     # The sweep: every candidate of every kernel ran, was checked against the reference and timed; then the
     # whole forward/backward with the best of each beside the defaults, checked too.
-    sweep = report["sweep"]
+    # --totals-only: that case has the defaults' totals (with and without the preprocess pass), no candidates
+    only = [row for row in report["sweep"] if row["case"] == "2x32 sinks window8"]
+    assert sorted(row["kernel"] for row in only) == ["total-defaults", "total-defaults-preprocess"]
+    assert all(row["ok"] for row in only)
+    sweep = [row for row in report["sweep"] if row["case"] != "2x32 sinks window8"]
     kernels = {(row["kernel"], tuple(row["config"])) for row in sweep if not row["kernel"].startswith("total")}
     assert kernels == {(k, t) for k in ("fwd", "kv", "dq") for t in ((16, 16, 1, 1), (32, 16, 1, 1))} | {
         ("kv-atomic", (16, 16, 1, 1))
@@ -46,7 +50,11 @@ def test_attention_benchmark_dry_run(tmp_path):
     assert all(row["ok"] and "error" not in row for row in sweep), [r for r in sweep if not r.get("ok")]
     assert all(max(row["errors"].values()) < 1e-5 for row in sweep)
     assert all("ms" in row for row in sweep if not row["kernel"].startswith("total"))
-    assert {row["kernel"] for row in sweep if row["kernel"].startswith("total")} == {"total-best", "total-defaults"}
+    totals = {row["kernel"] for row in sweep if row["kernel"].startswith("total")}
+    assert totals == {"total-best", "total-best-preprocess", "total-defaults", "total-defaults-preprocess"}
+    # --use-swept: the comparison ran the swept case at the sweep's fastest tiles (the interpreter keeps its own)
+    assert set(report["swept_defaults"]) == {"1x48"} and set(report["swept_defaults"]["1x48"]) == {"fwd", "kv", "dq"}
+    assert all("ours-atomic-dq" not in case["impls"] for case in report["cases"])
     assert report["precompile_errors"] == []  # the compile pool ran every candidate once (here interpreted)
     table = (tmp_path / "attention_sweep.md").read_text()
     assert "| 1x48 | kv |" in table and "total-best" in table

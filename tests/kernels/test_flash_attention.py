@@ -180,6 +180,20 @@ def test_table_keys_by_head_dim_and_visible_span():
     assert kernel_configs(192, 128, 16384, False) == _TABLE[(256, None)]
 
 
+def test_set_entry_replaces_one_bucket():
+    from mcore.kernels.triton.flash_configs import FlashConfig, KernelConfigs, kernel_configs, set_entry
+
+    tiles = KernelConfigs(FlashConfig(32, 32, 2, 2), FlashConfig(128, 16, 4, 2), FlashConfig(64, 16, 4, 2))
+    previous = set_entry(128, 128, 100, tiles)
+    try:
+        assert kernel_configs(128, 128, 128, False) == tiles and kernel_configs(128, 128, 129, False) != tiles
+    finally:
+        assert set_entry(128, 128, 128, previous) == tiles
+    assert kernel_configs(128, 128, 128, False) == previous
+    with pytest.raises(TypeError, match="set_entry: configs must be a KernelConfigs"):
+        set_entry(128, 128, 128, tiles.kv)
+
+
 def docs_bounds(length, tokens=16384):
     return list(range(0, tokens + 1, length))
 
@@ -357,3 +371,57 @@ def test_gpu_every_table_entry_against_float64(d_qk, d_v, length, cuda_triton):
     assert _rel(out.cpu(), ref_out) < 1.5e-2 and _rel(lse.cpu(), ref_lse) < 1e-3
     for name, got, want in zip(["q", "k", "v"], leaves, ref_leaves):
         assert _rel(got.grad.cpu(), want.grad) < 3e-2, name
+
+
+@pytest.mark.parametrize(
+    "case_name,deterministic",
+    [("window_documents_sinks", True), ("short_documents_window_sinks", False), ("mla_head_dims", True)],
+    ids=["dq_kernel_first", "kv_kernel_stores_dq", "mla"],
+)
+def test_row_stats_computed_in_the_kernels(case_name, deterministic, interpreter, spy):
+    """Without a preprocess pass (delta and lse2 from the dQ kernel, or in the dK/dV kernel that stores dQ)
+    the gradients equal float64's (sinks' included, an lse gradient arriving) and the preprocess path's."""
+    from mcore.kernels.triton import flash_backward as fb
+
+    calls = spy("mcore.kernels.triton.flash_backward", "preprocess")
+    torch.manual_seed(3)
+    out, lse, ref_out, ref_lse, leaves, ref_leaves = _run_case(
+        CASES[case_name], interpreter, torch.float32, deterministic, True
+    )
+    assert calls == []
+    for name, got, want in zip(["q", "k", "v", "sinks"], leaves, ref_leaves):
+        assert _rel(got.grad, want.grad) < 1e-5, name
+    case = CASES[case_name]
+    cu = case.get("cu_seqlens")
+    layout = AttentionLayout.from_documents(
+        cu[-1] // case["s"], case["s"], case["s"], causal=True, window_size=case.get("window_size"), bounds=cu
+    )
+    q, k, v = (t.detach() for t in leaves[:3])
+    sinks = leaves[3].detach() if len(leaves) > 3 else None
+    dout, dlse = torch.randn_like(out), torch.randn_like(lse)
+    scale = case.get("softmax_scale", q.shape[-1] ** -0.5)
+    args = (q, k, v, out.detach(), lse.detach(), dout, layout, scale, sinks)
+    fused = fb.flash_backward(*args, dlse=dlse, deterministic=deterministic)
+    separate = fb.flash_backward(*args, dlse=dlse, deterministic=deterministic, fuse_stats=False)
+    assert len(calls) == 1
+    for got, want in zip(fused, separate):
+        assert (got is None and want is None) or _rel(got, want) < 1e-6
+
+
+def test_rows_in_no_pair_with_sinks_and_an_lse_gradient_keep_the_preprocess(interpreter, spy):
+    """Rows that see only the sink get delta = -dlse from the preprocess pass; the fused kernels never visit
+    them, so that case runs the pass (and its sinks' gradient is float64's)."""
+    calls = spy("mcore.kernels.triton.flash_backward", "preprocess")
+    lay_a, _, _ = _ring_layouts()
+    q, k, v = torch.randn(2, 24, 4, 16), torch.randn(2, 16, 2, 16), torch.randn(2, 16, 2, 8)
+    sinks = torch.randn(4)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v, sinks)]
+    out, lse = layout_attention(*leaves[:3], lay_a, softmax_scale=0.3, sinks=leaves[3], backend="triton")
+    dout, dlse = torch.randn_like(out), torch.randn_like(lse)
+    ((out * dout).sum() + (lse * dlse).sum()).backward()
+    assert len(calls) == 1
+    ref = [t.double().requires_grad_() for t in (q, k, v, sinks)]
+    ref_out, ref_lse = dense_float64(*ref[:3], lay_a.dense_mask(), 0.3, ref[3])
+    ((ref_out * dout.double()).sum() + (ref_lse * dlse.double()).sum()).backward()
+    for got, want in zip(leaves, ref):
+        assert _rel(got.grad, want.grad) < 1e-5

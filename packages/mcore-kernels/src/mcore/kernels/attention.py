@@ -10,16 +10,17 @@ choice below), then ``MCORE_KERNELS_BACKEND``, which every op reads, so it can n
 
 Default choice on CUDA, from one H200 (``benchmarks/attention.py``, bf16, Hq 32, Hkv 8, D 128, forward +
 backward, 16,384 tokens per call, effective TFLOP/s on the causal work as issue #18 counts them; ours from its
-kernel sweep at commit 5be4d1b, 2026-12-01; SDPA and MLA from the same benchmark the session before, FlexAttention
-and varlen_attn from issue #18's table):
+kernel sweep at commit 5be4d1b, 2026-12-01, the short documents re-swept at 2884fd8 with the flex and varlen_attn
+of that call in brackets; SDPA and MLA from the same benchmark the session before, FlexAttention and varlen_attn
+otherwise from issue #18's table):
 
 =====================  ============  ========  ======================  =================
 case                   ours (triton) SDPA      FlexAttention compiled  torch varlen_attn
 =====================  ============  ========  ======================  =================
 1 x 16384              355           532       381                     316
 4 x 4096               325           n/a       334                     277
-32 x 512               189           n/a       140                     128
-128 x 128              91            n/a       46                      48
+32 x 512               199           n/a       140 (154)               128 (128)
+128 x 128              106           n/a       46 (48)                 48 (44)
 4 x 4096, window 128   98 (+sinks)   n/a       n/a                     n/a
 1 x 16384 MLA 192/128  188           495       138                     n/a
 =====================  ============  ========  ======================  =================

@@ -15,10 +15,13 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from mcore.kernels.triton.flash_attention import _allowed, _load_rows, _visible_keys
+from mcore.kernels.triton.flash_attention import _allowed, _load_rows
 
 # dQ in the dK/dV kernel: not at all (the dQ kernel runs), by fp32 atomics, or stored (single-block documents).
 DQ_SEPARATE, DQ_ATOMIC, DQ_STORE = 0, 1, 2
+# Row statistics (lse2, delta): read from the preprocess pass's head-major buffers, or computed by the kernel from
+# the output tile and the forward's lse (the dQ kernel, or the dK/dV kernel when it stores dQ: once per row).
+STATS_LOAD, STATS_FUSED = 0, 1
 
 
 @triton.jit
@@ -74,22 +77,54 @@ def _load_stats(LSE2, DELTA, stat_base, rows, rows_valid, MASKED: tl.constexpr):
 
 
 @triton.jit
-def _bwd_kv_block(
-    dk, dv, k, v, q_base, do_base, stat_base, LSE2, DELTA, dq_base, query, q_len, q_pos, k_rows_pos, k_valid,
-    stride_qs, stride_ds, stride_dqs, pack_row, q_off, do_off, dq_off, stat_off, offs_dqk, offs_dv, D_QK, D_V,
-    scale, scale_log2, window, edge, MASKED: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
-    DQ_MODE: tl.constexpr, PRECISION: tl.constexpr, EVEN_D: tl.constexpr,
+def _row_stats(o_ptrs, do, lse_ptrs, dlse_ptrs, rows_valid, offs_dv, D_V, MASKED: tl.constexpr,
+               EVEN_D: tl.constexpr, HAS_DLSE: tl.constexpr):  # fmt: skip
+    """``(lse2, delta)`` of a tile's rows computed in place of the preprocess pass: ``delta = rowsum(dO * O)
+    [- dlse]`` from the output tile, ``lse2`` from the forward's token-major lse (+inf where P must be 0)."""
+    o = _load_rows(o_ptrs, rows_valid, offs_dv, D_V, MASKED, EVEN_D)
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
+    if HAS_DLSE:
+        delta -= tl.load(dlse_ptrs, mask=rows_valid, other=0.0)
+    lse = tl.load(lse_ptrs, mask=rows_valid, other=float("-inf"))
+    lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
+    return lse2, delta
+
+
+@triton.jit
+def _kv_step_inputs(
+    q_base, do_base, stat_base, LSE2, DELTA, query, q_len, stride_qs, stride_ds, pack_row, q_off, do_off, stat_off,
+    offs_dqk, offs_dv, D_QK, D_V, o_base, lse_base, dlse_base, stride_os, o_off, stride_ls, lse_off,
+    MASKED: tl.constexpr, EVEN_D: tl.constexpr, STATS: tl.constexpr, HAS_DLSE: tl.constexpr,
+    STORE_DELTA: tl.constexpr,
 ):  # fmt: skip
-    # Tile row r is query `query + pack_row[r]` of the head whose rows start `q_off[r]` after the base (the GQA
-    # heads packed into one tile, or all one head: offsets 0).
+    """Q, dO and the row statistics of one query step. Tile row r is query ``query + pack_row[r]`` of the head
+    whose rows start ``q_off[r]`` after the base (the GQA heads packed into one tile, or all one head: 0)."""
     qm = query + pack_row
     q_valid = qm < q_len
     qm64 = qm.to(tl.int64)
-    q_ptrs = q_base + (qm64 * stride_qs + q_off)[:, None] + offs_dqk[None, :]
-    q = _load_rows(q_ptrs, q_valid, offs_dqk, D_QK, MASKED > 0, EVEN_D)
     do_ptrs = do_base + (qm64 * stride_ds + do_off)[:, None] + offs_dv[None, :]
-    do = _load_rows(do_ptrs, q_valid, offs_dv, D_V, MASKED > 0, EVEN_D)
-    lse2, delta = _load_stats(LSE2, DELTA, stat_base + stat_off, qm64, q_valid, MASKED > 0)
+    do = _load_rows(do_ptrs, q_valid, offs_dv, D_V, MASKED, EVEN_D)
+    if STATS == 0:  # STATS_LOAD
+        lse2, delta = _load_stats(LSE2, DELTA, stat_base + stat_off, qm64, q_valid, MASKED)
+    else:  # STATS_FUSED: this program is the only one that sees these (query, head) rows (single-block documents)
+        o_ptrs = o_base + (qm64 * stride_os + o_off)[:, None] + offs_dv[None, :]
+        stat_ptrs = qm64 * stride_ls + lse_off
+        lse2, delta = _row_stats(o_ptrs, do, lse_base + stat_ptrs, dlse_base + stat_ptrs, q_valid, offs_dv, D_V,
+                                 MASKED, EVEN_D, HAS_DLSE)  # fmt: skip
+        if STORE_DELTA:  # the sinks' gradient reads it
+            tl.store(DELTA + stat_base + stat_off + qm64, delta, mask=q_valid)
+    # Q after the statistics: the output tile they read is dead by then (fewer live registers).
+    q_ptrs = q_base + (qm64 * stride_qs + q_off)[:, None] + offs_dqk[None, :]
+    q = _load_rows(q_ptrs, q_valid, offs_dqk, D_QK, MASKED, EVEN_D)
+    return q, do, lse2, delta, qm, qm64, q_valid
+
+
+@triton.jit
+def _kv_step_grads(
+    dk, dv, k, v, q, do, lse2, delta, qm, q_valid, q_pos, k_rows_pos, k_valid, scale_log2, window, edge,
+    MASKED: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, PRECISION: tl.constexpr,
+):  # fmt: skip
+    """dK/dV of one key tile from one query step; returns dS^T too (for dQ)."""
     scores_t = tl.dot(k, tl.trans(q), input_precision=PRECISION) * scale_log2
     p_t = tl.exp2(scores_t - lse2[None, :])
     if MASKED == 1:
@@ -105,14 +140,40 @@ def _bwd_kv_block(
     dp_t = tl.dot(v, tl.trans(do), input_precision=PRECISION)
     ds_t = p_t * (dp_t - delta[None, :])
     dk += tl.dot(ds_t.to(q.dtype), q, input_precision=PRECISION)
+    return dk, dv, ds_t
+
+
+@triton.jit
+def _write_dq(dq, dq_base, qm64, q_valid, stride_dqs, dq_off, offs_dqk, D_QK, DQ_MODE: tl.constexpr):
+    dq_ptrs = dq_base + (qm64 * stride_dqs + dq_off)[:, None] + offs_dqk[None, :]
+    dq_mask = q_valid[:, None] & (offs_dqk < D_QK)[None, :]
+    if DQ_MODE == 1:
+        tl.atomic_add(dq_ptrs, dq, mask=dq_mask)
+    else:  # the only program that sees these queries' keys: a plain store, exact and deterministic
+        tl.store(dq_ptrs, dq.to(dq_base.dtype.element_ty), mask=dq_mask)
+
+
+@triton.jit
+def _bwd_kv_block(
+    dk, dv, k, v, q_base, do_base, stat_base, LSE2, DELTA, dq_base, query, q_len, q_pos, k_rows_pos, k_valid,
+    stride_qs, stride_ds, stride_dqs, pack_row, q_off, do_off, dq_off, stat_off, offs_dqk, offs_dv, D_QK, D_V,
+    scale, scale_log2, window, edge, o_base, lse_base, dlse_base, stride_os, o_off, stride_ls, lse_off,
+    MASKED: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
+    DQ_MODE: tl.constexpr, PRECISION: tl.constexpr, EVEN_D: tl.constexpr,
+    STATS: tl.constexpr, HAS_DLSE: tl.constexpr, STORE_DELTA: tl.constexpr,
+):  # fmt: skip
+    q, do, lse2, delta, qm, qm64, q_valid = _kv_step_inputs(
+        q_base, do_base, stat_base, LSE2, DELTA, query, q_len, stride_qs, stride_ds, pack_row, q_off, do_off,
+        stat_off, offs_dqk, offs_dv, D_QK, D_V, o_base, lse_base, dlse_base, stride_os, o_off, stride_ls, lse_off,
+        MASKED > 0, EVEN_D, STATS, HAS_DLSE, STORE_DELTA,
+    )  # fmt: skip
+    dk, dv, ds_t = _kv_step_grads(
+        dk, dv, k, v, q, do, lse2, delta, qm, q_valid, q_pos, k_rows_pos, k_valid, scale_log2, window, edge,
+        MASKED, CAUSAL, HAS_WINDOW, PRECISION,
+    )  # fmt: skip
     if DQ_MODE != 0:
         dq = tl.dot(tl.trans(ds_t).to(k.dtype), k, input_precision=PRECISION) * scale
-        dq_ptrs = dq_base + (qm64 * stride_dqs + dq_off)[:, None] + offs_dqk[None, :]
-        dq_mask = q_valid[:, None] & (offs_dqk < D_QK)[None, :]
-        if DQ_MODE == 1:
-            tl.atomic_add(dq_ptrs, dq, mask=dq_mask)
-        else:  # the only program that sees these queries' keys: a plain store, exact and deterministic
-            tl.store(dq_ptrs, dq.to(dq_base.dtype.element_ty), mask=dq_mask)
+        _write_dq(dq, dq_base, qm64, q_valid, stride_dqs, dq_off, offs_dqk, D_QK, DQ_MODE)
     return dk, dv
 
 
@@ -120,8 +181,10 @@ def _bwd_kv_block(
 def _bwd_kv_segment(
     dk, dv, k, v, q_base, do_base, stat_base, LSE2, DELTA, dq_base, q_len, q_pos, k_first, k_rows, k_rows_pos,
     k_valid, stride_qs, stride_ds, stride_dqs, pack_row, q_off, do_off, dq_off, stat_off, offs_dqk, offs_dv, D_QK,
-    D_V, scale, scale_log2, window, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, DQ_MODE: tl.constexpr,
+    D_V, scale, scale_log2, window, o_base, lse_base, dlse_base, stride_os, o_off, stride_ls, lse_off,
+    CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, DQ_MODE: tl.constexpr,
     PRECISION: tl.constexpr, EVEN_D: tl.constexpr, ONE_LOOP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    STATS: tl.constexpr, HAS_DLSE: tl.constexpr, STORE_DELTA: tl.constexpr,
 ):  # fmt: skip
     """One key block against one query segment: the window-edge, interior and diagonal stretches."""
     k_last = k_first + k_rows - 1
@@ -136,34 +199,38 @@ def _bwd_kv_segment(
             dk, dv = _bwd_kv_block(
                 dk, dv, k, v, q_base, do_base, stat_base, LSE2, DELTA, dq_base, query, q_len, q_pos, k_rows_pos,
                 k_valid, stride_qs, stride_ds, stride_dqs, pack_row, q_off, do_off, dq_off, stat_off, offs_dqk, offs_dv,
-                D_QK, D_V, scale, scale_log2, window, (query < mid_lo) | (query >= mid_hi), 2, CAUSAL, HAS_WINDOW,
-                DQ_MODE, PRECISION, EVEN_D,
+                D_QK, D_V, scale, scale_log2, window, (query < mid_lo) | (query >= mid_hi), o_base, lse_base, dlse_base,
+                stride_os, o_off, stride_ls, lse_off, 2, CAUSAL, HAS_WINDOW, DQ_MODE, PRECISION, EVEN_D,
+                STATS, HAS_DLSE, STORE_DELTA,
             )  # fmt: skip
     else:
         for query in range(lo, head_hi, BLOCK_M):
             dk, dv = _bwd_kv_block(
                 dk, dv, k, v, q_base, do_base, stat_base, LSE2, DELTA, dq_base, query, q_len, q_pos, k_rows_pos,
                 k_valid, stride_qs, stride_ds, stride_dqs, pack_row, q_off, do_off, dq_off, stat_off, offs_dqk, offs_dv,
-                D_QK, D_V, scale, scale_log2, window, True, 1, CAUSAL, HAS_WINDOW, DQ_MODE, PRECISION, EVEN_D,
+                D_QK, D_V, scale, scale_log2, window, True, o_base, lse_base, dlse_base, stride_os, o_off,
+                stride_ls, lse_off, 1, CAUSAL, HAS_WINDOW, DQ_MODE, PRECISION, EVEN_D, STATS, HAS_DLSE, STORE_DELTA,
             )  # fmt: skip
         for query in range(mid_lo, mid_hi, BLOCK_M):
             dk, dv = _bwd_kv_block(
                 dk, dv, k, v, q_base, do_base, stat_base, LSE2, DELTA, dq_base, query, q_len, q_pos, k_rows_pos,
                 k_valid, stride_qs, stride_ds, stride_dqs, pack_row, q_off, do_off, dq_off, stat_off, offs_dqk, offs_dv,
-                D_QK, D_V, scale, scale_log2, window, False, 0, CAUSAL, HAS_WINDOW, DQ_MODE, PRECISION, EVEN_D,
+                D_QK, D_V, scale, scale_log2, window, False, o_base, lse_base, dlse_base, stride_os, o_off,
+                stride_ls, lse_off, 0, CAUSAL, HAS_WINDOW, DQ_MODE, PRECISION, EVEN_D, STATS, HAS_DLSE, STORE_DELTA,
             )  # fmt: skip
         for query in range(tl.maximum(mid_hi, head_hi), hi, BLOCK_M):
             dk, dv = _bwd_kv_block(
                 dk, dv, k, v, q_base, do_base, stat_base, LSE2, DELTA, dq_base, query, q_len, q_pos, k_rows_pos,
                 k_valid, stride_qs, stride_ds, stride_dqs, pack_row, q_off, do_off, dq_off, stat_off, offs_dqk, offs_dv,
-                D_QK, D_V, scale, scale_log2, window, True, 1, CAUSAL, HAS_WINDOW, DQ_MODE, PRECISION, EVEN_D,
+                D_QK, D_V, scale, scale_log2, window, True, o_base, lse_base, dlse_base, stride_os, o_off,
+                stride_ls, lse_off, 1, CAUSAL, HAS_WINDOW, DQ_MODE, PRECISION, EVEN_D, STATS, HAS_DLSE, STORE_DELTA,
             )  # fmt: skip
     return dk, dv
 
 
 @triton.jit
 def _bwd_kv_kernel(
-    Q, K, V, DO, LSE2, DELTA, DQ, DK, DV, BLOCKS, SEGS,
+    Q, K, V, DO, LSE2, DELTA, DQ, DK, DV, BLOCKS, SEGS, OUT, LSE, DLSE, stride_ob, stride_os, stride_oh,
     stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
     stride_db, stride_ds, stride_dh, stride_dqb, stride_dqs, stride_dqh,
     stride_dkb, stride_dks, stride_dkh, stride_dvb, stride_dvs, stride_dvh,
@@ -171,6 +238,7 @@ def _bwd_kv_kernel(
     CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, DQ_MODE: tl.constexpr, PRECISION: tl.constexpr,
     EVEN_D: tl.constexpr, ONE_LOOP: tl.constexpr, PACK: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
+    STATS: tl.constexpr, HAS_DLSE: tl.constexpr, STORE_DELTA: tl.constexpr,
 ):  # fmt: skip
     kv_head = tl.program_id(0)
     block = tl.program_id(1)
@@ -181,15 +249,12 @@ def _bwd_kv_kernel(
     seg_lo = tl.load(BLOCKS + block * 6 + 4)
     seg_hi = tl.load(BLOCKS + block * 6 + 5)
     offs_m = tl.arange(0, BLOCK_M)
-    offs_n = tl.arange(0, BLOCK_N)
     offs_dqk = tl.arange(0, BLOCK_DQK)
     offs_dv = tl.arange(0, BLOCK_DV)
-    k_valid = offs_n < k_rows
-    k_tokens = (k_start + offs_n).to(tl.int64)
-    k_ptrs = K + row * stride_kb + kv_head * stride_kh + k_tokens[:, None] * stride_ks + offs_dqk[None, :]
-    v_ptrs = V + row * stride_vb + kv_head * stride_vh + k_tokens[:, None] * stride_vs + offs_dv[None, :]
-    k = _load_rows(k_ptrs, k_valid, offs_dqk, D_QK, True, EVEN_D)
-    v = _load_rows(v_ptrs, k_valid, offs_dv, D_V, True, EVEN_D)
+    k_head = K + row * stride_kb + kv_head * stride_kh + k_start.to(tl.int64) * stride_ks
+    v_head = V + row * stride_vb + kv_head * stride_vh + k_start.to(tl.int64) * stride_vs
+    offs_n = tl.arange(0, BLOCK_N)
+    k, v, k_valid = _load_kv(k_head, v_head, offs_n, k_rows, stride_ks, stride_vs, offs_dqk, offs_dv, D_QK, D_V, EVEN_D)
     k_rows_pos = k_first + offs_n
     dk = tl.zeros([BLOCK_N, BLOCK_DQK], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_DV], tl.float32)
@@ -200,6 +265,7 @@ def _bwd_kv_kernel(
     do_off = pack_head * stride_dh
     dq_off = pack_head * stride_dqh
     stat_off = pack_head * q_len_row
+    o_off = pack_head * stride_oh
     # The group's query heads share this K/V block: it stays in registers, dK/dV sum over them in place.
     for g in range(0, group, PACK):
         head = kv_head * group + g
@@ -207,140 +273,39 @@ def _bwd_kv_kernel(
             q_start = tl.load(SEGS + seg * 3).to(tl.int64)
             q_len = tl.load(SEGS + seg * 3 + 1)
             q_pos = tl.load(SEGS + seg * 3 + 2)
+            token_major = (row * q_len_row + q_start) * n_heads + head  # the forward's [b, s, Hq] lse
+            q_base = Q + row * stride_qb + head * stride_qh + q_start * stride_qs
+            do_base = DO + row * stride_db + head * stride_dh + q_start * stride_ds
+            stat_base = (row * n_heads + head) * q_len_row + q_start
+            dq_base = DQ + row * stride_dqb + head * stride_dqh + q_start * stride_dqs
+            o_base = OUT + row * stride_ob + head * stride_oh + q_start * stride_os
             dk, dv = _bwd_kv_segment(
-                dk, dv, k, v,
-                Q + row * stride_qb + head * stride_qh + q_start * stride_qs,
-                DO + row * stride_db + head * stride_dh + q_start * stride_ds,
-                (row * n_heads + head) * q_len_row + q_start, LSE2, DELTA,
-                DQ + row * stride_dqb + head * stride_dqh + q_start * stride_dqs,
+                dk, dv, k, v, q_base, do_base, stat_base, LSE2, DELTA, dq_base,
                 q_len, q_pos, k_first, k_rows, k_rows_pos, k_valid, stride_qs, stride_ds, stride_dqs,
-                pack_row, q_off, do_off, dq_off, stat_off, offs_dqk, offs_dv, D_QK, D_V, scale, scale_log2, window,
+                pack_row, q_off, do_off, dq_off, stat_off, offs_dqk, offs_dv, D_QK, D_V, scale, scale_log2,
+                window, o_base, LSE + token_major, DLSE + token_major, stride_os, o_off, n_heads, pack_head,
                 CAUSAL, HAS_WINDOW, DQ_MODE, PRECISION, EVEN_D, ONE_LOOP, BLOCK_M // PACK, BLOCK_N,
+                STATS, HAS_DLSE, STORE_DELTA,
             )  # fmt: skip
-    kmask = k_valid[:, None] & (offs_dqk < D_QK)[None, :]
-    vmask = k_valid[:, None] & (offs_dv < D_V)[None, :]
-    dk_ptrs = DK + row * stride_dkb + kv_head * stride_dkh + k_tokens[:, None] * stride_dks + offs_dqk[None, :]
-    dv_ptrs = DV + row * stride_dvb + kv_head * stride_dvh + k_tokens[:, None] * stride_dvs + offs_dv[None, :]
-    tl.store(dk_ptrs, (dk * scale).to(DK.dtype.element_ty), mask=kmask)
-    tl.store(dv_ptrs, dv.to(DV.dtype.element_ty), mask=vmask)
+    dk_head = DK + row * stride_dkb + kv_head * stride_dkh + k_start.to(tl.int64) * stride_dks
+    dv_head = DV + row * stride_dvb + kv_head * stride_dvh + k_start.to(tl.int64) * stride_dvs
+    _store_kv(dk_head, dv_head, dk * scale, dv, offs_n, k_valid, stride_dks, stride_dvs, offs_dqk, offs_dv, D_QK, D_V)
 
 
 @triton.jit
-def _bwd_q_block(
-    dq, q, do, lse2, delta, k_base, v_base, key, k_len, k_pos, q_rows_pos, stride_ks, stride_vs,
-    offs_n, offs_dqk, offs_dv, D_QK, D_V, scale_log2, window, edge,
-    MASKED: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, PRECISION: tl.constexpr,
-    EVEN_D: tl.constexpr,
-):  # fmt: skip
-    kn = key + offs_n
-    k_valid = kn < k_len
-    k = _load_rows(k_base + kn[:, None] * stride_ks + offs_dqk[None, :], k_valid, offs_dqk, D_QK, MASKED > 0, EVEN_D)
-    v = _load_rows(v_base + kn[:, None] * stride_vs + offs_dv[None, :], k_valid, offs_dv, D_V, MASKED > 0, EVEN_D)
-    scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
-    p = tl.exp2(scores - lse2[:, None])
-    if MASKED == 1:
-        p = tl.where(_allowed(q_rows_pos[:, None], (k_pos + kn)[None, :], k_valid[None, :], window, CAUSAL,
-                              HAS_WINDOW), p, 0.0)  # fmt: skip
-    if MASKED == 2:  # noqa: SIM102 (a constexpr test, then a runtime one: Triton needs them apart)
-        if edge:
-            allowed = _allowed(q_rows_pos[:, None], (k_pos + kn)[None, :], k_valid[None, :], window, CAUSAL, HAS_WINDOW)
-            p = tl.where(allowed, p, 0.0)
-    dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
-    ds = p * (dp - delta[:, None])
-    return dq + tl.dot(ds.to(k.dtype), k, input_precision=PRECISION)
+def _load_kv(k_head, v_head, rows, k_rows, stride_ks, stride_vs, offs_dqk, offs_dv, D_QK, D_V, EVEN_D: tl.constexpr):
+    """K and V rows ``rows`` of a key block (valid below ``k_rows``)."""
+    valid = rows < k_rows
+    rows64 = rows.to(tl.int64)
+    k = _load_rows(k_head + rows64[:, None] * stride_ks + offs_dqk[None, :], valid, offs_dqk, D_QK, True, EVEN_D)
+    v = _load_rows(v_head + rows64[:, None] * stride_vs + offs_dv[None, :], valid, offs_dv, D_V, True, EVEN_D)
+    return k, v, valid
 
 
 @triton.jit
-def _bwd_q_segment(
-    dq, q, do, lse2, delta, k_base, v_base, k_len, k_pos, q_first, q_last, q_rows_pos, stride_ks, stride_vs,
-    offs_n, offs_dqk, offs_dv, D_QK, D_V, scale_log2, window,
-    CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, PRECISION: tl.constexpr, EVEN_D: tl.constexpr,
-    ONE_LOOP: tl.constexpr, BLOCK_N: tl.constexpr,
-):  # fmt: skip
-    """One query block against one key segment: the window-edge, interior and diagonal stretches."""
-    lo, hi, full_lo, full_hi = _visible_keys(q_first, q_last, k_len, k_pos, window, CAUSAL, HAS_WINDOW)
-    mid_lo = lo + tl.cdiv(tl.maximum(full_lo - lo, 0), BLOCK_N) * BLOCK_N
-    mid_hi = mid_lo + (tl.maximum(full_hi - mid_lo, 0) // BLOCK_N) * BLOCK_N
-    head_hi = tl.minimum(mid_lo, hi)
-    if ONE_LOOP:
-        for key in range(lo, hi, BLOCK_N):
-            dq = _bwd_q_block(
-                dq, q, do, lse2, delta, k_base, v_base, key, k_len, k_pos, q_rows_pos, stride_ks, stride_vs,
-                offs_n, offs_dqk, offs_dv, D_QK, D_V, scale_log2, window, (key < mid_lo) | (key >= mid_hi), 2,
-                CAUSAL, HAS_WINDOW, PRECISION, EVEN_D,
-            )  # fmt: skip
-    else:
-        for key in range(lo, head_hi, BLOCK_N):
-            dq = _bwd_q_block(
-                dq, q, do, lse2, delta, k_base, v_base, key, k_len, k_pos, q_rows_pos, stride_ks, stride_vs,
-                offs_n, offs_dqk, offs_dv, D_QK, D_V, scale_log2, window, True, 1, CAUSAL, HAS_WINDOW,
-                PRECISION, EVEN_D,
-            )  # fmt: skip
-        for key in range(mid_lo, mid_hi, BLOCK_N):
-            dq = _bwd_q_block(
-                dq, q, do, lse2, delta, k_base, v_base, key, k_len, k_pos, q_rows_pos, stride_ks, stride_vs,
-                offs_n, offs_dqk, offs_dv, D_QK, D_V, scale_log2, window, False, 0, CAUSAL, HAS_WINDOW,
-                PRECISION, EVEN_D,
-            )  # fmt: skip
-        for key in range(tl.maximum(mid_hi, head_hi), hi, BLOCK_N):
-            dq = _bwd_q_block(
-                dq, q, do, lse2, delta, k_base, v_base, key, k_len, k_pos, q_rows_pos, stride_ks, stride_vs,
-                offs_n, offs_dqk, offs_dv, D_QK, D_V, scale_log2, window, True, 1, CAUSAL, HAS_WINDOW,
-                PRECISION, EVEN_D,
-            )  # fmt: skip
-    return dq
-
-
-@triton.jit
-def _bwd_q_kernel(
-    Q, K, V, DO, LSE2, DELTA, DQ, BLOCKS, SEGS,
-    stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-    stride_db, stride_ds, stride_dh, stride_dqb, stride_dqs, stride_dqh,
-    q_len_row, n_heads, group, scale, scale_log2, window, D_QK, D_V,
-    CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, PRECISION: tl.constexpr, EVEN_D: tl.constexpr,
-    ONE_LOOP: tl.constexpr, PACK: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
-):  # fmt: skip
-    head = tl.program_id(0) * PACK  # the first of PACK heads (of one GQA group) whose rows share the tile
-    block = tl.program_id(1)
-    kv_head = head // group
-    row = tl.load(BLOCKS + block * 6).to(tl.int64)
-    q_start = tl.load(BLOCKS + block * 6 + 1)
-    q_rows = tl.load(BLOCKS + block * 6 + 2)
-    q_first = tl.load(BLOCKS + block * 6 + 3)
-    seg_lo = tl.load(BLOCKS + block * 6 + 4)
-    seg_hi = tl.load(BLOCKS + block * 6 + 5)
-    q_last = q_first + q_rows - 1
-    offs_m = tl.arange(0, BLOCK_M)
-    offs_n = tl.arange(0, BLOCK_N)
-    offs_dqk = tl.arange(0, BLOCK_DQK)
-    offs_dv = tl.arange(0, BLOCK_DV)
-    pack_row = offs_m // PACK  # tile row r: query pack_row[r] of the block, head head + r % PACK
-    pack_head = (offs_m % PACK).to(tl.int64)
-    m_valid = pack_row < q_rows
-    q_tokens = (q_start + pack_row).to(tl.int64)
-    q_rows_off = q_tokens * stride_qs + pack_head * stride_qh
-    q = _load_rows(Q + row * stride_qb + head * stride_qh + q_rows_off[:, None] + offs_dqk[None, :], m_valid,
-                   offs_dqk, D_QK, True, EVEN_D)  # fmt: skip
-    do_rows_off = q_tokens * stride_ds + pack_head * stride_dh
-    do = _load_rows(DO + row * stride_db + head * stride_dh + do_rows_off[:, None] + offs_dv[None, :], m_valid,
-                    offs_dv, D_V, True, EVEN_D)  # fmt: skip
-    stat_base = (row * n_heads + head) * q_len_row + pack_head * q_len_row
-    lse2, delta = _load_stats(LSE2, DELTA, stat_base, q_tokens, m_valid, True)
-    q_rows_pos = q_first + pack_row
-    k_head = K + row * stride_kb + kv_head * stride_kh
-    v_head = V + row * stride_vb + kv_head * stride_vh
-    dq = tl.zeros([BLOCK_M, BLOCK_DQK], tl.float32)
-    for seg in range(seg_lo, seg_hi):
-        k_start = tl.load(SEGS + seg * 3).to(tl.int64)
-        k_len = tl.load(SEGS + seg * 3 + 1)
-        k_pos = tl.load(SEGS + seg * 3 + 2)
-        dq = _bwd_q_segment(
-            dq, q, do, lse2, delta, k_head + k_start * stride_ks, v_head + k_start * stride_vs, k_len, k_pos,
-            q_first, q_last, q_rows_pos, stride_ks, stride_vs, offs_n, offs_dqk, offs_dv, D_QK, D_V, scale_log2,
-            window, CAUSAL, HAS_WINDOW, PRECISION, EVEN_D, ONE_LOOP, BLOCK_N,
-        )  # fmt: skip
-    qmask = m_valid[:, None] & (offs_dqk < D_QK)[None, :]
-    dq_rows_off = q_tokens * stride_dqs + pack_head * stride_dqh
-    dq_ptrs = DQ + row * stride_dqb + head * stride_dqh + dq_rows_off[:, None] + offs_dqk[None, :]
-    tl.store(dq_ptrs, (dq * scale).to(DQ.dtype.element_ty), mask=qmask)
+def _store_kv(dk_head, dv_head, dk, dv, rows, valid, stride_dks, stride_dvs, offs_dqk, offs_dv, D_QK, D_V):
+    rows64 = rows.to(tl.int64)
+    kmask = valid[:, None] & (offs_dqk < D_QK)[None, :]
+    vmask = valid[:, None] & (offs_dv < D_V)[None, :]
+    tl.store(dk_head + rows64[:, None] * stride_dks + offs_dqk[None, :], dk.to(dk_head.dtype.element_ty), mask=kmask)
+    tl.store(dv_head + rows64[:, None] * stride_dvs + offs_dv[None, :], dv.to(dv_head.dtype.element_ty), mask=vmask)

@@ -83,19 +83,32 @@ LENGTH_BUCKETS = (128, 1024, None)
 # dK/dV with 128 keys spills registers on sm90 (ptxas) and is still the fastest everywhere: half the Q/dO reloads
 # of 64 keys. dQ by fp32 atomics in the dK/dV kernel: 70-76 ms on 1 x 16384 (vs 5.6 ms for the dQ kernel).
 # Head dim 64 and MLA's shorter buckets are not measured: they follow the nearest measured choice.
+#
+# Short documents re-swept (branch flash at 2884fd8, 2026-12-01 15:12, the kernels computing delta/lse2 in place
+# of the preprocess pass; benchmarks/results/attention-short-h200-2026-12-01-s3, ms of each kernel alone):
+#
+#   128 x 128  forward (64, 32, 4, 3) 0.149 (64,64,4,3 0.176; 64,64,4,1 0.168; 128-row tiles 0.24-0.25)
+#              dK/dV (128, 32, 8, 2, packed GQA) 0.418 stores dQ (128,32,8,3 0.435; 128,64,8,2 0.421; 4 or 16
+#              warps 0.82-1.43); dQ (64, 32, 4, 3) 0.266 (only with 64-key dK/dV blocks: 0.233 + 0.266)
+#   32 x 512   forward (64, 32, 4, 3) 0.269 (64,64,4,3 0.273); dK/dV (64, 32, 4, 2) 0.534 (128,32,8,3 0.557);
+#              dQ (64, 32, 4, 3) 0.396
+#   totals (fwd + bwd ms, the issue's TFLOP/s): 128 x 128 0.149 + 0.418, 106 (last tiles 0.176 + 0.435, 98; with
+#   the preprocess pass 0.149 + 0.450, 100); 32 x 512 0.264 + 0.944, 199 (last tiles 195; preprocess 194).
+#   A dK/dV variant holding the key block as two halves (the second skipped above the diagonal) ran 2x slower
+#   (0.86 ms at 128 x 128: ptxas spills ~1 KB per thread) and was removed.
 _TABLE: dict[tuple[int, int | None], KernelConfigs] = {
-    (64, 128): KernelConfigs(_C(64, 64, 4, 3), _C(128, 32, 8, 3), _C(64, 32, 4, 3)),
-    (64, 1024): KernelConfigs(_C(64, 64, 4, 3), _C(128, 32, 8, 3), _C(64, 32, 4, 3)),
+    (64, 128): KernelConfigs(_C(64, 32, 4, 3), _C(128, 32, 8, 2, pack_gqa=True), _C(64, 32, 4, 3)),
+    (64, 1024): KernelConfigs(_C(64, 32, 4, 3), _C(64, 32, 4, 2), _C(64, 32, 4, 3)),
     (64, None): KernelConfigs(_C(128, 128, 8, 3), _C(128, 32, 8, 3), _C(128, 64, 8, 3)),
-    (128, 128): KernelConfigs(_C(64, 64, 4, 3), _C(128, 32, 8, 3), _C(64, 32, 4, 3)),
-    (128, 1024): KernelConfigs(_C(64, 64, 4, 3), _C(128, 32, 8, 3), _C(64, 32, 4, 3)),
+    (128, 128): KernelConfigs(_C(64, 32, 4, 3), _C(128, 32, 8, 2, pack_gqa=True), _C(64, 32, 4, 3)),
+    (128, 1024): KernelConfigs(_C(64, 32, 4, 3), _C(64, 32, 4, 2), _C(64, 32, 4, 3)),
     (128, None): KernelConfigs(_C(128, 128, 8, 3), _C(128, 32, 8, 3), _C(128, 64, 8, 3)),
     (256, 128): KernelConfigs(_C(128, 64, 8, 2), _C(64, 32, 8, 2), _C(128, 32, 8, 2)),
     (256, 1024): KernelConfigs(_C(128, 64, 8, 2), _C(64, 32, 8, 2), _C(128, 32, 8, 2)),
     (256, None): KernelConfigs(_C(128, 64, 8, 2), _C(64, 32, 8, 2), _C(128, 32, 8, 2)),
 }
 _INTERPRETER = KernelConfigs(_C(16, 16, 1, 1), _C(16, 16, 1, 1), _C(16, 16, 1, 1))
-MEASURED = "H200 sweep at 5be4d1b, 2026-12-01 (table above)"
+MEASURED = "H200 sweeps at 5be4d1b and (short documents) 2884fd8, 2026-12-01 (table above)"
 
 
 def _bucket(value: int, buckets: tuple) -> int | None:
@@ -120,6 +133,18 @@ def kernel_configs(head_dim_qk: int, head_dim_v: int, longest: int, interpreting
         return _INTERPRETER
     dim = _bucket(max(head_dim_qk, head_dim_v), DIM_BUCKETS)
     return _TABLE[(dim, _bucket(longest, LENGTH_BUCKETS))]
+
+
+def set_entry(head_dim_qk: int, head_dim_v: int, longest: int, configs: KernelConfigs) -> KernelConfigs:
+    """Replace the table's entry for these head dims and this longest document (``benchmarks/attention.py`` runs
+    its comparison with the tiles its sweep just measured fastest); returns the previous entry."""
+    if not isinstance(configs, KernelConfigs):
+        raise TypeError(f"set_entry: configs must be a KernelConfigs, got {type(configs).__name__}")
+    key = (_bucket(max(head_dim_qk, head_dim_v), DIM_BUCKETS), _bucket(longest, LENGTH_BUCKETS))
+    previous = _TABLE[key]
+    _TABLE[key] = configs
+    kernel_configs.cache_clear()
+    return previous
 
 
 def gqa_pack(config: FlashConfig, group: int, tile_rows: int) -> int:
