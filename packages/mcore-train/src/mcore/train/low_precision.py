@@ -19,7 +19,7 @@ from typing import Literal
 
 import torch
 
-from mcore.parallel.low_precision import LayerDecision, Recipe, enable_low_precision
+from mcore.parallel.low_precision import LayerDecision, Recipe, WeightCastCache, enable_low_precision
 from mcore.train.errors import UserError
 
 LOW_PRECISIONS = ("fp8", "fp4")
@@ -47,12 +47,14 @@ class Fp8Section(_LowPrecisionSection):
     with e5m2 runs mcore's Triton block-scaled GEMM on CUDA, as cuBLAS's takes e4m3 only).
     ``keep`` / ``min_features`` / ``on_mismatch``: which linears stay in high precision, and what a linear
     whose shape does not fit the recipe does (``error`` or ``fallback`` to high precision, logged).
+    ``weight_cache``: cast each weight once per optimizer step, not once per micro-batch.
     """
 
     recipe: Literal["tensorwise", "delayed", "rowwise", "blockwise", "mxfp8"] = "tensorwise"
     grad_format: Literal["e4m3", "e5m2"] | None = None
     amax_history_len: int = 16
     amax_compute: Literal["max", "most_recent"] = "max"
+    weight_cache: bool = True
 
     def to_recipe(self) -> Recipe:
         history, compute = self.amax_history_len, self.amax_compute
@@ -99,7 +101,15 @@ def expand_patterns(patterns: list[str], num_layers: int) -> list[str]:
     return [p.replace("{first}", "0").replace("{last}", str(num_layers - 1)) for p in patterns]
 
 
-def apply_low_precision(config, chunk: torch.nn.Module, tp_group) -> list[LayerDecision]:
+def weight_cast_cache(config) -> WeightCastCache | None:
+    """The cache of fp8 weight casts the trainer invalidates each optimizer step (``None``: not fp8, or off)."""
+    fp8 = config.train.precision == "fp8" and config.train.quant != "bitnet" and config.kernels.backend != "te"
+    return WeightCastCache() if fp8 and config.fp8.weight_cache else None
+
+
+def apply_low_precision(
+    config, chunk: torch.nn.Module, tp_group, weight_cache: WeightCastCache | None = None
+) -> list[LayerDecision]:
     """Install the configured recipe on ``chunk``'s TP linears (nothing unless precision is fp8 or fp4)."""
     precision = config.train.precision
     backend = "te" if config.kernels.backend == "te" else "mcore"
@@ -123,6 +133,7 @@ def apply_low_precision(config, chunk: torch.nn.Module, tp_group) -> list[LayerD
             keep=expand_patterns(section.keep, config.model.num_hidden_layers),
             min_features=section.min_features,
             on_mismatch=section.on_mismatch,
+            weight_cache=weight_cache,
         )
     except (ValueError, RuntimeError) as exc:
         recipe = getattr(section, "recipe", "bitnet")
