@@ -12,8 +12,10 @@ scales, from one read of the source per pass:
   With a given amax (delayed scaling) it also measures this tensor's amax in the same pass.
 * ``_block_dual_kernel``: block-wise needs no global pass: one 128 x 128 tile gives the ``1x128`` scales of its
   rows (``q``) and of its columns (``q^T``, the 1x128 groups of the transposed tensor), or the one ``128x128``
-  scale both share; amax, scales and both casts in a single read.
+  scale both share; amax, scales and both casts from one read of the tile from memory (swept twice, the second
+  time from L2).
 
+The transposes are taken on the fp8 values (one byte per element through shared memory, not four).
 So tensor- and row-wise move 2 + 2 + 1 + 1 = 6 bytes per bf16 element (two reads, two fp8 writes) and
 block-wise 4, the copy's count. Math is fp32; scales are ``div_rn(fmax, amax)`` and ``div_rn(1, multiplier)``,
 the bits of ``quantization.scale_from_amax``; rounding is ``quantization``'s explicit round-to-nearest-even.
@@ -31,7 +33,10 @@ BLOCK = 128
 # amax pass: each program reduces _AMAX_ROWS x _AMAX_COLS (in _AMAX_TILE_R-row steps), so the column atomics
 # number C * R / 256 and the row atomics R * C / 128, a few percent of the elements
 _AMAX_ROWS, _AMAX_TILE_R, _AMAX_COLS = 256, 32, 128
-_CAST_R, _CAST_C = 64, 128
+# 64 x 64 tiles over 8 warps: 16 elements per thread keep the cast kernel near 100 registers (64 x 128 over 4
+# warps needed 255 and spilled: too few warps per SM to keep the memory busy)
+_CAST_R, _CAST_C, _CAST_WARPS = 64, 64, 8
+_BLOCK_CHUNK_R, _BLOCK_WARPS = 32, 8
 
 
 @triton.jit
@@ -128,15 +133,15 @@ def _dual_cast_kernel(
             tl.store(SCALE, scale)
         v = x * mult
         vt = v
-    q = _round_to_fp8(v, FMAX, MBITS, MIN_EXP)
-    tl.store(Y + r64[:, None] * n_cols + c64[None, :], q.to(Y.dtype.element_ty), mask=mask)
+    q = _round_to_fp8(v, FMAX, MBITS, MIN_EXP).to(Y.dtype.element_ty)  # exact: already on the fp8 grid
+    tl.store(Y + r64[:, None] * n_cols + c64[None, :], q, mask=mask)
     if WRITE_YT:
         if ROWWISE:
-            qt = tl.trans(_round_to_fp8(vt, FMAX, MBITS, MIN_EXP))
+            qt = tl.trans(_round_to_fp8(vt, FMAX, MBITS, MIN_EXP).to(YT.dtype.element_ty))
         else:
             qt = tl.trans(q)
         mask_t = cmask[:, None] & rmask[None, :]
-        tl.store(YT + c64[:, None] * n_rows + r64[None, :], qt.to(YT.dtype.element_ty), mask=mask_t)
+        tl.store(YT + c64[:, None] * n_rows + r64[None, :], qt, mask=mask_t)
 
 
 @triton.jit
@@ -158,44 +163,56 @@ def _block_dual_kernel(
     SQUARE: tl.constexpr,  # one 128x128 scale per tile (shared by q and q^T); else 1x128 rows and columns
     WRITE_YT: tl.constexpr,
     BLOCK_T: tl.constexpr,
+    CHUNK_R: tl.constexpr,
 ):
+    """One BLOCK_T x BLOCK_T tile in CHUNK_R-row chunks (few registers per thread): the first sweep measures the
+    amaxes (1x128: also casts ``q``, its rows' scales known), the second re-reads the tile, which the first has
+    just brought into L2, and writes what needed the whole tile's amaxes (``q^T``; 128x128: ``q`` too)."""
     pid_r = tl.program_id(0)
     pid_c = tl.program_id(1)
-    rows = pid_r * BLOCK_T + tl.arange(0, BLOCK_T)
     cols = pid_c * BLOCK_T + tl.arange(0, BLOCK_T)
-    rmask = rows < n_rows
     cmask = cols < n_cols
-    mask = rmask[:, None] & cmask[None, :]
-    r64 = rows.to(tl.int64)
     c64 = cols.to(tl.int64)
-    x = tl.load(X + r64[:, None] * stride_r + c64[None, :] * stride_c, mask=mask, other=0.0).to(tl.float32)
-    a = tl.where(x != x, float("inf"), tl.abs(x))
+    col_max = tl.zeros((BLOCK_T,), dtype=tl.float32)
+    for i in range(BLOCK_T // CHUNK_R):
+        rows = pid_r * BLOCK_T + i * CHUNK_R + tl.arange(0, CHUNK_R)
+        rmask = rows < n_rows
+        r64 = rows.to(tl.int64)
+        mask = rmask[:, None] & cmask[None, :]
+        x = tl.load(X + r64[:, None] * stride_r + c64[None, :] * stride_c, mask=mask, other=0.0).to(tl.float32)
+        a = tl.where(x != x, float("inf"), tl.abs(x))
+        col_max = tl.maximum(col_max, tl.max(a, axis=0))
+        if not SQUARE:
+            mult_r, scale_r = _multiplier(tl.max(a, axis=1), FMAX)
+            tl.store(SCALE + r64 * n_scale_cols + pid_c, scale_r, mask=rmask)
+            q = _round_to_fp8(x * mult_r[:, None], FMAX, MBITS, MIN_EXP).to(Y.dtype.element_ty)
+            tl.store(Y + r64[:, None] * n_cols + c64[None, :], q, mask=mask)
     if SQUARE:
-        mult, scale = _multiplier(tl.max(tl.max(a, axis=1), axis=0), FMAX)
+        mult, scale = _multiplier(tl.max(col_max, axis=0), FMAX)
         tl.store(SCALE + pid_r * n_scale_cols + pid_c, scale)
         if WRITE_YT:
             tl.store(SCALE_T + pid_c * n_scale_t_cols + pid_r, scale)
-        v = x * mult
-        vt = v  # unused: q^T is q transposed
-    else:
-        mult_r, scale_r = _multiplier(tl.max(a, axis=1), FMAX)
-        tl.store(SCALE + r64 * n_scale_cols + pid_c, scale_r, mask=rmask)
-        v = x * mult_r[:, None]
-        if WRITE_YT:
-            mult_c, scale_c = _multiplier(tl.max(a, axis=0), FMAX)
-            tl.store(SCALE_T + c64 * n_scale_t_cols + pid_r, scale_c, mask=cmask)
-            vt = x * mult_c[None, :]
-        else:
-            vt = v
-    q = _round_to_fp8(v, FMAX, MBITS, MIN_EXP)
-    tl.store(Y + r64[:, None] * n_cols + c64[None, :], q.to(Y.dtype.element_ty), mask=mask)
-    if WRITE_YT:
-        if SQUARE:
-            qt = tl.trans(q)
-        else:
-            qt = tl.trans(_round_to_fp8(vt, FMAX, MBITS, MIN_EXP))
-        mask_t = cmask[:, None] & rmask[None, :]
-        tl.store(YT + c64[:, None] * n_rows + r64[None, :], qt.to(YT.dtype.element_ty), mask=mask_t)
+        for i in range(BLOCK_T // CHUNK_R):
+            rows = pid_r * BLOCK_T + i * CHUNK_R + tl.arange(0, CHUNK_R)
+            rmask = rows < n_rows
+            r64 = rows.to(tl.int64)
+            mask = rmask[:, None] & cmask[None, :]
+            x = tl.load(X + r64[:, None] * stride_r + c64[None, :] * stride_c, mask=mask, other=0.0).to(tl.float32)
+            q = _round_to_fp8(x * mult, FMAX, MBITS, MIN_EXP).to(Y.dtype.element_ty)
+            tl.store(Y + r64[:, None] * n_cols + c64[None, :], q, mask=mask)
+            if WRITE_YT:
+                tl.store(YT + c64[:, None] * n_rows + r64[None, :], tl.trans(q), mask=cmask[:, None] & rmask[None, :])
+    elif WRITE_YT:
+        mult_c, scale_c = _multiplier(col_max, FMAX)
+        tl.store(SCALE_T + c64 * n_scale_t_cols + pid_r, scale_c, mask=cmask)
+        for i in range(BLOCK_T // CHUNK_R):
+            rows = pid_r * BLOCK_T + i * CHUNK_R + tl.arange(0, CHUNK_R)
+            rmask = rows < n_rows
+            r64 = rows.to(tl.int64)
+            mask = rmask[:, None] & cmask[None, :]
+            x = tl.load(X + r64[:, None] * stride_r + c64[None, :] * stride_c, mask=mask, other=0.0).to(tl.float32)
+            qt = tl.trans(_round_to_fp8(x * mult_c[None, :], FMAX, MBITS, MIN_EXP).to(YT.dtype.element_ty))
+            tl.store(YT + c64[:, None] * n_rows + r64[None, :], qt, mask=cmask[:, None] & rmask[None, :])
 
 
 def amax(x: torch.Tensor, per_row_col: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -267,7 +284,7 @@ def dual_cast(
             RECORD_AMAX=amax_out is not None,
             BLOCK_R=_CAST_R,
             BLOCK_C=_CAST_C,
-            num_warps=4,
+            num_warps=_CAST_WARPS,
         )
     else:  # nothing to scale: the multipliers of empty groups are 1
         scale.fill_(1.0)
@@ -312,6 +329,7 @@ def block_dual(
             SQUARE=square,
             WRITE_YT=write_t,
             BLOCK_T=BLOCK,
-            num_warps=8,
+            CHUNK_R=_BLOCK_CHUNK_R,
+            num_warps=_BLOCK_WARPS,
         )
     return y, scale, yt, scale_t
