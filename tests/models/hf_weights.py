@@ -33,6 +33,13 @@ def hf_model(config: TransformerConfig, seed: int) -> torch.nn.Module:
         for name, buf in model.named_buffers():
             if name.endswith("e_score_correction_bias"):
                 buf.normal_(0.0, 0.05)
+    # GPT-OSS's experts: transformers before ~5.2x hard-code alpha 1.702 and limit 7.0 in GptOssExperts instead of
+    # reading config.swiglu_alpha / swiglu_limit (the GPU image's 5.17 does), so a test that sets a small limit to
+    # make the clamps bite compared against limit 7.0 there. Set them on the modules: same reference either way.
+    if getattr(config, "swiglu_limit", None) is not None:
+        for module in model.modules():
+            if hasattr(module, "limit") and hasattr(module, "alpha") and hasattr(module, "gate_up_proj"):
+                module.limit, module.alpha = config.swiglu_limit, config.swiglu_alpha
     return model
 
 
