@@ -43,6 +43,7 @@ def test_config_sections_and_their_errors():
     with pytest.raises(UserError, match="min_features must be >= 0"):
         load_config(None, ["fp4.min_features=-1"])
     assert load_config(None, ["fp8.recipe=blockwise", "fp8.grad_format=e5m2"]).fp8.to_recipe().grad_format == "e5m2"
+    assert recipe.fast_accum and not load_config(None, ["fp8.fast_accum=false"]).fp8.to_recipe().fast_accum
 
 
 def test_trainer_quantizes_the_tp_linears_but_the_kept_ones():

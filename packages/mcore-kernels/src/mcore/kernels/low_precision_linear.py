@@ -73,6 +73,8 @@ class Recipe:
     block-scaled GEMM on CUDA, e4m3 cuBLAS's).
     ``amax_history_len`` / ``amax_compute`` (``max`` or ``most_recent``): delayed scaling.
     ``quantize_grads`` (emulated recipes): also quantize the gradient operands of dgrad and wgrad.
+    ``fast_accum``: the forward GEMM (tensor- and row-wise, CUDA) accumulates in the tensor cores' fast mode; the
+    gradient GEMMs never do (torchao's defaults: the forward's short K tolerates it, the gradients' long M less).
     """
 
     name: str = "tensorwise"
@@ -80,6 +82,7 @@ class Recipe:
     amax_history_len: int = 16
     amax_compute: str = "max"
     quantize_grads: bool = True
+    fast_accum: bool = True
 
     def __post_init__(self) -> None:
         if self.name not in RECIPES:
@@ -246,8 +249,9 @@ class LowPrecisionLinear:
             return make()
         return self.weight_cache.get(self, weight, transposed, make)
 
-    def matmul(self, a: Quantized, b: Quantized, out_dtype: torch.dtype) -> torch.Tensor:
-        return scaled_matmul(a, b, out_dtype=out_dtype, backend="reference" if self.backend == "reference" else None)
+    def matmul(self, a: Quantized, b: Quantized, out_dtype: torch.dtype, fast_accum: bool = False) -> torch.Tensor:
+        backend = "reference" if self.backend == "reference" else None
+        return scaled_matmul(a, b, out_dtype=out_dtype, backend=backend, fast_accum=fast_accum)
 
 
 class _Fp8LinearFunction(torch.autograd.Function):
@@ -266,7 +270,7 @@ class _Fp8LinearFunction(torch.autograd.Function):
         ctx.save_for_backward(*(t for q in saved for t in ((q.data, q.scale) if q is not None else (None, None))))
         ctx.layer, ctx.has_bias = layer, bias is not None
         ctx.x_shape, ctx.weight_dtype = x.shape, weight.dtype
-        y = layer.matmul(qx, qw, x.dtype)
+        y = layer.matmul(qx, qw, x.dtype, fast_accum=layer.recipe.fast_accum)
         if bias is not None:
             y = y + bias
         return y.reshape(*x.shape[:-1], weight.shape[0])

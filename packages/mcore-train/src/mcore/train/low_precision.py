@@ -47,7 +47,8 @@ class Fp8Section(_LowPrecisionSection):
     with e5m2 runs mcore's Triton block-scaled GEMM on CUDA, as cuBLAS's takes e4m3 only).
     ``keep`` / ``min_features`` / ``on_mismatch``: which linears stay in high precision, and what a linear
     whose shape does not fit the recipe does (``error`` or ``fallback`` to high precision, logged).
-    ``weight_cache``: cast each weight once per optimizer step, not once per micro-batch.
+    ``weight_cache``: cast each weight once per optimizer step, not once per micro-batch. ``fast_accum``: the
+    forward GEMM of tensor- and row-wise recipes accumulates in the tensor cores' fast mode (gradients never).
     """
 
     recipe: Literal["tensorwise", "delayed", "rowwise", "blockwise", "mxfp8"] = "tensorwise"
@@ -55,10 +56,17 @@ class Fp8Section(_LowPrecisionSection):
     amax_history_len: int = 16
     amax_compute: Literal["max", "most_recent"] = "max"
     weight_cache: bool = True
+    fast_accum: bool = True
 
     def to_recipe(self) -> Recipe:
         history, compute = self.amax_history_len, self.amax_compute
-        return Recipe(self.recipe, grad_format=self.grad_format, amax_history_len=history, amax_compute=compute)
+        return Recipe(
+            self.recipe,
+            grad_format=self.grad_format,
+            amax_history_len=history,
+            amax_compute=compute,
+            fast_accum=self.fast_accum,
+        )
 
 
 @dataclass
