@@ -110,6 +110,8 @@ def test_weight_casts_are_reused_within_a_step_and_renewed_by_the_optimizer_step
     cached_losses = [r["loss"] for r in train_records(tmp_path / "cached").values()]
     assert cached_losses == [r["loss"] for r in train_records(tmp_path / "uncached").values()]
     assert len(cached_losses) == 4 and with_cache.final_loss == without.final_loss
+    one = load_config(None, [*TINY, *fp8, "train.global_batch_size=2"])  # one micro-batch: nothing to reuse
+    assert Trainer(one, init_runtime(one)).weight_casts is None
 
 
 @pytest.fixture(scope="module")

@@ -47,7 +47,8 @@ class Fp8Section(_LowPrecisionSection):
     with e5m2 runs mcore's Triton block-scaled GEMM on CUDA, as cuBLAS's takes e4m3 only).
     ``keep`` / ``min_features`` / ``on_mismatch``: which linears stay in high precision, and what a linear
     whose shape does not fit the recipe does (``error`` or ``fallback`` to high precision, logged).
-    ``weight_cache``: cast each weight once per optimizer step, not once per micro-batch. ``fast_accum``: the
+    ``weight_cache``: cast each weight once per optimizer step, not once per micro-batch (with one micro-batch
+    per step and no recompute there is nothing to reuse: no cache). ``fast_accum``: the
     forward GEMM of tensor- and row-wise recipes accumulates in the tensor cores' fast mode (gradients never).
     """
 
@@ -109,10 +110,13 @@ def expand_patterns(patterns: list[str], num_layers: int) -> list[str]:
     return [p.replace("{first}", "0").replace("{last}", str(num_layers - 1)) for p in patterns]
 
 
-def weight_cast_cache(config) -> WeightCastCache | None:
-    """The cache of fp8 weight casts the trainer invalidates each optimizer step (``None``: not fp8, or off)."""
+def weight_cast_cache(config, num_microbatches: int) -> WeightCastCache | None:
+    """The cache of fp8 weight casts the trainer invalidates each optimizer step; ``None`` when not fp8, off, or
+    nothing would reuse a cast (one micro-batch per step and no recompute: the cache would only keep the forward's
+    fp8 weights alive through the backward, 1 byte per weight element)."""
     fp8 = config.train.precision == "fp8" and config.train.quant != "bitnet" and config.kernels.backend != "te"
-    return WeightCastCache() if fp8 and config.fp8.weight_cache else None
+    reused = num_microbatches > 1 or config.train.recompute != "none"
+    return WeightCastCache() if fp8 and config.fp8.weight_cache and reused else None
 
 
 def apply_low_precision(

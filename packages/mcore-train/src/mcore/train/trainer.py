@@ -165,7 +165,8 @@ class Trainer:
             params_dtype=torch.float32 if config.parallel.dp_shard and with_optimizer else self.params_dtype,
             device=self.device,
         )
-        self.weight_casts = weight_cast_cache(config)  # fp8 weight casts, dropped before each optimizer step
+        # fp8 weight casts reused by a step's micro-batches, dropped before each optimizer step
+        self.weight_casts = weight_cast_cache(config, config.num_microbatches(groups.dp_size))
         for chunk in self.chunks:
             apply_low_precision(config, chunk, groups.tp, self.weight_casts)
             chunk.mtp_loss_weight = config.train.mtp_loss_weight
