@@ -49,6 +49,16 @@ def _multiplier(amax, FMAX: tl.constexpr):
 
 
 @triton.jit
+def _load_tile(X, rows, cols, n_rows, n_cols, stride_r, stride_c):
+    """``x[rows, cols]`` in fp32 (zeros outside the tensor), its mask, row mask and int64 row indices."""
+    rmask = rows < n_rows
+    r64 = rows.to(tl.int64)
+    mask = rmask[:, None] & (cols < n_cols)[None, :]
+    ptrs = X + r64[:, None] * stride_r + cols.to(tl.int64)[None, :] * stride_c
+    return tl.load(ptrs, mask=mask, other=0.0).to(tl.float32), mask, rmask, r64
+
+
+@triton.jit
 def _amax_kernel(
     X,
     AMAX,
@@ -65,13 +75,10 @@ def _amax_kernel(
 ):
     cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     cmask = cols < n_cols
-    c64 = cols.to(tl.int64)
     col_max = tl.zeros((BLOCK_C,), dtype=tl.float32)
     for step in range(ROWS // BLOCK_R):
         rows = tl.program_id(0) * ROWS + step * BLOCK_R + tl.arange(0, BLOCK_R)
-        rmask = rows < n_rows
-        ptrs = X + rows.to(tl.int64)[:, None] * stride_r + c64[None, :] * stride_c
-        x = tl.load(ptrs, mask=rmask[:, None] & cmask[None, :], other=0.0).to(tl.float32)
+        x, mask, rmask, r64 = _load_tile(X, rows, cols, n_rows, n_cols, stride_r, stride_c)
         a = tl.where(x != x, float("inf"), tl.abs(x))
         col_max = tl.maximum(col_max, tl.max(a, axis=0))
         if PER_ROW_COL:
@@ -110,12 +117,9 @@ def _dual_cast_kernel(
     pid_c = tl.program_id(1)
     rows = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
     cols = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
-    rmask = rows < n_rows
     cmask = cols < n_cols
-    mask = rmask[:, None] & cmask[None, :]
-    r64 = rows.to(tl.int64)
     c64 = cols.to(tl.int64)
-    x = tl.load(X + r64[:, None] * stride_r + c64[None, :] * stride_c, mask=mask, other=0.0).to(tl.float32)
+    x, mask, rmask, r64 = _load_tile(X, rows, cols, n_rows, n_cols, stride_r, stride_c)
     if RECORD_AMAX:
         tl.atomic_max(AMAX_OUT, tl.max(tl.max(tl.where(x != x, float("inf"), tl.abs(x)), axis=1), axis=0))
     if ROWWISE:
@@ -176,10 +180,7 @@ def _block_dual_kernel(
     col_max = tl.zeros((BLOCK_T,), dtype=tl.float32)
     for i in range(BLOCK_T // CHUNK_R):
         rows = pid_r * BLOCK_T + i * CHUNK_R + tl.arange(0, CHUNK_R)
-        rmask = rows < n_rows
-        r64 = rows.to(tl.int64)
-        mask = rmask[:, None] & cmask[None, :]
-        x = tl.load(X + r64[:, None] * stride_r + c64[None, :] * stride_c, mask=mask, other=0.0).to(tl.float32)
+        x, mask, rmask, r64 = _load_tile(X, rows, cols, n_rows, n_cols, stride_r, stride_c)
         a = tl.where(x != x, float("inf"), tl.abs(x))
         col_max = tl.maximum(col_max, tl.max(a, axis=0))
         if not SQUARE:
@@ -194,10 +195,7 @@ def _block_dual_kernel(
             tl.store(SCALE_T + pid_c * n_scale_t_cols + pid_r, scale)
         for i in range(BLOCK_T // CHUNK_R):
             rows = pid_r * BLOCK_T + i * CHUNK_R + tl.arange(0, CHUNK_R)
-            rmask = rows < n_rows
-            r64 = rows.to(tl.int64)
-            mask = rmask[:, None] & cmask[None, :]
-            x = tl.load(X + r64[:, None] * stride_r + c64[None, :] * stride_c, mask=mask, other=0.0).to(tl.float32)
+            x, mask, rmask, r64 = _load_tile(X, rows, cols, n_rows, n_cols, stride_r, stride_c)
             q = _round_to_fp8(x * mult, FMAX, MBITS, MIN_EXP).to(Y.dtype.element_ty)
             tl.store(Y + r64[:, None] * n_cols + c64[None, :], q, mask=mask)
             if WRITE_YT:
@@ -207,10 +205,7 @@ def _block_dual_kernel(
         tl.store(SCALE_T + c64 * n_scale_t_cols + pid_r, scale_c, mask=cmask)
         for i in range(BLOCK_T // CHUNK_R):
             rows = pid_r * BLOCK_T + i * CHUNK_R + tl.arange(0, CHUNK_R)
-            rmask = rows < n_rows
-            r64 = rows.to(tl.int64)
-            mask = rmask[:, None] & cmask[None, :]
-            x = tl.load(X + r64[:, None] * stride_r + c64[None, :] * stride_c, mask=mask, other=0.0).to(tl.float32)
+            x, mask, rmask, r64 = _load_tile(X, rows, cols, n_rows, n_cols, stride_r, stride_c)
             qt = tl.trans(_round_to_fp8(x * mult_c[None, :], FMAX, MBITS, MIN_EXP).to(YT.dtype.element_ty))
             tl.store(YT + c64[:, None] * n_rows + r64[None, :], qt, mask=cmask[:, None] & rmask[None, :])
 
