@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from mcore.models.config import TransformerConfig
+from tests.helpers.hf_renames import LayerTable, to_mcore_state
 
 
 def gpt_oss_config_kwargs(config: TransformerConfig) -> dict[str, Any]:
@@ -32,42 +33,28 @@ def gpt_oss_config_kwargs(config: TransformerConfig) -> dict[str, Any]:
     )
 
 
-def _fuse_qkv(q, k, v, config):
-    groups, d = config.num_key_value_heads, config.head_dim
-    rest = q.shape[1:]
-    q = q.reshape(groups, config.query_heads_per_kv_head * d, *rest)
-    return torch.cat([q, k.reshape(groups, d, *rest), v.reshape(groups, d, *rest)], dim=1).reshape(-1, *rest)
-
-
 def _deinterleave(t: torch.Tensor) -> torch.Tensor:
     """Last dim ``[g0, u0, g1, u1, ...]`` -> ``[g0, g1, ..., u0, u1, ...]``."""
     return torch.cat([t[..., 0::2], t[..., 1::2]], dim=-1)
 
 
+_GPT_OSS_LAYER = LayerTable(
+    renames=(
+        ("input_layernorm.", "input_norm."),
+        ("post_attention_layernorm.", "mlp_norm."),
+        ("self_attn.o_proj.", "attention.out_proj."),
+        ("self_attn.sinks", "attention.sinks.weight"),
+        ("mlp.router.", "mlp.router."),
+        ("mlp.experts.down_proj_bias", "mlp.experts.down_bias"),
+    ),
+    qkv=(("self_attn.", "attention."),),
+    converts=(
+        ("mlp.experts.gate_up_proj", "mlp.experts.gate_up", lambda t: _deinterleave(t).transpose(1, 2)),
+        ("mlp.experts.gate_up_proj_bias", "mlp.experts.gate_up_bias", _deinterleave),
+        ("mlp.experts.down_proj", "mlp.experts.down", lambda t: t.transpose(1, 2)),
+    ),
+)
+
+
 def gpt_oss_to_mcore_state(hf_state: dict[str, torch.Tensor], config: TransformerConfig) -> dict[str, torch.Tensor]:
-    out = {"embedding.weight": hf_state["model.embed_tokens.weight"]}
-    out["final_norm.weight"] = hf_state["model.norm.weight"]
-    if not config.tie_word_embeddings:
-        out["output.weight"] = hf_state["lm_head.weight"]
-    for i in range(config.num_hidden_layers):
-        hf, ours = f"model.layers.{i}.", f"layers.{i}."
-        a, m = hf + "self_attn.", hf + "mlp."
-        out[ours + "input_norm.weight"] = hf_state[hf + "input_layernorm.weight"]
-        out[ours + "mlp_norm.weight"] = hf_state[hf + "post_attention_layernorm.weight"]
-        for kind in ("weight", "bias"):
-            qkv = [hf_state[a + f"{n}_proj.{kind}"] for n in "qkv"]
-            out[ours + f"attention.qkv.{kind}"] = _fuse_qkv(*qkv, config)
-            out[ours + f"attention.out_proj.{kind}"] = hf_state[a + f"o_proj.{kind}"]
-            out[ours + f"mlp.router.{kind}"] = hf_state[m + f"router.{kind}"]
-        out[ours + "attention.sinks.weight"] = hf_state[a + "sinks"]
-        out[ours + "mlp.experts.gate_up"] = _deinterleave(hf_state[m + "experts.gate_up_proj"]).transpose(1, 2)
-        out[ours + "mlp.experts.gate_up_bias"] = _deinterleave(hf_state[m + "experts.gate_up_proj_bias"])
-        out[ours + "mlp.experts.down"] = hf_state[m + "experts.down_proj"].transpose(1, 2)
-        out[ours + "mlp.experts.down_bias"] = hf_state[m + "experts.down_proj_bias"]
-    return out
-
-
-def gpt_oss_parts(model: torch.nn.Module, config: TransformerConfig) -> tuple[int, int]:
-    params = dict(model.named_parameters())
-    mixers = sum(p.numel() for n, p in params.items() if ".self_attn." in n)
-    return mixers, sum(p.numel() for n, p in params.items() if ".mlp." in n)
+    return to_mcore_state(hf_state, config, _GPT_OSS_LAYER)

@@ -5,6 +5,7 @@ defaults in ``tests/helpers/families.py`` and ``tests/models/hf_weights.py`` ser
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -12,7 +13,8 @@ from typing import Any
 import torch
 
 from mcore.models.config import TransformerConfig
-from tests.helpers.gpt_oss_adapter import gpt_oss_config_kwargs, gpt_oss_parts, gpt_oss_to_mcore_state
+from tests.helpers.gpt_oss_adapter import gpt_oss_config_kwargs, gpt_oss_to_mcore_state
+from tests.helpers.hf_renames import LayerTable, ModelNames, count_parts, to_mcore_state
 
 
 @dataclass(frozen=True)
@@ -24,6 +26,32 @@ class HfAdapter:
     # the config field HF's ``head_dim`` means, and the HF key of our ``hidden_act``
     head_dim_field: str = "head_dim"
     hf_hidden_act_key: str = "hidden_act"
+
+
+# Every family without an adapter is Llama-shaped (dense or MoE; transformers 5 holds the experts merged in memory,
+# ``experts.gate_up_proj`` [E, 2F, H] and ``experts.down_proj`` [E, H, F]: our layout).
+LLAMA_LAYER = LayerTable(
+    renames=(
+        ("input_layernorm.", "input_norm."),
+        ("post_attention_layernorm.", "mlp_norm."),
+        ("self_attn.o_proj.", "attention.out_proj."),
+        ("self_attn.q_norm.", "attention.q_norm."),
+        ("self_attn.k_norm.", "attention.k_norm."),
+        ("mlp.down_proj.", "mlp.down."),
+        ("mlp.gate.weight", "mlp.router.weight"),
+        ("mlp.experts.gate_up_proj", "mlp.experts.gate_up"),
+        ("mlp.experts.down_proj", "mlp.experts.down"),
+        ("mlp.shared_expert.down_proj.", "mlp.shared_expert.down."),
+        ("mlp.shared_expert_gate.", "mlp.shared_expert_gate."),
+    ),
+    qkv=(("self_attn.", "attention."),),
+    gate_up=(("mlp.", "mlp."), ("mlp.shared_expert.", "mlp.shared_expert.")),
+)
+
+
+def llama_shaped_to_mcore_state(hf_state, config):
+    """The renaming of a Llama-shaped family (every family without an adapter)."""
+    return to_mcore_state(hf_state, config, LLAMA_LAYER)
 
 
 def _mamba_kwargs(config: TransformerConfig) -> dict[str, Any]:
@@ -59,32 +87,12 @@ def mamba2_config_kwargs(config: TransformerConfig) -> dict[str, Any]:
     )
 
 
-def _one_block_per_layer_state(hf_state, config, prefix, mixer_names):
-    """HF models whose layer ``i`` is ``norm`` + ``mixer`` (Mamba2, NemotronH): ``mixer_names(i)`` says which of our
-    modules (``input_norm``/``mixer`` or ``mlp_norm``/``mlp``...) the HF layer's norm and mixer are."""
-    out = {
-        "embedding.weight": hf_state[f"{prefix}.embeddings.weight"],
-        "final_norm.weight": hf_state[f"{prefix}.norm_f.weight"],
-    }
-    if not config.tie_word_embeddings:
-        out["output.weight"] = hf_state["lm_head.weight"]
-    for i in range(config.num_hidden_layers):
-        norm, module = mixer_names(i)
-        hf = f"{prefix}.layers.{i}."
-        for name, tensor in hf_state.items():
-            if name == hf + "norm.weight":
-                out[f"layers.{i}.{norm}.weight"] = tensor
-            elif name.startswith(hf + "mixer."):
-                out[f"layers.{i}.{module}." + name[len(hf + "mixer.") :]] = tensor
-    return out
+# Mamba-2 and Nemotron-H layers are ``norm`` + ``mixer``; which of our modules they are depends on the layer.
+_MAMBA_LAYER = LayerTable(renames=(("norm.", "input_norm."), ("mixer.", "mamba.")))
 
 
 def mamba2_to_mcore_state(hf_state, config):
-    return _one_block_per_layer_state(hf_state, config, "backbone", lambda i: ("input_norm", "mamba"))
-
-
-def _mixer_only(model: torch.nn.Module, config: TransformerConfig) -> tuple[int, int]:
-    return sum(p.numel() for n, p in model.named_parameters() if ".mixer." in n), 0
+    return to_mcore_state(hf_state, config, _MAMBA_LAYER, ModelNames("backbone", "embeddings", "norm_f"))
 
 
 def nemotron_h_config_kwargs(config: TransformerConfig) -> dict[str, Any]:
@@ -111,14 +119,13 @@ def nemotron_h_config_kwargs(config: TransformerConfig) -> dict[str, Any]:
     )
 
 
-def _nemotron_h_moe_kwargs(config: TransformerConfig) -> dict[str, Any]:
-    """NemotronHConfig's MoE fields (its experts' width is moe_intermediate_size; the router's knobs are ours)."""
+def _routed_moe_kwargs(config: TransformerConfig) -> dict[str, Any]:
+    """The MoE fields that NemotronHConfig and the DeepSeek configs name alike (the router's knobs are ours)."""
     router = dict(config.moe_router or {})
     return dict(
         n_routed_experts=config.num_experts,
         num_experts_per_tok=config.num_experts_per_tok,
         moe_intermediate_size=config.moe_intermediate_size,
-        moe_shared_expert_intermediate_size=config.shared_expert_intermediate_size,
         norm_topk_prob=config.norm_topk_prob,
         n_group=router.get("n_group", 1),
         topk_group=router.get("topk_group", 1),
@@ -126,50 +133,39 @@ def _nemotron_h_moe_kwargs(config: TransformerConfig) -> dict[str, Any]:
     )
 
 
-def _fuse_qkv(q, k, v, config):
-    """Our fused QKV rows: for each KV head, its query heads then its key and value (as the attention part)."""
-    groups, d = config.num_key_value_heads, config.head_dim
-    q = q.reshape(groups, config.query_heads_per_kv_head * d, -1)
-    return torch.cat([q, k.reshape(groups, d, -1), v.reshape(groups, d, -1)], dim=1).reshape(-1, q.shape[-1])
+def _nemotron_h_moe_kwargs(config: TransformerConfig) -> dict[str, Any]:
+    """NemotronHConfig's MoE fields (its experts' width is moe_intermediate_size)."""
+    return dict(_routed_moe_kwargs(config), moe_shared_expert_intermediate_size=config.shared_expert_intermediate_size)
 
 
-def _nemotron_h_names(config, i):
-    mixer = config.mixer_type(i)
-    if mixer == "mamba2":
-        return "input_norm", "mamba"
-    if mixer == "nope_attention":
-        return "input_norm", "attention"
-    return "mlp_norm", "mlp"
-
-
-_NEMOTRON_RENAMES = {
-    "attention.o_proj.": "attention.out_proj.",
-    "mlp.up_proj.": "mlp.up.",
-    "mlp.down_proj.": "mlp.down.",
-    "mlp.gate.weight": "mlp.router.weight",
-    "mlp.experts.up_proj": "mlp.experts.up",  # transformers 5 holds them merged in memory: [E, F, H], [E, H, F]
-    "mlp.experts.down_proj": "mlp.experts.down",
-    "mlp.shared_experts.up_proj.": "mlp.shared_expert.up.",
-    "mlp.shared_experts.down_proj.": "mlp.shared_expert.down.",
+_NEMOTRON_LAYERS = {
+    "mamba2": _MAMBA_LAYER,
+    "nope_attention": LayerTable(
+        renames=(("norm.", "input_norm."), ("mixer.", "attention."), ("mixer.o_proj.", "attention.out_proj.")),
+        qkv=(("mixer.", "attention."),),
+    ),
 }
+_NEMOTRON_MLP_LAYER = LayerTable(
+    renames=(
+        ("norm.", "mlp_norm."),
+        ("mixer.", "mlp."),
+        ("mixer.up_proj.", "mlp.up."),
+        ("mixer.down_proj.", "mlp.down."),
+        ("mixer.gate.weight", "mlp.router.weight"),
+        ("mixer.gate.e_score_correction_bias", "mlp.expert_bias"),  # a persistent buffer on both sides
+        ("mixer.experts.up_proj", "mlp.experts.up"),  # transformers 5 holds them merged in memory: [E, F, H], [E, H, F]
+        ("mixer.experts.down_proj", "mlp.experts.down"),
+        ("mixer.shared_experts.up_proj.", "mlp.shared_expert.up."),
+        ("mixer.shared_experts.down_proj.", "mlp.shared_expert.down."),
+    )
+)
 
 
 def nemotron_h_to_mcore_state(hf_state, config):
-    out = _one_block_per_layer_state(hf_state, config, "model", lambda i: _nemotron_h_names(config, i))
-    for i in range(config.num_hidden_layers):
-        a = f"layers.{i}.attention."
-        if a + "q_proj.weight" in out:
-            qkv = [out.pop(a + f"{n}_proj.weight") for n in "qkv"]
-            out[a + "qkv.weight"] = _fuse_qkv(*qkv, config)
-    for name in list(out):
-        if name.endswith("mlp.gate.e_score_correction_bias"):  # a persistent buffer on both sides
-            out[name.replace("mlp.gate.e_score_correction_bias", "mlp.expert_bias")] = out.pop(name)
-            continue
-        for old, new in _NEMOTRON_RENAMES.items():
-            if f".{old}" in name:
-                out[name.replace(f".{old}", f".{new}")] = out.pop(name)
-                break
-    return out
+    def table(i: int) -> LayerTable:
+        return _NEMOTRON_LAYERS.get(config.mixer_type(i), _NEMOTRON_MLP_LAYER)
+
+    return to_mcore_state(hf_state, config, table, ModelNames(embedding="embeddings", final_norm="norm_f"))
 
 
 def _nemotron_h_parts(model: torch.nn.Module, config: TransformerConfig) -> tuple[int, int]:
@@ -230,47 +226,21 @@ def falcon_h1_config_kwargs(config: TransformerConfig) -> dict[str, Any]:
     )
 
 
-_FALCON_RENAMES = (
-    ("input_layernorm.", "input_norm."),
-    ("pre_ff_layernorm.", "mlp_norm."),
-    ("mamba.", "parallel.mamba."),
-    ("self_attn.o_proj.", "parallel.attention.out_proj."),
-    ("feed_forward.down_proj.", "mlp.down."),
+_FALCON_LAYER = LayerTable(
+    renames=(
+        ("input_layernorm.", "input_norm."),
+        ("pre_ff_layernorm.", "mlp_norm."),
+        ("mamba.", "parallel.mamba."),
+        ("self_attn.o_proj.", "parallel.attention.out_proj."),
+        ("feed_forward.down_proj.", "mlp.down."),
+    ),
+    qkv=(("self_attn.", "parallel.attention."),),
+    gate_up=(("feed_forward.", "mlp."),),
 )
 
 
 def falcon_h1_to_mcore_state(hf_state, config):
-    out = {
-        "embedding.weight": hf_state["model.embed_tokens.weight"],
-        "final_norm.weight": hf_state["model.final_layernorm.weight"],
-    }
-    if not config.tie_word_embeddings:
-        out["output.weight"] = hf_state["lm_head.weight"]
-    for i in range(config.num_hidden_layers):
-        hf, ours = f"model.layers.{i}.", f"layers.{i}."
-        for name, tensor in hf_state.items():
-            if not name.startswith(hf):
-                continue
-            rest = name[len(hf) :]
-            for old, new in _FALCON_RENAMES:
-                if rest.startswith(old):
-                    out[ours + new + rest[len(old) :]] = tensor
-        for kind in ("weight", "bias"):
-            a = hf + "self_attn."
-            if a + f"q_proj.{kind}" in hf_state:
-                qkv = [hf_state[a + f"{n}_proj.{kind}"] for n in "qkv"]
-                out[ours + f"parallel.attention.qkv.{kind}"] = _fuse_qkv(*qkv, config).reshape(-1, *qkv[0].shape[1:])
-            f = hf + "feed_forward."
-            if f + f"gate_proj.{kind}" in hf_state:
-                gate_up = [hf_state[f + f"{n}_proj.{kind}"] for n in ("gate", "up")]
-                out[ours + f"mlp.gate_up.{kind}"] = torch.cat(gate_up, dim=0)
-    return out
-
-
-def _falcon_h1_parts(model: torch.nn.Module, config: TransformerConfig) -> tuple[int, int]:
-    params = dict(model.named_parameters())
-    mixers = sum(p.numel() for n, p in params.items() if ".mamba." in n or ".self_attn." in n)
-    return mixers, sum(p.numel() for n, p in params.items() if ".feed_forward." in n)
+    return to_mcore_state(hf_state, config, _FALCON_LAYER, ModelNames(final_norm="final_layernorm"))
 
 
 def bitnet_config_kwargs(config: TransformerConfig) -> dict[str, Any]:
@@ -282,32 +252,38 @@ def bitnet_config_kwargs(config: TransformerConfig) -> dict[str, Any]:
     return kwargs
 
 
+# BitNet is Llama with two sub-norms, which ours keep inside out_proj and down.
+_BITNET_LAYER = dataclasses.replace(
+    LLAMA_LAYER,
+    renames=LLAMA_LAYER.renames
+    + (("self_attn.attn_sub_norm.", "attention.out_proj.sub_norm."), ("mlp.ffn_sub_norm.", "mlp.down.sub_norm.")),
+)
+
+
 def bitnet_to_mcore_state(hf_state, config):
-    """Llama's renaming plus the two sub-norms (ours sit inside out_proj and down)."""
-    from tests.models.hf_weights import llama_shaped_to_mcore_state
-
-    out = llama_shaped_to_mcore_state(hf_state, config)
-    for i in range(config.num_hidden_layers):
-        hf, ours = f"model.layers.{i}.", f"layers.{i}."
-        out[ours + "attention.out_proj.sub_norm.weight"] = hf_state[hf + "self_attn.attn_sub_norm.weight"]
-        out[ours + "mlp.down.sub_norm.weight"] = hf_state[hf + "mlp.ffn_sub_norm.weight"]
-    return out
+    return to_mcore_state(hf_state, config, _BITNET_LAYER)
 
 
-def _llama_parts(model: torch.nn.Module, config: TransformerConfig) -> tuple[int, int]:
-    params = dict(model.named_parameters())
-    attention = sum(p.numel() for n, p in params.items() if ".self_attn." in n)
-    return attention, sum(p.numel() for n, p in params.items() if ".mlp." in n)
+_ATTENTION_AND_MLP = count_parts(mixer=(".self_attn.",), mlp=(".mlp.",))
 
 
 ADAPTERS: dict[str, HfAdapter] = {
-    "bitnet": HfAdapter(bitnet_config_kwargs, bitnet_to_mcore_state, _llama_parts),
-    "falcon_h1": HfAdapter(falcon_h1_config_kwargs, falcon_h1_to_mcore_state, _falcon_h1_parts),
+    "bitnet": HfAdapter(bitnet_config_kwargs, bitnet_to_mcore_state, _ATTENTION_AND_MLP),
+    "falcon_h1": HfAdapter(
+        falcon_h1_config_kwargs,
+        falcon_h1_to_mcore_state,
+        count_parts(mixer=(".mamba.", ".self_attn."), mlp=(".feed_forward.",)),
+    ),
     "nemotron_h": HfAdapter(
         nemotron_h_config_kwargs, nemotron_h_to_mcore_state, _nemotron_h_parts, hf_hidden_act_key="mamba_hidden_act"
     ),
-    "mamba2": HfAdapter(mamba2_config_kwargs, mamba2_to_mcore_state, _mixer_only, head_dim_field="mamba_head_dim"),
-    "gpt_oss": HfAdapter(gpt_oss_config_kwargs, gpt_oss_to_mcore_state, gpt_oss_parts),
+    "mamba2": HfAdapter(
+        mamba2_config_kwargs,
+        mamba2_to_mcore_state,
+        count_parts(mixer=(".mixer.",), mlp=()),
+        head_dim_field="mamba_head_dim",
+    ),
+    "gpt_oss": HfAdapter(gpt_oss_config_kwargs, gpt_oss_to_mcore_state, _ATTENTION_AND_MLP),
 }
 
 
@@ -321,26 +297,20 @@ def deepseek_config_kwargs(config: TransformerConfig) -> dict[str, Any]:
     router = dict(c.moe_router or {})
     rope = {"rope_type": "default"} if c.rope_scaling is None else dict(c.rope_scaling)
     kwargs = dict(
+        _routed_moe_kwargs(c),
         vocab_size=c.vocab_size,
         hidden_size=c.hidden_size,
         intermediate_size=c.intermediate_size,
-        moe_intermediate_size=c.moe_intermediate_size,
         num_hidden_layers=c.num_hidden_layers,
         num_attention_heads=c.num_attention_heads,
         num_key_value_heads=c.num_key_value_heads,
         n_shared_experts=(c.shared_expert_intermediate_size or 0) // c.moe_intermediate_size,
-        n_routed_experts=c.num_experts,
-        num_experts_per_tok=c.num_experts_per_tok,
-        routed_scaling_factor=router.get("routed_scaling_factor", 1.0),
         kv_lora_rank=c.kv_lora_rank,
         q_lora_rank=c.q_lora_rank,
         qk_rope_head_dim=c.qk_rope_head_dim,
         qk_nope_head_dim=c.qk_nope_head_dim,
         v_head_dim=c.v_head_dim,
-        n_group=router.get("n_group", 1),
-        topk_group=router.get("topk_group", 1),
         first_k_dense_replace=c.first_k_dense_replace,
-        norm_topk_prob=c.norm_topk_prob,
         hidden_act=c.hidden_act,
         max_position_embeddings=c.max_position_embeddings,
         initializer_range=c.initializer_range,
@@ -359,57 +329,33 @@ def deepseek_config_kwargs(config: TransformerConfig) -> dict[str, Any]:
     return kwargs
 
 
-_DEEPSEEK_RENAMES = (
-    ("input_layernorm.", "input_norm."),
-    ("post_attention_layernorm.", "mlp_norm."),
-    ("self_attn.q_proj.", "attention.q_proj."),
-    ("self_attn.q_a_proj.", "attention.q_down."),
-    ("self_attn.q_a_layernorm.", "attention.q_norm."),
-    ("self_attn.q_b_proj.", "attention.q_up."),
-    ("self_attn.kv_a_proj_with_mqa.", "attention.kv_down."),
-    ("self_attn.kv_a_layernorm.", "attention.kv_norm."),
-    ("self_attn.kv_b_proj.", "attention.kv_up."),
-    ("self_attn.o_proj.", "attention.out_proj."),
-    ("mlp.down_proj.", "mlp.down."),
-    ("mlp.gate.weight", "mlp.router.weight"),
-    ("mlp.gate.e_score_correction_bias", "mlp.expert_bias"),
-    ("mlp.experts.gate_up_proj", "mlp.experts.gate_up"),
-    ("mlp.experts.down_proj", "mlp.experts.down"),
-    ("mlp.shared_experts.down_proj.", "mlp.shared_expert.down."),
+_DEEPSEEK_LAYER = LayerTable(
+    renames=(
+        ("input_layernorm.", "input_norm."),
+        ("post_attention_layernorm.", "mlp_norm."),
+        ("self_attn.q_proj.", "attention.q_proj."),
+        ("self_attn.q_a_proj.", "attention.q_down."),
+        ("self_attn.q_a_layernorm.", "attention.q_norm."),
+        ("self_attn.q_b_proj.", "attention.q_up."),
+        ("self_attn.kv_a_proj_with_mqa.", "attention.kv_down."),
+        ("self_attn.kv_a_layernorm.", "attention.kv_norm."),
+        ("self_attn.kv_b_proj.", "attention.kv_up."),
+        ("self_attn.o_proj.", "attention.out_proj."),
+        ("mlp.down_proj.", "mlp.down."),
+        ("mlp.gate.weight", "mlp.router.weight"),
+        ("mlp.gate.e_score_correction_bias", "mlp.expert_bias"),
+        ("mlp.experts.gate_up_proj", "mlp.experts.gate_up"),  # transformers 5 holds the experts merged, our layout
+        ("mlp.experts.down_proj", "mlp.experts.down"),
+        ("mlp.shared_experts.down_proj.", "mlp.shared_expert.down."),
+    ),
+    gate_up=(("mlp.", "mlp."), ("mlp.shared_experts.", "mlp.shared_expert.")),
 )
 
 
 def deepseek_to_mcore_state(hf_state, config):
-    """HF DeepSeek tensors (transformers 5 holds the experts merged, our layout) under our names."""
-    out = {
-        "embedding.weight": hf_state["model.embed_tokens.weight"],
-        "final_norm.weight": hf_state["model.norm.weight"],
-    }
-    if not config.tie_word_embeddings and "lm_head.weight" in hf_state:
-        out["output.weight"] = hf_state["lm_head.weight"]
-    for i in range(config.num_hidden_layers):
-        hf, ours = f"model.layers.{i}.", f"layers.{i}."
-        for name, tensor in hf_state.items():
-            if not name.startswith(hf):
-                continue
-            rest = name[len(hf) :]
-            for old, new in _DEEPSEEK_RENAMES:
-                if rest.startswith(old):
-                    out[ours + new + rest[len(old) :]] = tensor
-        for mlp, target in ((hf + "mlp.", ours + "mlp."), (hf + "mlp.shared_experts.", ours + "mlp.shared_expert.")):
-            if mlp + "gate_proj.weight" in hf_state:
-                gate_up = [hf_state[mlp + "gate_proj.weight"], hf_state[mlp + "up_proj.weight"]]
-                out[target + "gate_up.weight"] = torch.cat(gate_up, dim=0)
-    return out
-
-
-def _attention_and_mlp(model: torch.nn.Module, config: TransformerConfig) -> tuple[int, int]:
-    params = dict(model.named_parameters())
-    return (
-        sum(p.numel() for n, p in params.items() if ".self_attn." in n),
-        sum(p.numel() for n, p in params.items() if ".mlp." in n),
-    )
+    """HF DeepSeek tensors (V3 and V2) under our names."""
+    return to_mcore_state(hf_state, config, _DEEPSEEK_LAYER)
 
 
 for _family in ("deepseek_v3", "deepseek_v2"):
-    ADAPTERS[_family] = HfAdapter(deepseek_config_kwargs, deepseek_to_mcore_state, _attention_and_mlp)
+    ADAPTERS[_family] = HfAdapter(deepseek_config_kwargs, deepseek_to_mcore_state, _ATTENTION_AND_MLP)

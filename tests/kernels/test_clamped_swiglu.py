@@ -10,6 +10,7 @@ import torch
 from mcore.kernels.clamped_swiglu import clamped_swiglu
 
 ALPHA, LIMIT = 1.702, 7.0
+TRITON_ACTIVATIONS = "mcore.kernels.triton.activations"
 
 
 def _inputs(shape, dtype, device="cpu", scale=6.0):
@@ -49,15 +50,27 @@ def test_reference_matches_float64(dtype, shape, assert_close):
     _check(assert_close, _run(x, dy, "reference"), _float64(x, dy), dtype)
 
 
-def test_clamps_cut_the_gradient_outside_and_keep_it_on_the_bounds():
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_clamps_cut_the_gradient_outside_and_keep_it_on_the_bounds(backend, request):
+    if backend == "triton":
+        request.getfixturevalue("interpreter")
     # gate above the limit: no gate gradient; up outside [-limit, limit]: no up gradient; on the bounds: kept
     x = torch.tensor([[9.0, 7.0, -3.0, 0.5, 8.0, -7.0, -9.0, 2.0]])
     dy = torch.ones(1, 4)
-    _, grad = _run(x, dy, "reference")
+    _, grad = _run(x, dy, backend)
     _, want = _float64(x, dy)
     torch.testing.assert_close(grad.double(), want, rtol=1e-6, atol=1e-7)
     assert grad[0, 0] == 0 and grad[0, 1] != 0  # gate 9 clamped, gate 7 on the bound
     assert grad[0, 4] == 0 and grad[0, 6] == 0 and grad[0, 5] != 0  # up 8 and -9 clamped, -7 on the bound
+
+
+def test_triton_backend_is_the_gated_activation_kernels(interpreter, spy):
+    # one kernel body for SwiGLU and its clamped form: both passes launch it with the constexpr activation
+    forward, backward = spy(TRITON_ACTIVATIONS, "glu_forward"), spy(TRITON_ACTIVATIONS, "glu_backward")
+    x, dy = _inputs((4, 2 * 8), torch.float32)
+    _run(x, dy, "triton")
+    assert [call[0][1:] for call in forward] == [("clamped_silu", ALPHA, LIMIT)]
+    assert [call[0][2:] for call in backward] == [("clamped_silu", ALPHA, LIMIT)]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])

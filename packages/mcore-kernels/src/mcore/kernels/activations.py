@@ -24,7 +24,7 @@ def swiglu(x: torch.Tensor, *, backend: str | None = None) -> torch.Tensor:
     ``x`` is fp16/bf16/fp32 with any leading dims; the result has x's dtype. ``backend`` is
     ``"triton"``, ``"reference"`` or ``None`` (let :func:`mcore.kernels.dispatch.choose` decide).
     """
-    _check_glu_input("swiglu", x)
+    check_gate_up_input("swiglu", x)
     chosen = dispatch.choose("swiglu", x, backend=backend)
     return _GLUFunction.apply(x, "silu", chosen)
 
@@ -37,12 +37,13 @@ def geglu(x: torch.Tensor, *, approximate: str = "tanh", backend: str | None = N
     """
     if approximate not in _GELU_APPROXIMATIONS:
         raise ValueError(f"geglu: approximate must be one of {sorted(_GELU_APPROXIMATIONS)}, got {approximate!r}")
-    _check_glu_input("geglu", x)
+    check_gate_up_input("geglu", x)
     chosen = dispatch.choose("geglu", x, backend=backend)
     return _GLUFunction.apply(x, _GELU_APPROXIMATIONS[approximate], chosen)
 
 
-def _check_glu_input(op: str, x: torch.Tensor) -> None:
+def check_gate_up_input(op: str, x: torch.Tensor) -> None:
+    """One error naming ``op`` unless ``x`` is a float16/bfloat16/float32 tensor ``[..., 2n]`` (``[gate, up]``)."""
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{op}: x must be a torch.Tensor, got {type(x).__name__}")
     if x.dtype not in _FLOAT_DTYPES:

@@ -8,7 +8,8 @@ bridge de-interleaves Hugging Face's ``gate_up_proj`` columns into it). With ``a
 
 The clamps pass the gradient where the input lies inside them, bounds included (``torch.clamp``'s rule, which is
 what Hugging Face's eager experts differentiate). One ``torch.autograd.Function``: Triton on CUDA, a pure-torch
-reference elsewhere, fp32 math in both; the backward recomputes from ``x`` (nothing else is saved).
+reference elsewhere, fp32 math in both; the backward recomputes from ``x`` (nothing else is saved). The Triton
+kernels are SwiGLU's (``triton/activations.py``) with the clamps and ``alpha`` as a constexpr activation.
 """
 
 from __future__ import annotations
@@ -18,10 +19,9 @@ import math
 import torch
 
 from mcore.kernels import dispatch
+from mcore.kernels.activations import check_gate_up_input
 
 __all__ = ["clamped_swiglu", "reference_backward", "reference_forward"]
-
-_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 def clamped_swiglu(x: torch.Tensor, alpha: float, limit: float, *, backend: str | None = None) -> torch.Tensor:
@@ -30,14 +30,7 @@ def clamped_swiglu(x: torch.Tensor, alpha: float, limit: float, *, backend: str 
     ``alpha`` > 0 (GPT-OSS: 1.702) and ``limit`` > 0 (GPT-OSS: 7.0) are finite numbers; ``backend`` is
     ``"triton"``, ``"reference"`` or ``None`` (:func:`mcore.kernels.dispatch.choose` decides).
     """
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"clamped_swiglu: x must be a torch.Tensor, got {type(x).__name__}")
-    if x.dtype not in _FLOAT_DTYPES:
-        raise TypeError(f"clamped_swiglu: x must be float16, bfloat16 or float32, got {x.dtype}")
-    if x.dim() < 1 or x.shape[-1] == 0 or x.shape[-1] % 2:
-        raise ValueError(
-            f"clamped_swiglu: x must be [..., 2n] (gate and up concatenated on the last dim), got {tuple(x.shape)}"
-        )
+    check_gate_up_input("clamped_swiglu", x)
     for name, value in (("alpha", alpha), ("limit", limit)):
         if isinstance(value, bool) or not isinstance(value, int | float) or not (math.isfinite(value) and value > 0):
             raise ValueError(f"clamped_swiglu: {name} must be a finite number > 0, got {value!r}")
@@ -50,7 +43,7 @@ def reference_forward(x: torch.Tensor, alpha: float, limit: float) -> torch.Tens
     g, u = x.float().chunk(2, dim=-1)
     g = g.clamp(max=limit)
     u = u.clamp(-limit, limit)
-    return ((u + 1) * g * torch.sigmoid(alpha * g)).to(x.dtype)
+    return ((u + 1) * (g * torch.sigmoid(alpha * g))).to(x.dtype)  # Hugging Face's association, as the kernel
 
 
 def reference_backward(dy: torch.Tensor, x: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
@@ -66,11 +59,22 @@ def reference_backward(dy: torch.Tensor, x: torch.Tensor, alpha: float, limit: f
     return torch.cat((dg, du), dim=-1).to(x.dtype)
 
 
-def _impl(backend: str):
-    if backend == dispatch.TRITON:
-        from mcore.kernels.triton import clamped_swiglu as triton_impl
+def _triton_forward(x: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+    from mcore.kernels.triton.activations import CLAMPED_SILU, glu_forward
 
-        return triton_impl.forward, triton_impl.backward
+    return glu_forward(x, CLAMPED_SILU, alpha, limit)
+
+
+def _triton_backward(dy: torch.Tensor, x: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+    from mcore.kernels.triton.activations import CLAMPED_SILU, glu_backward
+
+    return glu_backward(dy, x, CLAMPED_SILU, alpha, limit)
+
+
+def _impl(backend: str):
+    """(forward, backward) of ``backend``: the Triton ones are the gated-activation kernels' ``clamped_silu``."""
+    if backend == dispatch.TRITON:
+        return _triton_forward, _triton_backward
     return reference_forward, reference_backward
 
 
