@@ -17,10 +17,10 @@
    (row-wise fp8, every cast included); then ``mixtral2l`` training (``moe_throughput.py``'s spec) in bf16 and
    with ``train.precision=fp8 fp8.recipe=rowwise`` (fp8 attention linears and experts).
 
-The parts run in the order training, casts, linears, GEMMs, experts, MoE training. Timing: CUDA events, the
-median over windows of ``--iters`` back-to-back calls after ``--warmup`` (and CUDA-graph replays); on CPU
-(``--dry-run``: tiny shapes, the reference GEMMs, the fp32 ``tiny`` model) ``time.perf_counter``. Writes
-``OUT/fp8.json`` and ``OUT/fp8.md`` (rewritten after each part)::
+The parts run in the order casts, training (saved row by row), linears, GEMMs, experts, MoE training. Timing:
+CUDA events, the median over windows of ``--iters`` back-to-back calls after ``--warmup`` (and CUDA-graph
+replays); on CPU (``--dry-run``: tiny shapes, the reference GEMMs, the fp32 ``tiny`` model) ``time.perf_counter``.
+Writes ``OUT/fp8.json`` and ``OUT/fp8.md`` (rewritten after each part and each training row)::
 
     python benchmarks/fp8.py --out $OUT/fp8          # one H200, ~4 minutes
     python benchmarks/fp8.py --out $OUT/fp8 --skip gemms,experts,moe_training   # casts, linears, 8b4l: ~2.5 min
@@ -245,25 +245,35 @@ def train_spec(name: str, recipe: str | None, dry_run: bool, iters: int, warmup:
     return spec
 
 
-def bench_training(dry_run: bool, iters: int, warmup: int, configs=TRAIN_CONFIGS) -> list[dict[str, Any]]:
-    """``8b4l`` through the Trainer (``run_spec``) in bf16, then in each of ``configs``, in this process."""
-    rows = []
+def bench_training(
+    dry_run: bool, iters: int, warmup: int, configs=TRAIN_CONFIGS, rows: list | None = None, on_row=None
+) -> list[dict[str, Any]]:
+    """``8b4l`` through the Trainer (``run_spec``) in bf16, then in each of ``configs``, in this process; each row is
+    appended to ``rows`` as it finishes and ``on_row()`` called (the caller saves: a cut run keeps its rows)."""
+    rows = [] if rows is None else rows
     keys = ("precision", "tokens_per_s", "step_s", "tflops_per_gpu", "mfu", "peak_mem_gb", "final_loss")
     for recipe in (None, *configs):
         name = f"8b4l-{recipe or 'bf16'}"
+        t0 = time.perf_counter()
         try:
             result, runtime = run_spec(train_spec(name, recipe, dry_run, iters, warmup))
         except Exception as exc:  # noqa: BLE001 - a failing recipe is a row of the table, the others still run
             rows.append({"config": name, "recipe": recipe or "bf16", "error": _first_line(exc)})
-            continue
-        runtime.shutdown()
-        row = {"config": name, "recipe": recipe or "bf16", **{k: result[k] for k in keys}}
-        row["losses"] = result["losses"]
-        rows.append(row)
-    base = rows[0].get("tokens_per_s")
-    for row in rows:
-        if base and "tokens_per_s" in row:
-            row["speedup"] = row["tokens_per_s"] / base
+        else:
+            runtime.shutdown()
+            row = {"config": name, "recipe": recipe or "bf16", **{k: result[k] for k in keys}}
+            row["losses"] = result["losses"]
+            rows.append(row)
+        base = rows[0].get("tokens_per_s")
+        if base and "tokens_per_s" in rows[-1]:
+            rows[-1]["speedup"] = rows[-1]["tokens_per_s"] / base
+        rows[-1]["wall_s"] = time.perf_counter() - t0
+        print(
+            f"fp8.py: {name} {rows[-1].get('tokens_per_s', rows[-1].get('error'))} ({rows[-1]['wall_s']:.1f} s)",
+            flush=True,
+        )
+        if on_row is not None:
+            on_row()
     return rows
 
 
@@ -389,14 +399,16 @@ def main(argv: list[str] | None = None) -> int:
         write_json(args.out / "fp8.json", data)
         (args.out / "fp8.md").write_text(render(data))
 
-    # training first: it is the number the issue's targets need, and it must not run after a failed graph capture
-    if "training" not in skip:
-        steps = dict(iters=3, warmup=0) if args.dry_run else dict(iters=10, warmup=3)
-        data["training"] = bench_training(args.dry_run, configs=configs, **steps)
-        save()
+    # casts first (seconds), then training row by row (saved after each: a call cut short keeps what ran), then the
+    # linears (their CUDA-graph captures last: a failed capture cannot disturb the training rows)
     if "casts" not in skip:
         data["casts"] = bench_casts((256, 512) if args.dry_run else (8192, 4096), device, dtype, iters, warmup)
         save()
+        print("fp8.py: casts done", flush=True)
+    if "training" not in skip:
+        steps = dict(iters=3, warmup=0) if args.dry_run else dict(iters=10, warmup=3)
+        data["training"] = []
+        bench_training(args.dry_run, configs=configs, rows=data["training"], on_row=save, **steps)
     if "linears" not in skip:
         data["linears"] = bench_linears(linear_shapes(shape), device, dtype, iters, warmup)
         save()
