@@ -103,3 +103,49 @@ def test_overlapped_gradient_reduction_slows_the_backward_as_measured():
     assert predict_step(gather.shape, gather.layout, h200).breakdown["dp_overlap_slowdown"] == pytest.approx(
         predict_step(cases["dp2-distopt-overlap"].shape, cases["dp2-distopt-overlap"].layout, h200).breakdown[
             "dp_overlap_slowdown"])  # fmt: skip
+
+
+def test_megatron_defaults_dropout_and_nan_check_cost_what_their_bytes_say():
+    """Megatron-Core r0.8's defaults the published rows ran with: hidden dropout (a 1-byte mask per element of
+    each bias-dropout-add), attention dropout inside cuDNN's kernel (+3.4%, measured on an H200), and the NaN check
+    of every bucket's gradients (a 4-byte read per parameter); the in-place 1/dp scaling (8 bytes) mcore does too."""
+    from mcore.train.planning.time_model import ATTENTION_DROPOUT_COST, DROPOUT_BYTES
+
+    layout = Layout(dp=4, micro_batch=1, global_batch=4, seq_length=4096, distributed_optimizer=True)
+    plain, drop = TimeModel(GPT, layout, H100), TimeModel(GPT, layout.replace(dropout=True), H100)
+    a, b = plain.layer_cost(0), drop.layer_cost(0)
+    assert b.forward["attention"] == pytest.approx(a.forward["attention"] * (1 + ATTENTION_DROPOUT_COST))
+    tokens = 4096
+    masks = 2 * DROPOUT_BYTES[0] * GPT.hidden * tokens
+    assert b.forward["memory"] - a.forward["memory"] == pytest.approx(plain.gpu.memory_seconds(masks))
+    assert 0.03 < ATTENTION_DROPOUT_COST < 0.04
+    held = stage_memory(GPT, layout.replace(dropout=True))[0].activations - stage_memory(GPT, layout)[0].activations
+    assert held == pytest.approx((GPT.layers + 1) * 2 * tokens * GPT.hidden)  # two masks a layer, + workspace
+    checked = predict_step(GPT, layout.replace(grad_nan_check=True), H100).breakdown
+    scaled = predict_step(GPT, layout, H100).breakdown
+    n = GPT.total_parameters()
+    assert scaled["grad_bucket_passes"] == pytest.approx(plain.gpu.memory_seconds(8 * n), rel=1e-6)
+    assert checked["grad_bucket_passes"] == pytest.approx(plain.gpu.memory_seconds(12 * n), rel=1e-6)
+    assert "grad_bucket_passes" not in predict_step(GPT, layout.replace(dp=1, global_batch=1), H100).breakdown
+    # DDP zeroes its whole buffer each step, also of the parameters another rank's optimizer updates
+    assert scaled["grad_zero"] == pytest.approx(4 * n / (plain.gpu.copy_gbps * 1e9), rel=1e-6)
+
+
+def test_sliding_window_layers_cost_their_pairs_and_are_a_kind_of_their_own():
+    full = ModelShape(hidden=1024, ffn=2048, layers=4, heads=8, kv_heads=8, head_dim=128, vocab=1000)
+    slid = ModelShape(hidden=1024, ffn=2048, layers=4, heads=8, kv_heads=8, head_dim=128, vocab=1000, window=128,
+                      window_layers=(True, False, True, False))  # fmt: skip
+    assert slid.layer_kinds(0, 4) == {0: 2, 1: 2} and full.layer_kinds(0, 4) == {0: 4}
+    layout = Layout(micro_batch=1, global_batch=1, seq_length=4096)
+    a, b = TimeModel(full, layout, H100), TimeModel(slid, layout, H100)
+    assert b.layer_cost(1).forward["attention"] == pytest.approx(a.layer_cost(1).forward["attention"])
+    pairs = 4096 * 128 - 128**2 / 2
+    width = 2 * 1024
+    expected = b.gpu.attention_seconds(2 * pairs * width * 3.5, 128) / 3.5
+    assert b.layer_cost(0).forward["attention"] == pytest.approx(expected)
+    biased = ModelShape(hidden=64, ffn=128, layers=2, heads=4, kv_heads=2, head_dim=16, vocab=100, num_experts=4,
+                        top_k=2, moe_ffn=32, proj_bias=True, expert_bias=True, sinks=True)  # fmt: skip
+    plain = ModelShape(hidden=64, ffn=128, layers=2, heads=4, kv_heads=2, head_dim=16, vocab=100, num_experts=4,
+                       top_k=2, moe_ffn=32)  # fmt: skip
+    # per layer: the projection's bias (64), 4 sinks, 4 experts x (64 + 64) biases, the router's 4
+    assert biased.total_parameters() - plain.total_parameters() == 2 * (64 + 4 + 4 * 128 + 4)

@@ -12,7 +12,7 @@ from mcore.train.config import load_config
 from mcore.train.plan_cli import memory_warning
 from mcore.train.planning.calibration import load_calibration
 from mcore.train.planning.cluster import PRESETS, Network
-from mcore.train.planning.search import EXACT_TOP, format_search, search
+from mcore.train.planning.search import EXACT_TOP, NOT_ENUMERATED, format_search, search
 from mcore.train.planning.shape import ModelShape
 
 H200 = Network(PRESETS["h200-node"])
@@ -144,3 +144,38 @@ def test_search_offloads_half_the_optimizer_when_that_beats_recompute():
     best = found[0].layout
     assert (best.recompute, best.optimizer_offload_fraction) == ("none", 0.5)
     assert all(c.prediction.step_s >= found[0].prediction.step_s for c in found if c.runs)
+
+
+def test_every_refused_layout_is_counted_under_its_reason():
+    """A layout that cannot run is explained, never silently skipped: the summary's counts per reason add up to
+    the refused layouts' reasons, each with an example, including an ep the data-parallel grid cannot hold."""
+    shape = ModelShape(hidden=256, ffn=512, layers=6, heads=4, kv_heads=2, head_dim=64, vocab=1024, num_experts=16,
+                       top_k=2, moe_ffn=128, name="tiny-moe")  # fmt: skip
+    found = search(shape, 8, 8, 512, H200, memory_gb=0.05)
+    refused = [c for c in found if not c.runs]
+    assert refused and all(c.reasons for c in refused)
+    text = format_search(found)
+    summary = text.split("why the others cannot run (layouts per reason, with one example):\n")[1].splitlines()[:-1]
+    counts = {line.split(None, 1)[1]: int(line.split(None, 1)[0]) for line in summary}
+    assert sum(counts.values()) == sum(len(c.reasons) for c in refused)
+    reasons = " ".join(counts)
+    for rule in ("does not divide tp x cp x dp", "does not divide the 4 query", "GB per GPU even with full recompute",
+                 "interleaved 1F1B needs"):  # fmt: skip
+        assert rule in reasons, (rule, counts)
+    assert any(c.layout.ep == 16 and c.layout.tp * c.layout.dp * c.layout.cp < 16 for c in refused)
+    assert text.endswith(NOT_ENUMERATED)  # and what the enumeration leaves out is said
+
+
+@pytest.mark.parametrize("pp,vpp,m", [(2, 1, 8), (2, 8, 4), (4, 2, 8), (4, 5, 4)])
+def test_closed_form_pipeline_never_ends_before_the_work_and_tracks_the_replay(pp, vpp, m):
+    """The closed form ranks the search; with interleaving and few micro-batches it used to end before the busiest
+    rank had run its micro-batches (a 25% optimistic ZeRO-3 layout then crowded the replayed leaders)."""
+    from mcore.parallel.pipeline import Interleaved1F1B, OneFOneB
+    from mcore.train.planning.pipeline_sim import estimate, run_schedule
+
+    schedule = Interleaved1F1B if vpp > 1 else OneFOneB
+    times = {"F": 1.0, "B": 2.0, "W": 0.0}
+    op_time = lambda rank, kind, chunk: times[kind] / vpp * (1.2 if rank == pp - 1 else 1.0)  # noqa: E731
+    closed, exact = estimate(schedule, pp, vpp, m, op_time, 0.0), run_schedule(schedule, pp, vpp, m, op_time, 0.0)
+    assert closed.span >= max(closed.busy) and exact.span >= max(exact.busy)
+    assert closed.span == pytest.approx(exact.span, rel=0.15), (closed.span, exact.span)

@@ -8,7 +8,7 @@ import pytest
 
 from mcore.train.planning.cluster import PRESETS, Network
 from mcore.train.planning.published import MEGATRON_WEAK_SCALING, tuned_layout
-from mcore.train.planning.validation import measured_cases
+from mcore.train.planning.validation import MOE_RUN_FILES, SUPERSEDED_MOE_RUNS, measured_cases
 
 RESULTS = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
 H200 = Network(PRESETS["h200-node"])
@@ -23,7 +23,21 @@ def test_every_timed_configuration_of_the_performance_doc_is_a_case():
     expected = {f"{shape} (1 GPU, {run})" for shape in ("1b", "8b4l") for run in runs}
     expected |= {"single (1 GPU)", "single-half-batch (1 GPU)"}
     expected |= {f"{shape} (1 GPU, MoE, 2026-12-01-e21cc44)" for shape in ("mixtral2l", "qwen3moe4l")}
-    assert set(CASES) == expected | {f"{name} (2 GPU)" for name in two_gpu}
+    modes = {"call1": ["8b4l_zero1", "8b_optim_offload_0.5", "8b4l_dp_shard"],
+             "call2": ["8b4l_zero1", "8b_optim_offload_0.5", "8b4l_optim_offload_0.25"]}  # fmt: skip
+    expected |= {f"{name} (1 GPU, final-h200-2026-12-01/{call})" for call, names in modes.items() for name in names}
+    probe = ("8b4l_zero1", "8b4l_act_offload_attn_mlp", "8b4l_act_offload_layer")
+    expected |= {f"{name} (1 GPU, probe-h200-2026-12-01)" for name in probe}
+    expected |= {f"{name} (1 GPU, memory-8b-h200-2026-12-01-s3)" for name in ("8b4l_zero1", "8b_optim_offload_0.5")}
+    expected |= {f"{name} (2 GPU)" for name in two_gpu}
+    # the moe branch's helper call: the per-expert GEMMs and FSDP2 at world size 1
+    expected |= {f"mixtral2l {v} (1 GPU, MoE, helpers-h200-2026-12-01-s3)" for v in ("per_expert", "fsdp")}
+    expected |= {f"nemotron-h-8b-4l {c} (1 GPU, helpers-h200-2026-12-01-s3)" for c in ("zero1", "fsdp_selective")}
+    # MoE calls after e21cc44 (moe-<shapes>-h200-<run>/<shape>/mcore_*.json, moonlight8l's hand-written from its
+    # log): each record is a case too
+    later = [p for p in RESULTS.glob(MOE_RUN_FILES[1]) if p.relative_to(RESULTS).parts[0] not in SUPERSEDED_MOE_RUNS]
+    assert "moonlight8l (1 GPU, MoE, gptoss-moonlight-h200-2026-12-01-s3)" in CASES
+    assert expected <= set(CASES) and len(CASES) == len(expected) + len(later), sorted(set(CASES) - expected)
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
@@ -53,12 +67,12 @@ def test_megatron_rows_fit_an_h100_and_keep_the_published_layout(megatron):
 
 def test_megatron_trend_and_offset(megatron):
     """What docs/scaling.md reports: MFU rises from the smallest to the largest models as published; with
-    Megatron-Core r0.8.0's fp32 cross entropy, TE's userbuffer overlap and the measured slowdown beside overlapped
-    gradient reductions modelled, eight rows are predicted within 5 points of the published MFU and the 1.7B row
-    6.5 points above (see docs/scaling.md, section 2)."""
+    Megatron-Core r0.8.0's defaults modelled (its fp32 cross entropy, dropout, the NaN check and 1/dp scaling of
+    every gradient bucket), TE's userbuffer overlap and the measured slowdown beside overlapped gradient
+    reductions, every row is predicted within 5 points of the published MFU (docs/scaling.md, section 2)."""
     predicted = [100 * p.mfu for _, _, p in megatron]
     published = [row.mfu_percent for row, _, _ in megatron]
     assert min(predicted[-2:]) > predicted[0] and min(published[-2:]) > published[0]
     gaps = {row.name: p - q for (row, _, _), p, q in zip(megatron, predicted, published, strict=True)}
-    assert {name for name, g in gaps.items() if abs(g) > 5} == {"1.7B"}, gaps
-    assert 5 < gaps["1.7B"] < 8, gaps
+    assert all(abs(g) <= 5 for g in gaps.values()), gaps
+    assert gaps["1.7B"] > 0  # still above: the host syncs Megatron adds are not charged (docs/scaling.md)

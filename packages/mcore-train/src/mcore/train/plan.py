@@ -16,7 +16,7 @@ from mcore.parallel.grid import ParallelConfig
 from mcore.train.config import Config
 from mcore.train.errors import UserError
 from mcore.train.planning.cluster import Network
-from mcore.train.planning.layout import Layout
+from mcore.train.planning.layout import OFFLOAD_PARTS, Layout
 from mcore.train.planning.memory import GB, StageMemory, stage_memory
 from mcore.train.planning.memory import activation_bytes_per_layer as _layer_activation_bytes
 from mcore.train.planning.shape import ModelShape
@@ -176,7 +176,17 @@ def layout_of(config: Config, world_size: int) -> Layout:
         overlap_param_gather=parallel.overlap_param_gather,
         precision="fp32" if precision == "fp32" else "bf16",
         pipeline_layout=tuple(custom) if custom is not None else None,
+        activation_offload=_offloaded_parts(config),
+        expert_gemm=(config.model.moe_router or {}).get("expert_gemm", "grouped"),
     )
+
+
+def _offloaded_parts(config: Config) -> tuple[str, ...]:
+    parts = tuple(getattr(config.train, "activation_offload", ()) or ())
+    unknown = [p for p in parts if p not in OFFLOAD_PARTS]
+    if unknown:
+        raise UserError(f"mcore-train plan models train.activation_offload of {list(OFFLOAD_PARTS)}, got {unknown}")
+    return parts
 
 
 def activation_bytes_per_layer(config: Config, tp: int, dtype_bytes: int) -> float:

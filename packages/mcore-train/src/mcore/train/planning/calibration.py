@@ -48,13 +48,14 @@ class Calibration:
     ``gemm``: precision -> achieved TFLOP/s by the FLOPs of one GEMM (``2 m n k``). ``wgrad_fp32_slowdown``: the
     weight-gradient GEMM writing fp32 into the gradient buffer (gradient-accumulation fusion) takes this factor
     longer. ``attention``: document length -> achieved TFLOP/s of causal attention forward + backward (FLOPs of the
-    unmasked half). ``memory_bound_efficiency``: share of ``copy_gbps`` that norms, activations, RoPE, casts and
-    the optimizer reach. ``host_ms_per_layer``: GPU idle per layer and micro-batch while the host launches
-    kernels; ``host_ms_per_step``: the same, once per step. ``nvlink``: collective -> bus bandwidth (GB/s) by
-    message bytes inside one node. ``sm_count``: streaming multiprocessors (what communication kernels beside a
-    GEMM take a share of; 132 on H100 / H200 SXM). ``reduce_overlap_slowdown``: seconds the compute beside an
-    overlapped gradient reduction (all-reduce / reduce-scatter: NCCL kernels that read, add and write on the
-    GPU's SMs and HBM) loses per second of that collective (all-gathers measured no such loss).
+    unmasked half). ``memory_bound_efficiency``: share of ``copy_gbps`` that norms, activations, RoPE and casts
+    reach; ``optimizer_efficiency``: the share the fused AdamW pass reaches. ``host_ms_per_layer``: GPU idle per
+    layer and micro-batch while the host launches kernels; ``host_ms_per_step``: the same, once per step.
+    ``nvlink``: collective -> bus bandwidth (GB/s) by message bytes inside one node. ``sm_count``: streaming
+    multiprocessors (what communication kernels beside a GEMM take a share of; 132 on H100 / H200 SXM).
+    ``reduce_overlap_slowdown``: seconds the compute beside an overlapped gradient reduction (all-reduce /
+    reduce-scatter: NCCL kernels that read, add and write on the GPU's SMs and HBM) loses per second of that
+    collective (all-gathers measured no such loss).
     """
 
     name: str
@@ -66,6 +67,7 @@ class Calibration:
     nvlink: dict[str, list[list[float]]]
     wgrad_fp32_slowdown: float = 1.0
     memory_bound_efficiency: float = 0.85
+    optimizer_efficiency: float = 0.85
     host_ms_per_layer: float = 0.0
     host_ms_per_step: float = 0.0
     nvlink_latency_us: float = 10.0
@@ -75,6 +77,8 @@ class Calibration:
     reduce_overlap_slowdown: float = 0.0
     grouped_gemm: list[list[float]] = field(default_factory=lambda: [[1.0, 1.0]])
     moe_dispatch_gbps: float | None = None
+    ssd_tflops: list[float] | None = None  # Mamba-2's chunked scan, [forward, backward] (planning/mamba_terms.py)
+    conv_gbps: list[float] | None = None  # Mamba-2's depthwise causal conv, [forward, backward]
     source: str = ""
     assumptions: list[str] = field(default_factory=list)
 
@@ -87,6 +91,15 @@ class Calibration:
         _check_curve("grouped_gemm", self.grouped_gemm)
         if self.moe_dispatch_gbps is not None and self.moe_dispatch_gbps <= 0:
             raise ValueError(f"calibration {self.name}: moe_dispatch_gbps must be > 0, got {self.moe_dispatch_gbps}")
+        for name in ("ssd_tflops", "conv_gbps"):
+            rates = getattr(self, name)
+            if rates is not None and (len(rates) != 2 or min(rates) <= 0):
+                raise ValueError(f"calibration {self.name}: {name} must be [forward > 0, backward > 0], got {rates}")
+        if not 0 < self.optimizer_efficiency <= 1 or not 0 < self.memory_bound_efficiency <= 1:
+            raise ValueError(
+                f"calibration {self.name}: optimizer_efficiency and memory_bound_efficiency must lie in (0, 1], got "
+                f"{self.optimizer_efficiency}, {self.memory_bound_efficiency}"
+            )
         if self.memory_gb <= 0 or self.copy_gbps <= 0:
             raise ValueError(f"calibration {self.name}: memory_gb and copy_gbps must be > 0")
         if "bf16" not in self.gemm:
@@ -116,6 +129,15 @@ class Calibration:
 
     def attention_seconds(self, causal_flops: float, doc_length: int) -> float:
         return causal_flops / (interpolate(self.attention, doc_length) * 1e12)
+
+    def mamba_rates(self) -> tuple[list[float], list[float]]:
+        """(``ssd_tflops``, ``conv_gbps``); a clear error for a calibration without them."""
+        if self.ssd_tflops is None or self.conv_gbps is None:
+            raise UserError(
+                f"calibration {self.name} has no Mamba-2 rates (ssd_tflops, conv_gbps): add them from "
+                "benchmarks/ssm_throughput.py's kernels record (planning.mamba_terms.rates_from_ssm_benchmark)"
+            )
+        return self.ssd_tflops, self.conv_gbps
 
     def memory_seconds(self, nbytes: float) -> float:
         return nbytes / (self.copy_gbps * 1e9 * self.memory_bound_efficiency)

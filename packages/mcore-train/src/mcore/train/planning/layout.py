@@ -21,6 +21,8 @@ SCHEDULES = ("none", "gpipe", "1f1b", "interleaved", "zero-bubble")
 # --cross-entropy-loss-fusion: logits cast to fp32, max / subtract / exp / sum / divide each a pass, see time_model)
 CROSS_ENTROPY = ("fused", "fp32")
 CP_COMM_TYPES = ("p2p", "all_gather", "a2a", "a2a+p2p")  # mcore-train's parallel.cp_comm_type
+# train.activation_offload: a decoder layer's parts, or the whole layer
+OFFLOAD_PARTS = ("input_norm", "attention", "mlp_norm", "mlp", "layer")
 
 
 @dataclass(frozen=True)
@@ -51,6 +53,13 @@ class Layout:
     cross_entropy: Literal["fused", "fp32"] = "fused"
     precision: Literal["bf16", "fp32", "fp8"] = "bf16"
     pipeline_layout: tuple[int, ...] | None = None
+    activation_offload: tuple[str, ...] = ()
+    dropout: bool = False  # hidden and attention dropout (Megatron's default 0.1 each; mcore-train has none)
+    # Megatron-Core r0.8's default check_for_nan_in_loss_and_grad: the norm of each bucket's gradients is checked
+    # for NaN before its collective
+    grad_nan_check: bool = False
+    # the routed experts' GEMMs (``moe_router.expert_gemm``): one grouped GEMM per linear, or one GEMM per expert
+    expert_gemm: Literal["grouped", "per_expert"] = "grouped"
 
     def __post_init__(self) -> None:
         for name in ("tp", "pp", "dp", "vpp", "cp", "ep", "micro_batch", "global_batch", "seq_length"):
@@ -63,8 +72,15 @@ class Layout:
             )
         if self.cp_comm_type not in CP_COMM_TYPES:
             raise ValueError(f"Layout.cp_comm_type must be one of {CP_COMM_TYPES}, got {self.cp_comm_type!r}")
+        if self.expert_gemm not in ("grouped", "per_expert"):
+            raise ValueError(f"Layout.expert_gemm must be 'grouped' or 'per_expert', got {self.expert_gemm!r}")
         if self.cross_entropy not in CROSS_ENTROPY:
             raise ValueError(f"Layout.cross_entropy must be one of {CROSS_ENTROPY}, got {self.cross_entropy!r}")
+        unknown = [p for p in self.activation_offload if p not in OFFLOAD_PARTS]
+        if isinstance(self.activation_offload, str) or unknown:
+            raise ValueError(
+                f"Layout.activation_offload must be a tuple of {OFFLOAD_PARTS}, got {self.activation_offload!r}"
+            )
         if self.schedule not in ("auto", *SCHEDULES):
             raise ValueError(f"Layout.schedule must be one of {['auto', *SCHEDULES]}, got {self.schedule!r}")
 
@@ -109,6 +125,13 @@ class Layout:
         if self.seq_length % (self.tp * self.cp) and self.sequence_parallel:
             out.append(f"seq_length {self.seq_length} is not a multiple of tp*cp = {self.tp * self.cp}")
         out += self._cp_problems(shape)
+        if shape.mamba is not None and "M" in (shape.hybrid_pattern or ""):
+            if shape.mamba.groups % self.tp:  # mcore.models.layers.mamba2.check_mamba2_tensor_parallel
+                out.append(
+                    f"tp={self.tp} does not divide the {shape.mamba.groups} Mamba-2 groups (whole groups per rank)"
+                )
+            if self.cp > 1:
+                out.append(f"cp={self.cp} with Mamba-2 layers: the Mamba-2 mixer takes no context parallelism")
         per_step = self.micro_batch * self.dp
         if self.global_batch % per_step:
             out.append(f"global batch {self.global_batch} is not a multiple of micro_batch x dp = {per_step}")
@@ -140,6 +163,8 @@ class Layout:
             out.append("dp_shard (ZeRO-3) already shards the optimizer: leave distributed_optimizer off")
         if self.overlap_param_gather and not (self.distributed_optimizer or self.dp_shard):
             out.append("overlap_param_gather needs the distributed optimizer")
+        if self.activation_offload and self.recompute == "full":
+            out.append("activation_offload with full recompute: full recompute keeps only each layer's input")
         return out
 
     def _cp_problems(self, shape: ModelShape) -> list[str]:
@@ -191,4 +216,6 @@ class Layout:
         out += [f"train.micro_batch_size={self.micro_batch}", f"train.global_batch_size={self.global_batch}"]
         if self.recompute != "none":
             out.append(f"train.recompute={self.recompute}")
+        if self.activation_offload:
+            out.append(f"train.activation_offload=[{','.join(self.activation_offload)}]")
         return out

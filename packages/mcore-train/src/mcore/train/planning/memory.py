@@ -3,17 +3,22 @@
 Per rank (a pipeline stage, the same on every tp / cp / dp rank of it):
 
 - weights: this rank's parameters (its TP / expert slice of its layers, the embedding on the first stage, the
-  output layer on the last) in bf16 (fp32 when training in fp32); under ``dp_shard`` (ZeRO-3) a 1/dp shard plus
-  the two layers gathered at a time (the one running and the one prefetched);
-- gradients: fp32 (DDP's ``main_grad`` buffers), sharded like the weights under ``dp_shard``;
-- optimizer: fp32 master weights (none for fp32 parameters) and AdamW's two moments, divided by dp x cp (expert
-  parameters: by the expert-data-parallel size) under the distributed optimizer or ``dp_shard``, and the part
-  ``optimizer_offload_fraction`` moved to the host taken out;
+  output layer on the last) in bf16 (fp32 when training in fp32); under ``dp_shard`` (ZeRO-3, FSDP2 as
+  ``mcore.train.dp_shard`` builds it) a 1/dp shard of fp32 masters plus the two layers gathered at a time in the
+  compute dtype (the one running and the one prefetched);
+- gradients: fp32 (DDP's ``main_grad`` buffers); under ``dp_shard`` 1/dp shards that FSDP2 creates as each
+  layer's backward ends and drops at the step (``zero_grad_buffer`` sets them to None): with one micro-batch per
+  step they grow while the activations are freed, so the peak holds the larger of the two, else all of them;
+- optimizer: fp32 master weights (none for fp32 parameters, none under ``dp_shard``, whose shards are the
+  masters) and AdamW's two moments, divided by dp x cp (expert parameters: by the expert-data-parallel size) under
+  the distributed optimizer or ``dp_shard``, and the part ``optimizer_offload_fraction`` moved to the host taken
+  out;
 - activations: what backward keeps per layer and micro-batch (Korthikanti et al., 2022, adapted to gated MLPs,
   GQA, MoE dispatch buffers and flash attention, which stores no score matrix) times the micro-batches in flight,
   counted by replaying the rank's op order of the schedule (``op_order``: 1F1B holds ``pp - rank``, interleaved
   more, zero bubble keeps the weight-gradient inputs until the deferred W pass), plus one layer's worth of
-  backward workspace;
+  backward workspace; with activation offload (``train.activation_offload``) the offloaded parts' bytes leave the
+  GPU (``max_memory_allocated`` stops counting a tensor when it is freed, even while its copy is in flight);
 - logits on the last stage: the bf16 logits of one micro-batch and their gradient (the fused cross entropy
   writes a logits-sized gradient and keeps no fp32 copy), once more per MTP depth, whose layers, ``eh_proj`` and
   norms also live on the last stage;
@@ -60,10 +65,11 @@ class StageMemory:
     logits: float
     margin: float
     overhead: float
+    never_together: float = 0.0  # bytes of gradients and activations that are never allocated at the same time
 
     @property
     def allocated(self) -> float:
-        return self.weights + self.gradients + self.optimizer + self.activations + self.logits
+        return self.weights + self.gradients + self.optimizer + self.activations + self.logits - self.never_together
 
     @property
     def total(self) -> float:
@@ -87,6 +93,9 @@ def layer_parameters_per_rank(shape: ModelShape, index: int, layout: Layout) -> 
     expert = 0.0
     if shape.is_moe_layer(index):
         per_expert = sum(lin.weights for lin in shape.expert_linears()) / layout.expert_tp
+        if shape.expert_bias:
+            per_expert += sum(lin.out_features for lin in shape.expert_linears()) / layout.expert_tp
+            dense += shape.num_experts  # the router's bias
         expert = per_expert * shape.num_experts / layout.ep
     return dense, expert
 
@@ -120,29 +129,65 @@ def _stage_parameters(shape: ModelShape, key: tuple[int, int, int, int], rank: i
     return dense, expert
 
 
-def activation_bytes_per_layer(shape: ModelShape, layout: Layout, index: int, dtype_bytes: int = 2) -> float:
-    """Bytes layer ``index`` keeps for backward per micro-batch on one rank."""
+@lru_cache(maxsize=65536)
+def activation_parts_per_layer(shape: ModelShape, layout: Layout, index: int, dtype_bytes: int = 2) -> dict[str, float]:
+    """Bytes layer ``index`` keeps for backward per micro-batch on one rank, by the decoder layer's part that saves
+    them (``input_norm``, ``attention``, ``mlp_norm``, ``mlp``: the names ``train.activation_offload`` takes); full
+    recompute keeps only the layer input (counted under ``input_norm``). Cached: do not modify the result."""
     tokens = layout.seq_length * layout.micro_batch / layout.cp
     tp = layout.tp
     rep = shape.hidden / tp if layout.sequence_parallel else shape.hidden
     if layout.recompute == "full":
-        return dtype_bytes * tokens * rep  # the layer input; the rest is recomputed in backward
+        return {"input_norm": dtype_bytes * tokens * rep, "attention": 0.0, "mlp_norm": 0.0, "mlp": 0.0}
+    if shape.block(index) in ("M", "-"):
+        return _hybrid_parts(shape, layout, index, tokens, rep, dtype_bytes)
     if shape.is_mla:
         attn = (2 * shape.score_width() + 2 * shape.attention_width) / tp + shape.kv_lora_rank + shape.q_lora_rank
     else:
         attn = (2 * shape.q_size + 2 * shape.kv_size) / tp  # q, k, v and the attention output
     if layout.recompute == "selective":
         attn -= shape.attention_width / tp  # the attention output is recomputed
-    per_token = 4 * rep + attn  # + the two norms' inputs and outputs
     if shape.is_moe_layer(index):
         rows = shape.top_k * layout.expert_tp / tp  # routed rows per token of this rank (see time_model)
         routed = rows * (2 * shape.hidden + (3 if shape.gated else 2) * shape.moe_ffn / layout.expert_tp)
         shared = (3 if shape.gated else 2) * shape.shared_ffn / tp
-        per_token += routed + shared + 4 * shape.num_experts / dtype_bytes  # dispatch buffers, fp32 router probs
+        mlp = routed + shared + 4 * shape.num_experts / dtype_bytes  # dispatch buffers, fp32 router probs
     else:
-        per_token += (3 if shape.gated else 2) * shape.ffn / tp
+        mlp = (3 if shape.gated else 2) * shape.ffn / tp
     softmax_stats = 4 * tokens * shape.heads / tp  # fp32 log-sum-exp of flash attention
-    return dtype_bytes * tokens * per_token + softmax_stats + cp_held_bytes(shape, layout, dtype_bytes)
+    # each norm keeps its input; its output is the input the next part's first linear keeps
+    alone = shape.block(index) == "*"  # a hybrid attention layer: no MLP part
+    return {
+        "input_norm": dtype_bytes * tokens * rep,
+        "attention": dtype_bytes * tokens * (rep + attn)
+        + softmax_stats
+        + cp_held_bytes(shape, layout, dtype_bytes)
+        + (tokens * rep if layout.dropout else 0.0),
+        "mlp_norm": 0.0 if alone else dtype_bytes * tokens * rep,
+        "mlp": 0.0 if alone else dtype_bytes * tokens * (rep + mlp) + (tokens * rep if layout.dropout else 0.0),
+    }  # dropout: 1-byte masks
+
+
+def _hybrid_parts(shape: ModelShape, layout: Layout, index: int, tokens: float, rep: float, dtype_bytes: int) -> dict:
+    """A hybrid layer of one Mamba-2 mixer (under ``attention``: the mixer part) or one dense MLP (``mlp``)."""
+    mixer = mlp = 0.0
+    if shape.block(index) == "M":
+        mixer = tokens * (dtype_bytes * rep + shape.mamba.saved_bytes_per_token(layout.tp, layout.recompute))
+    else:
+        mlp = dtype_bytes * tokens * (rep + (3 if shape.gated else 2) * shape.ffn / layout.tp)
+    return {"input_norm": dtype_bytes * tokens * rep, "attention": mixer, "mlp_norm": 0.0, "mlp": mlp}
+
+
+def activation_bytes_per_layer(shape: ModelShape, layout: Layout, index: int, dtype_bytes: int = 2) -> float:
+    """Bytes layer ``index`` keeps for backward per micro-batch on one rank."""
+    return sum(activation_parts_per_layer(shape, layout, index, dtype_bytes).values())
+
+
+def offloaded_bytes_per_layer(shape: ModelShape, layout: Layout, index: int) -> float:
+    """Bytes of layer ``index`` that ``layout.activation_offload`` moves to the host per micro-batch."""
+    parts = activation_parts_per_layer(shape, layout, index)
+    names = set(layout.activation_offload)
+    return sum(parts.values()) if "layer" in names else sum(v for k, v in parts.items() if k in names)
 
 
 @lru_cache(maxsize=4096)
@@ -196,17 +241,23 @@ def stage_memory(shape: ModelShape, layout: Layout) -> list[StageMemory]:
         weights, grads = param_bytes * n, 4 * n
         if layout.dp_shard:
             layers = sum(e - s for s, e in chunks) or 1
-            working = 2 * n / layers  # two layers unsharded at a time
-            dp_cp = layout.dp * layout.cp  # FSDP2 shards over dp x cp
-            weights = param_bytes * (dense / dp_cp + expert / layout.expert_dp + working)
-            grads = 4 * (dense / dp_cp + expert / layout.expert_dp + working)
+            working = 2 * n / layers  # two layers unsharded at a time, in the compute dtype
+            local = dense / shards[0] + expert / shards[1]  # FSDP2 shards over dp x cp (experts: edp)
+            optimizer = 8 * local * keep  # the fp32 shards are the masters: only the moments
+            weights, grads = 4 * local + param_bytes * working, 4 * local
         per_chunk = [
             sum(n * activation_bytes_per_layer(shape, layout, i) for i, n in shape.layer_kinds(s, e).items())
             for s, e in chunks
         ]
         if rank == layout.pp - 1 and shape.mtp_layers:  # the MTP layers run after the last chunk's layers
             per_chunk[-1] += shape.mtp_layers * activation_bytes_per_layer(shape, layout, shape.layers - 1)
-        acts = live_activation_peak(layout, per_chunk, rank)
+        kept = per_chunk
+        if layout.activation_offload:  # what goes to the host leaves the GPU; backward's workspace is a whole layer
+            kept = [
+                c - sum(n * offloaded_bytes_per_layer(shape, layout, i) for i, n in shape.layer_kinds(s, e).items())
+                for c, (s, e) in zip(per_chunk, chunks, strict=True)
+            ]
+        acts = live_activation_peak(layout, kept, rank)
         layer_counts = [e - s for s, e in chunks]
         if any(layer_counts):
             acts += max(c / n_ for c, n_ in zip(per_chunk, layer_counts, strict=True) if n_)  # backward workspace
@@ -217,7 +268,10 @@ def stage_memory(shape: ModelShape, layout: Layout) -> list[StageMemory]:
             # saves for backward (its gradient is computed in place)
             second = 2 if layout.cross_entropy == "fused" else 4
             logits = tokens * shape.padded_vocab(layout.tp) / layout.tp * (2 + second) * (1 + shape.mtp_layers)
-        allocated = weights + grads + optimizer + acts + logits
+        never_together = 0.0
+        if layout.dp_shard and layout.num_microbatches == 1 and layout.pp == 1:
+            never_together = min(grads, acts + logits)  # the gradients appear as the activations are freed
+        allocated = weights + grads + optimizer + acts + logits - never_together
         out.append(
             StageMemory(
                 pp_rank=rank,
@@ -228,6 +282,7 @@ def stage_memory(shape: ModelShape, layout: Layout) -> list[StageMemory]:
                 optimizer=optimizer,
                 activations=acts,
                 logits=logits,
+                never_together=never_together,
                 margin=FRAGMENTATION_MARGIN * allocated,
                 overhead=RUNTIME_OVERHEAD_BYTES,
             )

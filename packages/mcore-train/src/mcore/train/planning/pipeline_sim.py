@@ -91,7 +91,9 @@ def estimate(schedule, pp: int, vpp: int, m: int, op_time: OpTime, transfer_time
         total = sum(f + b + w for f, b, w in chunks) + 2 * vpp * transfer_time
         per_rank.append(total)
         fill += (total - sum(w for _, _, w in chunks)) / vpp
-    span = (m - 1) * max(per_rank) + fill
+    # every micro-batch passes the slowest rank once, plus the fill and drain of one chunk per other stage
+    # (vpp 1: (m + pp - 1) stage times; interleaved: m + (pp - 1) / vpp)
+    span = m * max(per_rank) + fill - max(per_rank) / vpp
     return PipelineRun(tuple(span for _ in range(pp)), tuple(m * t for t in per_rank), span)
 
 

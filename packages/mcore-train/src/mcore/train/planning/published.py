@@ -82,7 +82,7 @@ def tuned_layout(
                     tp=row.tp, pp=row.pp, dp=row.dp, vpp=vpp, micro_batch=mbs, global_batch=row.batch,
                     seq_length=4096, sequence_parallel=row.tp > 1, recompute=recompute,
                     distributed_optimizer=True, overlap_param_gather=True, tp_comm_overlap=row.tp > 1,
-                    cross_entropy="fp32",
+                    cross_entropy="fp32", dropout=True, grad_nan_check=True,
                 )  # fmt: skip
                 if layout.problems(shape):
                     break

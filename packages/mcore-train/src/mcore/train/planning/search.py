@@ -3,7 +3,8 @@
 Sizes tried: ``tp`` powers of two up to a node, ``cp`` powers of two up to a node / tp (each with the p2p ring and
 the a2a ``cp_comm_type``), ``pp`` any divisor of the
 rest (balanced uneven layouts where the layers do not divide), ``vpp`` the divisors of the layers per stage
-(interleaved), ``ep`` the divisors of the experts (MoE), ``etp`` 1 or tp, ``dp`` what remains, micro-batch sizes
+(interleaved), ``ep`` every divisor of the experts (MoE; those the grid cannot hold are refused with their
+reason), ``etp`` 1 or tp, ``dp`` what remains, micro-batch sizes
 dividing the per-rank batch. For each such layout two families of memory modes are tried, each from the fastest
 to the most frugal (no recompute, selective, full): ZeRO-1 (the distributed optimizer), ZeRO-3 (``dp_shard``) and
 ZeRO-1 with half the optimizer offloaded (no recompute, selective); the fastest of the first fits is kept, and full
@@ -27,6 +28,11 @@ from mcore.train.planning.shape import ModelShape
 from mcore.train.planning.step import StepPrediction, predict_step
 
 EXACT_TOP = 16  # layouts re-ranked with the exact schedule replay
+# what base_layouts does not enumerate, said with every search (a layout left out is named, not skipped silently)
+NOT_ENUMERATED = (
+    "not enumerated: tp or cp that are not powers of two or span more than a node, micro-batches other than "
+    "1, 2, 4, 8, etp other than 1 and tp, cp_comm_type all_gather and a2a+p2p, other memory modes than those tried"
+)
 CP_SEARCHED = ("p2p", "a2a")  # the ring and Ulysses; all_gather holds the whole K/V, a2a+p2p mixes the two
 ZERO3 = {"dp_shard": True, "distributed_optimizer": False, "overlap_param_gather": False}
 # Families of memory modes, each from the fastest to the most frugal: the first that fits in each family competes
@@ -90,7 +96,7 @@ def base_layouts(shape: ModelShape, gpus: int, global_batch: int, seq_length: in
         for cp in _powers(min(gpus_per_node // tp, gpus // tp)):
             for pp in _divisors(gpus // (tp * cp)):
                 dp = gpus // (tp * cp * pp)
-                eps = [e for e in _divisors(shape.num_experts) if e <= tp * cp * dp] if shape.is_moe else [1]
+                eps = _divisors(shape.num_experts) if shape.is_moe else [1]  # too large an ep: refused, with why
                 etps = sorted({1, tp}) if shape.is_moe else [None]
                 per_rank = global_batch // dp if global_batch % dp == 0 else 0
                 mbs = [m for m in (1, 2, 4, 8) if per_rank and per_rank % m == 0] or [1]
@@ -187,6 +193,7 @@ def format_search(candidates: list[Candidate], top: int = 5) -> str:
     if kinds:
         lines.append("why the others cannot run (layouts per reason, with one example):")
         lines += [f"  {n:>6}  {example[kind]}" for kind, n in kinds.most_common()]
+    lines.append(NOT_ENUMERATED)
     return "\n".join(lines)
 
 

@@ -11,8 +11,10 @@ features over TP ranks, ``row`` the input features, ``replicated`` none (MLA's d
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import cached_property
+from functools import cached_property, lru_cache
 from typing import Literal
+
+from mcore.train.planning.mamba_terms import MambaShape
 
 Role = Literal["column", "row", "replicated"]
 
@@ -42,7 +44,12 @@ class ModelShape:
     ``mlp_layer_types``). MLA (DeepSeek): ``kv_lora_rank > 0`` replaces Q/K/V by low-rank projections.
     ``mtp_layers``: multi-token-prediction depths (``num_nextn_predict_layers``, ``mcore.models.mtp``) on the last
     stage, each three norms, ``eh_proj`` (2 hidden -> hidden, column-parallel), one layer like the last and the
-    shared output layer with its loss.
+    shared output layer with its loss. ``window``: sliding-window attention of that many tokens, in the layers
+    ``window_layers`` marks (all when None). GPT-OSS's parameters: ``proj_bias`` (the attention output projection's
+    bias), ``expert_bias`` (each expert's and the router's biases), ``sinks`` (one per head and layer).
+    Hybrid (Nemotron-H): ``hybrid_pattern`` gives each layer's one block by its Megatron symbol (``M`` a Mamba-2
+    mixer of shape ``mamba``, ``*`` attention, ``-`` the dense MLP), each after its own pre-norm
+    (``planning/mamba_terms.py``).
     """
 
     hidden: int
@@ -69,6 +76,13 @@ class ModelShape:
     v_head_dim: int = 0
     mtp_layers: int = 0
     vocab_divisible_by: int = 128
+    window: int = 0
+    window_layers: tuple[bool, ...] | None = None
+    proj_bias: bool = False
+    expert_bias: bool = False
+    sinks: bool = False
+    hybrid_pattern: str | None = None
+    mamba: MambaShape | None = None
     name: str = "model"
 
     def __post_init__(self) -> None:
@@ -81,6 +95,15 @@ class ModelShape:
                 f"ModelShape with num_experts={self.num_experts} needs 1 <= top_k <= num_experts and moe_ffn > 0, "
                 f"got top_k={self.top_k}, moe_ffn={self.moe_ffn}"
             )
+        if self.hybrid_pattern is not None:
+            bad = sorted(set(self.hybrid_pattern) - set(HYBRID_BLOCKS))
+            if len(self.hybrid_pattern) != self.layers or bad or self.is_moe:
+                raise ValueError(
+                    f"ModelShape.hybrid_pattern {self.hybrid_pattern!r} must have one of {HYBRID_BLOCKS} per layer "
+                    f"({self.layers} layers; MoE blocks are not modelled), got unknown {bad}"
+                )
+            if "M" in self.hybrid_pattern and self.mamba is None:
+                raise ValueError("ModelShape.hybrid_pattern has Mamba-2 layers ('M'): set ModelShape.mamba")
         if self.heads % self.kv_heads:
             raise ValueError(f"ModelShape.heads ({self.heads}) must be a multiple of kv_heads ({self.kv_heads})")
 
@@ -98,7 +121,7 @@ class ModelShape:
             kv_heads=config.num_key_value_heads or config.num_attention_heads,
             head_dim=g("qk_nope_head_dim") or config.head_dim or config.hidden_size // config.num_attention_heads,
             vocab=config.vocab_size,
-            gated=True,
+            gated="relu2" not in (getattr(config, "mlp_layer_types", None) or ()),  # Nemotron-H's squared ReLU
             tied=bool(config.tie_word_embeddings),
             layernorm=getattr(config, "normalization", "rmsnorm") == "layernorm",
             qk_norm=bool(g("qk_norm", False)),
@@ -117,6 +140,7 @@ class ModelShape:
             mtp_layers=g("num_nextn_predict_layers"),
             vocab_divisible_by=g("make_vocab_size_divisible_by", 128),
             name=name,
+            **_hybrid_fields(config),
         )
 
     # ------------------------------------------------------------------------------------------------ sizes
@@ -156,15 +180,32 @@ class ModelShape:
         first = self._first_of_kind
         out: dict[int, int] = {}
         for i in range(start, end):
-            key = first[self.is_moe_layer(i)]
+            key = first[self._kind(i)]
             out[key] = out.get(key, 0) + 1
         return out
 
+    def is_window_layer(self, index: int) -> bool:
+        return self.window > 0 and (self.window_layers is None or self.window_layers[index])
+
+    def block(self, index: int) -> str:
+        """Layer ``index``'s hybrid symbol (``M``, ``*``, ``-``), or ``T`` for a transformer layer."""
+        return "T" if self.hybrid_pattern is None else self.hybrid_pattern[index]
+
+    def has_attention(self, index: int) -> bool:
+        return self.block(index) in ("T", "*")
+
+    @property
+    def attention_layers(self) -> int:
+        return sum(self.has_attention(i) for i in range(self.layers))
+
+    def _kind(self, index: int) -> tuple[bool, bool, str]:
+        return self.is_moe_layer(index), self.is_window_layer(index), self.block(index)
+
     @cached_property
-    def _first_of_kind(self) -> dict[bool, int]:
-        first: dict[bool, int] = {}
+    def _first_of_kind(self) -> dict[tuple[bool, bool, str], int]:
+        first: dict[tuple[bool, bool, str], int] = {}
         for i in range(self.layers):
-            first.setdefault(self.is_moe_layer(i), i)
+            first.setdefault(self._kind(i), i)
         return first
 
     @property
@@ -210,8 +251,15 @@ class ModelShape:
         """One routed expert's matmuls (each token runs ``top_k`` of them)."""
         return self.dense_mlp_linears(self.moe_ffn)
 
+    def mamba_linears(self) -> list[Linear]:
+        m = self.mamba
+        return [Linear("in_proj", self.hidden, m.in_width, "column"), Linear("out_proj", m.d_inner, self.hidden, "row")]
+
     def layer_linears(self, index: int) -> list[Linear]:
         """The matmuls every token runs once in layer ``index`` (routed experts apart, see expert_linears)."""
+        block = self.block(index)
+        if block != "T":
+            return {"M": self.mamba_linears, "*": self.attention_linears, "-": self.dense_mlp_linears}[block]()
         out = self.attention_linears()
         if self.is_moe_layer(index):
             out.append(Linear("router", self.hidden, self.num_experts, "replicated"))
@@ -227,20 +275,30 @@ class ModelShape:
     # ------------------------------------------------------------------------------------------- counts
     def layer_norm_and_bias_params(self, index: int, tp: int = 1) -> float:
         """Non-matmul parameters of layer ``index`` on one TP rank: the two norms (replicated), q/k norms
-        (replicated) and the Q/K/V bias (split like the projection)."""
-        n = 2 * self.norm_params()
+        (replicated) and the Q/K/V bias (split like the projection); a hybrid layer: its one norm and its block's
+        own (a Mamba-2 mixer's conv, per-head and norm parameters, split over TP like its heads)."""
+        block = self.block(index)
+        if block in ("M", "-"):
+            return self.norm_params() + (self.mamba.own_parameters(tp) if block == "M" else 0.0)
+        n = (1 if block == "*" else 2) * self.norm_params()
         if self.is_mla:  # the norms of MLA's compressed query and KV
             n += (self.q_lora_rank + self.kv_lora_rank) * (2 if self.layernorm else 1)
         if self.qk_norm:
             n += 2 * self.head_dim * (2 if self.layernorm else 1)
         if self.attention_bias:
             n += (self.q_size + 2 * self.kv_size) / tp
+        if self.proj_bias:
+            n += self.hidden  # the row-parallel projection's bias is replicated
+        if self.sinks:
+            n += self.heads / tp
         return n
 
     def layer_parameters(self, index: int) -> int:
         n = sum(lin.weights for lin in self.layer_linears(index)) + int(self.layer_norm_and_bias_params(index))
         if self.is_moe_layer(index):
             n += self.num_experts * sum(lin.weights for lin in self.expert_linears())
+            if self.expert_bias:  # each expert's linears' biases and the router's
+                n += self.num_experts * (sum(lin.out_features for lin in self.expert_linears()) + 1)
         return n
 
     def mtp_eh_proj(self) -> Linear:
@@ -270,16 +328,43 @@ class ModelShape:
         n = sum(lin.weights for lin in self.layer_linears(index))
         if self.is_moe_layer(index):
             n += self.top_k * sum(lin.weights for lin in self.expert_linears())
-        return 6.0 * n + 6 * (self.score_width() + self.attention_width) * seq_length
+        return 6.0 * n + self._sequence_flops(index, seq_length)
 
+    def _sequence_flops(self, index: int, seq_length: int) -> float:
+        """Attention's (full, not causal) or the Mamba-2 scan's training FLOPs per token (``mcore.models``)."""
+        if self.block(index) == "M":
+            return 3 * self.mamba.ssd_forward_flops(seq_length)
+        return 6 * (self.score_width() + self.attention_width) * seq_length if self.has_attention(index) else 0.0
+
+    @lru_cache(maxsize=256)  # noqa: B019 (shapes are frozen and few; the search asks for each layout)
     def model_flops_per_token(self, seq_length: int) -> float:
         """Training model FLOPs per token: ``6 x active matmul weights + 12 x layers x q width x seq`` (the
         ``mcore.models.model_flops_per_token`` / Megatron convention: full, not causal, attention), and per MTP
         depth its ``eh_proj``, a layer like the last and the output layer again."""
-        attention = 6 * self.layers * (self.score_width() + self.attention_width) * seq_length
+        attention = sum(self._sequence_flops(i, seq_length) for i in range(self.layers))
         mtp = 6.0 * (self.mtp_eh_proj().weights + self.vocab * self.hidden)
         mtp += self.layer_flops_per_token(self.layers - 1, seq_length)
         return 6.0 * self.active_matmul_weights() + attention + self.mtp_layers * mtp
+
+
+HYBRID_BLOCKS = ("M", "*", "-")
+
+
+def _hybrid_fields(config) -> dict:
+    """A Nemotron-H-style config's per-layer blocks and Mamba-2 sizes; {} for a transformer."""
+    types = tuple(getattr(config, "layer_types", None) or ())
+    if "mamba2" not in types and "none" not in types:
+        return {}
+    from mcore.models.families.nemotron_h import parts_pattern
+
+    pattern = parts_pattern(types, config.mlp_layer_types)
+    mamba = None
+    if "M" in pattern:
+        mamba = MambaShape(
+            heads=config.mamba_num_heads, head_dim=config.mamba_head_dim, groups=config.n_groups,
+            state=config.ssm_state_size, conv=config.conv_kernel, chunk=config.chunk_size,
+        )  # fmt: skip
+    return {"hybrid_pattern": pattern, "mamba": mamba}
 
 
 def _moe_pattern(config) -> tuple[bool, ...]:

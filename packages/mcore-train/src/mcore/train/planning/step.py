@@ -6,10 +6,24 @@ from dataclasses import dataclass
 
 from mcore.train.planning.cluster import Network
 from mcore.train.planning.layout import Layout
-from mcore.train.planning.memory import SCHEDULE_CLASSES, rank_chunks, stage_parameters
+from mcore.train.planning.memory import SCHEDULE_CLASSES, offloaded_bytes_per_layer, rank_chunks, stage_parameters
+from mcore.train.planning.offload_cost import activation_offload_seconds, offloaded_pieces, optimizer_offload_seconds
 from mcore.train.planning.pipeline_sim import estimate, run_schedule
 from mcore.train.planning.shape import ModelShape
-from mcore.train.planning.time_model import BUCKET_ELEMENTS, OPTIMIZER_BYTES_PER_PARAM, OpCost, TimeModel
+from mcore.train.planning.time_model import (
+    ADAMW_BYTES_PER_PARAM,
+    BUCKET_ELEMENTS,
+    GRAD_NORM_BYTES_PER_PARAM,
+    OpCost,
+    TimeModel,
+)
+
+# Before each bucket's collective the fp32 gradients are divided by dp in place (mcore's GradBuffer._issue_reduction;
+# Megatron-Core r0.8's Bucket.start_grad_sync, megatron/core/distributed/param_and_grad_buffer.py at f2e5db402c,
+# with its default average_in_collective=False): read and write 4 bytes per element. Layout.grad_nan_check adds
+# Megatron's grad_data.norm(p=2) of each bucket (read 4; the host sync on its isnan() is not charged).
+BUCKET_SCALE_BYTES = 8
+BUCKET_NAN_CHECK_BYTES = 4
 
 
 @dataclass(frozen=True)
@@ -47,13 +61,29 @@ def chunk_costs(model: TimeModel, chunks_of_ranks) -> list[list[OpCost]]:
                     cache[i] = model.layer_cost(i)
                 total += cache[i].scaled(count)
             first, last = rank == 0 and c == 0, rank == pp - 1 and c == vpp - 1
+            layers_only = (total.f, total.b)
             if first or last:
                 total += model.head_cost(first, last)
             if last and model.shape.mtp_layers:
                 total += model.mtp_cost().scaled(model.shape.mtp_layers)
+            if model.layout.activation_offload:
+                gap = total.f + total.b - sum(layers_only) if last else sum(layers_only)
+                total.add("B", "activation_offload", _activation_offload(model, cache, start, end, gap))
             row.append(total)
         out.append(row)
     return out
+
+
+def _activation_offload(model: TimeModel, cache: dict[int, OpCost], start: int, end: int, gap: float) -> float:
+    """Exposed seconds of one micro-batch's activation copies in layers ``start..end-1`` (``offload_cost``): the
+    replayed copy stream, and at least what the copies take beyond the chunk's compute (several micro-batches
+    share the one copy stream)."""
+    s = model.shape
+    kinds = [s.layer_kinds(i, i + 1).popitem()[0] for i in range(start, end)]
+    nbytes = [offloaded_bytes_per_layer(s, model.layout, i) for i in kinds]
+    fwd, bwd = [cache[i].f for i in kinds], [cache[i].b for i in kinds]
+    replay = activation_offload_seconds(fwd, bwd, nbytes, gap, model.gpu.pcie_gbps)
+    return max(replay, 2 * sum(nbytes) / (model.gpu.pcie_gbps * 1e9) - sum(fwd) - sum(bwd))
 
 
 def _data_parallel(
@@ -87,16 +117,29 @@ def _data_parallel(
     return out
 
 
-def _optimizer(model: TimeModel, dense: float, expert: float) -> dict[str, float]:
+def _optimizer(model: TimeModel, dense: float, expert: float, rank: int, chunks, last_backward: float):
+    """The device part of the AdamW step and what the host part (``offload_cost``) adds beyond it."""
     lay, gpu = model.layout, model.gpu
     sharded = lay.distributed_optimizer or lay.dp_shard
     local = dense / (lay.dp * lay.cp) + expert / lay.expert_dp if sharded else dense + expert
-    on_gpu = local * (1 - lay.optimizer_offload_fraction)
-    out = {"optimizer": gpu.memory_seconds(OPTIMIZER_BYTES_PER_PARAM * on_gpu)}
-    off = local * lay.optimizer_offload_fraction
-    if off:  # gradients down, the step on the host, bf16 parameters back up
-        transfer = off * (4 + model.dtype) / (gpu.pcie_gbps * 1e9)
-        out["optimizer_offload"] = off / (gpu.cpu_adam_gparams_per_s * 1e9) + transfer
+    pieces = []
+    if lay.optimizer_offload_fraction:
+        pieces = offloaded_pieces(model.shape, lay, rank, chunks, lay.dp * lay.cp if sharded else 1)
+    on_gpu = local - sum(pieces)
+    adamw = ADAMW_BYTES_PER_PARAM * on_gpu / (gpu.copy_gbps * 1e9 * gpu.optimizer_efficiency)
+    device = adamw + gpu.memory_seconds(GRAD_NORM_BYTES_PER_PARAM * on_gpu)
+    out = {"optimizer": device}
+    if not lay.dp_shard:  # DDP zeroes its whole fp32 gradient buffer every step (a write-only fill: copy speed)
+        out["grad_zero"] = 4 * (dense + expert) / (gpu.copy_gbps * 1e9)
+    passes = (BUCKET_SCALE_BYTES if lay.dp * lay.cp > 1 and not lay.dp_shard else 0) + (
+        BUCKET_NAN_CHECK_BYTES if lay.grad_nan_check else 0
+    )
+    if passes:  # on the compute stream, in the last micro-batch's backward
+        out["grad_bucket_passes"] = gpu.memory_seconds(passes * (dense + expert))
+    if pieces:  # the host step runs beside the device part
+        out["optimizer_offload"] = optimizer_offload_seconds(
+            pieces, last_backward, device, gpu.cpu_adam_gparams_per_s, gpu.pcie_gbps
+        )
     return out
 
 
@@ -127,7 +170,7 @@ def predict_step(shape: ModelShape, layout: Layout, network: Network, exact: boo
         last_b = sum(c.b for c in costs[rank])
         first_f = sum(c.f for c in costs[rank])
         tail = _data_parallel(model, dense, expert, last_b, first_f, rank == 0)
-        tail.update(_optimizer(model, dense, expert))
+        tail.update(_optimizer(model, dense, expert, rank, chunks, last_b))
         end = run.ends[rank] + sum(tail.values())
         if end >= finish:
             finish, worst = end, (rank, tail)

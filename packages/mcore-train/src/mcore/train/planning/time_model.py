@@ -7,7 +7,8 @@ Per layer and micro-batch on one rank (tokens = seq x micro-batch / cp):
   ``top_k x tokens`` rows spread over this rank's experts; recompute adds the forward (full) or attention
   (selective) again to the backward; the experts' GEMMs as one grouped GEMM per linear at the calibrated
   grouped efficiency for their rows per expert;
-- attention: the causal FLOPs at the calibration's rate for the document length, backward 2.5x the forward;
+- attention: the causal FLOPs at the calibration's rate for the document length (a sliding window: its pairs at
+  the rate for the window's length), backward 2.5x the forward;
 - memory-bound ops (norms, residual adds, RoPE, the GLU, casts and layout copies): their bytes at the calibrated
   share of copy bandwidth; the MoE permute / unpermute (gathers and scatters of the routed rows) at the
   calibration's measured ``moe_dispatch_gbps``;
@@ -17,7 +18,8 @@ Per layer and micro-batch on one rank (tokens = seq x micro-batch / cp):
 - CP by ``cp_comm_type`` (``cp_cost``): the p2p ring of K/V (and backward's fp32 dK/dV) overlapped with the
   attention it feeds, all-gather / all-to-all blocking; EP all-to-all (dispatch, combine) exposed;
 - ZeRO-3 (``dp_shard``): per layer parameter all-gather (forward and backward) and gradient reduce-scatter,
-  prefetched under the layer's compute (exposed: what exceeds it);
+  prefetched under the layer's compute (exposed: what exceeds it), and FSDP2's copies into and out of the
+  collectives' flat buffers (memory-bound, on the compute stream, at any dp);
 - host: ``host_ms_per_layer`` the GPU waits for launches.
 
 Per step: the schedule's plans replayed with these per-stage op times and p2p transfer times
@@ -42,13 +44,23 @@ from mcore.train.planning.shape import ModelShape
 from mcore.train.planning.tp_overlap import PLAIN, OverlapPlan, exposed_seconds, overlap_plans
 
 BACKWARD_ATTENTION_RATIO = 2.5
-OPTIMIZER_BYTES_PER_PARAM = 34  # fused AdamW pass (30 bytes) + the gradient-norm read (4)
+# the fused AdamW pass (fp32 master, gradient, two moments read, three written, the bf16 parameter written) at the
+# calibration's optimizer_efficiency, and the gradient-norm read at the memory-bound share
+ADAMW_BYTES_PER_PARAM, GRAD_NORM_BYTES_PER_PARAM = 30, 4
 BUCKET_ELEMENTS = 40_000_000
 # Bytes moved per logit element by the loss (forward, backward). fused: mcore's bf16 cross entropy reads the
 # logits once and writes a bf16 gradient (plus a copy). fp32: Megatron-Core r0.8.0's vocab_parallel_cross_entropy
 # (megatron/core/tensor_parallel/cross_entropy.py): .float() (read 2, write 4), max (4), in-place subtract (8),
 # in-place exp (8), sum (4), in-place divide (8); backward: in-place multiply (8), the cast back to bf16 (6).
 CROSS_ENTROPY_BYTES = {"fused": (2, 8), "fp32": (38, 14)}
+# Dropout (Layout.dropout: Megatron-Core's defaults, attention and hidden dropout 0.1). Hidden: each of a layer's
+# two bias-dropout-adds (megatron/core/fusions/fused_bias_dropout.py, one fused kernel) also writes a 1-byte mask
+# per element in forward, and backward, which without dropout passes the gradient through, reads the gradient and
+# the mask and writes the input gradient (2 + 1 + 2 bytes). Attention: cuDNN's fused attention draws the mask in
+# the kernel; on an H200 it cost 3.4% of forward + backward (0.594 -> 0.614 ms, TransformerEngine issue #3312:
+# TE 2.15, sbhd, 4 x 4096 tokens, 16 heads of 128, p=0.1).
+DROPOUT_BYTES = (1, 5)
+ATTENTION_DROPOUT_COST = 0.614 / 0.594 - 1
 
 
 @dataclass
@@ -147,25 +159,39 @@ class TimeModel:
 
     def _experts(self, cost: OpCost) -> None:
         """The routed experts: per linear one grouped GEMM over this rank's experts (``mcore.kernels.grouped_gemm``;
-        forward, input gradient and weight gradient each a grouped GEMM of the same kind)."""
+        forward, input gradient and weight gradient each a grouped GEMM of the same kind), or under
+        ``expert_gemm="per_expert"`` one dense GEMM per expert of its (balanced) rows."""
         s, lay, g = self.shape, self.layout, self.gpu
         local = s.num_experts // lay.ep
         rows = self.moe_tokens * s.top_k * lay.ep / s.num_experts  # per expert, on average (balanced routing)
         for lin in s.expert_linears():
             k = lin.in_features // lay.expert_tp if lin.role == "row" else lin.in_features
             n = lin.out_features // lay.expert_tp if lin.role == "column" else lin.out_features
-            fwd = g.grouped_gemm_seconds(local, rows, n, k, self.precision)
-            dgrad = g.grouped_gemm_seconds(local, rows, k, n, self.precision)
-            wgrad = fwd * g.wgrad_fp32_slowdown  # the same FLOPs, writing fp32 into the gradient buffer
+            if lay.expert_gemm == "per_expert":  # one cuBLAS GEMM per expert, its wgrad into fp32 main_grad
+                fwd = local * g.gemm_seconds(rows, n, k, self.precision)
+                dgrad = local * g.gemm_seconds(rows, k, n, self.precision)
+                wgrad = local * g.gemm_seconds(n, k, rows, self.precision) * g.wgrad_fp32_slowdown
+            else:
+                fwd = g.grouped_gemm_seconds(local, rows, n, k, self.precision)
+                dgrad = g.grouped_gemm_seconds(local, rows, k, n, self.precision)
+                wgrad = fwd * g.wgrad_fp32_slowdown  # the same FLOPs, writing fp32 into the gradient buffer
             cost.add("F", "gemm", fwd)
             cost.add("B", "gemm", dgrad + wgrad)
             cost.wgrad += wgrad
 
-    def _attention(self, cost: OpCost) -> None:
+    def _attention(self, cost: OpCost, index: int) -> None:
         s, lay = self.shape, self.layout
         width = (s.score_width() + s.attention_width) / lay.tp
-        causal_fwd = 2.0 * lay.micro_batch * lay.seq_length**2 * width / 2 / lay.cp
-        total = self.gpu.attention_seconds(causal_fwd * (1 + BACKWARD_ATTENTION_RATIO), lay.seq_length)
+        seq, span = lay.seq_length, lay.seq_length
+        pairs = seq**2 / 2  # query-key pairs a causal document computes
+        if s.is_window_layer(index) and s.window < seq:  # each query sees the last `window` keys
+            span = s.window
+            pairs = seq * span - span**2 / 2
+        causal_fwd = 2.0 * lay.micro_batch * pairs * width / lay.cp
+        # a window's work runs in tiles like a document of its length: the calibrated rate at that length
+        total = self.gpu.attention_seconds(causal_fwd * (1 + BACKWARD_ATTENTION_RATIO), span)
+        if lay.dropout:
+            total *= 1 + ATTENTION_DROPOUT_COST
         fwd = total / (1 + BACKWARD_ATTENTION_RATIO)
         cost.add("F", "attention", fwd)
         cost.add("B", "attention", total - fwd)
@@ -176,9 +202,32 @@ class TimeModel:
         if lay.recompute == "selective":
             cost.add("B", "attention", fwd)
 
-    def _memory_bound(self, cost: OpCost, moe: bool) -> None:
+    def _mamba(self, cost: OpCost) -> None:
+        """A Mamba-2 mixer's conv and scan at the calibrated rates, and its memory-bound work: the gated norm
+        (forward reads y, z and writes the output; backward reads three, writes two) and the conv input's copy out
+        of ``in_proj``'s output (backward: the three gradients written back into one); selective recompute runs the
+        conv, the scan and the norm again in backward (``planning/mamba_terms.py``)."""
+        m, g, tp = self.shape.mamba, self.gpu, self.layout.tp
+        (ssd_f, ssd_b), (conv_f, conv_b) = g.mamba_rates()
+        flops = self.tokens * m.ssd_forward_flops(self.layout.seq_length) / tp
+        conv = self.tokens * m.conv_dim * self.dtype / tp
+        fwd = flops / (ssd_f * 1e12) + 2 * conv / (conv_f * 1e9)
+        cost.add("F", "ssm", fwd)
+        cost.add("B", "ssm", 2 * flops / (ssd_b * 1e12) + 3 * conv / (conv_b * 1e9))
+        copies_f = (3 * m.d_inner + 2 * m.conv_dim) / tp * self.tokens * self.dtype
+        copies_b = (5 * m.d_inner + 2 * m.in_width) / tp * self.tokens * self.dtype
+        cost.add("F", "memory", g.memory_seconds(copies_f))
+        cost.add("B", "memory", g.memory_seconds(copies_b))
+        if self.layout.recompute == "selective":
+            cost.add("B", "ssm", fwd)
+            cost.add("B", "memory", g.memory_seconds(copies_f))
+
+    def _memory_bound(self, cost: OpCost, moe: bool, block: str = "T") -> None:
         s, lay = self.shape, self.layout
         tp = lay.tp
+        if block != "T":  # a hybrid layer: one norm and residual add, then its block's own
+            self._hybrid_memory_bound(cost, block)
+            return
         rep = s.hidden / tp if lay.sequence_parallel else s.hidden
         qkv = (s.q_size + s.kv_size) / tp
         routed = s.moe_ffn * s.top_k / lay.expert_tp * self.moe_tokens / self.tokens
@@ -188,10 +237,26 @@ class TimeModel:
         bwd = 6 * rep + 6 * rep + 2 * qkv + glu_b * width + 16 * s.hidden / tp
         cost.add("F", "memory", self.gpu.memory_seconds(fwd * self.tokens * self.dtype))
         cost.add("B", "memory", self.gpu.memory_seconds(bwd * self.tokens * self.dtype))
+        if lay.dropout:  # the two bias-dropout-adds: a mask written in forward; read with the gradient in backward
+            fwd_bytes, bwd_bytes = DROPOUT_BYTES
+            cost.add("F", "memory", self.gpu.memory_seconds(2 * fwd_bytes * rep * self.tokens))
+            cost.add("B", "memory", self.gpu.memory_seconds(2 * bwd_bytes * rep * self.tokens))
         if moe:  # permute and unpermute each read and write every routed row, in forward and in backward
             permute = 4 * s.top_k * s.hidden * self.moe_tokens * self.dtype
             cost.add("F", "moe_dispatch", self.gpu.dispatch_seconds(permute))
             cost.add("B", "moe_dispatch", self.gpu.dispatch_seconds(permute))
+
+    def _hybrid_memory_bound(self, cost: OpCost, block: str) -> None:
+        s, tp = self.shape, self.layout.tp
+        rep = s.hidden / tp if self.layout.sequence_parallel else s.hidden
+        fwd, bwd = 5 * rep + 8 * s.hidden / tp, 6 * rep + 8 * s.hidden / tp  # half a transformer layer's
+        if block == "*":
+            fwd, bwd = fwd + 2 * (s.q_size + s.kv_size) / tp, bwd + 2 * (s.q_size + s.kv_size) / tp
+        elif block == "-":
+            glu_f, glu_b = (3, 5) if s.gated else (2, 3)
+            fwd, bwd = fwd + glu_f * s.ffn / tp, bwd + glu_b * s.ffn / tp
+        cost.add("F", "memory", self.gpu.memory_seconds(fwd * self.tokens * self.dtype))
+        cost.add("B", "memory", self.gpu.memory_seconds(bwd * self.tokens * self.dtype))
 
     def _tp_comm(self, cost: OpCost, collectives: int) -> None:
         lay = self.layout
@@ -237,6 +302,18 @@ class TimeModel:
         hidden_scatter = min(scatter, max(0.0, cost.b - gather))
         cost.add("B", "dp_shard_comm", max(0.0, gather + scatter - cost.b))
         cost.add("B", "dp_overlap_slowdown", self.gpu.reduce_overlap_slowdown * hidden_scatter)
+        self._zero3_copies(cost, dense + expert)
+
+    def _zero3_copies(self, cost: OpCost, params: float) -> None:
+        """FSDP2's copies around its collectives, at any dp (also 1): an all-gather reads the fp32 shard and writes
+        it in the compute dtype into the flat buffer, then splits the gathered buffer into the parameters; a
+        reduce-scatter casts the gradients into an fp32 buffer and writes the fp32 shard. Forward gathers, backward
+        gathers again (``reshard_after_forward``) and reduce-scatters."""
+        shards, dt = self.layout.dp * self.layout.cp, self.dtype
+        gather = params * ((4 + dt) / shards + 2 * dt)
+        scatter = params * (dt + 4 + 4 / shards)
+        cost.add("F", "dp_shard_copy", self.gpu.memory_seconds(gather))
+        cost.add("B", "dp_shard_copy", self.gpu.memory_seconds(gather + scatter))
 
     # ------------------------------------------------------------------------------------------- layer
     def layer_cost(self, index: int) -> OpCost:
@@ -248,10 +325,14 @@ class TimeModel:
         if moe:
             self._experts(cost)
             self._ep_comm(cost)
-        self._attention(cost)
-        self._memory_bound(cost, moe)
+        block = s.block(index)
+        if s.has_attention(index):
+            self._attention(cost, index)
+        if block == "M":
+            self._mamba(cost)
+        self._memory_bound(cost, moe, block)
         if not self.tp_overlap:  # else charged with the linears
-            self._tp_comm(cost, 2)
+            self._tp_comm(cost, 2 if block == "T" else 1)
         if lay.recompute == "full":
             for k, v in list(cost.forward.items()):
                 cost.add("B", k, v)
@@ -280,6 +361,8 @@ class TimeModel:
             cost.add("F", "memory", self.gpu.memory_seconds(self.tokens * s.hidden * self.dtype * 2))
             cost.add("B", "memory", self.gpu.memory_seconds(self.tokens * s.hidden * 10))
             self._tp_comm(cost, 1)
+        if lay.dp_shard:  # the embedding and the output layer are FSDP units of their own
+            self._zero3_copies(cost, (int(first) + int(last and (not s.tied or lay.pp > 1))) * vocab * s.hidden)
         if last:
             self._gemms(cost, self.tokens, s.hidden, vocab)
             elements = self.tokens * vocab
