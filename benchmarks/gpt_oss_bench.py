@@ -23,8 +23,9 @@ GPT_OSS_SHAPES = ("gptoss4l", "gptoss4l_mb2")  # what --shape gptoss runs
 DRY_RUN_SHAPES = {"gptoss": "gptoss_tiny", "gptoss4l": "gptoss_tiny", "gptoss4l_mb2": "gptoss_tiny"}
 
 
-def gpt_oss_model(shape: dict[str, Any], *, align: int) -> dict[str, Any]:
-    """The ``model`` section of a GPT-OSS shape: the family's fields, then the shape's sizes."""
+def gpt_oss_model(shape: dict[str, Any], *, align: int, expert_gemm: str = "grouped") -> dict[str, Any]:
+    """The ``model`` section of a GPT-OSS shape: the family's fields, then the shape's sizes (and
+    ``moe_router.expert_gemm`` when not the default)."""
     from mcore.models.families import FAMILIES
     from mcore.models.families.gpt_oss import alternating_layer_types
 
@@ -45,4 +46,6 @@ def gpt_oss_model(shape: dict[str, Any], *, align: int) -> dict[str, Any]:
     )
     if align > 1:
         model["moe_router"] = {**model["moe_router"], "align": align}
+    if expert_gemm != "grouped":
+        model["moe_router"] = {**model["moe_router"], "expert_gemm": expert_gemm}
     return model

@@ -9,9 +9,14 @@ baseline (``hf_baseline.py``'s step, its ``8b4l`` shape with all 32 layers) in i
 memory: its out-of-memory error and the memory it held are the record.
 
 Part ``8b4l``: the cost of each mode on the ``8b4l`` shape of ``train_throughput.py`` (4 layers, micro-batch 2,
-one micro-batch per step): ZeRO-1 at dp=1 as the reference, ``parallel.dp_shard`` (FSDP2) at world size 1, the
-optimizer offloaded at 25% and 100%, activation offload of attention+MLP and of whole layers, selective and full
-recompute.
+one micro-batch per step): ZeRO-1 at dp=1 as the reference, ``parallel.dp_shard`` (FSDP2) at world size 1 with its
+``auto`` settings (layers kept gathered from forward to backward, weight gradients accumulated in fp32 inside the
+GEMMs), without that fusion (``dp_shard_no_fusion``: FSDP's cast and copies of each gradient) and with every layer
+resharded after its forward (``dp_shard_reshard``: what a re-gather costs at one rank), the optimizer offloaded
+at 25% and 100%, activation offload of attention+MLP and of whole layers, selective and full recompute.
+``--profile-steps 1`` adds one step under the CUDA profiler per configuration: where the step's GPU time goes
+(``step_profile.py``'s categories; FSDP's casts and copies are ``copy/cast``), in the summary and in
+``profiles.md``.
 
 Every configuration runs in its own process (memory statistics do not mix); per configuration: tokens/s, MFU,
 peak GPU memory (``max_memory_allocated``) and peak host memory (the process's peak RSS), the losses. The summary
@@ -22,6 +27,7 @@ to the reference's (the issue's target: >= 70%).
 
     python benchmarks/memory_modes.py --part 8b --out DIR --hf-baseline .bench/hf_baseline.py   # ~7 min
     python benchmarks/memory_modes.py --part 8b4l --out DIR                                      # ~6 min
+    python benchmarks/memory_modes.py --part 8b4l --configs 8b4l_zero1,8b4l_dp_shard --profile-steps 1 --out DIR
     python benchmarks/memory_modes.py --dry-run --out DIR      # CPU, tiny fp32 shape, both parts, ~1 min
 """
 
@@ -56,6 +62,16 @@ from _common import (
 MODES_8B4L = {
     "zero1": [],
     "dp_shard": ["parallel.distributed_optimizer=false", "parallel.dp_shard=true"],
+    "dp_shard_no_fusion": [
+        "parallel.distributed_optimizer=false",
+        "parallel.dp_shard=true",
+        "parallel.gradient_accumulation_fusion=false",
+    ],
+    "dp_shard_reshard": [
+        "parallel.distributed_optimizer=false",
+        "parallel.dp_shard=true",
+        "parallel.dp_shard_reshard_after_forward=true",
+    ],
     "optim_offload_0.25": ["optim.offload_fraction=0.25"],
     "optim_offload_1.0": ["optim.offload_fraction=1.0"],
     "act_offload_attn_mlp": ["train.activation_offload=[attention,mlp]"],
@@ -85,8 +101,9 @@ def _shape(part: str, dry_run: bool) -> dict[str, int]:
     return shape
 
 
-def build_specs(part: str, *, steps: int, dry_run: bool) -> list[RunSpec]:
-    """The configurations of one part (``8b`` or ``8b4l``), validated by the caller with ``check_spec``."""
+def build_specs(part: str, *, steps: int, dry_run: bool, profile_steps: int = 0) -> list[RunSpec]:
+    """The configurations of one part (``8b`` or ``8b4l``), validated by the caller with ``check_spec``;
+    ``profile_steps`` of each configuration's ``steps`` (the last ones) run under the CUDA profiler, untimed."""
     shape = _shape(part, dry_run)
     microbatches = 32 if part == "8b" and not dry_run else 1
     base = [
@@ -104,9 +121,13 @@ def build_specs(part: str, *, steps: int, dry_run: bool) -> list[RunSpec]:
     ]
     modes = MODES_8B if part == "8b" else MODES_8B4L
     untimed = min(2, steps - 1)
-    specs = [RunSpec(f"{part}_{name}", 1, base + extra, llama_model(shape), untimed) for name, extra in modes.items()]
+    specs = [
+        RunSpec(f"{part}_{name}", 1, base + extra, llama_model(shape), untimed, profile_steps=profile_steps)
+        for name, extra in modes.items()
+    ]
     if part == "8b":  # the 8b4l reference in the same call, to compare against (a device call starts empty)
-        specs.insert(0, build_specs("8b4l", steps=steps if dry_run else 8, dry_run=dry_run)[0])
+        ref_steps = steps if dry_run else 8
+        specs.insert(0, build_specs("8b4l", steps=ref_steps, dry_run=dry_run, profile_steps=profile_steps)[0])
     return specs
 
 
@@ -170,11 +191,26 @@ def summarize(results: dict[str, dict | None], hf: dict | None) -> dict[str, Any
     return {"results": results, "hf_8b": hf, "relative": relative, "markdown": markdown_table(headers, rows)}
 
 
+def render_profiles(results: dict[str, dict | None]) -> str:
+    """Each profiled configuration's step breakdown (``step_profile.render_breakdown``), as markdown."""
+    from step_profile import render_breakdown
+
+    parts = []
+    for name, res in results.items():
+        for rank, breakdown in enumerate((res or {}).get("profile") or []):
+            parts.append(f"## {name} (rank {rank})\n\n{render_breakdown(breakdown)}\n")
+    return "\n".join(parts)
+
+
 def orchestrate(args: argparse.Namespace) -> int:
     out: Path = args.out
     out.mkdir(parents=True, exist_ok=True)
     parts = ["8b4l", "8b"] if args.dry_run or args.part == "all" else [args.part]
-    specs = {s.name: s for part in parts for s in build_specs(part, steps=args.steps, dry_run=args.dry_run)}
+    specs = {
+        s.name: s
+        for part in parts
+        for s in build_specs(part, steps=args.steps, dry_run=args.dry_run, profile_steps=args.profile_steps)
+    }
     specs = [s for s in specs.values() if not args.configs or s.name in args.configs]  # the 8b4l reference once
     unknown = sorted(set(args.configs or ()) - {s.name for s in specs})
     if unknown:
@@ -210,6 +246,10 @@ def orchestrate(args: argparse.Namespace) -> int:
     summary = summarize(results, hf)
     write_json(summary_path, summary)
     print(summary["markdown"], flush=True)
+    if args.profile_steps:
+        profiles = render_profiles(results)
+        (out / "profiles.md").write_text(profiles)
+        print(profiles, flush=True)
     for name in failures:
         print(f"FAILED: {name} (see {log})", flush=True)
     return 1 if failures else 0
@@ -224,6 +264,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--skip-baseline", action="store_true")
     ap.add_argument("--configs", type=lambda v: v.split(","), help="only these configurations (comma-separated)")
     ap.add_argument("--dry-run", action="store_true", help="CPU, tiny fp32 shape, every configuration, no baseline")
+    ap.add_argument(
+        "--profile-steps", type=int, default=0, help="of each configuration's steps, this many last under the profiler"
+    )
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--plan", type=Path, help=argparse.SUPPRESS)
     ap.add_argument("--name", help=argparse.SUPPRESS)
@@ -241,6 +284,10 @@ def main(argv: list[str] | None = None) -> int:
         args.steps = 3 if args.dry_run or args.part == "8b" else 8
     if args.steps < 2:
         ap.error(f"--steps must be >= 2 (the first step is not timed), got {args.steps}")
+    if args.profile_steps < 0 or (args.dry_run and args.profile_steps):
+        ap.error(f"--profile-steps must be >= 0 (and 0 in a dry run: the CUDA profiler), got {args.profile_steps}")
+    if args.profile_steps and args.steps - min(2, args.steps - 1) - args.profile_steps < 1:
+        ap.error(f"--profile-steps {args.profile_steps} leaves no timed step of --steps {args.steps}")
     if args.out is None:
         args.out = Path(tempfile.mkdtemp(prefix="memory_modes_out_"))
     if not args.dry_run and args.part in ("8b", "all") and not args.skip_baseline and not args.hf_baseline.is_file():

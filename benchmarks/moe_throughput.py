@@ -13,6 +13,16 @@ the baseline's docstring; peak 989.4 TFLOP/s), peak memory, first-step time.
 record gets ``profile`` (``step_profile``'s breakdown) and ``time_breakdown`` (``moe_profile``: router, permute,
 unpermute, grouped GEMMs, expert activation, attention, other GEMMs, optimizer, rest, idle; ms and %).
 
+``--variants LAYOUT:GEMM,...`` runs ours once per variant, each in its own process beside the baselines of the same
+call: LAYOUT ``zero1`` (the distributed optimizer at dp=1: bf16 weights + fp32 masters, 18 bytes per parameter),
+``fsdp`` (FSDP2 ``parallel.dp_shard``: fp32 weights that are the masters, 16 bytes, HF's layout; at dp=1 the units
+stay gathered from forward to backward and the weight-gradient GEMMs accumulate into the fp32 shard gradients) or
+``fsdp_reshard`` (the same, each unit resharded after its forward and gathered again for backward), GEMM
+``moe_router.expert_gemm`` (``grouped`` or ``per_expert``: fp32 weight gradients straight into ``main_grad``). Each
+variant's record is ``{label}_{shape}.json``, label ``mcore[-LAYOUT unless zero1][-per_expert]``; the summary gives
+each one's ratios to HF (``ratios_by_variant``). Default: ``zero1:<--expert-gemm>``, plus ``fsdp:<--expert-gemm>``
+with ``--fsdp``.
+
 ``--micro`` (run first, in this process): the expert GEMMs of each shape through ``mcore.kernels.grouped_gemm``
 (forward + both backward GEMMs) against one dense GEMM of the same FLOPs, and the router / permute / unpermute
 ops, each timed with CUDA events (median of ``--iters``). The expert rows are padded to multiples of 8 per expert
@@ -23,6 +33,8 @@ ops, each timed with CUDA events (median of ``--iters``). The expert rows are pa
     python benchmarks/moe_throughput.py --json-dir DIR                 # one GPU: micro, then both shapes
     python benchmarks/moe_throughput.py --shape moonlight8l --json-dir DIR   # one shape (+ its micro-benchmarks)
     python benchmarks/moe_throughput.py --dry-run --json-dir DIR       # CPU, tiny fp32 shapes, no baseline
+    python benchmarks/moe_throughput.py --shape mixtral2l --skip-micro --skip-compile \
+        --variants zero1:per_expert,fsdp:grouped --json-dir DIR            # two of ours beside HF eager
 """
 
 from __future__ import annotations
@@ -42,10 +54,20 @@ from moe_micro import run_micro
 from moe_profile import moe_time_breakdown, render_moe_breakdowns
 from train_throughput import ratios, render
 
-HF_MOE_BASELINE = Path(__file__).resolve().parents[2] / "shared" / "bench" / "hf_moe_baseline.py"
+# ../shared beside a checkout (the lead's), or shared/ inside it (the GPU machine's copy)
+_ROOT = Path(__file__).resolve().parents[1]
+HF_MOE_BASELINE = (
+    next(
+        (p for p in (_ROOT.parent / "shared", _ROOT / "shared") if (p / "bench" / "hf_moe_baseline.py").is_file()),
+        _ROOT.parent / "shared",
+    )
+    / "bench"
+    / "hf_moe_baseline.py"
+)
 GPU_SHAPES = ("mixtral2l", "qwen3moe4l", "moonlight8l")
 DRY_RUN_SHAPES = ("tiny", "tiny_mla")
 BASELINES = {"hf": [], "hf-compile": ["--compile"]}
+EXPERT_GEMMS = ("grouped", "per_expert")
 
 # The baseline's shapes (its SHAPES table), as mcore model sections; "tiny" is the CPU dry run's.
 SHAPES: dict[str, dict[str, Any]] = {
@@ -71,9 +93,7 @@ def moe_model(shape: dict[str, Any], *, align: int, expert_gemm: str = "grouped"
     if shape["family"] == "deepseek_v3":
         return mla_moe_model(shape, align=align, expert_gemm=expert_gemm)
     if shape["family"] == "gpt_oss":
-        if expert_gemm != "grouped":
-            raise SystemExit("--expert-gemm: GPT-OSS's biased experts run as grouped GEMMs only")
-        return gpt_oss_model(shape, align=align)
+        return gpt_oss_model(shape, align=align, expert_gemm=expert_gemm)
     mixtral = shape["family"] == "mixtral"
     router: dict[str, Any] = {"align": align} if align > 1 else {}
     if expert_gemm != "grouped":
@@ -143,6 +163,39 @@ FSDP_OVERRIDES = [
 ]
 
 
+# the memory layouts of --variants: ZeRO-1 at dp=1; FSDP2 with its dp=1 defaults (units kept gathered from forward
+# to backward); FSDP2 resharding each unit after its forward (gathered again for backward: less memory, one more cast)
+LAYOUT_OVERRIDES = {
+    "zero1": [],
+    "fsdp": FSDP_OVERRIDES,
+    "fsdp_reshard": [*FSDP_OVERRIDES, "parallel.dp_shard_reshard_after_forward=true"],
+}
+LAYOUTS = tuple(LAYOUT_OVERRIDES)
+
+
+def variant_label(layout: str, expert_gemm: str) -> str:
+    """``mcore[-fsdp|-fsdp_reshard][-per_expert]``: the name of one of our runs (its JSON file, its table row)."""
+    return (
+        "mcore" + ("" if layout == "zero1" else f"-{layout}") + ("" if expert_gemm == "grouped" else f"-{expert_gemm}")
+    )
+
+
+def parse_variants(text: str) -> list[tuple[str, str]]:
+    """``"zero1:grouped,fsdp:per_expert"`` -> ``[(layout, expert_gemm), ...]``; one ValueError naming a bad entry."""
+    out: list[tuple[str, str]] = []
+    for item in (part.strip() for part in text.split(",")):
+        layout, _, gemm = item.partition(":")
+        if layout not in LAYOUTS or gemm not in EXPERT_GEMMS:
+            raise ValueError(
+                f"--variants entry {item!r}: want LAYOUT:GEMM with LAYOUT one of {LAYOUTS} and GEMM one of "
+                f"{EXPERT_GEMMS}, e.g. zero1:per_expert"
+            )
+        if (layout, gemm) in out:
+            raise ValueError(f"--variants lists {item!r} twice")
+        out.append((layout, gemm))
+    return out
+
+
 def build_spec(
     shape_name: str,
     *,
@@ -152,7 +205,10 @@ def build_spec(
     profile_steps: int = 0,
     fsdp: bool = False,
     expert_gemm: str = "grouped",
+    layout: str | None = None,
 ) -> RunSpec:
+    """``layout``: one of ``LAYOUTS`` (default ``"fsdp"`` when ``fsdp``, else ``"zero1"``)."""
+    layout = layout or ("fsdp" if fsdp else "zero1")
     shape = SHAPES[shape_name]
     overrides = [
         f"train.device={'cpu' if dry_run else 'cuda'}",
@@ -167,10 +223,11 @@ def build_spec(
         "lr.min_lr=1e-4",
         "lr.warmup_steps=0",
     ]
-    if fsdp:
-        overrides = [o for o in overrides if not o.startswith("parallel.distributed_optimizer")] + FSDP_OVERRIDES
+    if layout != "zero1":
+        overrides = [o for o in overrides if not o.startswith("parallel.distributed_optimizer")]
+        overrides += LAYOUT_OVERRIDES[layout]
     model = moe_model(shape, align=1 if dry_run else 8, expert_gemm=expert_gemm)
-    name = f"mcore{'-fsdp' if fsdp else ''}_{shape_name}"
+    name = f"{variant_label(layout, expert_gemm)}_{shape_name}"
     return RunSpec(name, 1, overrides, model, 1 + warmup, profile_steps=profile_steps)
 
 
@@ -182,14 +239,14 @@ def run_ours(args: argparse.Namespace) -> int:
         warmup=args.warmup,
         dry_run=args.dry_run,
         profile_steps=args.profile_steps,
-        fsdp=args.fsdp,
         expert_gemm=args.expert_gemm,
+        layout=args.layout,
     )
     result, runtime = run_spec(spec)
     runtime.shutdown()
     keys = ("params", "tokens_per_s", "step_s", "tflops_per_gpu", "mfu", "peak_mem_gb", "first_step_s", "gpu", "torch")
     record = {
-        "impl": "mcore" + ("-fsdp" if args.fsdp else "") + ("-dryrun" if args.dry_run else ""),
+        "impl": variant_label(args.layout, args.expert_gemm) + ("-dryrun" if args.dry_run else ""),
         "shape": args.shape,
         **SHAPES[args.shape],
         **{k: result[k] for k in keys},
@@ -210,20 +267,13 @@ def run_ours(args: argparse.Namespace) -> int:
 
 
 def _runs(args: argparse.Namespace, shape: str, out: Path) -> list[tuple[str, list[str]]]:
-    ours = [str(Path(__file__).resolve()), "--only", "mcore", "--shape", shape, "--iters", str(args.iters)]
-    ours += [
-        "--warmup",
-        str(args.warmup),
-        "--profile-steps",
-        str(args.profile_steps),
-        "--expert-gemm",
-        args.expert_gemm,
-    ]
-    ours += ["--json", str(out / f"mcore_{shape}.json")]
-    runs = [("mcore", ours + (["--dry-run"] if args.dry_run else []))]
-    if args.fsdp:
-        fsdp = [a.replace(f"mcore_{shape}.json", f"mcore-fsdp_{shape}.json") for a in runs[0][1]]
-        runs.append(("mcore-fsdp", fsdp + ["--fsdp"]))
+    runs = []
+    for layout, gemm in args.variant_list:
+        label = variant_label(layout, gemm)
+        ours = [str(Path(__file__).resolve()), "--only", "mcore", "--shape", shape, "--iters", str(args.iters)]
+        ours += ["--warmup", str(args.warmup), "--profile-steps", str(args.profile_steps), "--expert-gemm", gemm]
+        ours += ["--json", str(out / f"{label}_{shape}.json")]
+        runs.append((label, ours + (["--dry-run"] if args.dry_run else []) + ["--layout", layout]))
     if args.skip_baseline or args.dry_run or not SHAPES[shape].get("baseline", True):
         return runs
     for label, extra in BASELINES.items():
@@ -272,8 +322,10 @@ def orchestrate(args: argparse.Namespace) -> int:
                 summary["failures"].append(f"{label} on {shape}: exit {launch.returncode} (log {launch.log})")
             baseline = "skipped" if skip_baseline else str(args.hf_baseline)
             entry = {"results": results, "ratios": ratios(results), "baseline": baseline}
-            if args.fsdp:
-                entry["ratios_fsdp"] = ratios({**results, "mcore": results.get("mcore-fsdp")})
+            entry["ratios_by_variant"] = {
+                label: ratios({**results, "mcore": results.get(label)})
+                for label in (variant_label(*v) for v in args.variant_list)
+            }
             summary["shapes"][shape] = entry
             write_json(out / "summary.json", {**summary, "markdown": _render(summary)})
     print(_render(summary), flush=True)
@@ -292,12 +344,12 @@ def _render(summary: dict[str, Any]) -> str:
     }
     lines = [render(summary)]
     for shape, entry in summary["shapes"].items():
-        r = entry.get("ratios_fsdp")
-        if r and r["tokens_per_s_vs_hf"] is not None:
-            lines.append(
-                f"- {shape} with FSDP2: tokens/s vs HF-eager {r['tokens_per_s_vs_hf']:.3f}, peak memory vs HF-eager "
-                f"{r['peak_mem_vs_hf']:.3f}"
-            )
+        for label, r in entry.get("ratios_by_variant", {}).items():
+            if label != "mcore" and r["tokens_per_s_vs_hf"] is not None:
+                lines.append(
+                    f"- {shape} {label}: tokens/s vs HF-eager {r['tokens_per_s_vs_hf']:.3f}, peak memory vs HF-eager "
+                    f"{r['peak_mem_vs_hf']:.3f}"
+                )
     profiled = render_moe_breakdowns(breakdowns)
     return "\n".join(lines) + ("\n\n" + profiled if profiled else "")
 
@@ -315,12 +367,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--json-dir", type=Path, default=None, help="where the JSON files go (default: a temp dir)")
     ap.add_argument("--json", type=Path, help=argparse.SUPPRESS)
     ap.add_argument("--only", choices=["mcore"], help=argparse.SUPPRESS)
+    ap.add_argument("--layout", choices=LAYOUTS, default=None, help=argparse.SUPPRESS)  # of one --only run
     ap.add_argument("--timeout", type=float, default=600.0, help="seconds per run (600)")
     ap.add_argument("--dry-run", action="store_true", help="CPU, tiny fp32 shape, 3 iterations, no baseline")
     ap.add_argument("--fsdp", action="store_true", help="also run ours with FSDP2 (parallel.dp_shard=true)")
-    ap.add_argument(
-        "--expert-gemm", choices=["grouped", "per_expert"], default="grouped", help="moe_router.expert_gemm (grouped)"
-    )
+    ap.add_argument("--expert-gemm", choices=EXPERT_GEMMS, default="grouped", help="moe_router.expert_gemm (grouped)")
+    ap.add_argument("--variants", default=None, help="ours as LAYOUT:GEMM,... (zero1|fsdp : grouped|per_expert)")
     ap.add_argument(
         "--profile-steps", type=int, default=None, help="steps after the timed ones under the CUDA profiler (1; dry 0)"
     )
@@ -336,6 +388,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         ap.error("--only mcore needs --json FILE and one --shape")
     if args.shape in (*DRY_RUN_SHAPES, "gptoss_tiny") and not (args.dry_run or args.only):
         ap.error("--shape tiny is the dry-run shape; use --dry-run")
+    args.layout = args.layout or ("fsdp" if args.fsdp else "zero1")
+    default = f"zero1:{args.expert_gemm}" + (f",fsdp:{args.expert_gemm}" if args.fsdp else "")
+    try:
+        args.variant_list = parse_variants(args.variants if args.variants is not None else default)
+    except ValueError as exc:
+        ap.error(str(exc))
     if args.json_dir is None and not args.only:
         args.json_dir = Path(tempfile.mkdtemp(prefix="mcore-moe-throughput-"))
     return args

@@ -17,7 +17,7 @@ from pathlib import Path
 from mcore.models.families import get_config
 from mcore.train.planning.calibration import load_calibration
 from mcore.train.planning.cluster import PRESETS, Network
-from mcore.train.planning.kernel_rates import attention_rows, gemm_rows
+from mcore.train.planning.kernel_rates import attention_rows, gemm_rows, gemm_run_rates
 from mcore.train.planning.memory import GB, rank_chunks, stage_memory
 from mcore.train.planning.published import MEGATRON_WEAK_SCALING, tuned_layout
 from mcore.train.planning.shape import ModelShape
@@ -232,6 +232,13 @@ def kernel_section() -> str:
     return table(["kernel case", "runs", "measured ms", "predicted ms", "error", ""], rows)
 
 
+def down_spread_section() -> str:
+    """down's three GEMMs per run (and --calibrate's point of the same shape): spread, or a shape's effect."""
+    rows = [[gemm, precision, " x ".join(map(str, shape)), run, f"{rate:.0f}"]
+            for gemm, precision, shape, run, rate in gemm_run_rates(RESULTS, "down")]  # fmt: skip
+    return table(["down GEMM", "precision", "m x n x k", "run", "TFLOP/s"], rows)
+
+
 def calibration_notes() -> str:
     out = []
     for name in ("h200-sxm", "h100-sxm"):
@@ -257,6 +264,7 @@ def main(argv: list[str] | None = None) -> int:
         "worst_memory": f"{100 * worst_m:.1f}%",
         "megatron": megatron_section(args.out),
         "kernels": kernel_section(),
+        "down_spread": down_spread_section(),
         "calibrations": calibration_notes(),
         "llama70b": "(skipped: --quick)",
         "deepseek": "(skipped: --quick)",

@@ -18,7 +18,19 @@ SSD_TILES = {
     "STATE_BLOCK": (128, 256, 512, 1024),
 }
 STATES_ROWS = (32, 64, 128)  # mcore.kernels.triton.ssd_states.ROWS
-CONV_TILES = ((32, 64), (64, 64), (32, 128), (64, 128), (128, 64), (16, 256))  # (BLOCK_L, BLOCK_D)
+# mcore.kernels.triton.conv: (BLOCK_L, BLOCK_D, NUM_WARPS) of the forward and dx kernels, and
+# (DPRE_BLOCK_L, DPRE_BLOCK_D, DPRE_WARPS, DPRE_TILES) of the dpre kernel; the defaults first
+CONV_CONSTANTS = ("BLOCK_L", "BLOCK_D", "NUM_WARPS", "DPRE_BLOCK_L", "DPRE_BLOCK_D", "DPRE_WARPS", "DPRE_TILES")
+CONV_TILES = (
+    (32, 128, 8, 4, 1024, 4, 16),
+    (32, 128, 4, 4, 1024, 4, 16),
+    (64, 128, 8, 4, 1024, 4, 16),
+    (16, 256, 4, 4, 1024, 4, 16),
+    (32, 128, 8, 8, 1024, 4, 8),
+    (32, 128, 8, 4, 2048, 8, 16),
+    (32, 128, 8, 2, 1024, 4, 32),
+    (32, 128, 8, 32, 128, 8, 1),  # the dpre tile of the first GPU run (sums across warps), one tile a program
+)
 
 
 def ssd_kernel_calls(s: dict, device: torch.device, dtype: torch.dtype) -> dict[str, Callable[[], object]]:
@@ -52,44 +64,62 @@ def ssd_kernel_calls(s: dict, device: torch.device, dtype: torch.dtype) -> dict[
     }
 
 
-def sweep(s: dict, conv_inputs: tuple, device: torch.device, dtype: torch.dtype, measure, iters: int) -> dict:
-    """``{"ssd": {constant: {value: ms}}, "conv": {"BLxBD": ms}}``; which kernels a constant affects is summed."""
-    from mcore.kernels import causal_conv1d
-    from mcore.kernels.triton import conv as tconv
+def sweep(s: dict, conv_step: Callable[[], object], device: torch.device, dtype: torch.dtype, measure,
+          iters: int, parts: tuple[str, ...] = ("ssd", "conv"), conv_measure=None) -> dict:  # fmt: skip
+    """``{"ssd": {constant: {value: ms}}, "conv": {"BLxBDxWARPSxTILES": ms}}`` for the ``parts`` asked; which
+    kernels a constant affects is summed; ``conv_step`` runs the conv forward + backward with whatever tiles are
+    set, timed by ``conv_measure`` (default ``measure``; on CUDA the benchmark passes GPU kernel time: its host
+    overhead would hide the tiles' differences)."""
+    out: dict = {}
+    if "ssd" in parts:
+        out["ssd"] = _ssd_sweep(s, device, dtype, measure, iters)
+    if "conv" in parts:
+        out["conv"] = _conv_sweep(conv_step, conv_measure or measure, iters)
+    return out
+
+
+def _ssd_sweep(s: dict, device: torch.device, dtype: torch.dtype, measure, iters: int) -> dict:
     from mcore.kernels.triton import ssd as tssd
 
     calls = ssd_kernel_calls(s, device, dtype)
     intra, state = ("intra_fwd", "intra_bwd"), ("state_fwd", "state_bwd")
     affected = {"INTRA_ROWS": intra, "INTRA_WARPS": intra, "DCB_TILE": intra[1:], "DCB_WARPS": intra[1:],
                 "STATE_BLOCK": state}  # fmt: skip
-    out: dict = {"ssd": {}, "conv": {}}
+    out: dict = {}
     for name, values in SSD_TILES.items():
         default = getattr(tssd, name)
-        out["ssd"][name] = {}
+        out[name] = {}
         try:
             for value in values:
                 setattr(tssd, name, value)
-                out["ssd"][name][str(value)] = sum(measure(calls[k], iters) * 1e3 for k in affected[name])
+                out[name][str(value)] = sum(measure(calls[k], iters) * 1e3 for k in affected[name])
         finally:
             setattr(tssd, name, default)
     from mcore.kernels.triton import ssd_states as tstates
 
     default = tstates.ROWS
-    out["ssd"]["states.ROWS"] = {}
+    out["states.ROWS"] = {}
     try:
         for value in STATES_ROWS:
             tstates.ROWS = value
             parts = ("chunk_state_fwd", "chunk_state_bwd", "inter_fwd")
-            out["ssd"]["states.ROWS"][str(value)] = sum(measure(calls[k], iters) * 1e3 for k in parts)
+            out["states.ROWS"][str(value)] = sum(measure(calls[k], iters) * 1e3 for k in parts)
     finally:
         tstates.ROWS = default
-    xc, w, bias, grad = conv_inputs
-    default = (tconv.BLOCK_L, tconv.BLOCK_D)
+    return out
+
+
+def _conv_sweep(conv_step: Callable[[], object], measure, iters: int) -> dict:
+    from mcore.kernels.triton import conv as tconv
+
+    out: dict = {}
+    default = [getattr(tconv, name) for name in CONV_CONSTANTS]
     try:
-        for bl, bd in CONV_TILES:
-            tconv.BLOCK_L, tconv.BLOCK_D = bl, bd
-            fn = lambda: causal_conv1d(xc, w, bias, backend="triton").backward(grad)  # noqa: E731
-            out["conv"][f"{bl}x{bd}"] = measure(fn, iters) * 1e3
+        for values in CONV_TILES:
+            for name, value in zip(CONV_CONSTANTS, values, strict=True):
+                setattr(tconv, name, value)
+            out["x".join(map(str, values))] = measure(conv_step, iters) * 1e3
     finally:
-        tconv.BLOCK_L, tconv.BLOCK_D = default
+        for name, value in zip(CONV_CONSTANTS, default, strict=True):
+            setattr(tconv, name, value)
     return out

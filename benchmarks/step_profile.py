@@ -33,7 +33,11 @@ from typing import Any
 CATEGORIES: tuple[tuple[str, str], ...] = (
     ("communication", r"nccl|all_?reduce|all_?gather|reduce_?scatter|sendrecv|cross_device"),
     ("attention", r"flash|fmha|sdpa|attention|attn|flex"),
-    ("ssm", r"_intra_(fwd|dx|dcb)_|_state_(fwd|bwd)_kernel|_inter_(fwd|bwd)_|_conv_(fwd|bwd)_|ssd|causal_conv|mamba"),
+    (
+        "ssm",
+        r"_intra_(fwd|dx|dcb)_|_state_(fwd|bwd)_kernel|_inter_(fwd|bwd)_|_conv_(fwd|bwd|dpre|dx)_|ssd|"
+        r"causal_conv|mamba",
+    ),
     ("gemm", r"gemm|cutlass|xmma|nvjet|cublas|wgmma|sm90_|sm80_|splitk|matmul|_mm_"),
     ("optimizer", r"adam|multi_tensor|foreach|_amp_|lerp|l2norm|norm_kernel_cuda|clip"),
     ("loss", r"cross_entropy|_ce_|logsumexp|nll|_row_stats_kernel|^_grad_kernel"),

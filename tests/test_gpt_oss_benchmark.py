@@ -30,6 +30,7 @@ def dry_run(tmp_path_factory):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
     script = ROOT / "benchmarks" / "moe_throughput.py"
     argv = [sys.executable, str(script), "--dry-run", "--shape", "gptoss", "--skip-micro", "--json-dir", str(out)]
+    argv += ["--variants", "zero1:grouped,zero1:per_expert"]
     proc = subprocess.run(argv, capture_output=True, text=True, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return out
@@ -44,6 +45,14 @@ def test_dry_run_trains_a_gpt_oss_model(dry_run):
     assert summary["failures"] == [] and list(summary["shapes"]) == ["gptoss_tiny"]
 
 
+def test_per_expert_gemms_train_gpt_oss_like_grouped(dry_run):
+    """The biased experts with one GEMM per expert (weight gradients into main_grad in fp32): the same losses."""
+    grouped = json.loads((dry_run / "mcore_gptoss_tiny.json").read_text())["losses"]
+    per_expert = json.loads((dry_run / "mcore-per_expert_gptoss_tiny.json").read_text())
+    assert per_expert["expert_gemm"] == "per_expert" and len(per_expert["losses"]) == len(grouped) == 5
+    assert per_expert["losses"] == pytest.approx(grouped, rel=1e-5)
+
+
 def test_gpt_oss_model_section_is_the_family():
     from mcore.models.config import TransformerConfig
 
@@ -53,6 +62,8 @@ def test_gpt_oss_model_section_is_the_family():
     assert config.layer_types == ("sliding_attention", "full_attention") * 2 and config.sliding_window == 128
     assert config.rope_scaling["rope_type"] == "yarn"
     assert config.moe_router == {"softmax_before_topk": False, "align": 8}
+    per_expert = bench.moe_model(bench.SHAPES["gptoss4l"], align=8, expert_gemm="per_expert")
+    assert per_expert["moe_router"] == {"softmax_before_topk": False, "align": 8, "expert_gemm": "per_expert"}
     assert bench.SHAPES["gptoss4l_mb2"]["mbs"] == 2 and bench.SHAPES["gptoss4l_mb2"]["baseline"] is False
 
 

@@ -16,8 +16,9 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-# the reference, FSDP at world size 1, and the two offloads together (the 8B part's second configuration)
-CONFIGS = ["8b4l_zero1", "8b4l_dp_shard", "8b_optim_offload_0.5_act_offload_mlp"]
+# the reference, FSDP at world size 1 (auto settings; resharded after forward), and the two offloads together (the
+# 8B part's second configuration)
+CONFIGS = ["8b4l_zero1", "8b4l_dp_shard", "8b4l_dp_shard_reshard", "8b_optim_offload_0.5_act_offload_mlp"]
 
 
 def _run(*args: str) -> subprocess.CompletedProcess:
@@ -49,7 +50,7 @@ def test_every_configuration_ran_and_reports_memory(summary):
 def test_modes_keep_the_reference_losses(summary):
     results = summary["results"]
     ref = results["8b4l_zero1"]["losses"]
-    for name in ("8b4l_dp_shard", "8b_optim_offload_0.5_act_offload_mlp"):
+    for name in ("8b4l_dp_shard", "8b4l_dp_shard_reshard", "8b_optim_offload_0.5_act_offload_mlp"):
         assert results[name]["losses"] == pytest.approx(ref, rel=1e-5), name
 
 
@@ -61,3 +62,8 @@ def test_cpu_adamw_dry_run_agrees_across_paths(tmp_path):
     assert set(data["results"]) == {"foreach", "fused", "mcore"} and data["fastest"] in data["results"]
     for impl, res in data["results"].items():
         assert res["max_abs_diff_vs_foreach"] < 1e-6, impl
+
+
+def test_profile_steps_are_refused_in_a_dry_run():
+    proc = _run("benchmarks/memory_modes.py", "--dry-run", "--profile-steps", "1")
+    assert proc.returncode == 2 and "0 in a dry run" in proc.stderr, proc.stderr[-2000:]

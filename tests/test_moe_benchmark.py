@@ -13,16 +13,15 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-# ../shared beside a checkout (the lead's), or shared/ inside it (the GPU machine's copy)
-HF_MOE_BASELINE = (
-    next(
-        (p for p in (ROOT.parent / "shared", ROOT / "shared") if (p / "bench" / "hf_moe_baseline.py").is_file()),
-        ROOT.parent / "shared",
-    )
-    / "bench"
-    / "hf_moe_baseline.py"
-)
+sys.path.insert(0, str(ROOT / "benchmarks"))
+try:
+    from moe_throughput import HF_MOE_BASELINE  # ../shared beside a checkout or shared/ inside it
+finally:
+    sys.path.remove(str(ROOT / "benchmarks"))
 BASELINE_KEYS = ("impl", "shape", "params", "tokens_per_s", "step_s", "tflops_per_gpu", "mfu", "peak_mem_gb")
+
+
+VARIANTS = "zero1:grouped,fsdp:per_expert"
 
 
 @pytest.fixture(scope="module")
@@ -31,7 +30,10 @@ def dry_run(tmp_path_factory):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
     script = ROOT / "benchmarks" / "moe_throughput.py"
     proc = subprocess.run(
-        [sys.executable, str(script), "--dry-run", "--json-dir", str(out)], capture_output=True, text=True, env=env
+        [sys.executable, str(script), "--dry-run", "--json-dir", str(out), "--variants", VARIANTS],
+        capture_output=True,
+        text=True,
+        env=env,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return out
@@ -45,6 +47,19 @@ def test_dry_run_writes_the_baseline_keys(dry_run):
     assert summary["failures"] == [] and "tiny" in summary["shapes"]
     mla = json.loads((dry_run / "mcore_tiny_mla.json").read_text())  # the moonlight8l model at a tiny size
     assert mla["family"] == "deepseek_v3" and mla["tokens_per_s"] > 0 and len(mla["losses"]) == 5
+
+
+def test_dry_run_runs_each_variant(dry_run):
+    """FSDP2 with the per-expert GEMMs ran beside ZeRO-1 with the grouped ones with the same losses over every step
+    (same weights and data; the layouts differ in where the fp32 masters live): tiny_mla has MLA, shared experts and
+    the expert-bias buffer, updated once per step, under FSDP2 at world size 1."""
+    for shape in ("tiny", "tiny_mla"):
+        zero1 = json.loads((dry_run / f"mcore_{shape}.json").read_text())
+        fsdp = json.loads((dry_run / f"mcore-fsdp-per_expert_{shape}.json").read_text())
+        assert fsdp["impl"] == "mcore-fsdp-per_expert-dryrun" and fsdp["expert_gemm"] == "per_expert"
+        assert len(fsdp["losses"]) == 5 and fsdp["losses"] == pytest.approx(zero1["losses"], rel=1e-5)
+    summary = json.loads((dry_run / "summary.json").read_text())
+    assert set(summary["shapes"]["tiny"]["ratios_by_variant"]) == {"mcore", "mcore-fsdp-per_expert"}
 
 
 def test_micro_benchmarks_ran(dry_run):
@@ -107,6 +122,25 @@ def test_fsdp_variant_swaps_the_optimizer_layout():
     args = moe_throughput.parse_args(["--fsdp", "--json-dir", "/tmp/x", "--shape", "mixtral2l"])
     labels = [label for label, _ in moe_throughput._runs(args, "mixtral2l", Path("/tmp/x"))]
     assert labels == ["mcore", "mcore-fsdp", "hf", "hf-compile"]
+    variants = "zero1:per_expert,fsdp:grouped,fsdp_reshard:per_expert"
+    args = moe_throughput.parse_args(["--variants", variants, "--skip-compile", "--json-dir", "/tmp/x"])
+    runs = dict(moe_throughput._runs(args, "mixtral2l", Path("/tmp/x")))
+    assert list(runs) == ["mcore-per_expert", "mcore-fsdp", "mcore-fsdp_reshard-per_expert", "hf"]
+    child = runs["mcore-fsdp_reshard-per_expert"]
+    assert (
+        child[child.index("--layout") + 1] == "fsdp_reshard" and child[child.index("--expert-gemm") + 1] == "per_expert"
+    )
+    child_args = moe_throughput.parse_args(child[1:])
+    spec = moe_throughput.build_spec("mixtral2l", iters=1, warmup=0, dry_run=False, layout=child_args.layout)
+    assert (
+        spec.name == "mcore-fsdp_reshard_mixtral2l" and "parallel.dp_shard_reshard_after_forward=true" in spec.overrides
+    )
+    assert child[child.index("--json") + 1] == "/tmp/x/mcore-fsdp_reshard-per_expert_mixtral2l.json"
+    for bad, match in (("zero2:grouped", "want LAYOUT:GEMM"), ("fsdp", "want LAYOUT:GEMM"), ("zero1:x", "GEMM one of")):
+        with pytest.raises(ValueError, match=match):
+            moe_throughput.parse_variants(bad)
+    with pytest.raises(ValueError, match="twice"):
+        moe_throughput.parse_variants("fsdp:grouped,fsdp:grouped")
 
 
 def test_memory_breakdown_dry_run(tmp_path):
@@ -114,19 +148,21 @@ def test_memory_breakdown_dry_run(tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
     script = ROOT / "benchmarks" / "moe_memory.py"
     proc = subprocess.run(
-        [sys.executable, str(script), "--dry-run", "--steps", "2", "--json", str(out)],
+        [sys.executable, str(script), "--dry-run", "--steps", "2", "--json", str(out), "--expert-gemm", "per_expert"]
+        + ["--layout", "fsdp"],
         capture_output=True,
         text=True,
         env=env,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     record = json.loads(out.read_text())
-    assert record["shape"] == "tiny" and record["layout"] == "zero1" and record["params"] > 0
+    assert record["shape"] == "tiny" and record["layout"] == "fsdp2" and record["params"] > 0
     assert len(record["steps"]) == 3 and record["peak_gb"] is None  # after the build, then 2 steps; CPU: no CUDA
     assert set(record["steps"][1]) >= {"start_gb", "forward_backward_peak_gb", "optimizer_peak_gb", "end_gb"}
+    assert "after_forward_gb" in record["steps"][1] and record["expert_gemm"] == "per_expert"
 
 
-def test_summary_renders_every_profiled_run_and_the_fsdp_ratios():
+def test_summary_renders_every_profiled_run_and_each_variants_ratios():
     sys.path.insert(0, str(ROOT / "benchmarks"))
     try:
         import moe_throughput
@@ -139,7 +175,7 @@ def test_summary_renders_every_profiled_run_and_the_fsdp_ratios():
     hf = {**run, "impl": "hf-transformers", "tokens_per_s": 1.0, "peak_mem_gb": 2.0}
     results = {"mcore": run, "mcore-fsdp": {**run, "impl": "mcore-fsdp"}, "hf": hf}
     entry = {"results": results, "ratios": moe_throughput.ratios(results)}
-    entry["ratios_fsdp"] = moe_throughput.ratios({**results, "mcore": results["mcore-fsdp"]})
+    entry["ratios_by_variant"] = {"mcore-fsdp": moe_throughput.ratios({**results, "mcore": results["mcore-fsdp"]})}
     text = moe_throughput._render({"shapes": {"s": entry}, "failures": []})
     assert "| part | s mcore | s mcore-fsdp |" in text and "| grouped GEMMs | 9.00 (90.0%) |" in text
-    assert "s with FSDP2: tokens/s vs HF-eager 2.000, peak memory vs HF-eager 0.500" in text
+    assert "- s mcore-fsdp: tokens/s vs HF-eager 2.000, peak memory vs HF-eager 0.500" in text

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -21,14 +22,19 @@ def test_ssm_benchmark_dry_run_writes_its_json(tmp_path):
     kernels = result["kernels"]
     # Our SSD computes what HF's torch path computes (fp32 on CPU).
     assert kernels["ssd_rel_diff_vs_hf"] < 1e-5
-    for ssd in ("ours", "ours_torch_states", "ours_torch", "hf"):
+    for ssd in ("ours", "ours_torch_states", "ours_triton_states", "ours_torch", "hf"):
         assert kernels[f"ssd_{ssd}_ms"] > 0
-    for name in ("conv_ours_ms", "conv_hf_ms"):
+    for name in ("conv_ours_ms", "conv_hf_ms", "conv_ours_fwd_ms", "conv_hf_fwd_ms"):
         assert kernels[name] > 0
+    # Our conv (the Triton kernels here) computes what HF's does, gradients included, on the mixer's layout.
+    assert max(kernels["conv_rel_diff_vs_hf"].values()) < 1e-5
     assert set(kernels["ssd_parts_ms"]) == {"intra_fwd", "intra_bwd", "state_fwd", "state_bwd", "chunk_state_fwd",
                                             "chunk_state_bwd", "inter_fwd", "inter_bwd"}  # fmt: skip
-    (train,) = result["training"]
-    assert train["impl"] == "mcore" and train["tokens_per_s"] > 0 and train["preset"] == "nemotron_h-tiny"
+    # Both training configurations ran through the real Trainer, bf16 with fp32 master weights even on the CPU.
+    assert [t["config"] for t in result["training"]] == ["zero1", "fsdp_selective"]
+    for train in result["training"]:
+        assert train["impl"] == "mcore" and train["tokens_per_s"] > 0 and train["preset"] == "nemotron_h-tiny"
+        assert train["precision"] == "bf16" and all(math.isfinite(loss) for loss in train["losses"])
 
 
 def test_tile_sweep_restores_the_defaults_and_times_every_value(monkeypatch):
@@ -40,7 +46,7 @@ def test_tile_sweep_restores_the_defaults_and_times_every_value(monkeypatch):
     import ssm_sweep
     from ssm_throughput import KERNEL_SHAPES
 
-    from mcore.kernels import dispatch
+    from mcore.kernels import causal_conv1d, dispatch
     from mcore.kernels.triton import conv as tconv
     from mcore.kernels.triton import ssd as tssd
 
@@ -49,9 +55,10 @@ def test_tile_sweep_restores_the_defaults_and_times_every_value(monkeypatch):
 
         pytest.skip("the sweep's CPU check runs the kernels under TRITON_INTERPRET=1")
     monkeypatch.setattr(ssm_sweep, "SSD_TILES", {"INTRA_ROWS": (16, 32), "STATE_BLOCK": (64, 256)})
-    monkeypatch.setattr(ssm_sweep, "CONV_TILES", ((16, 32), (32, 64)))
+    monkeypatch.setattr(ssm_sweep, "CONV_TILES", ((16, 32, 4, 4, 32, 4, 2), (32, 64, 2, 8, 64, 2, 1)))
     monkeypatch.setattr(ssm_sweep, "STATES_ROWS", (16, 32))
-    before = (tssd.INTRA_ROWS, tssd.STATE_BLOCK, tconv.BLOCK_L, tconv.BLOCK_D)
+    tiles = ssm_sweep.CONV_CONSTANTS
+    before = (tssd.INTRA_ROWS, tssd.STATE_BLOCK, *(getattr(tconv, name) for name in tiles))
     s = KERNEL_SHAPES["tiny"]
     x = torch.randn(1, s["seq"], 48, requires_grad=True)
     w, bias = torch.randn(48, 4, requires_grad=True), torch.randn(48, requires_grad=True)
@@ -61,18 +68,44 @@ def test_tile_sweep_restores_the_defaults_and_times_every_value(monkeypatch):
         fn()
         return time.perf_counter() - t0
 
-    out = ssm_sweep.sweep(s, (x, w, bias, torch.randn(x.shape)), torch.device("cpu"), torch.float32, measure, 1)
+    seen = []
+
+    def conv_step():
+        seen.append(tuple(getattr(tconv, name) for name in tiles))
+        causal_conv1d(x, w, bias, backend="triton").backward(torch.randn(x.shape))
+
+    out = ssm_sweep.sweep(s, conv_step, torch.device("cpu"), torch.float32, measure, 1)
+    assert seen == [(16, 32, 4, 4, 32, 4, 2), (32, 64, 2, 8, 64, 2, 1)]
+    only_conv = ssm_sweep.sweep(s, conv_step, torch.device("cpu"), torch.float32, measure, 1, parts=("conv",))
+    assert set(only_conv) == {"conv"} and set(only_conv["conv"]) == {"16x32x4x4x32x4x2", "32x64x2x8x64x2x1"}
     assert set(out["ssd"]["INTRA_ROWS"]) == {"16", "32"} and set(out["ssd"]["STATE_BLOCK"]) == {"64", "256"}
     assert set(out["ssd"]["states.ROWS"]) == {"16", "32"}
-    assert set(out["conv"]) == {"16x32", "32x64"} and all(v > 0 for v in out["conv"].values())
-    assert before == (tssd.INTRA_ROWS, tssd.STATE_BLOCK, tconv.BLOCK_L, tconv.BLOCK_D)
+    assert set(out["conv"]) == {"16x32x4x4x32x4x2", "32x64x2x8x64x2x1"} and all(v > 0 for v in out["conv"].values())
+    assert before == (tssd.INTRA_ROWS, tssd.STATE_BLOCK, *(getattr(tconv, name) for name in tiles))
 
 
 def test_step_profile_puts_the_ssm_kernels_in_their_category(monkeypatch):
     monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
     from step_profile import categorize
 
-    names = ("_intra_fwd_kernel", "_intra_dx_kernel", "_intra_dcb_kernel", "_state_bwd_kernel", "_conv_bwd_kernel")
+    names = ("_intra_fwd_kernel", "_intra_dx_kernel", "_intra_dcb_kernel", "_state_bwd_kernel", "_conv_dpre_kernel",
+             "_conv_dx_kernel", "_conv_fwd_kernel")  # fmt: skip
     for name in (*names, "_chunk_state_fwd_kernel", "_chunk_state_bwd_kernel", "_inter_fwd_kernel"):
         assert categorize(name) == "ssm", name
     assert categorize("_flash_fwd_kernel") == "attention" and categorize("_rms_norm_fwd") == "norm"
+
+
+def test_kernel_time_sums_device_events_per_call(monkeypatch):
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    from ssm_throughput import kernel_ms_from_trace
+
+    events = [
+        {"cat": "kernel", "name": "_conv_fwd_kernel", "dur": 30.0},
+        {"cat": "kernel", "name": "_conv_fwd_kernel", "dur": 34.0},
+        {"cat": "gpu_memset", "name": "Memset (Device)", "dur": 2.0},
+        {"cat": "cpu_op", "name": "aten::empty", "dur": 500.0},  # host time: not counted
+        {"cat": "kernel", "name": "no duration"},
+    ]
+    out = kernel_ms_from_trace(events, calls=2)
+    assert out["kernels_ms"] == {"_conv_fwd_kernel": 0.032, "Memset (Device)": 0.001}
+    assert abs(out["total_ms"] - 0.033) < 1e-12

@@ -121,7 +121,12 @@ GPU_CASES = {
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", list(GPU_CASES))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_gpu_triton_ssd_vs_float64(case, dtype, cuda_triton):
+@pytest.mark.parametrize("states", ["triton", "torch"])
+def test_gpu_triton_ssd_vs_float64(case, dtype, states, cuda_triton, monkeypatch):
+    import mcore.kernels.ssd_triton as glue
+
+    # Each state-matmul path on its own (the default "auto" would hide a failing one behind the other).
+    monkeypatch.setattr(glue, "STATE_MATMULS", states)
     (y, ref_y), (state, ref_state), grads = _run(GPU_CASES[case], cuda_triton, dtype)
     tol = 1e-4 if dtype == torch.float32 else 3e-2
     assert _rel(y, ref_y) < tol and _rel(state, ref_state) < tol

@@ -1,6 +1,7 @@
 """GPT-OSS's MoE options on one MoELayer (``mcore.parallel.expert_biases``): router bias, per-expert biases and the
 clamped SwiGLU against a float64 token-by-token loop written from the definition, dropless and with padded expert
-rows (align) or dropped tokens (capacity), forward and every gradient."""
+rows (align) or dropped tokens (capacity), forward and every gradient, with grouped or per-expert GEMMs (whose
+weight gradients go into DDP's fp32 ``main_grad`` inside the GEMM)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import math
 import pytest
 import torch
 
-from mcore.parallel import MoEConfig, MoELayer
+from mcore.parallel import DistributedDataParallel, MoEConfig, MoELayer
 from mcore.parallel.expert_biases import BiasedGroupedExperts, BiasedRouter, use_gpt_oss_options
 
 H, F, E, K, T = 16, 8, 4, 2, 10
@@ -48,10 +49,12 @@ def _reference(layer: MoELayer, x: torch.Tensor, dropped: set[tuple[int, int]] =
     return out, w
 
 
+@pytest.mark.parametrize("gemm", ["grouped", "per_expert"])
 @pytest.mark.parametrize("knobs", [{}, {"align": 4}], ids=["dropless", "align4"])
-def test_layer_equals_float64_loop(knobs):
-    layer = _layer(**knobs)
+def test_layer_equals_float64_loop(knobs, gemm):
+    layer = _layer(**knobs, expert_gemm=gemm)
     assert isinstance(layer.router, BiasedRouter) and isinstance(layer.experts, BiasedGroupedExperts)
+    assert layer.experts.gemm == gemm
     x = torch.randn(T, H, generator=torch.Generator().manual_seed(1)).requires_grad_(True)
     probe = torch.randn(T, H, generator=torch.Generator().manual_seed(2))
     out = layer(x)
@@ -92,3 +95,24 @@ def test_no_options_leave_the_layer_as_it_was():
     before = type(layer.router), type(layer.experts)
     use_gpt_oss_options(layer, router_bias=False, expert_biases=False, activation=None)
     assert (type(layer.router), type(layer.experts)) == before
+
+
+def test_per_expert_weight_gradients_go_into_main_grad(monkeypatch):
+    import mcore.parallel.expert_gemm as expert_gemm
+
+    fused = []
+    real = expert_gemm.accumulate_weight_grad_
+    monkeypatch.setattr(expert_gemm, "accumulate_weight_grad_", lambda *a: fused.append(1) or real(*a))
+    x = torch.randn(T, H, generator=torch.Generator().manual_seed(4))
+    grads = {}
+    for gemm in ("grouped", "per_expert"):
+        ddp = DistributedDataParallel(_layer(expert_gemm=gemm), dp_group=None)
+        ddp.module(x).square().sum().backward()
+        experts = ddp.module.experts
+        names = ("gate_up", "down", "gate_up_bias", "down_bias")
+        assert all(getattr(experts, n).grad is None for n in names)  # DDP moved them all into main_grad
+        grads[gemm] = [getattr(experts, n).main_grad.clone() for n in names]
+    assert len(fused) == 2 * E  # both weights of every expert: fp32 accumulation inside the GEMM, no add pass
+    for ours, ref in zip(grads["per_expert"], grads["grouped"], strict=True):
+        torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-6)
+        assert ours.abs().sum() > 0

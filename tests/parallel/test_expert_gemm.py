@@ -27,7 +27,10 @@ def _float64(x, w, offsets):
 
 
 @pytest.mark.parametrize("with_activation", [False, True])
-def test_per_expert_matches_float64(with_activation):
+def test_per_expert_matches_float64(with_activation, monkeypatch):
+    # the outputs are allocated uninitialised: make that memory NaN so that any row or expert left unwritten shows
+    real_empty_like = torch.empty_like
+    monkeypatch.setattr(torch, "empty_like", lambda t, **kw: real_empty_like(t, **kw).fill_(float("nan")))
     width = 2 * K if with_activation else K
     x = torch.randn(ROWS, width, requires_grad=True)
     w = torch.randn(len(OFFSETS), M, K, requires_grad=True)

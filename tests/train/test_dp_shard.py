@@ -1,8 +1,11 @@
 """``parallel.dp_shard`` (ZeRO-3 on FSDP2) through mcore-train: training, checkpoints, resume across layouts.
 
-- four gloo ranks, llama-tiny in fp32: dp=4, tp=2 x dp=2, pp=2 x dp=2 (tied embeddings) and pp=2 x vpp=2 x dp=2
-  (interleaved 1F1B, two sharded chunks per rank; 4 layers) give the single-process losses within 1e-5 over 4
-  steps; stopping at step 2 and resuming at dp=4 gives the straight run bit for bit;
+- one gloo rank (the ``auto`` settings at dp=1: layers kept gathered, 8 micro-batches reduced once per step, the
+  weight-gradient GEMMs accumulating into the fp32 shard gradients; also with full recompute, tied embeddings, and
+  a MoE model with grouped or per-expert GEMMs), two (pp=2 x dp=1, tied embeddings) and four, llama-tiny in fp32:
+  dp=4, tp=2 x dp=2, pp=2 x dp=2 (tied embeddings) and pp=2 x vpp=2 x dp=2 (interleaved 1F1B, two sharded chunks
+  per rank; 4 layers) give the single-process losses within 1e-5 over 4 steps; stopping at step 2 and resuming at
+  dp=4 gives the straight run bit for bit;
 - resharding: the dp=4 ZeRO-3 checkpoint loaded at ZeRO-1 dp=2 and saved again, then loaded at ZeRO-3
   tp=2 x dp=1 and saved again, holds bit for bit the same weights and optimizer states;
 - at dp=2 it composes with full recompute, and with selective recompute plus activation offload (the same losses);
@@ -26,6 +29,8 @@ SHARD = "parallel.dp_shard=true"
 TIED = "model.tie_word_embeddings=true"
 BF16 = ["train.steps=4", "train.precision=bf16"]
 LAYERS_4 = "model.num_hidden_layers=4"
+MOE = ["model=mixtral-tiny"]
+PER_EXPERT = "model.moe_router={expert_gemm: per_expert}"
 COMPOSED = {
     "dp2_recompute_full": ["train.recompute=full"],
     "dp2_selective_act_offload": ["train.recompute=selective", "train.activation_offload=[attention,mlp]"],
@@ -48,6 +53,18 @@ def _four_rank_cases(rank: int, world_size: int, base):
     out["resumed_log"] = log
     out["checkpoint"] = str(base / "resumed" / "checkpoints" / "iter_0000002")
     return out
+
+
+def _one_rank_case(rank: int, world_size: int, base):
+    train(base / "dp1", *STEPS, SHARD)
+    train(base / "dp1_recompute_full", *STEPS, SHARD, "train.recompute=full")
+    # the tied output layer's GEMM accumulates into the embedding's shard gradient, FSDP adds the embedding's own
+    train(base / "dp1_tied", *STEPS, SHARD, TIED)
+    # MoE experts (grouped GEMMs; per-expert GEMMs accumulating into the shard gradients like the linears)
+    train(base / "dp1_moe", *STEPS, SHARD, *MOE)
+    train(base / "dp1_moe_per_expert", *STEPS, SHARD, *MOE, PER_EXPERT)
+    names = ("dp1", "dp1_recompute_full", "dp1_tied", "dp1_moe", "dp1_moe_per_expert")
+    return {name: train_records(base / name) for name in names}
 
 
 def _save_after_loading(base, name, load, *extra):
@@ -73,6 +90,9 @@ def _two_rank_cases(rank: int, world_size: int, base, checkpoint):
     for name, extra in COMPOSED.items():
         train(base / name, *STEPS, SHARD, *extra)
         composed[name] = train_records(base / name) if rank == 0 else None
+    # two pipeline stages of one dp rank each: the dp=1 settings on every stage, the tied embedding's copies summed
+    train(base / "pp2_dp1_tied", *STEPS, SHARD, "parallel.pp=2", TIED)
+    pp2_dp1 = train_records(base / "pp2_dp1_tied") if rank == 0 else None
     # with an evaluation and the end-of-run sample (generation through the sharded model, a bf16 KV cache)
     bf16, _ = train(base / "bf16", *BF16, SHARD, "train.eval_interval=2", "train.sample_tokens=4")
     return {
@@ -81,6 +101,7 @@ def _two_rank_cases(rank: int, world_size: int, base, checkpoint):
         "bf16": train_records(base / "bf16") if rank == 0 else None,
         "bf16_sample": bf16.sample,
         "bf16_val_loss": bf16.val_loss,
+        "pp2_dp1_tied": pp2_dp1,
         **composed,
     }
 
@@ -92,17 +113,26 @@ def results(tmp_path_factory):
     train(single, *STEPS)
     train(base / "single_tied", *STEPS, TIED)
     train(base / "single_4layers", *STEPS, LAYERS_4)
+    train(base / "single_moe", *STEPS, *MOE)
     train(base / "single_bf16", *BF16)
     four = run_workers(4, _four_rank_cases, base)
+    four[0].update(run_workers(1, _one_rank_case, base)[0])
     two = run_workers(2, _two_rank_cases, base, four[0]["checkpoint"])[0]
-    singles = {name: train_records(base / f"single{name}") for name in ("", "_tied", "_4layers")}
+    four[0]["pp2_dp1_tied"] = two.pop("pp2_dp1_tied")
+    singles = {name: train_records(base / f"single{name}") for name in ("", "_tied", "_4layers", "_moe")}
     return singles, train_records(base / "single_bf16"), four[0], two
 
 
-@pytest.mark.parametrize("layout", ["dp4", "tp2_dp2", "pp2_dp2_tied", "pp2_vpp2_dp2_4layers"])
+@pytest.mark.parametrize(
+    "layout",
+    [
+        *("dp1", "dp1_recompute_full", "dp1_tied", "dp1_moe", "dp1_moe_per_expert", "pp2_dp1_tied"),
+        *("dp4", "tp2_dp2", "pp2_dp2_tied", "pp2_vpp2_dp2_4layers"),
+    ],
+)
 def test_dp_shard_trains_like_one_process(results, layout):
     singles, _, four, _ = results
-    single = singles["_tied" if layout.endswith("tied") else "_4layers" if layout.endswith("4layers") else ""]
+    single = singles[next((k for k in ("_tied", "_4layers", "_moe") if k[1:] in layout), "")]
     got = four[layout]
     assert sorted(got) == sorted(single) == list(range(1, 5))
     for step in range(1, 5):

@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 
 from mcore.train.config import load_config
 from mcore.train.errors import UserError
@@ -45,6 +46,12 @@ LAYOUTS4 = {
     "tp2-sp-ep2": ["parallel.tp=2", "parallel.sequence_parallel=true", "parallel.ep=2"],
     "tp2-ep2-etp1": ["parallel.tp=2", "parallel.ep=2", "parallel.etp=1"],
     "pp2-ep2": ["parallel.pp=2", "parallel.ep=2"],
+    # FSDP2 (ZeRO-3) at ep 1: the experts sharded with the rest over dp, fp32 shards as the master weights
+    "dp4-shard": ["parallel.dp_shard=true"],
+    "dp4-shard-per-expert": [
+        "parallel.dp_shard=true",
+        "model.moe_router={z_loss_coef: 0.001, expert_bias: true, bias_update_rate: 0.01, expert_gemm: per_expert}",
+    ],
 }
 
 
@@ -123,3 +130,31 @@ def test_per_expert_gemm_trains_like_grouped(tmp_path):
     assert len(losses["grouped"]) == 4
     for a, b in zip(losses["per_expert"], losses["grouped"]):
         assert abs(a - b) <= 1e-5 * abs(b), losses
+
+
+def _one_rank_fsdp_per_expert(rank: int, world: int, run_root: str) -> dict:
+    """One gloo rank: FSDP2 at dp=1 with per-expert GEMMs, counting the weight-gradient GEMMs of the experts that
+    accumulate into an fp32 buffer (the shards' gradients: FSDP's dp=1 fusion), and ZeRO-1 alike."""
+    import mcore.parallel.expert_gemm as expert_gemm
+    from tests.train.tiny import train, train_records
+
+    real = expert_gemm.accumulate_weight_grad_
+    out: dict = {}
+    router = "{expert_gemm: per_expert}"
+    for name, layout in (("zero1", ["parallel.distributed_optimizer=true"]), ("fsdp", ["parallel.dp_shard=true"])):
+        fused: list[torch.dtype] = []
+        expert_gemm.accumulate_weight_grad_ = lambda t, *a, seen=fused: seen.append(t.dtype) or real(t, *a)
+        try:
+            train(f"{run_root}/{name}", *MOE, f"model.moe_router={router}", *layout)
+        finally:
+            expert_gemm.accumulate_weight_grad_ = real
+        out[name] = ([r["loss"] for _, r in sorted(train_records(f"{run_root}/{name}").items())], fused)
+    return out
+
+
+def test_fsdp_at_one_rank_fuses_the_per_expert_weight_gradients(tmp_path):
+    out = run_workers(1, _one_rank_fsdp_per_expert, str(tmp_path))[0]
+    (zero1, fused_zero1), (fsdp, fused_fsdp) = out["zero1"], out["fsdp"]
+    assert len(fsdp) == 4 and fsdp == pytest.approx(zero1, rel=1e-5)
+    # every step's expert weight gradients went into fp32 buffers inside the GEMM, under both layouts
+    assert len(fused_fsdp) == len(fused_zero1) > 0 and set(fused_fsdp) == {torch.float32}

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from mcore.train.planning.calibration import load_calibration
-from mcore.train.planning.kernel_rates import _gemm_shapes, attention_rows, gemm_rows
+from mcore.train.planning.kernel_rates import _gemm_shapes, attention_rows, gemm_rows, gemm_run_rates
 
 RESULTS = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
 H200 = load_calibration("h200-sxm")
@@ -33,10 +33,34 @@ def test_gemm_rates_within_ten_percent_but_the_down_projection():
     assert any(r.name.startswith("down") and abs(r.error) > 0.10 for r in rows)  # the known gap
 
 
-def test_single_document_attention_within_ten_percent():
+def test_attention_rows_within_ten_percent_one_document_and_packed():
+    """SDPA on one document (fwd+bwd) and mcore's kernel on packed documents (fwd and bwd apart, at the
+    calibration's packed_attention rate for the document length) within 10%; the kernel's rows from before its
+    backward rework are listed, far off (the calibration describes today's kernel)."""
     rows = attention_rows(RESULTS, H200)
     checked = [r for r in rows if r.checked]
-    assert checked and all("1x" in r.name and "sdpa" in r.name for r in checked)
+    assert any("1x16384" in r.name and "sdpa" in r.name for r in checked)
+    packed = [r for r in checked if "sdpa" not in r.name]
+    assert {r.name.split()[1] for r in packed} == {"128x128", "32x512"}
+    assert {r.name.split()[2] for r in packed} == {"fwd", "bwd"}
     for r in checked:
         assert r.predicted_ms == pytest.approx(r.measured_ms, rel=0.10), r
-    assert any(not r.checked for r in rows)  # packed documents are listed, not checked
+    listed = [r for r in rows if not r.checked]
+    assert listed and all(r.name.endswith("attention-h200-2026-12-01)") for r in listed)
+    assert any(abs(r.error) > 0.5 for r in listed)  # the old backward, 3-4x slower than today's
+
+
+def test_down_gemm_spread_between_runs_on_one_shape():
+    """The down GEMM row's gap is spread, not shape: the curve's own point (8192, 14336, 4096) in bf16 and FP8
+    measured in three runs differs by more than the row's error, and the two fp8.py runs order down's three
+    GEMMs differently (no GEMM of the shape slow in both)."""
+    rates = gemm_run_rates(RESULTS, "down")
+    for precision in ("bf16", "fp8"):
+        point = [r for r in rates if r[1] == precision and r[2] == (8192, 14336, 4096)]
+        assert len({r[3] for r in point}) == 3, point  # --calibrate and the two fp8.py calls
+        values = [r[4] for r in point]
+        assert max(values) / min(values) > 1.2, values
+    bf16 = {(r[0], r[3]): r[4] for r in rates if r[1] == "bf16" and "calibrate" not in r[3]}
+    runs = sorted({run for _, run in bf16})
+    slowest = {run: min(("fwd", "dgrad", "wgrad"), key=lambda g: bf16[(g, run)]) for run in runs}
+    assert len(set(slowest.values())) == len(runs) == 2, slowest

@@ -6,7 +6,8 @@ in an earlier document, read as 0 (a document's first token sees only itself, as
 row start: that is how a generation cache continues a sequence.
 
 Two backends (:mod:`mcore.kernels.dispatch`): the Triton kernels of :mod:`mcore.kernels.triton.conv` (forward and a
-hand-written backward; not with ``conv_states``, a decoding-only input), and the torch reference: ``F.conv1d`` when
+hand-written backward, for ``k <= 4`` and without ``conv_states``, a decoding-only input; ``x`` is read in place
+when its channel stride is 1, e.g. the mixer's slice of the in_proj output), and the torch reference: ``F.conv1d`` when
 no document boundary is given, otherwise a sum of ``k`` shifted, masked products (``k`` is 4 in every published
 Mamba-2), with autograd's backward.
 """
@@ -19,6 +20,8 @@ import torch.nn.functional as F
 from mcore.kernels import dispatch
 
 ACTIVATIONS = (None, "silu")
+# Widest conv the Triton kernels take (their ``WIDTH``; kept here so that choosing a backend imports no Triton).
+TRITON_MAX_TAPS = 4
 
 
 def causal_conv1d(
@@ -45,7 +48,8 @@ def causal_conv1d(
     """
     _check(x, weight, bias, activation, seq_idx, conv_states)
     tensors = [t for t in (x, weight, bias, seq_idx) if t is not None]
-    if conv_states is None and dispatch.choose("causal_conv1d", *tensors, backend=backend) == dispatch.TRITON:
+    fits = conv_states is None and weight.shape[1] <= TRITON_MAX_TAPS
+    if fits and dispatch.choose("causal_conv1d", *tensors, backend=backend) == dispatch.TRITON:
         return _TritonConv.apply(x, weight, bias, seq_idx, activation == "silu")
     return reference_conv1d(x, weight, bias, activation=activation, seq_idx=seq_idx, conv_states=conv_states)
 
@@ -55,7 +59,7 @@ class _TritonConv(torch.autograd.Function):
     def forward(ctx, x, weight, bias, seq_idx, silu):
         from mcore.kernels.triton.conv import conv_forward
 
-        x, weight = x.contiguous(), weight.contiguous()
+        # x is saved as given (a strided view of in_proj's output in the mixer): a copy would cost bytes and memory.
         ctx.save_for_backward(x, weight, bias, seq_idx)
         ctx.silu = silu
         return conv_forward(x, weight, bias, seq_idx, silu)

@@ -98,11 +98,12 @@ class _InterChunk(torch.autograd.Function):
 
 
 # Where the two state matmuls run: "triton" (mcore.kernels.triton.ssd_states: input-dtype operands, fp32
-# accumulation, nothing but the inputs saved) or "torch" (fp32 batched matmuls); ssm_throughput times both.
-# MCORE_SSD_STATE_MATMULS=torch selects the torch one without a code change.
-STATE_MATMULS = os.environ.get("MCORE_SSD_STATE_MATMULS", "triton")
-if STATE_MATMULS not in ("triton", "torch"):
-    raise ValueError(f"MCORE_SSD_STATE_MATMULS must be 'triton' or 'torch', got {STATE_MATMULS!r}")
+# accumulation, nothing but the inputs saved), "torch" (fp32 batched matmuls), or "auto": on CUDA the faster of the
+# two on each shape, forward + backward timed once (mcore.kernels.ssd_state_choice; a Triton path that fails to
+# build loses), triton elsewhere. ssm_throughput times both. MCORE_SSD_STATE_MATMULS sets it without a code change.
+STATE_MATMULS = os.environ.get("MCORE_SSD_STATE_MATMULS", "auto")
+if STATE_MATMULS not in ("auto", "triton", "torch"):
+    raise ValueError(f"MCORE_SSD_STATE_MATMULS must be 'auto', 'triton' or 'torch', got {STATE_MATMULS!r}")
 
 
 def _pad_to_chunks(t: torch.Tensor, pad: int) -> torch.Tensor:
@@ -126,6 +127,22 @@ def _inter_torch(Cc, incoming, v, b, nc, q, g, h, p, n):
     return inter.transpose(2, 3).reshape(b, nc * q, h, p)
 
 
+def chunk_states(path, xp, w, Bp, dims):
+    """Chunk states ``[b, c, h, p * n]`` fp32 on ``path`` (``dims`` = ``(b, nc, q, g, h, p, n)``)."""
+    b, nc, q, g, h, p, n = dims
+    if path == "triton":
+        return _ChunkState.apply(xp, w.contiguous(), Bp.contiguous(), q)
+    return _chunk_states_torch(xp, w, Bp.float().view(b, nc, q, g, n), b, nc, q, g, h, p, n)
+
+
+def inter_output(path, Cp, incoming, v, dims):
+    """Inter-chunk output ``[b, Lp, h, p]`` fp32 on ``path``."""
+    b, nc, q, g, h, p, n = dims
+    if path == "triton":
+        return _InterChunk.apply(Cp.contiguous(), incoming, v.contiguous(), h, p)
+    return _inter_torch(Cp.float().view(b, nc, q, g, n), incoming, v, b, nc, q, g, h, p, n)
+
+
 def ssd_chunked_triton(x, dt, A, B, C, chunk_size, initial_states, seq_idx):
     """Same contract as ``mcore.kernels.ssd._ssd_chunked`` (``dt`` discretized fp32, no D term), with ``x``, ``B``,
     ``C`` in their own dtype: (y fp32 ``[b, L, h, p]``, final state fp32 ``[b, h, p, n]``)."""
@@ -138,7 +155,7 @@ def ssd_chunked_triton(x, dt, A, B, C, chunk_size, initial_states, seq_idx):
     nc = (length + pad) // q
     xp = _pad_to_chunks(x, pad).contiguous()
     dtp = _pad_to_chunks(dt, pad).contiguous()  # padding: dt = 0, no decay and no input
-    Bc = _pad_to_chunks(B, pad).float().view(b, nc, q, g, n)
+    Bc = _pad_to_chunks(B, pad).float().view(b, nc, q, g, n)  # fp32 for the C B^T matmul
     Cc = _pad_to_chunks(C, pad).float().view(b, nc, q, g, n)
     if seq_idx is None:
         seq = None
@@ -162,16 +179,16 @@ def ssd_chunked_triton(x, dt, A, B, C, chunk_size, initial_states, seq_idx):
         carry = carry * (last_doc == prev_doc)
     w = (decay_to_end * dtp.view(b, nc, q, h)).reshape(b, -1, h)  # each token's weight in its chunk's state
     v = decay_from_start.reshape(b, -1, h)  # the incoming state's weight in each token's output
-    fused = STATE_MATMULS == "triton"
-    if fused:
-        local = _ChunkState.apply(xp, w.contiguous(), _pad_to_chunks(B, pad).contiguous(), q)
-    else:
-        local = _chunk_states_torch(xp, w, Bc, b, nc, q, g, h, p, n)
+    dims = (b, nc, q, g, h, p, n)
+    Bp, Cp = _pad_to_chunks(B, pad), _pad_to_chunks(C, pad)
+    path = STATE_MATMULS
+    if path == "auto":
+        from mcore.kernels.ssd_state_choice import choose_state_matmuls
+
+        path = choose_state_matmuls((chunk_states, inter_output), xp, w, Bp, Cp, v, dims)
+    local = chunk_states(path, xp, w, Bp, dims)
     init = None if initial_states is None else initial_states.float().reshape(b, h, p * n).contiguous()
     incoming, final = _StatePassing.apply(local.contiguous(), carry.contiguous(), init)
-    if fused:
-        inter = _InterChunk.apply(_pad_to_chunks(C, pad).contiguous(), incoming, v.contiguous(), h, p)
-    else:
-        inter = _inter_torch(Cc, incoming, v, b, nc, q, g, h, p, n)
+    inter = inter_output(path, Cp, incoming, v, dims)
     y = y + inter
     return y[:, :length], final.view(b, h, p, n)

@@ -8,6 +8,8 @@ with a bias on each projection, and the experts' clamped SwiGLU.
   (gate block then up block); ``down_bias`` [E_local, H] follows the down projection, whose partial outputs the
   dispatcher sums over etp: only etp rank 0 adds it, while every etp rank gets its full gradient (the rows' output
   gradient is the same on each), so the replicas stay equal. A bias's gradient is one GEMM (one-hot rows^T @ dy).
+  Both GEMM modes (``grouped``, or ``per_expert``: weight gradients accumulated in fp32 into ``main_grad``, see
+  ``expert_gemm.py``) take the biases the same way.
 * :func:`use_gpt_oss_options` swaps them into a built layer (the ``moe`` MLP part calls it when a config asks).
 """
 
@@ -21,6 +23,7 @@ from torch import nn
 from mcore.kernels import swiglu
 from mcore.kernels.clamped_swiglu import clamped_swiglu
 from mcore.kernels.moe import grouped_gemm, grouped_gemm_of_activation
+from mcore.parallel.expert_gemm import expert_bounds, per_expert_linear, per_expert_linear_of_activation
 from mcore.parallel.expert_parallel import GroupedExperts, MoELayer, Router, router_logits
 from mcore.parallel.param_attrs import is_sequence_parallel, mark_sequence_parallel
 from mcore.parallel.tensor_parallel import set_tensor_parallel_attributes
@@ -110,11 +113,13 @@ class BiasedGroupedExperts(GroupedExperts):
         get no bias."""
         x = rows.to(self.gate_up.dtype)
         fp8 = self.low_precision  # fp8 experts (mcore.parallel.low_precision): both GEMMs quantized
-        h = (
-            fp8(x, self.gate_up, offsets)
-            if fp8 is not None
-            else grouped_gemm(x, self.gate_up, offsets, tail_rows=tail_rows)
-        )
+        bounds = expert_bounds(offsets) if fp8 is None and self.gemm == "per_expert" else None  # its host sync
+        if fp8 is not None:
+            h = fp8(x, self.gate_up, offsets)
+        elif bounds is not None:
+            h = per_expert_linear(x, self.gate_up, bounds)
+        else:
+            h = grouped_gemm(x, self.gate_up, offsets, tail_rows=tail_rows)
         if self.gate_up_bias is not None:
             expert = _row_experts(offsets, x.shape[0])
             h = _AddExpertBias.apply(h, self.gate_up_bias, expert, True)
@@ -122,7 +127,9 @@ class BiasedGroupedExperts(GroupedExperts):
                                                                         limit=self.activation[1])  # fmt: skip
         if fp8 is not None:
             y = fp8(activation(h), self.down, offsets)
-        else:  # the activation's output ([rows, F/etp]) is recomputed in backward rather than kept
+        elif bounds is not None:  # the activation's output ([rows, F/etp]) is recomputed in backward, not kept
+            y = per_expert_linear_of_activation(h, self.down, bounds, activation)
+        else:
             y = grouped_gemm_of_activation(h, self.down, offsets, activation, tail_rows=tail_rows)
         if self.down_bias is not None:
             y = _AddExpertBias.apply(y, self.down_bias, expert, self.etp_rank == 0)
@@ -144,10 +151,10 @@ def use_gpt_oss_options(
         mark_sequence_parallel(layer.router.bias, is_sequence_parallel(old.weight))
     if expert_biases or activation is not None:
         old = layer.experts
-        if getattr(old, "gemm", "grouped") != "grouped":
+        if not old.gated:
             raise ValueError(
-                f"moe_router.expert_gemm={old.gemm!r} does not take GPT-OSS's expert biases and clamped SwiGLU; "
-                "use expert_gemm='grouped'"
+                f"GPT-OSS's expert biases and clamped SwiGLU need gated SwiGLU experts, not {old.activation_name!r} "
+                "ones; set expert_biases=false and swiglu_alpha/swiglu_limit to null"
             )
         layer.experts = BiasedGroupedExperts(
             old.gate_up.shape[0],
@@ -159,6 +166,7 @@ def use_gpt_oss_options(
             init_std=old.init_std,
             params_dtype=old.gate_up.dtype,
             device=old.gate_up.device,
+            gemm=old.gemm,
             biases=expert_biases,
             activation=activation,
         )

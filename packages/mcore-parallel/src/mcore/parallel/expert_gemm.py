@@ -57,11 +57,17 @@ def _forward(a: torch.Tensor, w: torch.Tensor, bounds: list[tuple[int, int]]) ->
 def _backward(dy, a, w, bounds, need_da: bool, need_dw: bool):
     """(da, dw): ``dw`` is ``None`` when it went into ``w.main_grad`` (fp32, inside the GEMM)."""
     dy = dy.contiguous()
-    da = torch.zeros_like(a) if need_da else None
+    # every row of an expert is written by its GEMM: only the rows of no expert (and the weight gradients of
+    # experts without rows) are zero-filled, not the whole [rows, K] / [E, M, K] outputs
+    da = torch.empty_like(a) if need_da else None
+    if da is not None:
+        da[bounds[-1][1] :].zero_()
     target = fused_wgrad_target(w) if need_dw else None
-    dw = torch.zeros_like(w) if need_dw and target is None else None
+    dw = torch.empty_like(w) if need_dw and target is None else None
     for g, (lo, hi) in enumerate(bounds):
         if hi <= lo:
+            if dw is not None:
+                dw[g].zero_()
             continue
         if da is not None:
             torch.mm(dy[lo:hi], w[g], out=da[lo:hi])

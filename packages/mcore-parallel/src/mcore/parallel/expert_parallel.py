@@ -51,6 +51,15 @@ _AUX_LOSS_TYPES = ("micro_batch", "sequence")
 EXPERT_GEMMS = ("grouped", "per_expert")
 
 
+def squared_relu(h: torch.Tensor) -> torch.Tensor:
+    """``relu(h)^2``: Nemotron-H's non-gated expert activation."""
+    return torch.relu(h).square()
+
+
+# the experts' activation -> (function of the input projection's output, whether it is gated: gate rows + up rows)
+EXPERT_ACTIVATIONS = {"swiglu": (swiglu, True), "relu2": (squared_relu, False)}
+
+
 @dataclass(frozen=True)
 class MoEConfig:
     """One MoE layer: the router (see ``mcore.kernels.moe.RouterConfig``), the experts and the dispatch.
@@ -60,6 +69,8 @@ class MoEConfig:
     ``expert_bias`` enables aux-loss-free balancing with step ``bias_update_rate``. ``expert_gemm``: ``"grouped"``
     (``torch._grouped_mm``, no host sync) or ``"per_expert"`` (one cuBLAS GEMM per expert, fp32 weight gradients
     straight into ``main_grad``; one host sync per layer; for a few large experts, see ``expert_gemm.py``).
+    ``activation``: the experts' ``"swiglu"`` (gated) or ``"relu2"`` (Nemotron-H's non-gated squared ReLU); set by the
+    MLP part (``moe`` / ``moe_relu2``), not a ``moe_router`` knob.
     """
 
     hidden_size: int
@@ -84,6 +95,7 @@ class MoEConfig:
     align: int = 1
     dispatcher: str = "alltoall"
     expert_gemm: str = "grouped"
+    activation: str = "swiglu"
 
     def __post_init__(self) -> None:
         for name in ("hidden_size", "moe_intermediate_size"):
@@ -93,6 +105,9 @@ class MoEConfig:
         self.router_config()  # validates the routing fields
         if self.expert_gemm not in EXPERT_GEMMS:
             raise ValueError(f"MoEConfig.expert_gemm must be one of {EXPERT_GEMMS}, got {self.expert_gemm!r}")
+        if self.activation not in EXPERT_ACTIVATIONS:
+            valid = list(EXPERT_ACTIVATIONS)
+            raise ValueError(f"MoEConfig.activation must be one of {valid}, got {self.activation!r}")
         if self.dispatcher not in DISPATCHERS:
             raise ValueError(f"MoEConfig.dispatcher must be one of {DISPATCHERS}, got {self.dispatcher!r}")
         if self.dispatcher == "allgather" and self.capacity_factor is not None:
@@ -156,8 +171,13 @@ class Router(nn.Module):
 
 
 class GroupedExperts(nn.Module):
-    """``E_local`` SwiGLU experts as two stacked weights, ``[E_local, 2F/etp, H]`` (this etp rank's gate rows, then
-    its up rows) and ``[E_local, H, F/etp]``, run with one grouped GEMM each."""
+    """``E_local`` experts as two stacked weights run with one grouped GEMM each: the input projection, then the
+    activation, then ``down`` [E_local, H, F/etp].
+
+    ``activation="swiglu"`` (gated): the input projection is ``gate_up`` [E_local, 2F/etp, H], this etp rank's gate
+    rows then its up rows. ``activation="relu2"`` (Nemotron-H, non-gated squared ReLU): it is ``up`` [E_local, F/etp,
+    H]. Either way ``input_weight`` names it, and the activation's output is recomputed in backward, not kept.
+    """
 
     def __init__(
         self,
@@ -172,56 +192,75 @@ class GroupedExperts(nn.Module):
         params_dtype: torch.dtype = torch.float32,
         device: torch.device | str | None = None,
         gemm: str = "grouped",
+        activation: str = "swiglu",
     ) -> None:
         super().__init__()
+        if activation not in EXPERT_ACTIVATIONS:
+            valid = list(EXPERT_ACTIVATIONS)
+            raise ValueError(f"GroupedExperts: activation must be one of {valid}, got {activation!r}")
         local_ffn = ffn_size // etp
-        self.gemm = gemm
+        self.gemm, self.activation_name = gemm, activation
+        self.activation_fn, self.gated = EXPERT_ACTIVATIONS[activation]
         self.ffn_size, self.etp, self.etp_rank = ffn_size, etp, etp_rank
         self.first_expert, self.init_std = first_expert, init_std
         kw = dict(dtype=params_dtype, device=device)
-        self.gate_up = nn.Parameter(torch.empty(num_local_experts, 2 * local_ffn, hidden_size, **kw))
+        self.input_name = "gate_up" if self.gated else "up"
+        width = 2 * local_ffn if self.gated else local_ffn
+        setattr(self, self.input_name, nn.Parameter(torch.empty(num_local_experts, width, hidden_size, **kw)))
         self.down = nn.Parameter(torch.empty(num_local_experts, hidden_size, local_ffn, **kw))
         # the FFN width is split over etp like a column- then row-parallel pair (the layout checkpoints read)
+        blocks = (ffn_size, ffn_size) if self.gated else None
         set_tensor_parallel_attributes(
-            self.gate_up, tensor_parallel=etp > 1, partition_dim=1, partition_blocks=(ffn_size, ffn_size)
+            self.input_weight, tensor_parallel=etp > 1, partition_dim=1, partition_blocks=blocks
         )
         set_tensor_parallel_attributes(self.down, tensor_parallel=etp > 1, partition_dim=2)
-        for p in (self.gate_up, self.down):
+        for p in (self.input_weight, self.down):
             p.expert_parallel = True
         # an fp8 grouped GEMM with grouped_gemm's signature, set by mcore.parallel.low_precision (None: bf16)
         self.low_precision = None
 
+    @property
+    def input_weight(self) -> nn.Parameter:
+        """The input projection: ``gate_up`` (gated) or ``up``."""
+        return getattr(self, self.input_name)
+
     @torch.no_grad()
-    def load_full_experts(self, gate_up: torch.Tensor, down: torch.Tensor) -> None:
-        """Copy this rank's slice of its experts' full ``gate_up`` [E_local, 2F, H] and ``down`` [E_local, H, F]."""
+    def load_full_experts(self, input_weight: torch.Tensor, down: torch.Tensor) -> None:
+        """Copy this rank's slice of its experts' full input projection (``gate_up`` [E_local, 2F, H], gate rows then
+        up rows, or ``up`` [E_local, F, H]) and ``down`` [E_local, H, F]."""
         f, fl = self.ffn_size, self.ffn_size // self.etp
         cols = slice(self.etp_rank * fl, (self.etp_rank + 1) * fl)
-        self.gate_up.copy_(torch.cat((gate_up[:, :f][:, cols], gate_up[:, f:][:, cols]), dim=1))
+        if self.gated:
+            self.input_weight.copy_(torch.cat((input_weight[:, :f][:, cols], input_weight[:, f:][:, cols]), dim=1))
+        else:
+            self.input_weight.copy_(input_weight[:, cols])
         self.down.copy_(down[:, :, cols])
 
     def reset_parameters(self, generator: torch.Generator | None = None) -> None:
         """Normal(0, init_std) full experts, one generator per global expert, sliced for etp."""
-        experts, h = self.gate_up.shape[0], self.gate_up.shape[2]
+        experts, h = self.input_weight.shape[0], self.input_weight.shape[2]
         gens = _expert_generators(generator, experts, self.first_expert)
         f, std = self.ffn_size, self.init_std
-        gate_up = torch.stack([torch.empty(2 * f, h).normal_(0.0, std, generator=g) for g in gens])
+        width = 2 * f if self.gated else f
+        first = torch.stack([torch.empty(width, h).normal_(0.0, std, generator=g) for g in gens])
         down = torch.stack([torch.empty(h, f).normal_(0.0, std, generator=g) for g in gens])
-        self.load_full_experts(gate_up, down)
+        self.load_full_experts(first, down)
 
     def forward(self, rows: torch.Tensor, offsets: torch.Tensor, tail_rows: int | None = None) -> torch.Tensor:
         """``tail_rows``: at most that many last rows lie past ``offsets[-1]`` (``None``: unknown), see
         ``grouped_gemm``."""
-        rows = rows.to(self.gate_up.dtype)
+        w_in, act = self.input_weight, self.activation_fn
+        rows = rows.to(w_in.dtype)
         if self.low_precision is not None:  # fp8 experts (mcore.parallel.low_precision): both GEMMs quantized
-            h = self.low_precision(rows, self.gate_up, offsets)
-            return self.low_precision(swiglu(h), self.down, offsets)
+            h = self.low_precision(rows, w_in, offsets)
+            return self.low_precision(act(h), self.down, offsets)
         if self.gemm == "per_expert":
             bounds = expert_bounds(offsets)  # the host sync of this mode (see expert_gemm.py)
-            h = per_expert_linear(rows, self.gate_up, bounds)
-            return per_expert_linear_of_activation(h, self.down, bounds, swiglu)
-        h = grouped_gemm(rows, self.gate_up, offsets, tail_rows=tail_rows)
-        # the SwiGLU output ([rows, F/etp], half of h) is recomputed in backward rather than kept
-        return grouped_gemm_of_activation(h, self.down, offsets, swiglu, tail_rows=tail_rows)
+            h = per_expert_linear(rows, w_in, bounds)
+            return per_expert_linear_of_activation(h, self.down, bounds, act)
+        h = grouped_gemm(rows, w_in, offsets, tail_rows=tail_rows)
+        # the activation's output ([rows, F/etp]) is recomputed in backward rather than kept
+        return grouped_gemm_of_activation(h, self.down, offsets, act, tail_rows=tail_rows)
 
 
 class _RouterLogits(torch.autograd.Function):
@@ -307,6 +346,7 @@ class MoELayer(nn.Module):
             params_dtype=params_dtype,
             device=device,
             gemm=config.expert_gemm,
+            activation=config.activation,
         )
         dispatcher_cls = AllToAllDispatcher if config.dispatcher == "alltoall" else AllGatherDispatcher
         self.dispatcher = dispatcher_cls(config.num_experts, ep_group, etp_group)
@@ -320,13 +360,14 @@ class MoELayer(nn.Module):
         self.stats: dict[str, torch.Tensor] = {}
 
     @torch.no_grad()
-    def load_full_weights(self, router: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> None:
-        """Copy this rank's slices of the full ``router`` [E, H], ``gate_up`` [E, 2F, H] (gate rows then up rows,
-        HF's ``gate_up_proj`` layout) and ``down`` [E, H, F]."""
+    def load_full_weights(self, router: torch.Tensor, input_weight: torch.Tensor, down: torch.Tensor) -> None:
+        """Copy this rank's slices of the full ``router`` [E, H], the experts' input projection (``gate_up``
+        [E, 2F, H], gate rows then up rows, HF's ``gate_up_proj`` layout; ``up`` [E, F, H] for relu2) and ``down``
+        [E, H, F]."""
         e0 = self.ep_rank * self.num_local_experts
         experts = slice(e0, e0 + self.num_local_experts)
         self.router.weight.copy_(router)
-        self.experts.load_full_experts(gate_up[experts], down[experts])
+        self.experts.load_full_experts(input_weight[experts], down[experts])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape

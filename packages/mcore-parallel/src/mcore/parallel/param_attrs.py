@@ -26,6 +26,9 @@ Gradient plumbing (set by ``DistributedDataParallel`` while it wraps the module)
   ``.grad`` again). :func:`fused_wgrad_target`, :func:`take_wgrad_in_main_grad`.
 - ``mcore_grad_ready_hook``: what ``WeightGradStore`` calls once a deferred weight gradient is in place.
   :func:`grad_ready_hook`.
+- ``mcore_wgrad_buffer`` (set by ``FullyShardedDataParallel`` at one rank on the gathered parameters): where a
+  weight-gradient GEMM accumulates when the parameter has no ``main_grad``: a function giving the fp32 gradient of
+  the shard, allocated at its first use. :func:`attach_wgrad_buffer`.
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ __all__ = [
     "TensorParallelSplit",
     "accumulated_grad",
     "attach_gradient_plumbing",
+    "attach_wgrad_buffer",
     "fused_wgrad_target",
     "grad_ready_hook",
     "is_sequence_parallel",
@@ -70,6 +74,7 @@ _MAIN_GRAD = "main_grad"
 _FUSE_WGRAD = "mcore_fuse_wgrad"
 _WGRAD_IN_MAIN_GRAD = "mcore_wgrad_in_main_grad"
 _GRAD_READY_HOOK = "mcore_grad_ready_hook"
+_WGRAD_BUFFER = "mcore_wgrad_buffer"
 
 
 def persistent_buffers(module: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
@@ -174,13 +179,23 @@ def attach_gradient_plumbing(
     setattr(param, _WGRAD_IN_MAIN_GRAD, False)
 
 
+def attach_wgrad_buffer(param: torch.Tensor, *, owner: object, buffer: Callable[[torch.Tensor], torch.Tensor]) -> None:
+    """Let weight-gradient GEMMs accumulate into ``buffer(param)`` (an fp32 tensor of ``param``'s shape) while
+    ``owner`` is alive (a weak reference, as for DDP)."""
+    setattr(param, _FUSE_WGRAD, weakref.ref(owner))
+    setattr(param, _WGRAD_BUFFER, buffer)
+
+
 def fused_wgrad_target(param: torch.Tensor) -> torch.Tensor | None:
-    """``main_grad`` when a weight-gradient GEMM may accumulate into it now (the owning DDP wrapper is alive),
-    else ``None`` (the GEMM returns the gradient as usual)."""
+    """``main_grad`` (or the attached wgrad buffer) when a weight-gradient GEMM may accumulate into it now (the
+    owning wrapper is alive), else ``None`` (the GEMM returns the gradient as usual)."""
     owner = getattr(param, _FUSE_WGRAD, None)
     if owner is None or owner() is None:
         return None
-    return main_grad(param)
+    buffer = main_grad(param)
+    if buffer is None and getattr(param, _WGRAD_BUFFER, None) is not None:
+        return getattr(param, _WGRAD_BUFFER)(param)
+    return buffer
 
 
 def mark_wgrad_in_main_grad(param: torch.Tensor) -> None:

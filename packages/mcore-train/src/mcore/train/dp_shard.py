@@ -2,9 +2,12 @@
 
 Each transformer layer is one FSDP unit, as are the embedding and the output layer when they are not tied; a tied
 embedding stays in the chunk's root unit with the final norm, because the output layer that multiplies by it runs
-outside the embedding's forward. The chunks are built in fp32 (the shards are the master weights) and compute in
-``train.precision`` through FSDP's mixed-precision policy, reducing gradients in fp32. A run of one process
-without a launcher gets a one-rank process group (FSDP2 needs one), created here.
+outside the embedding's forward. The embedding unit is not gathered for its backward (its weight gradient needs
+only the token ids). At dp=1, ``parallel.gradient_accumulation_fusion`` lets the linear layers' weight-gradient
+GEMMs accumulate in fp32 straight into the gradient shards, as under ZeRO-1 (``mcore.parallel.fsdp_wgrad``). The
+chunks are built in fp32 (the shards are the master weights) and compute in ``train.precision`` through FSDP's
+mixed-precision policy, reducing gradients in fp32. A run of one process without a launcher gets a one-rank
+process group (FSDP2 needs one), created here.
 """
 
 from __future__ import annotations
@@ -82,7 +85,10 @@ def fully_shard_chunks(
                 param_dtype=None if compute_dtype == torch.float32 else compute_dtype,
                 reduce_dtype=torch.float32,
                 reshard_after_forward=config.parallel.dp_shard_reshard_after_forward,
+                reduce_every_microbatch=config.parallel.dp_shard_reduce_every_microbatch,
                 tied=tied,
+                no_backward_gather=[u for u in units if u is getattr(chunk, "embedding", None)],
+                gradient_accumulation_fusion=config.parallel.gradient_accumulation_fusion,
             )
         )
     return wrapped

@@ -31,12 +31,18 @@ class ParallelSection:
     ``dp`` is derived from the world size when ``None``. ``schedule`` picks the pipeline schedule
     (``auto``: 1F1B, interleaved when ``vpp > 1``, none when ``pp == 1``). ``gradient_accumulation_fusion``:
     the linear layers' weight-gradient GEMMs accumulate into the fp32 gradient buffer directly (no bf16 weight
-    gradient, no extra add pass); turn it off only to compare. ``overlap_param_gather`` (with the distributed
+    gradient, no extra add pass; under ``dp_shard`` at dp=1 into the fp32 gradient shards); turn it off only to
+    compare. ``overlap_param_gather`` (with the distributed
     optimizer): the all-gather of the updated parameters runs behind the next forward, each layer waiting for
     its own bucket. ``dp_shard`` (ZeRO-3, on torch's FSDP2): parameters, gradients and optimizer states sharded
     over the data-parallel ranks, each layer all-gathered for its forward and backward (in the compute precision;
     the fp32 shards are the master weights), and resharded after its forward when ``dp_shard_reshard_after_forward``
-    (off: keep the gathered layers from forward to backward, more memory, one all-gather fewer).
+    (false: keep the gathered layers from forward to backward, more memory, one all-gather fewer; auto: true but
+    for the last layer, false at dp=1, where a re-gather only repeats the fp32 -> bf16 cast). With gradient
+    accumulation each micro-batch's gradients are reduce-scattered into the shards when
+    ``dp_shard_reduce_every_microbatch`` (false: accumulated unsharded in fp32 and reduced once on the last
+    micro-batch, more memory at dp > 1; auto: true, false at dp=1, where the layers also stay gathered between
+    micro-batches).
     ``pipeline_layout``: ``even`` (the same number of layers per virtual stage), ``balanced`` (fewer layers on the
     stage that also runs the output layer and the loss, by their FLOPs: see
     ``mcore.parallel.pipeline.balanced_layout``) or a list of layers per virtual stage.
@@ -64,7 +70,8 @@ class ParallelSection:
     gradient_accumulation_fusion: bool = True
     pipeline_layout: str | list[int] = "even"
     dp_shard: bool = False
-    dp_shard_reshard_after_forward: bool = True
+    dp_shard_reshard_after_forward: bool | Literal["auto"] = "auto"
+    dp_shard_reduce_every_microbatch: bool | Literal["auto"] = "auto"
     # Expert parallelism (MoE models): experts split over ep ranks, each expert's FFN over etp (default: tp).
     # Attention keeps tp x cp x dp while experts use etp x ep x edp over the same ranks (parallel folding).
     ep: int = 1

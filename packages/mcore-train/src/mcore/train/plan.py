@@ -178,7 +178,20 @@ def layout_of(config: Config, world_size: int) -> Layout:
         pipeline_layout=tuple(custom) if custom is not None else None,
         activation_offload=_offloaded_parts(config),
         expert_gemm=(config.model.moe_router or {}).get("expert_gemm", "grouped"),
+        document_lengths=_document_lengths(config),
     )
+
+
+def _document_lengths(config: Config) -> tuple[int, ...]:
+    """The packed documents of a sequence the time model costs: with ``data.packing`` on mock data, the
+    documents of the first sample mcore-train draws (``cu_seqlens``); a corpus's lengths are not read, so it is
+    planned as one document per sequence."""
+    if not (config.data.packing and config.data.mock):
+        return ()
+    from mcore.train.data.mock import MockGPTDataset
+
+    sample = MockGPTDataset(vocab_size=2, seq_length=config.data.seq_length, num_samples=1, packing=True)[0]
+    return tuple(int(n) for n in sample["cu_seqlens"].diff())
 
 
 def _offloaded_parts(config: Config) -> tuple[str, ...]:

@@ -49,10 +49,14 @@ class _SharedExpertGate(nn.Module):
 class MoEMLP(MoELayer):
     """Routed experts (+ optional shared expert) on ``[s(/tp), b, h]``; see the module docstring."""
 
-    def __init__(self, config: Any, layer_index: int = 0, context: PartContext | None = None) -> None:
+    def __init__(
+        self, config: Any, layer_index: int = 0, context: PartContext | None = None, *, activation: str = "swiglu"
+    ) -> None:
+        """``activation``: the routed experts' (``mcore.parallel.expert_parallel.EXPERT_ACTIVATIONS``; the
+        ``moe_relu2`` part passes ``"relu2"``)."""
         ctx = PartContext() if context is None else context
         super().__init__(
-            moe_layer_config(config),
+            dataclasses.replace(moe_layer_config(config), activation=activation),
             groups=ctx.groups,
             init_std=config.initializer_range,
             token_split_group=ctx.tp_group if ctx.tp_size > 1 else None,  # each tp rank routes part of the sequence

@@ -18,6 +18,7 @@ from pathlib import Path
 from mcore.train.errors import UserError
 
 CALIBRATION_DIR = Path(__file__).parent / "calibrations"
+BACKWARD_ATTENTION_RATIO = 2.5  # flash backward: dQ, dK, dV and the recomputed scores, 2.5x the forward's FLOPs
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "p2p")
 
 
@@ -79,6 +80,9 @@ class Calibration:
     moe_dispatch_gbps: float | None = None
     ssd_tflops: list[float] | None = None  # Mamba-2's chunked scan, [forward, backward] (planning/mamba_terms.py)
     conv_gbps: list[float] | None = None  # Mamba-2's depthwise causal conv, [forward, backward]
+    # packed documents (cu_seqlens): [[document length, forward TFLOP/s, backward TFLOP/s], ...] in-step rates of
+    # the kernel that runs them (mcore's Triton flash attention); None: the one-document ``attention`` curve
+    packed_attention: list[list[float]] | None = None
     source: str = ""
     assumptions: list[str] = field(default_factory=list)
 
@@ -107,6 +111,13 @@ class Calibration:
         for precision, points in self.gemm.items():
             _check_curve(f"gemm.{precision}", points)
         _check_curve("attention", self.attention)
+        if self.packed_attention is not None:
+            if any(len(p) != 3 or min(p) <= 0 for p in self.packed_attention):
+                raise ValueError(
+                    f"calibration {self.name}: packed_attention points must be [length, fwd TFLOP/s, bwd TFLOP/s] "
+                    f"all > 0, got {self.packed_attention}"
+                )
+            _check_curve("packed_attention", [p[:2] for p in self.packed_attention])
         for name in ("all_reduce", "p2p"):
             if name not in self.nvlink:
                 raise ValueError(f"calibration {self.name}: nvlink needs a {name!r} curve, has {sorted(self.nvlink)}")
@@ -129,6 +140,18 @@ class Calibration:
 
     def attention_seconds(self, causal_flops: float, doc_length: int) -> float:
         return causal_flops / (interpolate(self.attention, doc_length) * 1e12)
+
+    def packed_attention_seconds(self, causal_fwd_flops: float, doc_length: int) -> tuple[float, float]:
+        """(forward, backward) seconds of ``causal_fwd_flops`` of documents of ``doc_length`` packed in a sequence
+        (the backward computes 2.5x the forward's FLOPs), at the packed kernel's rates for that length."""
+        bwd_flops = causal_fwd_flops * BACKWARD_ATTENTION_RATIO
+        if self.packed_attention is None:
+            total = self.attention_seconds(causal_fwd_flops + bwd_flops, doc_length)
+            forward = total / (1 + BACKWARD_ATTENTION_RATIO)
+            return forward, total - forward
+        fwd_rate = interpolate([p[:2] for p in self.packed_attention], doc_length)
+        bwd_rate = interpolate([[p[0], p[2]] for p in self.packed_attention], doc_length)
+        return causal_fwd_flops / (fwd_rate * 1e12), bwd_flops / (bwd_rate * 1e12)
 
     def mamba_rates(self) -> tuple[list[float], list[float]]:
         """(``ssd_tflops``, ``conv_gbps``); a clear error for a calibration without them."""

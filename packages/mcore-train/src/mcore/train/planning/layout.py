@@ -60,6 +60,9 @@ class Layout:
     grad_nan_check: bool = False
     # the routed experts' GEMMs (``moe_router.expert_gemm``): one grouped GEMM per linear, or one GEMM per expert
     expert_gemm: Literal["grouped", "per_expert"] = "grouped"
+    # packed documents (data.packing, cu_seqlens): the lengths of the documents in each sequence, summing to
+    # seq_length; empty: one causal document per sequence
+    document_lengths: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         for name in ("tp", "pp", "dp", "vpp", "cp", "ep", "micro_batch", "global_batch", "seq_length"):
@@ -69,6 +72,15 @@ class Layout:
         if not 0.0 <= self.optimizer_offload_fraction <= 1.0:
             raise ValueError(
                 f"Layout.optimizer_offload_fraction must lie in [0, 1], got {self.optimizer_offload_fraction}"
+            )
+        lengths = self.document_lengths
+        bad = isinstance(lengths, (str, int)) or any(isinstance(n, bool) or not isinstance(n, int) for n in lengths)
+        if bad or any(n < 1 for n in lengths):
+            raise ValueError(f"Layout.document_lengths must be a tuple of ints >= 1, got {lengths!r}")
+        if lengths and sum(lengths) != self.seq_length:
+            raise ValueError(
+                f"Layout.document_lengths {lengths} sum to {sum(lengths)}, not seq_length {self.seq_length}: "
+                "give the lengths of the documents packed into one sequence"
             )
         if self.cp_comm_type not in CP_COMM_TYPES:
             raise ValueError(f"Layout.cp_comm_type must be one of {CP_COMM_TYPES}, got {self.cp_comm_type!r}")

@@ -35,7 +35,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from mcore.train.planning.calibration import Calibration
+from mcore.train.planning.calibration import BACKWARD_ATTENTION_RATIO, Calibration
 from mcore.train.planning.cluster import Group, Network
 from mcore.train.planning.cp_cost import cp_cost
 from mcore.train.planning.layout import Layout
@@ -43,7 +43,6 @@ from mcore.train.planning.memory import layer_parameters_per_rank
 from mcore.train.planning.shape import ModelShape
 from mcore.train.planning.tp_overlap import PLAIN, OverlapPlan, exposed_seconds, overlap_plans
 
-BACKWARD_ATTENTION_RATIO = 2.5
 # the fused AdamW pass (fp32 master, gradient, two moments read, three written, the bf16 parameter written) at the
 # calibration's optimizer_efficiency, and the gradient-norm read at the memory-bound share
 ADAMW_BYTES_PER_PARAM, GRAD_NORM_BYTES_PER_PARAM = 30, 4
@@ -188,11 +187,15 @@ class TimeModel:
             span = s.window
             pairs = seq * span - span**2 / 2
         causal_fwd = 2.0 * lay.micro_batch * pairs * width / lay.cp
-        # a window's work runs in tiles like a document of its length: the calibrated rate at that length
-        total = self.gpu.attention_seconds(causal_fwd * (1 + BACKWARD_ATTENTION_RATIO), span)
+        if lay.document_lengths:  # packed documents: each its own causal block at the rate for its length
+            fwd, bwd = self._packed_attention(index, width)
+            total = fwd + bwd
+        else:
+            # a window's work runs in tiles like a document of its length: the calibrated rate at that length
+            total = self.gpu.attention_seconds(causal_fwd * (1 + BACKWARD_ATTENTION_RATIO), span)
+            fwd = total / (1 + BACKWARD_ATTENTION_RATIO)
         if lay.dropout:
-            total *= 1 + ATTENTION_DROPOUT_COST
-        fwd = total / (1 + BACKWARD_ATTENTION_RATIO)
+            fwd, total = fwd * (1 + ATTENTION_DROPOUT_COST), total * (1 + ATTENTION_DROPOUT_COST)
         cost.add("F", "attention", fwd)
         cost.add("B", "attention", total - fwd)
         if lay.cp > 1:  # cp_cost: ring transfers under the attention blocks, the rest blocking
@@ -201,6 +204,19 @@ class TimeModel:
             cost.add("B", "cp_comm", max(0.0, cp.ring_backward - (total - fwd)) + cp.blocking_backward)
         if lay.recompute == "selective":
             cost.add("B", "attention", fwd)
+
+    def _packed_attention(self, index: int, width: float) -> tuple[float, float]:
+        """(forward, backward) seconds of one micro-batch's packed documents (``Layout.document_lengths``): the
+        work is the sum over documents of their query-key pairs (a window caps each document's span), each at
+        the calibrated packed-kernel rate for its length."""
+        s, lay = self.shape, self.layout
+        fwd = bwd = 0.0
+        for length in lay.document_lengths:
+            span = s.window if s.is_window_layer(index) and s.window < length else length
+            pairs = length * span - span**2 / 2
+            f, b = self.gpu.packed_attention_seconds(2.0 * lay.micro_batch * pairs * width / lay.cp, span)
+            fwd, bwd = fwd + f, bwd + b
+        return fwd, bwd
 
     def _mamba(self, cost: OpCost) -> None:
         """A Mamba-2 mixer's conv and scan at the calibrated rates, and its memory-bound work: the gated norm
