@@ -206,6 +206,7 @@ def build_spec(
     fsdp: bool = False,
     expert_gemm: str = "grouped",
     layout: str | None = None,
+    recompute_modules: str | None = None,
 ) -> RunSpec:
     """``layout``: one of ``LAYOUTS`` (default ``"fsdp"`` when ``fsdp``, else ``"zero1"``)."""
     layout = layout or ("fsdp" if fsdp else "zero1")
@@ -226,6 +227,8 @@ def build_spec(
     if layout != "zero1":
         overrides = [o for o in overrides if not o.startswith("parallel.distributed_optimizer")]
         overrides += LAYOUT_OVERRIDES[layout]
+    if recompute_modules:  # selective recompute of these sub-blocks (comma-separated, Megatron's names)
+        overrides += ["train.recompute=selective", f"train.recompute_modules=[{recompute_modules}]"]
     model = moe_model(shape, align=1 if dry_run else 8, expert_gemm=expert_gemm)
     name = f"{variant_label(layout, expert_gemm)}_{shape_name}"
     return RunSpec(name, 1, overrides, model, 1 + warmup, profile_steps=profile_steps)
@@ -241,6 +244,7 @@ def run_ours(args: argparse.Namespace) -> int:
         profile_steps=args.profile_steps,
         expert_gemm=args.expert_gemm,
         layout=args.layout,
+        recompute_modules=args.recompute_modules,
     )
     result, runtime = run_spec(spec)
     runtime.shutdown()
@@ -252,6 +256,7 @@ def run_ours(args: argparse.Namespace) -> int:
         **{k: result[k] for k in keys},
         "precision": result["precision"],
         "expert_gemm": args.expert_gemm,
+        "recompute_modules": args.recompute_modules,
         "flops_per_token": result["flops_per_token"],
         "iters": args.iters,
         "warmup": args.warmup,
@@ -272,6 +277,8 @@ def _runs(args: argparse.Namespace, shape: str, out: Path) -> list[tuple[str, li
         label = variant_label(layout, gemm)
         ours = [str(Path(__file__).resolve()), "--only", "mcore", "--shape", shape, "--iters", str(args.iters)]
         ours += ["--warmup", str(args.warmup), "--profile-steps", str(args.profile_steps), "--expert-gemm", gemm]
+        if args.recompute_modules:
+            ours += ["--recompute-modules", args.recompute_modules]
         ours += ["--json", str(out / f"{label}_{shape}.json")]
         runs.append((label, ours + (["--dry-run"] if args.dry_run else []) + ["--layout", layout]))
     if args.skip_baseline or args.dry_run or not SHAPES[shape].get("baseline", True):
@@ -373,6 +380,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--fsdp", action="store_true", help="also run ours with FSDP2 (parallel.dp_shard=true)")
     ap.add_argument("--expert-gemm", choices=EXPERT_GEMMS, default="grouped", help="moe_router.expert_gemm (grouped)")
     ap.add_argument("--variants", default=None, help="ours as LAYOUT:GEMM,... (zero1|fsdp : grouped|per_expert)")
+    ap.add_argument(
+        "--recompute-modules", default=None, help="ours: train.recompute_modules, comma-separated (selective recompute)"
+    )
     ap.add_argument(
         "--profile-steps", type=int, default=None, help="steps after the timed ones under the CUDA profiler (1; dry 0)"
     )

@@ -1,7 +1,8 @@
 """mcore-train with DeepSeek-V3 models (MLA, sigmoid group-limited routing with the aux-loss-free bias, shared experts,
 a dense first layer, MTP): tp2, tp2 with sequence parallelism, pp2 (MTP on the last stage), ep2 and tp2 x ep2 on 4
-gloo ranks give the single process's losses over several AdamW steps, and the expert biases evolve identically;
-the biases are saved in checkpoints and restored on resume."""
+gloo ranks give the single process's losses over several AdamW steps, also with selective recompute by module
+(tp2 SP, tp2 x ep2), and the expert biases evolve identically; the biases are saved in checkpoints and restored on
+resume."""
 
 from __future__ import annotations
 
@@ -28,7 +29,13 @@ LAYOUTS = {
     "pp2": ["parallel.pp=2"],
     "ep2": ["parallel.ep=2", "parallel.distributed_optimizer=true"],
     "tp2-ep2": ["parallel.tp=2", "parallel.ep=2"],
-}
+    # recompute by module (collectives inside the recomputed regions: SP gathers, the MoE all-to-alls, aux-loss
+    # all-reduces) against the single process without recompute; the biases must count each token once
+    "tp2-sp-recompute": ["parallel.tp=2", "parallel.sequence_parallel=true", "train.recompute=selective",
+                         "train.recompute_modules=[mla_up_proj,layernorm,mlp,shared_experts]"],
+    "tp2-ep2-recompute": ["parallel.tp=2", "parallel.ep=2", "train.recompute=selective",
+                          "train.recompute_modules=[mla_up_proj,moe,layernorm]"],
+}  # fmt: skip
 
 
 def _run(run_dir, *overrides) -> tuple[list[float], dict[str, torch.Tensor]]:

@@ -6,11 +6,11 @@ ids and losses are ``[b, s]``. The model never calls a collective: the parallel 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
 from mcore.models.config import TransformerConfig
 from mcore.models.layers.block import DecoderLayer
@@ -19,6 +19,7 @@ from mcore.models.layers.kv_cache import KVCache
 from mcore.models.layers.norm import build_norm
 from mcore.models.mtp import MultiTokenPrediction
 from mcore.models.parts.registry import NO_PART, PartContext
+from mcore.models.recompute import check_recompute_modules, checkpoint_region
 from mcore.models.rope import RopeTables, RotaryTables
 from mcore.parallel.grid import ProcessGroups
 from mcore.parallel.init import seeded_generator
@@ -43,7 +44,8 @@ class GPTModel(nn.Module):
     ``finalize_model_grads`` expects), so their gradients are summed over the embedding group.
 
     ``recompute``: ``None``; ``"full"`` (each layer's activations are recomputed in backward) or
-    ``"selective"`` (what each part chooses: attention recomputes its core). The vocabulary is padded to a multiple of
+    ``"selective"`` (what each part chooses: attention recomputes its core; ``recompute_modules`` lists the
+    sub-blocks instead, Megatron's names, see ``mcore.models.recompute``). The vocabulary is padded to a multiple of
     ``config.make_vocab_size_divisible_by * tp``; padded rows are tagged ``vocab_padded_dim``/``vocab_size``,
     never enter the loss and are masked to ``-inf`` in returned logits.
     """
@@ -58,6 +60,7 @@ class GPTModel(nn.Module):
         post_process: bool = True,
         sequence_parallel: bool = False,
         recompute: str | None = None,
+        recompute_modules: Sequence[str] | None = None,
         params_dtype: torch.dtype = torch.float32,
         device: torch.device | str | None = None,
     ) -> None:
@@ -66,6 +69,7 @@ class GPTModel(nn.Module):
             raise TypeError(f"GPTModel: config must be a TransformerConfig, got {type(config).__name__}")
         if recompute not in RECOMPUTE_MODES:
             raise ValueError(f"GPTModel: recompute must be one of {RECOMPUTE_MODES}, got {recompute!r}")
+        recompute_modules = check_recompute_modules(recompute_modules, recompute, "GPTModel")
         groups = ProcessGroups.single() if groups is None else groups
         tp = groups.tp_size
         config.check_tensor_parallel(tp)
@@ -95,6 +99,7 @@ class GPTModel(nn.Module):
             tp_size=tp,
             sequence_parallel=sequence_parallel,
             recompute=recompute,
+            recompute_modules=recompute_modules,
             groups=groups,
             **factory,
         )
@@ -241,7 +246,8 @@ class GPTModel(nn.Module):
     ) -> torch.Tensor:
         for layer in self.layers.values():
             if self.recompute == "full" and torch.is_grad_enabled():
-                x = checkpoint(layer, x, rope, cu_seqlens, None, context_parallel, use_reentrant=False)
+                # the recomputed forward must not count an MoE layer's tokens again (checkpoint_region restores them)
+                x = checkpoint_region(layer, x, rope, cu_seqlens, None, context_parallel, state=layer)
             else:
                 x = layer(x, rope, cu_seqlens, kv_cache, context_parallel)
         return x

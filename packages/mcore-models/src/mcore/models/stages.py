@@ -52,6 +52,7 @@ def build_stage_chunks(
     seed: int,
     sequence_parallel: bool = False,
     recompute: str | None = None,
+    recompute_modules: Sequence[str] | None = None,
     params_dtype: torch.dtype = torch.float32,
     device: torch.device | str | None = None,
 ) -> list[GPTModel]:
@@ -71,6 +72,7 @@ def build_stage_chunks(
             post_process=stage == stages - 1,
             sequence_parallel=sequence_parallel,
             recompute=recompute,
+            recompute_modules=recompute_modules,
             params_dtype=params_dtype,
             device=device,
         )

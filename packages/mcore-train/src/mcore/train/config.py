@@ -26,6 +26,7 @@ import yaml
 
 from mcore.models.config import TransformerConfig
 from mcore.models.families import PRESETS, get_config
+from mcore.models.recompute import check_recompute_modules
 from mcore.train.config_checks import non_negative as _non_negative
 from mcore.train.config_checks import positive as _positive
 from mcore.train.errors import UserError
@@ -163,6 +164,7 @@ class TrainSection:
     initial_loss_scale: float = 65536.0
     hang_timeout: float = 600.0
     recompute: Literal["none", "full", "selective"] = "none"
+    recompute_modules: list[str] | None = None  # selective only: Megatron's --recompute-modules names
     activation_offload: list[str] = field(default_factory=list)
     sample_prompt: str = "The "
     sample_tokens: int = 64
@@ -185,6 +187,10 @@ class TrainSection:
             raise ValueError(
                 "train.activation_offload with train.recompute=full: full recompute keeps only each layer's input, "
                 "there is nothing left to offload; use recompute=selective or none with it"
+            )
+        if self.recompute_modules is not None:
+            self.recompute_modules = list(
+                check_recompute_modules(self.recompute_modules, self.recompute, "train.recompute_modules")
             )
         if self.stop_at_step is not None and not 0 < self.stop_at_step <= self.steps:
             raise ValueError(f"train.stop_at_step must lie in [1, train.steps={self.steps}], got {self.stop_at_step}")

@@ -68,6 +68,9 @@ KEY_HELP: dict[str, str] = {
     "train.initial_loss_scale": "first loss scale of fp16 training",
     "train.hang_timeout": "seconds without progress before the watchdog reports a hang and exits (0: off)",
     "train.recompute": "activation recomputation: none, full (whole layers) or selective (attention core)",
+    "train.recompute_modules": "with recompute=selective, the sub-blocks recomputed (Megatron's names): core_attn, "
+    "mla_up_proj, layernorm, mlp (dense), moe, shared_experts, moe_act (always on in our experts); null: each "
+    "part's default",
     "train.sample_prompt": "prompt of the sample generated at the end of a run",
     "train.sample_tokens": "tokens of that sample (0: no sample)",
     "train.mtp_loss_weight": "weight of the multi-token-prediction loss (model.num_nextn_predict_layers > 0), "

@@ -16,6 +16,7 @@ from mcore.parallel.grid import ParallelConfig
 from mcore.train.config import Config
 from mcore.train.errors import UserError
 from mcore.train.planning.cluster import Network
+from mcore.train.planning.ep_traffic import EPTraffic, ep_traffic
 from mcore.train.planning.layout import OFFLOAD_PARTS, Layout
 from mcore.train.planning.memory import GB, StageMemory, stage_memory
 from mcore.train.planning.memory import activation_bytes_per_layer as _layer_activation_bytes
@@ -120,6 +121,7 @@ class Plan:
     calibration: str | None = None
     modes: tuple[MemoryMode, ...] = field(default=())
     cp: int = 1
+    ep_traffic: tuple[EPTraffic, ...] = field(default=())  # all-to-all bytes per step per pp rank (MoE, ep > 1)
 
     @property
     def worst(self) -> StageMemory:
@@ -169,6 +171,7 @@ def layout_of(config: Config, world_size: int) -> Layout:
         sequence_parallel=parallel.sequence_parallel,
         schedule=schedule,
         recompute=config.train.recompute,
+        recompute_modules=_modules(config),
         distributed_optimizer=parallel.distributed_optimizer,
         dp_shard=bool(getattr(parallel, "dp_shard", False)),
         optimizer_offload_fraction=float(getattr(config.optim, "offload_fraction", 0.0) or 0.0),
@@ -180,6 +183,11 @@ def layout_of(config: Config, world_size: int) -> Layout:
         expert_gemm=(config.model.moe_router or {}).get("expert_gemm", "grouped"),
         document_lengths=_document_lengths(config),
     )
+
+
+def _modules(config: Config) -> tuple[str, ...] | None:
+    modules = config.train.recompute_modules
+    return None if modules is None else tuple(modules)
 
 
 def _document_lengths(config: Config) -> tuple[int, ...]:
@@ -211,6 +219,7 @@ def activation_bytes_per_layer(config: Config, tp: int, dtype_bytes: int) -> flo
         seq_length=config.data.seq_length,
         sequence_parallel=config.parallel.sequence_parallel,
         recompute=config.train.recompute,
+        recompute_modules=_modules(config),
     )
     return _layer_activation_bytes(ModelShape.from_config(config.model), layout, 0, dtype_bytes)
 
@@ -259,6 +268,7 @@ def make_plan(config: Config, world_size: int, gpu_memory_gb: float, network: Ne
         prediction=prediction,
         calibration=network.gpu.name if network is not None else None,
         modes=_modes(shape, layout, gpu_memory_gb, network),
+        ep_traffic=ep_traffic(shape, layout, micro),
     )
 
 

@@ -20,7 +20,9 @@ def add_planner_arguments(parser: argparse.ArgumentParser) -> None:
         "--cluster", metavar="NAME|FILE.json", help="nodes and network: dgx-h100, h200-node or a JSON file"
     )
     parser.add_argument("--search", action="store_true", help="rank every layout on --gpus GPUs by predicted tokens/s")
-    parser.add_argument("--gpus", type=int, default=None, metavar="N", help="GPUs for --search (default: world size)")
+    parser.add_argument(
+        "--gpus", type=int, default=None, metavar="N", help="GPUs: the world size (with --search: the GPUs searched)"
+    )
     parser.add_argument("--top", type=int, default=5, metavar="K", help="layouts --search prints (default 5)")
     parser.add_argument("--calibrate", action="store_true", help="measure this machine into a calibration file")
     parser.add_argument("--output", metavar="FILE.json", help="where --calibrate writes (default: calibration.json)")
@@ -86,6 +88,14 @@ def _search(args: argparse.Namespace, config, network, memory: float) -> int:
     return 0
 
 
+def _world_size(args: argparse.Namespace) -> int | None:
+    """``--world-size``, or ``--gpus`` (the same thing without --search); both given must agree."""
+    gpus, world = getattr(args, "gpus", None), args.world_size
+    if gpus is not None and world is not None and gpus != world:
+        raise UserError(f"--gpus {gpus} and --world-size {world} disagree: give one of them (both mean the world size)")
+    return world if world is not None else gpus
+
+
 def run_plan(args: argparse.Namespace, load: Callable) -> int:
     """``mcore-train plan`` with parsed ``args``; ``load(args)`` gives the config."""
     from mcore.train.plan import default_world_size, make_plan
@@ -100,7 +110,7 @@ def run_plan(args: argparse.Namespace, load: Callable) -> int:
         raise UserError(f"--gpu-memory must be > 0 GB, got {memory}")
     if args.search:
         return _search(args, config, network, memory)
-    world = args.world_size or default_world_size(config)
+    world = _world_size(args) or default_world_size(config)
     if world < 1:
         raise UserError(f"--world-size must be >= 1, got {world}")
     plan = make_plan(config, world, memory, network)

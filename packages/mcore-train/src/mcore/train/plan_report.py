@@ -44,6 +44,30 @@ def _mode_lines(plan: Plan) -> list[str]:
     return lines
 
 
+def _all_to_all_lines(plan: Plan) -> list[str]:
+    """The pp rank with the most all-to-all traffic; every rank's in ``--json``."""
+    if not plan.ep_traffic:
+        return []
+    t = max(plan.ep_traffic, key=lambda r: r.total)
+    again = f" + {_size(t.recompute)} recomputed" if t.recompute else ""
+    return [
+        f"all-to-all per GPU per step (ep {t.ep}; pp rank {t.pp_rank}: {t.moe_layers} MoE layer(s) x "
+        f"{t.microbatches} micro-batch(es), {_size(t.exchange_bytes)} per exchange): dispatch "
+        f"{_size(t.dispatch_forward)} + combine {_size(t.combine_forward)} forward, {_size(t.backward)} "
+        f"backward{again} = {_size(t.total)}, {_size(t.off_gpu)} of it to other GPUs"
+    ]
+
+
+def _size(nbytes: float) -> str:
+    """``nbytes`` in decimal units (kB, MB, GB, TB) with one decimal."""
+    value, unit = float(nbytes), "B"
+    for bigger in ("kB", "MB", "GB", "TB"):
+        if value < 1000:
+            break
+        value, unit = value / 1000, bigger
+    return f"{value:.1f} {unit}"
+
+
 def format_plan(plan: Plan, peak_flops_per_gpu: float | None = None) -> str:
     """A human-readable report of ``plan``."""
     lines = [
@@ -66,7 +90,7 @@ def format_plan(plan: Plan, peak_flops_per_gpu: float | None = None) -> str:
     elif peak_flops_per_gpu:
         at = plan.flops_per_step / plan.world_size / (0.4 * peak_flops_per_gpu)
         lines.append(f"step time at 40% MFU: {at:.2f} s")
-    return "\n".join(lines + _memory_lines(plan) + _mode_lines(plan))
+    return "\n".join(lines + _all_to_all_lines(plan) + _memory_lines(plan) + _mode_lines(plan))
 
 
 def plan_to_dict(plan: Plan) -> dict:
@@ -88,6 +112,8 @@ def plan_to_dict(plan: Plan) -> dict:
         "fits": plan.fits,
         "memory_modes": [asdict(m) for m in plan.modes],
         "suggestion": asdict(plan.suggestion) if plan.suggestion else None,
+        # bytes per step and GPU: the exchanges' buffers summed, and the share that leaves the GPU
+        "all_to_all_bytes": [{**asdict(t), "total": t.total, "off_gpu": t.off_gpu} for t in plan.ep_traffic],
     }
     if plan.prediction is not None:
         p = plan.prediction

@@ -161,6 +161,7 @@ class Trainer:
             seed=config.train.seed,
             sequence_parallel=config.parallel.sequence_parallel,
             recompute=None if config.train.recompute == "none" else config.train.recompute,
+            recompute_modules=config.train.recompute_modules,
             # fully sharded training: the fp32 shards are the master weights, FSDP computes in params_dtype
             params_dtype=torch.float32 if config.parallel.dp_shard and with_optimizer else self.params_dtype,
             device=self.device,

@@ -124,37 +124,31 @@ def _sizes(hidden: int, ffn: int, **fields: Any) -> dict[str, Any]:
     return {**base, **fields}
 
 
+# The tiny presets' sizes (chunk 8 < the test sequences); the presets differ in their patterns and MoE fields.
+_TINY_SHAPE: dict[str, Any] = {
+    "hidden_size": 64,
+    "intermediate_size": 96,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "mamba_num_heads": 8,
+    "mamba_head_dim": 16,
+    "ssm_state_size": 8,
+    "n_groups": 2,
+    "chunk_size": 8,
+    "vocab_size": 320,
+    "max_position_embeddings": 256,
+}
+
 PRESETS: dict[str, dict[str, Any]] = {
-    # Every block type, an attention layer between Mamba layers; chunk 8 < the test sequences.
+    # Every block type, an attention layer between Mamba layers.
     "nemotron_h-tiny": {
-        "hidden_size": 64,
-        "intermediate_size": 96,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "head_dim": 16,
-        "mamba_num_heads": 8,
-        "mamba_head_dim": 16,
-        "ssm_state_size": 8,
-        "n_groups": 2,
-        "chunk_size": 8,
-        "vocab_size": 320,
-        "max_position_embeddings": 256,
+        **_TINY_SHAPE,
         **pattern_parts("M-*M"),
     },
     # MoE layers too (E): 4 experts in 2 groups, top-2 from the best group, a shared expert.
     "nemotron_h-moe-tiny": {
-        "hidden_size": 64,
-        "intermediate_size": 96,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "head_dim": 16,
-        "mamba_num_heads": 8,
-        "mamba_head_dim": 16,
-        "ssm_state_size": 8,
-        "n_groups": 2,
-        "chunk_size": 8,
-        "vocab_size": 320,
-        "max_position_embeddings": 256,
+        **_TINY_SHAPE,
         "num_experts": 4,
         "num_experts_per_tok": 2,
         "moe_intermediate_size": 48,

@@ -50,7 +50,7 @@ class SelfAttention(nn.Module):
         self.heads_per_group = config.query_heads_per_kv_head
         self.local_groups = config.num_key_value_heads // tp_size
         self.window = config.window_for_layer(layer_index)
-        self.recompute_core = ctx.recompute == "selective"
+        self.recompute_core = ctx.recomputes("core_attn")
         init = normal_init(config.initializer_range)
         common = dict(
             tp_group=ctx.tp_group, sequence_parallel=ctx.sequence_parallel, params_dtype=params_dtype, device=device

@@ -4,6 +4,10 @@ Which mixer and which MLP layer ``i`` uses comes from the config (``config.mixer
 ``config.mlp_type(i)``); each part's module sits under the name its spec gives (``attention``, ``mlp``...), so
 parameter names are those of the checkpoints whatever the part. The part ``"none"`` of either slot leaves that
 sub-block out, norm and residual branch included (a Mamba-2 layer is ``x + mixer(norm(x))`` alone).
+
+Selective recompute by module (``mcore.models.recompute``) is decided here for the norms (``layernorm``: their
+outputs are rebuilt in backward) and for the MLP slot as a whole (``mlp`` for a dense MLP, ``moe`` for an MoE
+layer); the parts decide for what is inside them (``core_attn``, ``mla_up_proj``, ``shared_experts``).
 """
 
 from __future__ import annotations
@@ -17,7 +21,9 @@ from mcore.models.config import TransformerConfig
 from mcore.models.layers.kv_cache import KVCache
 from mcore.models.layers.norm import build_norm
 from mcore.models.parts.registry import MIXERS, MLPS, NO_PART, PartContext, PartSpec
+from mcore.models.recompute import checkpoint_region, discard_output
 from mcore.models.rope import RopeTables
+from mcore.parallel.expert_parallel import MoELayer
 
 if TYPE_CHECKING:  # the CP context lives in mcore.parallel; the model only calls it
     from mcore.parallel.cp_attention import CPContext
@@ -45,6 +51,8 @@ class DecoderLayer(nn.Module):
             self.mlp_name = mlp.attribute
             self.mlp_norm = build_norm(config, config.hidden_size, **norm_kwargs)
             self.add_module(mlp.attribute, mlp.build(config, layer_index, ctx))
+        self.recompute_norms = ctx.recomputes("layernorm")
+        self.recompute_feed_forward = ctx.recomputes("moe" if isinstance(self.feed_forward, MoELayer) else "mlp")
 
     @property
     def mixer(self) -> nn.Module | None:
@@ -65,10 +73,22 @@ class DecoderLayer(nn.Module):
         if self.mixer_name is not None:
             # Only mixers that support context parallelism take the keyword (the others raise TypeError).
             cp = {} if context_parallel is None else {"context_parallel": context_parallel}
-            x = x + self.mixer(self.input_norm(x), rope, cu_seqlens=cu_seqlens, kv_cache=kv_cache, **cp)
+            mixer = self.mixer
+            x = x + self._after_norm(
+                self.input_norm, x, lambda h: mixer(h, rope, cu_seqlens=cu_seqlens, kv_cache=kv_cache, **cp)
+            )
         if self.mlp_name is not None:
-            x = x + self.feed_forward(self.mlp_norm(x))
+            x = x + self._after_norm(self.mlp_norm, x, self._run_feed_forward)
         return x
+
+    def _after_norm(self, norm: nn.Module, x: torch.Tensor, block) -> torch.Tensor:
+        return discard_output(norm, (x,), block) if self.recompute_norms else block(norm(x))
+
+    def _run_feed_forward(self, h: torch.Tensor) -> torch.Tensor:
+        if self.recompute_feed_forward:
+            # the buffers are put back after the recompute: an MoE layer counts its tokens once per micro-batch
+            return checkpoint_region(self.feed_forward, h, state=self.feed_forward)
+        return self.feed_forward(h)
 
 
 def layer_module_names(config: TransformerConfig, layer_index: int) -> tuple[str, ...]:

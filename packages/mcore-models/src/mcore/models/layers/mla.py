@@ -17,14 +17,16 @@ V3); their weights then see only local tokens, so they are marked ``sequence_par
 ``finalize_model_grads`` all-reduces them over TP, as it does for the layer norms.
 
 ``recompute="selective"``: the up projections, the rotary step and the attention core are recomputed in backward,
-so that only the latents (576 values per token in V3, against 128 x (192 + 192 + 128) for q/k/v) are kept.
+so that only the latents (576 values per token in V3, against 128 x (192 + 192 + 128) for q/k/v) are kept. With
+``recompute_modules`` (``mcore.models.recompute``): ``mla_up_proj`` alone discards q, k and v (the core keeps its
+output and log-sum-exp, it does not run again), ``core_attn`` alone checkpoints the core on kept q, k, v, both
+together are the default region above.
 """
 
 from __future__ import annotations
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
 from mcore.kernels import apply_rotary, attention
 from mcore.models.config import TransformerConfig
@@ -32,6 +34,7 @@ from mcore.models.layers.kv_cache import KVCache
 from mcore.models.layers.norm import RMSNorm
 from mcore.models.mla_fields import mla_softmax_scale, qk_head_dim
 from mcore.models.parts.registry import PartContext, PartSpec
+from mcore.models.recompute import checkpoint_region, discard_output
 from mcore.models.rope import RopeTables
 from mcore.parallel.comm import copy_to_tp_region, gather_from_sequence_parallel_region
 from mcore.parallel.init import normal_init
@@ -71,7 +74,7 @@ class MultiLatentAttention(nn.Module):
         self.kv_rank = c.kv_lora_rank
         self.softmax_scale = mla_softmax_scale(c)
         self.rope_interleave = c.rope_interleave
-        self.recompute_up = ctx.recompute == "selective"
+        self.recompute_up, self.recompute_core = ctx.recomputes("mla_up_proj"), ctx.recomputes("core_attn")
         self.tp_group, self.sequence_parallel = ctx.tp_group, ctx.sequence_parallel
         init = normal_init(c.initializer_range)
         factory = dict(params_dtype=ctx.params_dtype, device=ctx.device)
@@ -128,11 +131,7 @@ class MultiLatentAttention(nn.Module):
             k_rope = copy_to_tp_region(k_rope, self.tp_group)
         if kv_cache is not None:
             return self._forward_cached(q_in, kv_latent, k_rope, rope, kv_cache, cu_seqlens)
-        if self.recompute_up and torch.is_grad_enabled():
-            out = checkpoint(self._heads_and_core, q_in, kv_latent, k_rope, rope.cos, rope.sin, cu_seqlens,
-                             use_reentrant=False)  # fmt: skip
-        else:
-            out = self._heads_and_core(q_in, kv_latent, k_rope, rope.cos, rope.sin, cu_seqlens)
+        out = self._recomputed_heads_and_core(q_in, kv_latent, k_rope, rope.cos, rope.sin, cu_seqlens)
         s, b = out.shape[1], out.shape[0]
         return self.out_proj(out.transpose(0, 1).reshape(s, b, -1))
 
@@ -162,11 +161,29 @@ class MultiLatentAttention(nn.Module):
         k = torch.cat([k_nope, k_rope.expand(-1, -1, self.local_heads, -1)], dim=-1)
         return q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
 
-    def _heads_and_core(self, q_in, kv_latent, k_rope, cos, sin, cu_seqlens):
+    def _heads(self, q_in, kv_latent, k_rope, cos, sin):
+        """The up-projections and the rotary step: q, k ``[b, s, H_local, qk]`` and v ``[b, s, H_local, v]``."""
         q_nope, q_rope = self._queries(q_in)
         q_rope, k_rope = self._rotate(q_rope, k_rope, cos, sin)
-        q, k, v = self._keys_values(q_nope, q_rope, kv_latent, k_rope)
+        return self._keys_values(q_nope, q_rope, kv_latent, k_rope)
+
+    def _core(self, q, k, v, cu_seqlens):
         return attention(q, k, v, causal=True, softmax_scale=self.softmax_scale, cu_seqlens=cu_seqlens)
+
+    def _heads_and_core(self, q_in, kv_latent, k_rope, cos, sin, cu_seqlens):
+        return self._core(*self._heads(q_in, kv_latent, k_rope, cos, sin), cu_seqlens)
+
+    def _recomputed_heads_and_core(self, q_in, kv_latent, k_rope, cos, sin, cu_seqlens):
+        """``_heads_and_core`` with what ``recompute_up`` / ``recompute_core`` discard (see the module doc)."""
+        if self.recompute_up and self.recompute_core:
+            return checkpoint_region(self._heads_and_core, q_in, kv_latent, k_rope, cos, sin, cu_seqlens)
+        if self.recompute_up:
+            return discard_output(self._heads, (q_in, kv_latent, k_rope, cos, sin), lambda q, k, v: self._core(
+                q, k, v, cu_seqlens))  # fmt: skip
+        q, k, v = self._heads(q_in, kv_latent, k_rope, cos, sin)
+        if self.recompute_core:
+            return checkpoint_region(self._core, q, k, v, cu_seqlens)
+        return self._core(q, k, v, cu_seqlens)
 
     def _forward_cached(self, q_in, kv_latent, k_rope, rope, cache: KVCache, cu_seqlens) -> torch.Tensor:
         """Inference with a cache of what MLA saves per token, ``[c_kv; rotated k_rope]`` (576 values in V3); the

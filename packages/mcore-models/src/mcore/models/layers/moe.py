@@ -21,6 +21,7 @@ from mcore.models.gpt_oss_fields import expert_activation, expert_bias_parameter
 from mcore.models.layers.mlp import GatedMLP
 from mcore.models.moe_fields import moe_layer_config
 from mcore.models.parts.registry import PartContext, PartSpec
+from mcore.models.recompute import checkpoint_region
 from mcore.parallel.comm import gather_from_sequence_parallel_region, scatter_to_sequence_parallel_region
 from mcore.parallel.expert_biases import use_gpt_oss_options
 from mcore.parallel.expert_parallel import MoELayer
@@ -72,6 +73,7 @@ class MoEMLP(MoELayer):
         options = dict(router_bias=config.router_bias, expert_biases=config.expert_biases)
         use_gpt_oss_options(self, **options, activation=expert_activation(config))
         self.shared_expert = self.shared_expert_gate = None
+        self.recompute_shared_expert = ctx.recomputes("shared_experts")
         if config.shared_expert_intermediate_size is not None:
             shared = dataclasses.replace(config, intermediate_size=config.shared_expert_intermediate_size)
             self.shared_expert = GatedMLP(shared, layer_index, ctx)
@@ -88,7 +90,8 @@ class MoEMLP(MoELayer):
         else:
             out = super().forward(x)
         if self.shared_expert is not None:
-            shared = self.shared_expert(x)
+            recompute = self.recompute_shared_expert  # recompute_modules' shared_experts
+            shared = checkpoint_region(self.shared_expert, x) if recompute else self.shared_expert(x)
             if self.shared_expert_gate is not None:
                 shared = self.shared_expert_gate(x) * shared
             out = out + shared

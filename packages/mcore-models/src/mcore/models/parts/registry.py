@@ -23,16 +23,24 @@ from torch import nn
 @dataclass(frozen=True)
 class PartContext:
     """What every part's builder gets besides the config and the layer index: the parallel layout and the
-    parameters' dtype and device. ``recompute`` is the model's mode (``None``, ``"selective"``, ``"full"``): a
-    part decides what ``"selective"`` means for it (attention: its core)."""
+    parameters' dtype and device. ``recompute`` is the model's mode (``None``, ``"selective"``, ``"full"``); under
+    ``"selective"``, ``recompute_modules`` names the sub-blocks recomputed (``mcore.models.recompute``; ``None``:
+    each part's default, attention: its core)."""
 
     tp_group: Any = None
     tp_size: int = 1
     sequence_parallel: bool = False
     recompute: str | None = None
+    recompute_modules: tuple[str, ...] | None = None
     params_dtype: torch.dtype = torch.float32
     device: torch.device | str | None = None
     groups: Any = None  # the model's ProcessGroups (the moe part takes its ep / etp groups from it)
+
+    def recomputes(self, module: str) -> bool:
+        """Whether sub-block ``module`` (a name of ``mcore.models.recompute.RECOMPUTE_MODULES``) is recomputed."""
+        from mcore.models.recompute import recomputes  # deferred: this module imports nothing of mcore-models
+
+        return recomputes(self.recompute, self.recompute_modules, module)
 
 
 def _no_sequence_flops(config: Any, layer_index: int, seq_len: int) -> float:

@@ -13,6 +13,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Literal
 
+from mcore.models.recompute import check_recompute_modules
 from mcore.train.planning.shape import ModelShape
 
 Recompute = Literal["none", "selective", "full"]
@@ -44,6 +45,7 @@ class Layout:
     sequence_parallel: bool = False
     schedule: str = "auto"
     recompute: Recompute = "none"
+    recompute_modules: tuple[str, ...] | None = None  # train.recompute_modules (selective only; recompute_terms)
     distributed_optimizer: bool = False
     dp_shard: bool = False
     optimizer_offload_fraction: float = 0.0
@@ -88,6 +90,12 @@ class Layout:
             raise ValueError(f"Layout.expert_gemm must be 'grouped' or 'per_expert', got {self.expert_gemm!r}")
         if self.cross_entropy not in CROSS_ENTROPY:
             raise ValueError(f"Layout.cross_entropy must be one of {CROSS_ENTROPY}, got {self.cross_entropy!r}")
+        if self.recompute_modules is not None:
+            # only selective recompute takes a list: the memory modes switch a layout to none / full, which drops it
+            modules = None
+            if self.recompute == "selective":
+                modules = check_recompute_modules(self.recompute_modules, self.recompute, "Layout")
+            object.__setattr__(self, "recompute_modules", modules)
         unknown = [p for p in self.activation_offload if p not in OFFLOAD_PARTS]
         if isinstance(self.activation_offload, str) or unknown:
             raise ValueError(
@@ -228,6 +236,8 @@ class Layout:
         out += [f"train.micro_batch_size={self.micro_batch}", f"train.global_batch_size={self.global_batch}"]
         if self.recompute != "none":
             out.append(f"train.recompute={self.recompute}")
+        if self.recompute_modules is not None:
+            out.append(f"train.recompute_modules=[{','.join(self.recompute_modules)}]")
         if self.activation_offload:
             out.append(f"train.activation_offload=[{','.join(self.activation_offload)}]")
         return out

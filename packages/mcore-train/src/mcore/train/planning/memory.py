@@ -34,6 +34,7 @@ from functools import lru_cache
 from mcore.parallel.pipeline import GPipe, Interleaved1F1B, NoPipelining, OneFOneB, ZeroBubbleH1, stage_layer_ranges
 from mcore.train.planning.cp_cost import cp_held_bytes
 from mcore.train.planning.layout import Layout
+from mcore.train.planning.recompute_terms import dropped_per_token, uses_module_terms
 from mcore.train.planning.shape import ModelShape
 
 GB = 1e9
@@ -145,16 +146,23 @@ def activation_parts_per_layer(shape: ModelShape, layout: Layout, index: int, dt
         attn = (2 * shape.score_width() + 2 * shape.attention_width) / tp + shape.kv_lora_rank + shape.q_lora_rank
     else:
         attn = (2 * shape.q_size + 2 * shape.kv_size) / tp  # q, k, v and the attention output
-    if layout.recompute == "selective":
+    by_module = uses_module_terms(shape, layout)  # train.recompute_modules (or MLA's selective): recompute_terms
+    if layout.recompute == "selective" and not by_module:
         attn -= shape.attention_width / tp  # the attention output is recomputed
+    pieces = {"norm_output": rep}
     if shape.is_moe_layer(index):
         rows = shape.top_k * layout.expert_tp / tp  # routed rows per token of this rank (see time_model)
-        routed = rows * (2 * shape.hidden + (3 if shape.gated else 2) * shape.moe_ffn / layout.expert_tp)
-        shared = (3 if shape.gated else 2) * shape.shared_ffn / tp
-        mlp = routed + shared + 4 * shape.num_experts / dtype_bytes  # dispatch buffers, fp32 router probs
+        pieces["routed"] = rows * (2 * shape.hidden + (3 if shape.gated else 2) * shape.moe_ffn / layout.expert_tp)
+        pieces["shared"] = (3 if shape.gated else 2) * shape.shared_ffn / tp
+        pieces["dispatch"] = 4 * shape.num_experts / dtype_bytes  # dispatch buffers, fp32 router probs
+        mlp = pieces["routed"] + pieces["shared"] + pieces["dispatch"]
     else:
-        mlp = (3 if shape.gated else 2) * shape.ffn / tp
+        mlp = pieces["dense"] = (3 if shape.gated else 2) * shape.ffn / tp
     softmax_stats = 4 * tokens * shape.heads / tp  # fp32 log-sum-exp of flash attention
+    if by_module:
+        attn_dropped, mlp_dropped, stats_dropped = dropped_per_token(shape, layout, pieces)
+        attn, mlp = attn - attn_dropped, mlp - mlp_dropped
+        softmax_stats = 0.0 if stats_dropped else softmax_stats
     # each norm keeps its input; its output is the input the next part's first linear keeps
     alone = shape.block(index) == "*"  # a hybrid attention layer: no MLP part
     return {

@@ -40,6 +40,7 @@ from mcore.train.planning.cluster import Group, Network
 from mcore.train.planning.cp_cost import cp_cost
 from mcore.train.planning.layout import Layout
 from mcore.train.planning.memory import layer_parameters_per_rank
+from mcore.train.planning.recompute_terms import recomputed_forward, uses_module_terms
 from mcore.train.planning.shape import ModelShape
 from mcore.train.planning.tp_overlap import PLAIN, OverlapPlan, exposed_seconds, overlap_plans
 
@@ -202,7 +203,7 @@ class TimeModel:
             cp = cp_cost(s, lay, self.net, self.dtype)
             cost.add("F", "cp_comm", max(0.0, cp.ring_forward - fwd) + cp.blocking_forward)
             cost.add("B", "cp_comm", max(0.0, cp.ring_backward - (total - fwd)) + cp.blocking_backward)
-        if lay.recompute == "selective":
+        if lay.recompute == "selective" and not uses_module_terms(s, lay):  # else recompute_terms prices it
             cost.add("B", "attention", fwd)
 
     def _packed_attention(self, index: int, width: float) -> tuple[float, float]:
@@ -352,6 +353,8 @@ class TimeModel:
         if lay.recompute == "full":
             for k, v in list(cost.forward.items()):
                 cost.add("B", k, v)
+        if uses_module_terms(s, lay):  # train.recompute_modules: each recomputed module's forward again
+            recomputed_forward(self, index, cost)
         host = self.gpu.host_ms_per_layer * 1e-3
         cost.add("F", "host", host / 3)
         cost.add("B", "host", 2 * host / 3)
