@@ -1,4 +1,5 @@
-"""The CPU dry run of ``benchmarks/fp8.py``: every part runs (GEMMs, casts, the training step per recipe)."""
+"""The CPU dry run of ``benchmarks/fp8.py``: every part runs (GEMMs, linears, casts, the training step per
+recipe through the Trainer, experts)."""
 
 from __future__ import annotations
 
@@ -25,17 +26,25 @@ def test_fp8_benchmark_dry_run(tmp_path):
     for layer in shapes:
         for gemm in ("fwd", "dgrad", "wgrad"):
             assert {(layer, gemm, impl) for impl in ("bf16", "tensorwise", "rowwise", "blockwise")} <= gemms
-        assert (layer, "linear", "delayed") in gemms
     assert all(r["ms"] > 0 and r["tflops"] > 0 for r in data["gemms"])
-    casts = {r["cast"] for r in data["casts"]}
-    assert "copy (clone)" in casts and "128x128 transposed" in casts
+    linears = {(r["layer"], r["impl"]): r for r in data["linears"]}
+    impls = ["bf16", "tensorwise", "delayed", "rowwise", "blockwise"]
+    impls += [f"{r}+weight cache" for r in ("tensorwise", "rowwise", "blockwise")]
+    assert set(linears) == {(layer, impl) for layer in shapes for impl in impls}
+    assert all(r["ms"] > 0 and "error" not in r for r in linears.values())
+    casts = {r["cast"]: r for r in data["casts"]}
+    for granularity in ("tensor", "row", "1x128", "128x128"):
+        assert {f"{granularity} fused q + q^T", f"{granularity} two single casts"} <= set(casts)
+    assert "copy (clone)" in casts and all(r["gbps"] > 0 and r["pct_ideal"] > 0 for c, r in casts.items() if "q" in c)
     training = {r["recipe"]: r for r in data["training"]}
-    assert set(training) == {"bf16", "tensorwise", "delayed", "rowwise", "blockwise"}
+    assert set(training) == {"bf16", "tensorwise", "delayed", "rowwise", "blockwise", "tensorwise+output"}
     assert training["bf16"]["speedup"] == 1.0
     for recipe, row in training.items():
         assert row["precision"] == ("fp32" if recipe == "bf16" else "fp8")  # CPU dry run: fp32 parameters
+        assert row["tokens_per_s"] > 0 and row["speedup"] > 0 and row["peak_mem_gb"] > 0, row
         assert len(row["losses"]) == 4  # the untimed first step and 3 timed ones
     assert training["tensorwise"]["losses"] != training["bf16"]["losses"]  # the recipe really ran
+    assert training["tensorwise+output"]["losses"] != training["tensorwise"]["losses"]  # the output layer too
     assert "| 8b4l-blockwise |" in (tmp_path / "fp8.md").read_text()
     experts = {(r["gemm"], r["impl"]): r for r in data["experts"]}
     assert set(experts) == {(g, i) for g in ("gate_up", "down") for i in ("bf16", "fp8-rowwise")}

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from mcore.kernels.fp8_casts import quantize_fp8_pair
 from mcore.kernels.fp8_gemm import blockwise_scales, scaled_matmul
 from mcore.kernels.low_precision_linear import (
     EMULATED_RECIPES,
@@ -15,7 +16,7 @@ from mcore.kernels.low_precision_linear import (
     Recipe,
     recipe_shape_problem,
 )
-from mcore.kernels.quantization import E4M3, E5M2, quantize_fp8, quantize_fp8_pair
+from mcore.kernels.quantization import E4M3, E5M2, quantize_fp8
 
 PAIRS = [("tensor", "tensor"), ("row", "row"), ("1x128", "128x128"), ("1x128", "1x128")]
 # relative error (Frobenius) of y, dx, dW against float64 F.linear: fp8 e4m3 ~ 2^-4 per element, averaged down

@@ -5,13 +5,13 @@ from __future__ import annotations
 import pytest
 import torch
 
+from mcore.kernels.fp8_casts import quantize_fp8_pair
 from mcore.kernels.quantization import (
     E4M3,
     E5M2,
     FP8_MAX,
     block_amax,
     quantize_fp8,
-    quantize_fp8_pair,
 )
 
 FORMATS = {E4M3: (3, -6), E5M2: (2, -14)}  # mantissa bits, smallest normal exponent

@@ -18,7 +18,7 @@ from mcore.train.config import load_config
 from mcore.train.errors import UserError
 from mcore.train.runtime import init_runtime
 from mcore.train.trainer import Trainer
-from tests.train.tiny import TINY, train
+from tests.train.tiny import TINY, train, train_records
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -43,6 +43,7 @@ def test_config_sections_and_their_errors():
     with pytest.raises(UserError, match="min_features must be >= 0"):
         load_config(None, ["fp4.min_features=-1"])
     assert load_config(None, ["fp8.recipe=blockwise", "fp8.grad_format=e5m2"]).fp8.to_recipe().grad_format == "e5m2"
+    assert recipe.fast_accum and not load_config(None, ["fp8.fast_accum=false"]).fp8.to_recipe().fast_accum
 
 
 def test_trainer_quantizes_the_tp_linears_but_the_kept_ones():
@@ -81,6 +82,36 @@ def test_moe_experts_train_in_fp8_and_follow_fp32(tmp_path):
     ref, _ = train(tmp_path / "fp32", *moe)
     low, _ = train(tmp_path / "fp8", *moe, "train.precision=fp8", "fp8.recipe=rowwise")
     assert low.final_loss != ref.final_loss and abs(low.final_loss - ref.final_loss) / ref.final_loss < 0.02
+
+
+def test_weight_casts_are_reused_within_a_step_and_renewed_by_the_optimizer_step(tmp_path, monkeypatch):
+    """Two micro-batches per step: the second reuses the first's weight casts; the trainer drops them before the
+    update, so training with the cache is training without it, step for step (a stale cast would differ)."""
+    import mcore.train.low_precision as train_low_precision
+
+    caches = []
+
+    class RecordingCache(train_low_precision.WeightCastCache):
+        def __init__(self):
+            super().__init__()
+            caches.append(self)
+
+    monkeypatch.setattr(train_low_precision, "WeightCastCache", RecordingCache)
+    fp8 = ["train.precision=fp8", "fp8.recipe=rowwise", "train.steps=4"]
+    config = load_config(None, [*TINY, *fp8])
+    trainer = Trainer(config, init_runtime(config))
+    assert all(m.low_precision.weight_cache is caches[0] for n, m in _linears(trainer).items() if n != "output")
+    with_cache, _ = train(tmp_path / "cached", *fp8)
+    cache = caches[-1]
+    linears = 4 * config.model.num_hidden_layers  # qkv, out_proj, gate_up, down
+    assert (cache.misses, cache.hits, len(cache)) == (4 * linears, 4 * linears, 0)  # once per step, 2 micro-batches
+    without, _ = train(tmp_path / "uncached", *fp8, "fp8.weight_cache=false")
+    assert len(caches) == 2  # no cache for the uncached run
+    cached_losses = [r["loss"] for r in train_records(tmp_path / "cached").values()]
+    assert cached_losses == [r["loss"] for r in train_records(tmp_path / "uncached").values()]
+    assert len(cached_losses) == 4 and with_cache.final_loss == without.final_loss
+    one = load_config(None, [*TINY, *fp8, "train.global_batch_size=2"])  # one micro-batch: nothing to reuse
+    assert Trainer(one, init_runtime(one)).weight_casts is None
 
 
 @pytest.fixture(scope="module")

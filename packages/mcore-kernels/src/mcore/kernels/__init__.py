@@ -14,6 +14,7 @@ from mcore.kernels.activations import geglu, swiglu
 from mcore.kernels.attention import attention
 from mcore.kernels.conv import causal_conv1d
 from mcore.kernels.cross_entropy import cross_entropy
+from mcore.kernels.fp8_casts import quantize_dual, quantize_fp8_pair
 from mcore.kernels.fp8_gemm import scaled_matmul
 from mcore.kernels.gated_norm import gated_rms_norm
 from mcore.kernels.low_precision_linear import LowPrecisionLinear, Recipe
@@ -31,7 +32,7 @@ from mcore.kernels.moe import (
 )
 from mcore.kernels.norms import layer_norm, rms_norm
 from mcore.kernels.optimizer import adamw_step_
-from mcore.kernels.quantization import quantize_fp8, quantize_fp8_pair
+from mcore.kernels.quantization import quantize_fp8
 from mcore.kernels.rotary import apply_rotary, rope_cos_sin, rope_inv_freq
 from mcore.kernels.ssd import ssd_scan
 
@@ -57,6 +58,7 @@ __all__ = [
     "plan_permutation",
     "quantize_fp8",
     "quantize_fp8_pair",
+    "quantize_dual",
     "quantize_mx",
     "quantize_nvfp4",
     "rms_norm",

@@ -31,13 +31,20 @@ CUDA_BACKEND = "scaled_mm"
 
 
 def scaled_matmul(
-    a: Quantized, b: Quantized, *, out_dtype: torch.dtype = torch.bfloat16, backend: str | None = None
+    a: Quantized,
+    b: Quantized,
+    *,
+    out_dtype: torch.dtype = torch.bfloat16,
+    backend: str | None = None,
+    fast_accum: bool = False,
 ) -> torch.Tensor:
     """``a [M, K] @ b [N, K]^T -> [M, N]`` in ``out_dtype`` from fp8 operands and their scales.
 
     ``backend``: ``"scaled_mm"`` (torch's fp8 kernels, CUDA only), ``"triton"`` (our block-scaled GEMM, block
     pairs only; also under the Triton interpreter), ``"reference"`` or ``None`` (by device: on CUDA torch's
     kernels, and ours for a block pair with an e5m2 operand, which cuBLAS refuses).
+    ``fast_accum``: tensor- and row-wise on CUDA, let the tensor cores accumulate without the periodic fp32
+    promotion (faster, less exact over long K; torchao's choice for the forward GEMM); ignored elsewhere.
     """
     check_operands(a, b)
     chosen = _choose(a, b, backend)
@@ -47,9 +54,12 @@ def scaled_matmul(
         return _blockwise_triton(a, b, out_dtype)
     check_cuda_shapes(a.granularity, a.shape[0], b.shape[0], a.shape[1])
     if a.granularity == "tensor":
-        return torch._scaled_mm(a.data, b.data.t(), a.scale, b.scale, out_dtype=out_dtype)
+        return torch._scaled_mm(a.data, b.data.t(), a.scale, b.scale, out_dtype=out_dtype, use_fast_accum=fast_accum)
     if a.granularity == "row":
-        out = torch._scaled_mm(a.data, b.data.t(), a.scale, b.scale.reshape(1, -1), out_dtype=torch.bfloat16)
+        scale_b = b.scale.reshape(1, -1)
+        out = torch._scaled_mm(
+            a.data, b.data.t(), a.scale, scale_b, out_dtype=torch.bfloat16, use_fast_accum=fast_accum
+        )
         return out.to(out_dtype)
     pair = (a.granularity, b.granularity)
     if backend is None and pair in _CUBLAS_REFUSED:

@@ -38,9 +38,11 @@ from dataclasses import dataclass
 import torch
 
 from mcore.kernels.bitnet import bitnet_linear
+from mcore.kernels.fp8_casts import quantize_dual
 from mcore.kernels.fp8_gemm import scaled_matmul, shape_rule_violation
+from mcore.kernels.fp8_weight_cache import WeightCastCache
 from mcore.kernels.microscaling import MX_BLOCK, NVFP4_BLOCK, fake_quantize
-from mcore.kernels.quantization import E4M3, Quantized, fp8_dtype, quantize_fp8, quantize_fp8_pair
+from mcore.kernels.quantization import E4M3, Quantized, fp8_dtype
 
 FP8_RECIPES = ("tensorwise", "delayed", "rowwise", "blockwise")
 FP4_RECIPES = ("mxfp4", "nvfp4")
@@ -71,6 +73,8 @@ class Recipe:
     block-scaled GEMM on CUDA, e4m3 cuBLAS's).
     ``amax_history_len`` / ``amax_compute`` (``max`` or ``most_recent``): delayed scaling.
     ``quantize_grads`` (emulated recipes): also quantize the gradient operands of dgrad and wgrad.
+    ``fast_accum``: the forward GEMM (tensor- and row-wise, CUDA) accumulates in the tensor cores' fast mode; the
+    gradient GEMMs never do (torchao's defaults: the forward's short K tolerates it, the gradients' long M less).
     """
 
     name: str = "tensorwise"
@@ -78,6 +82,7 @@ class Recipe:
     amax_history_len: int = 16
     amax_compute: str = "max"
     quantize_grads: bool = True
+    fast_accum: bool = True
 
     def __post_init__(self) -> None:
         if self.name not in RECIPES:
@@ -148,6 +153,7 @@ class LowPrecisionLinear:
         name: str = "",
         backend: str | None = None,
         row_segments: torch.Tensor | None = None,
+        weight_cache: WeightCastCache | None = None,
     ) -> None:
         if sharded not in (None, "n", "k"):
             raise ValueError(f"LowPrecisionLinear: sharded must be None, 'n' or 'k', got {sharded!r}")
@@ -160,6 +166,7 @@ class LowPrecisionLinear:
         )
         self.sum_reduce = sum_reduce  # BitNet's weight mean over the shards (a SUM all-reduce)
         self.row_segments = row_segments  # BitNet: one weight scale per fused projection (``bitnet.py``)
+        self.weight_cache = weight_cache  # fp8 casts of the weight reused until the owner invalidates them
         self.histories = {op: AmaxHistory(recipe.amax_history_len, recipe.amax_compute) for op in ("x", "w", "g")}
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -178,8 +185,9 @@ class LowPrecisionLinear:
                 max_reduce=self.amax_reduce if self.sharded == "k" else None,
                 row_segments=self.row_segments,
             )
-        fn = _EmulatedLinearFunction if self.recipe.emulated else _Fp8LinearFunction
-        return fn.apply(x, weight, bias, self)
+        if self.recipe.emulated:
+            return _EmulatedLinearFunction.apply(x, weight, bias, self)
+        return _Fp8LinearFunction.apply(x, weight, bias, self, torch.is_grad_enabled())
 
     def __repr__(self) -> str:
         return f"LowPrecisionLinear({self.recipe.name}, sharded={self.sharded}, name={self.name!r})"
@@ -196,66 +204,73 @@ class LowPrecisionLinear:
             return self.amax_reduce
         return None
 
-    def quantize(
-        self, t: torch.Tensor, tensor: str, dim: str, operand: int, *, transpose: bool = False, wgrad: bool = False
-    ) -> Quantized:
-        """``t`` (or ``t^T``) quantized as operand ``operand`` (0: A, 1: B) of the forward/dgrad GEMM (or of the
-        wgrad GEMM with ``wgrad``) reducing over ``dim``."""
-        granularity = (_WGRAD_GRANULARITY if wgrad else _GRANULARITY)[self.recipe.name][operand]
+    def quantize_operands(
+        self, t: torch.Tensor, tensor: str, dims: tuple[str, str], *, transposed: bool = True
+    ) -> tuple[Quantized, Quantized | None]:
+        """``t`` along its last dim (reducing over GEMM dim ``dims[0]``) and ``t^T`` along its first (``dims[1]``),
+        both from the fused casts (``fp8_casts.quantize_dual``); ``transposed=False``: ``t^T`` is ``None``."""
+        name = self.recipe.name
+        # one granularity serves both of a tensor's GEMMs: x and grad are the A side (block-wise: 1x128 tiles,
+        # along K / N and, transposed, along the tokens), W the B side (128x128 blocks, the same both ways)
+        granularity = _GRANULARITY[name][1 if tensor == "w" else 0]
         dtype = fp8_dtype(self.recipe.grad_format) if tensor == "g" else E4M3
-        reduce = self._reduce_fn(tensor, dim, granularity)
-        return quantize_fp8(
-            t, dtype, granularity, transpose=transpose, amax_reduce=reduce, backend=self._cast_backend()
-        )
-
-    def quantize_pair(self, t: torch.Tensor, tensor: str, dim: str) -> tuple[Quantized, Quantized]:
-        """Tensor-wise ``t`` and ``t^T`` with one scale (one read of ``t``)."""
-        dtype = fp8_dtype(self.recipe.grad_format) if tensor == "g" else E4M3
-        reduce = self._reduce_fn(tensor, dim, "tensor")
-        if self.recipe.name != "delayed":
-            return quantize_fp8_pair(t, dtype, amax_reduce=reduce, backend=self._cast_backend())
+        reduce_q = self._reduce_fn(tensor, dims[0], granularity)
+        reduce_t = self._reduce_fn(tensor, dims[1], granularity)
+        backend = "reference" if self.backend == "reference" else None
+        if name != "delayed":
+            return quantize_dual(
+                t, dtype, granularity, transposed=transposed, reduce_q=reduce_q, reduce_t=reduce_t, backend=backend
+            )
         # delayed scaling: scale by the history, record this tensor's amax measured in the same pass (one read;
         # the first use has no history and measures first)
         history = self.histories[tensor]
         amax = history.scale_amax()
         current = torch.zeros((), dtype=torch.float32, device=t.device)
-        pair = quantize_fp8_pair(
+        pair = quantize_dual(
             t,
             dtype,
+            "tensor",
+            transposed=transposed,
+            reduce_q=reduce_q if amax is None else None,
             amax=amax,
-            amax_reduce=reduce if amax is None else None,
             amax_out=current,
-            backend=self._cast_backend(),
+            backend=backend,
         )
-        if reduce is not None:
-            reduce(current)
+        if reduce_q is not None:
+            reduce_q(current)
         history.record(current)
         return pair
 
-    def _cast_backend(self) -> str | None:
-        return "reference" if self.backend == "reference" else None
+    def weight_operands(self, weight: torch.Tensor, transposed: bool) -> tuple[Quantized, Quantized | None]:
+        """``W`` along K and ``W^T`` along N: from the weight cast cache when this layer has one and the weight
+        did not change since (a weight is cast once per optimizer step, not once per micro-batch)."""
+        make = lambda: self.quantize_operands(weight, "w", ("k", "n"), transposed=transposed)  # noqa: E731
+        if self.weight_cache is None:
+            return make()
+        return self.weight_cache.get(self, weight, transposed, make)
 
-    def matmul(self, a: Quantized, b: Quantized, out_dtype: torch.dtype) -> torch.Tensor:
-        return scaled_matmul(a, b, out_dtype=out_dtype, backend="reference" if self.backend == "reference" else None)
+    def matmul(self, a: Quantized, b: Quantized, out_dtype: torch.dtype, fast_accum: bool = False) -> torch.Tensor:
+        backend = "reference" if self.backend == "reference" else None
+        return scaled_matmul(a, b, out_dtype=out_dtype, backend=backend, fast_accum=fast_accum)
 
 
 class _Fp8LinearFunction(torch.autograd.Function):
+    """The three GEMMs in fp8: each of x, W and grad quantized once for both GEMMs it takes part in; backward
+    keeps only the fp8 ``x^T`` and ``W^T`` (not the high-precision tensors)."""
+
     @staticmethod
-    def forward(ctx, x, weight, bias, layer: LowPrecisionLinear):
+    def forward(ctx, x, weight, bias, layer: LowPrecisionLinear, grad_enabled: bool):
         x2 = x.reshape(-1, x.shape[-1])
-        tensorwise = _GRANULARITY[layer.recipe.name][0] == "tensor"
-        if tensorwise:
-            # x and W with their transposes from one read each; backward needs only the fp8 transposes
-            qx, qx_t = layer.quantize_pair(x2, "x", "k")
-            qw, qw_t = layer.quantize_pair(weight, "w", "k")
-            ctx.save_for_backward(qx_t.data, qx_t.scale, qw_t.data, qw_t.scale)
-        else:
-            qx = layer.quantize(x2, "x", "k", 0)
-            qw = layer.quantize(weight, "w", "k", 1)
-            ctx.save_for_backward(x2, weight)
-        ctx.layer, ctx.tensorwise, ctx.has_bias = layer, tensorwise, bias is not None
+        need_x_t = grad_enabled and ctx.needs_input_grad[1]  # x^T: the weight gradient's operand
+        need_w_t = grad_enabled and ctx.needs_input_grad[0]  # W^T: the input gradient's operand
+        qx, qx_t = layer.quantize_operands(x2, "x", ("k", "m"), transposed=need_x_t)
+        qw, qw_t = layer.weight_operands(weight, transposed=need_w_t)
+        saved = [qx_t, qw_t]
+        ctx.granularities = [q.granularity if q is not None else None for q in saved]
+        ctx.save_for_backward(*(t for q in saved for t in ((q.data, q.scale) if q is not None else (None, None))))
+        ctx.layer, ctx.has_bias = layer, bias is not None
         ctx.x_shape, ctx.weight_dtype = x.shape, weight.dtype
-        y = layer.matmul(qx, qw, x.dtype)
+        y = layer.matmul(qx, qw, x.dtype, fast_accum=layer.recipe.fast_accum)
         if bias is not None:
             y = y + bias
         return y.reshape(*x.shape[:-1], weight.shape[0])
@@ -263,26 +278,19 @@ class _Fp8LinearFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         layer: LowPrecisionLinear = ctx.layer
+        xt_data, xt_scale, wt_data, wt_scale = ctx.saved_tensors
         g2 = grad_out.reshape(-1, grad_out.shape[-1])
-        if ctx.tensorwise:
-            xt_data, xt_scale, wt_data, wt_scale = ctx.saved_tensors
-            qx_t, qw_t = Quantized(xt_data, xt_scale, "tensor"), Quantized(wt_data, wt_scale, "tensor")
-            qg, qg_t = layer.quantize_pair(g2, "g", "n")
-        else:
-            x2, weight = ctx.saved_tensors
-            qg = layer.quantize(g2, "g", "n", 0)
-            qw_t = layer.quantize(weight, "w", "n", 1, transpose=True)
-            qg_t = layer.quantize(g2, "g", "m", 0, transpose=True, wgrad=True)
-            qx_t = layer.quantize(x2, "x", "m", 1, transpose=True, wgrad=True)
+        qg, qg_t = layer.quantize_operands(g2, "g", ("n", "m"), transposed=ctx.needs_input_grad[1])
         grad_x = grad_w = grad_b = None
         if ctx.needs_input_grad[0]:
+            qw_t = Quantized(wt_data, wt_scale, ctx.granularities[1])
             grad_x = layer.matmul(qg, qw_t, grad_out.dtype).reshape(ctx.x_shape)
         if ctx.needs_input_grad[1]:
             # straight into the weight's dtype: the kernels accumulate in fp32 whatever they write
-            grad_w = layer.matmul(qg_t, qx_t, ctx.weight_dtype)
+            grad_w = layer.matmul(qg_t, Quantized(xt_data, xt_scale, ctx.granularities[0]), ctx.weight_dtype)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_b = g2.sum(0)
-        return grad_x, grad_w, grad_b, None
+        return grad_x, grad_w, grad_b, None, None
 
 
 def _fake(layer: LowPrecisionLinear, fmt: str, t: torch.Tensor, tensor: str, dim: str, along_rows: bool):

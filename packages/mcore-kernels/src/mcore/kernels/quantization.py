@@ -134,47 +134,6 @@ def quantize_fp8(
     return reference_quantize_blocks(source, dtype, granularity)
 
 
-def quantize_fp8_pair(
-    x: torch.Tensor,
-    dtype: str | torch.dtype = E4M3,
-    *,
-    amax: torch.Tensor | None = None,
-    amax_reduce: AmaxReduce | None = None,
-    amax_out: torch.Tensor | None = None,
-    backend: str | None = None,
-) -> tuple[Quantized, Quantized]:
-    """Tensor-wise ``x`` and ``x^T`` with one shared scale, from one read of ``x`` (fused cast-transpose).
-
-    The forward GEMM wants ``x`` along K and the weight-gradient GEMM ``x^T`` along M; with a single scale
-    both come out of the same pass. ``amax_out`` (an fp32 tensor of one element) receives ``max |x|`` of this
-    rank's ``x``, unreduced: with a given ``amax`` (delayed scaling) the Triton kernel measures it in the same
-    pass, so the tensor is read once.
-    """
-    dtype = fp8_dtype(dtype)
-    _check_input(x, "tensor", amax, amax_reduce)
-    measured = None
-    if amax is None:
-        measured = abs_max(x).to(torch.float32)
-        amax = measured.clone()
-        if amax_reduce is not None:
-            amax_reduce(amax)
-    multiplier, scale = scale_from_amax(amax, FP8_MAX[dtype])
-    scale = scale.reshape(())
-    fused_amax = amax_out if measured is None else None
-    if dispatch.choose("quantize_fp8", x, backend=backend) == dispatch.TRITON:
-        from mcore.kernels.triton import quantization as tq
-
-        data, data_t = tq.cast_scaled_pair(x, multiplier, dtype, fused_amax)
-    else:
-        data = reference_cast(x, multiplier, dtype)
-        data_t = data.t().contiguous()
-        if fused_amax is not None:
-            fused_amax.copy_(x.abs().amax())
-    if amax_out is not None and measured is not None:
-        amax_out.copy_(measured)
-    return Quantized(data, scale, "tensor"), Quantized(data_t, scale, "tensor")
-
-
 def abs_max(x: torch.Tensor, dim: int | None = None) -> torch.Tensor:
     """``max |x|`` (over ``dim``, kept) without the ``|x|`` temporary ``x.abs().amax()`` writes and reads back: the
     infinity norm is one fused reduction. Exact (a max), and NaN propagates as with ``amax``."""

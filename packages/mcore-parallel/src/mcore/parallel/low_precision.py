@@ -34,12 +34,13 @@ import torch.distributed as dist
 from torch import nn
 
 from mcore.kernels.fp8_grouped_gemm import ALIGN, fp8_grouped_gemm
+from mcore.kernels.fp8_weight_cache import WeightCastCache
 from mcore.kernels.low_precision_linear import FP8_RECIPES, LowPrecisionLinear, Recipe, recipe_shape_problem
 from mcore.parallel.comm import group_size
 from mcore.parallel.expert_parallel import MoELayer
 from mcore.parallel.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 
-__all__ = ["LayerDecision", "Recipe", "disable_low_precision", "enable_low_precision", "tp_reduce"]
+__all__ = ["LayerDecision", "Recipe", "WeightCastCache", "disable_low_precision", "enable_low_precision", "tp_reduce"]
 
 logger = logging.getLogger("mcore.parallel")
 MISMATCH_POLICIES = ("error", "fallback")
@@ -81,11 +82,13 @@ def enable_low_precision(
     min_features: int = 0,
     on_mismatch: str = "error",
     prefix: str = "",
+    weight_cache: WeightCastCache | None = None,
 ) -> list[LayerDecision]:
     """Install ``recipe`` on the TP linears of ``model``; returns one decision per linear (also logged).
 
     ``backend="te"`` runs them through Transformer Engine instead (``mcore.kernels.te_backend``; ``recipe=None``:
-    TE's high-precision GEMMs), which reduces amaxes over ``tp_group`` itself.
+    TE's high-precision GEMMs), which reduces amaxes over ``tp_group`` itself. ``weight_cache``: the fp8 linears
+    reuse their weight casts through it until its owner invalidates it (``fp8_weight_cache.py``).
     """
     if on_mismatch not in MISMATCH_POLICIES:
         raise ValueError(f"enable_low_precision: on_mismatch must be one of {MISMATCH_POLICIES}, got {on_mismatch!r}")
@@ -131,7 +134,13 @@ def enable_low_precision(
         # a fused weight's projections (q, k, v; gate, up) as row segments: BitNet scales each on its own
         segments = getattr(module, "weight_row_segments", None)
         module.low_precision = LowPrecisionLinear(
-            recipe, sharded=sharded, amax_reduce=reduce, sum_reduce=sum_reduce, name=name, row_segments=segments
+            recipe,
+            sharded=sharded,
+            amax_reduce=reduce,
+            sum_reduce=sum_reduce,
+            name=name,
+            row_segments=segments,
+            weight_cache=weight_cache,
         )
         decisions.append(LayerDecision(name, recipe.name))
     decisions += _enable_fp8_experts(model, recipe, backend, keep, min_features, on_mismatch, prefix)

@@ -19,7 +19,7 @@ from typing import Literal
 
 import torch
 
-from mcore.parallel.low_precision import LayerDecision, Recipe, enable_low_precision
+from mcore.parallel.low_precision import LayerDecision, Recipe, WeightCastCache, enable_low_precision
 from mcore.train.errors import UserError
 
 LOW_PRECISIONS = ("fp8", "fp4")
@@ -47,16 +47,27 @@ class Fp8Section(_LowPrecisionSection):
     with e5m2 runs mcore's Triton block-scaled GEMM on CUDA, as cuBLAS's takes e4m3 only).
     ``keep`` / ``min_features`` / ``on_mismatch``: which linears stay in high precision, and what a linear
     whose shape does not fit the recipe does (``error`` or ``fallback`` to high precision, logged).
+    ``weight_cache``: cast each weight once per optimizer step, not once per micro-batch (with one micro-batch
+    per step and no recompute there is nothing to reuse: no cache). ``fast_accum``: the
+    forward GEMM of tensor- and row-wise recipes accumulates in the tensor cores' fast mode (gradients never).
     """
 
     recipe: Literal["tensorwise", "delayed", "rowwise", "blockwise", "mxfp8"] = "tensorwise"
     grad_format: Literal["e4m3", "e5m2"] | None = None
     amax_history_len: int = 16
     amax_compute: Literal["max", "most_recent"] = "max"
+    weight_cache: bool = True
+    fast_accum: bool = True
 
     def to_recipe(self) -> Recipe:
         history, compute = self.amax_history_len, self.amax_compute
-        return Recipe(self.recipe, grad_format=self.grad_format, amax_history_len=history, amax_compute=compute)
+        return Recipe(
+            self.recipe,
+            grad_format=self.grad_format,
+            amax_history_len=history,
+            amax_compute=compute,
+            fast_accum=self.fast_accum,
+        )
 
 
 @dataclass
@@ -99,7 +110,18 @@ def expand_patterns(patterns: list[str], num_layers: int) -> list[str]:
     return [p.replace("{first}", "0").replace("{last}", str(num_layers - 1)) for p in patterns]
 
 
-def apply_low_precision(config, chunk: torch.nn.Module, tp_group) -> list[LayerDecision]:
+def weight_cast_cache(config, num_microbatches: int) -> WeightCastCache | None:
+    """The cache of fp8 weight casts the trainer invalidates each optimizer step; ``None`` when not fp8, off, or
+    nothing would reuse a cast (one micro-batch per step and no recompute: the cache would only keep the forward's
+    fp8 weights alive through the backward, 1 byte per weight element)."""
+    fp8 = config.train.precision == "fp8" and config.train.quant != "bitnet" and config.kernels.backend != "te"
+    reused = num_microbatches > 1 or config.train.recompute != "none"
+    return WeightCastCache() if fp8 and config.fp8.weight_cache and reused else None
+
+
+def apply_low_precision(
+    config, chunk: torch.nn.Module, tp_group, weight_cache: WeightCastCache | None = None
+) -> list[LayerDecision]:
     """Install the configured recipe on ``chunk``'s TP linears (nothing unless precision is fp8 or fp4)."""
     precision = config.train.precision
     backend = "te" if config.kernels.backend == "te" else "mcore"
@@ -123,6 +145,7 @@ def apply_low_precision(config, chunk: torch.nn.Module, tp_group) -> list[LayerD
             keep=expand_patterns(section.keep, config.model.num_hidden_layers),
             min_features=section.min_features,
             on_mismatch=section.on_mismatch,
+            weight_cache=weight_cache,
         )
     except (ValueError, RuntimeError) as exc:
         recipe = getattr(section, "recipe", "bitnet")

@@ -55,7 +55,7 @@ from mcore.train.checkpoint.model_weights import load_model_weights
 from mcore.train.config import Config
 from mcore.train.context_parallel import CPBatches
 from mcore.train.errors import UserError
-from mcore.train.low_precision import apply_low_precision, base_precision
+from mcore.train.low_precision import apply_low_precision, base_precision, weight_cast_cache
 from mcore.train.runtime import Runtime
 
 PRECISION_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -168,8 +168,10 @@ class Trainer:
             params_dtype=torch.float32 if config.parallel.dp_shard and with_optimizer else self.params_dtype,
             device=self.device,
         )
+        # fp8 weight casts reused by a step's micro-batches, dropped before each optimizer step
+        self.weight_casts = weight_cast_cache(config, config.num_microbatches(groups.dp_size))
         for chunk in self.chunks:
-            apply_low_precision(config, chunk, groups.tp)
+            apply_low_precision(config, chunk, groups.tp, self.weight_casts)
             chunk.mtp_loss_weight = config.train.mtp_loss_weight
         self.activation_offload = None
         if config.train.activation_offload:
@@ -324,6 +326,8 @@ class Trainer:
             if hasattr(module, "aux_loss_scale"):
                 module.aux_loss_scale = aux_scale
         loss = self._forward_backward(microbatches)
+        if self.weight_casts is not None:
+            self.weight_casts.invalidate()  # the step changes the weights (and frees the casts before its peak)
         result: StepResult = self.optimizer.step()
         self.iteration += 1
         self.consumed_samples += self.config.train.global_batch_size

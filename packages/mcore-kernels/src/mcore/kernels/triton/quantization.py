@@ -2,9 +2,8 @@
 
 * ``_tiled_cast_kernel``: scaled cast with a given multiplier (one value, or one per output row) writing ``q`` or
   ``q^T`` (tensor-wise and row-wise scaling, where the amax is known beforehand), tiled like the block kernel.
-* ``_cast_kernel``: ``q`` and ``q^T`` from the same tile (tensor-wise pairs), measuring the amax in the same pass
-  when asked (delayed scaling). ``_tiled_cast_kernel`` also casts the grouped weight gradient's operands with
-  jagged row-wise scales (one multiplier per expert and column).
+  It also casts the grouped weight gradient's operands with jagged row-wise scales (one multiplier per expert
+  and column). The fused operand-and-transpose casts of the linears are in ``quant_fused.py``.
 * ``_block_quant_kernel``: amax, scale and cast of ``1x128`` or ``128x128`` groups in one pass, reading the
   source transposed when the GEMM needs ``x^T`` (the tile is loaded along x's contiguous dimension and
   transposed in registers, so the global reads stay coalesced).
@@ -23,7 +22,6 @@ import triton.language as tl
 BLOCK = 128
 FP8_MAX = {dtype: float(torch.finfo(dtype).max) for dtype in (torch.float8_e4m3fn, torch.float8_e5m2)}
 
-_CAST_TILE = 64
 _BLOCK_ROWS_1X128 = 16
 # (mantissa bits, exponent of the smallest normal) of each format, for the explicit rounding below.
 _FORMAT_BITS = {torch.float8_e4m3fn: (3, -6), torch.float8_e5m2: (2, -14)}
@@ -44,44 +42,8 @@ def _round_to_fp8(v, FMAX: tl.constexpr, MBITS: tl.constexpr, MIN_EXP: tl.conste
     inv_ulp = ((MBITS - exponent + 127) << 23).to(tl.float32, bitcast=True)  # exact, unlike GPU division
     steps = (v * inv_ulp + _RNE_MAGIC) - _RNE_MAGIC
     saturated = tl.minimum(tl.maximum(steps * ulp, -FMAX), FMAX)
+    saturated = tl.where(saturated == 0.0, v * 0.0, saturated)  # a negative value rounding to zero is -0, as torch's
     return tl.where(v != v, v, saturated)  # NaN stays NaN (min/max would turn it into a bound)
-
-
-@triton.jit
-def _cast_kernel(
-    X,
-    MULT,
-    Y,
-    YT,
-    AMAX_OUT,
-    n_rows,
-    n_cols,
-    stride_xr,
-    stride_xc,
-    FMAX: tl.constexpr,
-    MBITS: tl.constexpr,
-    MIN_EXP: tl.constexpr,
-    WRITE_Y: tl.constexpr,
-    WRITE_YT: tl.constexpr,
-    RECORD_AMAX: tl.constexpr,  # also max |x| of the tile into AMAX_OUT (delayed scaling: one read)
-    BLOCK_R: tl.constexpr,
-    BLOCK_C: tl.constexpr,
-):
-    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-    cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
-    rmask = rows < n_rows
-    cmask = cols < n_cols
-    mask = rmask[:, None] & cmask[None, :]
-    r64 = rows.to(tl.int64)
-    c64 = cols.to(tl.int64)
-    x = tl.load(X + r64[:, None] * stride_xr + c64[None, :] * stride_xc, mask=mask, other=0.0).to(tl.float32)
-    if RECORD_AMAX:
-        tl.atomic_max(AMAX_OUT, tl.max(tl.max(tl.abs(x), axis=1), axis=0))
-    v = _round_to_fp8(x * tl.load(MULT), FMAX, MBITS, MIN_EXP)
-    if WRITE_Y:
-        tl.store(Y + r64[:, None] * n_cols + c64[None, :], v.to(Y.dtype.element_ty), mask=mask)
-    if WRITE_YT:
-        tl.store(YT + c64[None, :] * n_rows + r64[:, None], v.to(YT.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -181,34 +143,6 @@ def _tiled_cast_kernel(
     tl.store(Y + r64[:, None] * stride_y + c64[None, :], v.to(Y.dtype.element_ty), mask=mask)
 
 
-def _launch_cast(x, multiplier, y, yt, dtype: torch.dtype, amax_out=None) -> None:
-    """``q`` into ``y`` and / or ``q^T`` into ``yt`` (contiguous) with one multiplier, from one read of ``x``."""
-    rows, cols = x.shape
-    if rows == 0 or cols == 0:
-        return
-    grid = (triton.cdiv(rows, _CAST_TILE), triton.cdiv(cols, _CAST_TILE))
-    _cast_kernel[grid](
-        x,
-        multiplier.reshape(-1).contiguous(),
-        y if y is not None else yt,
-        yt if yt is not None else y,
-        amax_out if amax_out is not None else multiplier,
-        rows,
-        cols,
-        x.stride(0),
-        x.stride(1),
-        FMAX=FP8_MAX[dtype],
-        MBITS=_FORMAT_BITS[dtype][0],
-        MIN_EXP=_FORMAT_BITS[dtype][1],
-        WRITE_Y=y is not None,
-        WRITE_YT=yt is not None,
-        RECORD_AMAX=amax_out is not None,
-        BLOCK_R=_CAST_TILE,
-        BLOCK_C=_CAST_TILE,
-        num_warps=4,
-    )
-
-
 def cast_scaled(x: torch.Tensor, multiplier: torch.Tensor, dtype: torch.dtype, *, transpose: bool) -> torch.Tensor:
     """``cast(clamp(src * multiplier))`` of ``src = x`` or ``x^T``; ``multiplier`` is ``[]`` or one per src row."""
     rows, cols = (x.shape[1], x.shape[0]) if transpose else x.shape
@@ -258,20 +192,6 @@ def cast_grouped_columns(
     out[:, rows:] = 0  # past offsets[-1]: never read, but defined
     _launch_tiled_cast(x, multiplier, group.to(torch.int32).contiguous(), out[:, :rows], 2, transpose=True)
     return out
-
-
-def cast_scaled_pair(
-    x: torch.Tensor, multiplier: torch.Tensor, dtype: torch.dtype, amax_out: torch.Tensor | None = None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``q`` and ``q^T`` (both contiguous) with one multiplier, from one read of ``x``; with ``amax_out`` (fp32,
-    one element) also ``max |x|`` written there in the same pass."""
-    rows, cols = x.shape
-    out = torch.empty((rows, cols), dtype=dtype, device=x.device)
-    out_t = torch.empty((cols, rows), dtype=dtype, device=x.device)
-    if amax_out is not None:
-        amax_out.zero_()
-    _launch_cast(x, multiplier.to(torch.float32), out, out_t, dtype, amax_out)
-    return out, out_t
 
 
 def quantize_blocks(

@@ -1,0 +1,330 @@
+"""Fused fp8 casts: each GEMM operand *and* its transpose from the fewest reads of the high-precision tensor.
+
+A linear needs every tensor twice: ``x`` along K (forward) and ``x^T`` along M (weight gradient), ``W`` along K
+and ``W^T`` along N, ``grad`` along N and ``grad^T`` along M. These kernels write both fp8 tensors, with their
+scales, from one read of the source per pass:
+
+* ``_amax_kernel``: the absolute maximum of the whole tensor, or of every row *and* every column at once (the
+  row-wise scales of ``q`` and of ``q^T``), one read; partial maxima meet through atomic max (non-negative
+  values: NaN is counted as inf, so its group keeps multiplier 1 like the torch reference).
+* ``_dual_cast_kernel``: the multipliers computed in the kernel from those amaxes (no torch ops in between),
+  ``q = x * m_row`` and ``q^T = (x * m_col)^T`` written from the same tile; tensor-wise both use one multiplier.
+  With a given amax (delayed scaling) it also measures this tensor's amax in the same pass.
+* ``_block_dual_kernel``: block-wise needs no global pass: one 128 x 128 tile gives the ``1x128`` scales of its
+  rows (``q``) and of its columns (``q^T``, the 1x128 groups of the transposed tensor), or the one ``128x128``
+  scale both share; amax, scales and both casts from one read of the tile from memory (swept twice, the second
+  time from L2).
+
+The transposes are taken on the fp8 values (one byte per element through shared memory, not four).
+So tensor- and row-wise move 2 + 2 + 1 + 1 = 6 bytes per bf16 element (two reads, two fp8 writes) and
+block-wise 4, the copy's count. Math is fp32; scales are ``div_rn(fmax, amax)`` and ``div_rn(1, multiplier)``,
+the bits of ``quantization.scale_from_amax``; rounding is ``quantization``'s explicit round-to-nearest-even.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from mcore.kernels.triton.quantization import _FORMAT_BITS, FP8_MAX, _round_to_fp8
+
+BLOCK = 128
+# amax pass: each program reduces _AMAX_ROWS x _AMAX_COLS (in _AMAX_TILE_R-row steps), so the column atomics
+# number C * R / 256 and the row atomics R * C / 128, a few percent of the elements
+_AMAX_ROWS, _AMAX_TILE_R, _AMAX_COLS = 256, 32, 128
+# 64 x 64 tiles over 8 warps: 16 elements per thread keep the cast kernel near 100 registers (64 x 128 over 4
+# warps needed 255 and spilled: too few warps per SM to keep the memory busy)
+_CAST_R, _CAST_C, _CAST_WARPS = 64, 64, 8
+_BLOCK_CHUNK_R, _BLOCK_WARPS = 32, 8
+
+
+@triton.jit
+def _multiplier(amax, FMAX: tl.constexpr):
+    """``(fmax / amax, amax / fmax)`` correctly rounded; 1 for a zero, inf or NaN amax."""
+    ok = (amax > 0.0) & (amax < float("inf"))
+    zero = tl.zeros_like(amax)
+    mult = tl.where(ok, tl.math.div_rn(zero + FMAX, tl.where(ok, amax, 1.0)), 1.0)
+    return mult, tl.math.div_rn(zero + 1.0, mult)
+
+
+@triton.jit
+def _load_tile(X, rows, cols, n_rows, n_cols, stride_r, stride_c):
+    """``x[rows, cols]`` in fp32 (zeros outside the tensor), its mask, row mask and int64 row indices."""
+    rmask = rows < n_rows
+    r64 = rows.to(tl.int64)
+    mask = rmask[:, None] & (cols < n_cols)[None, :]
+    ptrs = X + r64[:, None] * stride_r + cols.to(tl.int64)[None, :] * stride_c
+    return tl.load(ptrs, mask=mask, other=0.0).to(tl.float32), mask, rmask, r64
+
+
+@triton.jit
+def _amax_kernel(
+    X,
+    AMAX,
+    ROW_AMAX,
+    COL_AMAX,
+    n_rows,
+    n_cols,
+    stride_r,
+    stride_c,
+    PER_ROW_COL: tl.constexpr,  # False: one amax into AMAX[0]; True: ROW_AMAX[r] and COL_AMAX[c]
+    ROWS: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+):
+    cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    cmask = cols < n_cols
+    col_max = tl.zeros((BLOCK_C,), dtype=tl.float32)
+    for step in range(ROWS // BLOCK_R):
+        rows = tl.program_id(0) * ROWS + step * BLOCK_R + tl.arange(0, BLOCK_R)
+        x, mask, rmask, r64 = _load_tile(X, rows, cols, n_rows, n_cols, stride_r, stride_c)
+        a = tl.where(x != x, float("inf"), tl.abs(x))
+        col_max = tl.maximum(col_max, tl.max(a, axis=0))
+        if PER_ROW_COL:
+            tl.atomic_max(ROW_AMAX + rows, tl.max(a, axis=1), mask=rmask)
+    if PER_ROW_COL:
+        tl.atomic_max(COL_AMAX + cols, col_max, mask=cmask)
+    else:
+        tl.atomic_max(AMAX, tl.max(col_max, axis=0))
+
+
+@triton.jit
+def _dual_cast_kernel(
+    X,
+    AMAX,
+    ROW_AMAX,
+    COL_AMAX,
+    Y,
+    YT,
+    SCALE,
+    SCALE_T,
+    AMAX_OUT,
+    n_rows,
+    n_cols,
+    stride_r,
+    stride_c,
+    FMAX: tl.constexpr,
+    MBITS: tl.constexpr,
+    MIN_EXP: tl.constexpr,
+    ROWWISE: tl.constexpr,  # multipliers from ROW_AMAX (q) and COL_AMAX (q^T); else one from AMAX[0]
+    WRITE_YT: tl.constexpr,
+    RECORD_AMAX: tl.constexpr,  # max |x| into AMAX_OUT in the same pass (delayed scaling)
+    BLOCK_R: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+):
+    pid_r = tl.program_id(0)
+    pid_c = tl.program_id(1)
+    rows = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
+    cols = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
+    cmask = cols < n_cols
+    c64 = cols.to(tl.int64)
+    x, mask, rmask, r64 = _load_tile(X, rows, cols, n_rows, n_cols, stride_r, stride_c)
+    if RECORD_AMAX:
+        tl.atomic_max(AMAX_OUT, tl.max(tl.max(tl.where(x != x, float("inf"), tl.abs(x)), axis=1), axis=0))
+    if ROWWISE:
+        mult_r, scale_r = _multiplier(tl.load(ROW_AMAX + rows, mask=rmask, other=1.0), FMAX)
+        mult_c, scale_c = _multiplier(tl.load(COL_AMAX + cols, mask=cmask, other=1.0), FMAX)
+        if pid_c == 0:
+            tl.store(SCALE + rows, scale_r, mask=rmask)
+        if WRITE_YT and pid_r == 0:
+            tl.store(SCALE_T + cols, scale_c, mask=cmask)
+        v = x * mult_r[:, None]
+        vt = x * mult_c[None, :]
+    else:
+        mult, scale = _multiplier(tl.load(AMAX), FMAX)
+        if (pid_r == 0) & (pid_c == 0):
+            tl.store(SCALE, scale)
+        v = x * mult
+        vt = v
+    q = _round_to_fp8(v, FMAX, MBITS, MIN_EXP).to(Y.dtype.element_ty)  # exact: already on the fp8 grid
+    tl.store(Y + r64[:, None] * n_cols + c64[None, :], q, mask=mask)
+    if WRITE_YT:
+        if ROWWISE:
+            qt = tl.trans(_round_to_fp8(vt, FMAX, MBITS, MIN_EXP).to(YT.dtype.element_ty))
+        else:
+            qt = tl.trans(q)
+        mask_t = cmask[:, None] & rmask[None, :]
+        tl.store(YT + c64[:, None] * n_rows + r64[None, :], qt, mask=mask_t)
+
+
+@triton.jit
+def _block_dual_kernel(
+    X,
+    Y,
+    YT,
+    SCALE,
+    SCALE_T,
+    n_rows,
+    n_cols,
+    stride_r,
+    stride_c,
+    n_scale_cols,
+    n_scale_t_cols,
+    FMAX: tl.constexpr,
+    MBITS: tl.constexpr,
+    MIN_EXP: tl.constexpr,
+    SQUARE: tl.constexpr,  # one 128x128 scale per tile (shared by q and q^T); else 1x128 rows and columns
+    WRITE_YT: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    CHUNK_R: tl.constexpr,
+):
+    """One BLOCK_T x BLOCK_T tile in CHUNK_R-row chunks (few registers per thread): the first sweep measures the
+    amaxes (1x128: also casts ``q``, its rows' scales known), the second re-reads the tile, which the first has
+    just brought into L2, and writes what needed the whole tile's amaxes (``q^T``; 128x128: ``q`` too)."""
+    pid_r = tl.program_id(0)
+    pid_c = tl.program_id(1)
+    cols = pid_c * BLOCK_T + tl.arange(0, BLOCK_T)
+    cmask = cols < n_cols
+    c64 = cols.to(tl.int64)
+    col_max = tl.zeros((BLOCK_T,), dtype=tl.float32)
+    for i in range(BLOCK_T // CHUNK_R):
+        rows = pid_r * BLOCK_T + i * CHUNK_R + tl.arange(0, CHUNK_R)
+        x, mask, rmask, r64 = _load_tile(X, rows, cols, n_rows, n_cols, stride_r, stride_c)
+        a = tl.where(x != x, float("inf"), tl.abs(x))
+        col_max = tl.maximum(col_max, tl.max(a, axis=0))
+        if not SQUARE:
+            mult_r, scale_r = _multiplier(tl.max(a, axis=1), FMAX)
+            tl.store(SCALE + r64 * n_scale_cols + pid_c, scale_r, mask=rmask)
+            q = _round_to_fp8(x * mult_r[:, None], FMAX, MBITS, MIN_EXP).to(Y.dtype.element_ty)
+            tl.store(Y + r64[:, None] * n_cols + c64[None, :], q, mask=mask)
+    if SQUARE:
+        mult, scale = _multiplier(tl.max(col_max, axis=0), FMAX)
+        tl.store(SCALE + pid_r * n_scale_cols + pid_c, scale)
+        if WRITE_YT:
+            tl.store(SCALE_T + pid_c * n_scale_t_cols + pid_r, scale)
+        for i in range(BLOCK_T // CHUNK_R):
+            rows = pid_r * BLOCK_T + i * CHUNK_R + tl.arange(0, CHUNK_R)
+            x, mask, rmask, r64 = _load_tile(X, rows, cols, n_rows, n_cols, stride_r, stride_c)
+            q = _round_to_fp8(x * mult, FMAX, MBITS, MIN_EXP).to(Y.dtype.element_ty)
+            tl.store(Y + r64[:, None] * n_cols + c64[None, :], q, mask=mask)
+            if WRITE_YT:
+                tl.store(YT + c64[:, None] * n_rows + r64[None, :], tl.trans(q), mask=cmask[:, None] & rmask[None, :])
+    elif WRITE_YT:
+        mult_c, scale_c = _multiplier(col_max, FMAX)
+        tl.store(SCALE_T + c64 * n_scale_t_cols + pid_r, scale_c, mask=cmask)
+        for i in range(BLOCK_T // CHUNK_R):
+            rows = pid_r * BLOCK_T + i * CHUNK_R + tl.arange(0, CHUNK_R)
+            x, mask, rmask, r64 = _load_tile(X, rows, cols, n_rows, n_cols, stride_r, stride_c)
+            qt = tl.trans(_round_to_fp8(x * mult_c[None, :], FMAX, MBITS, MIN_EXP).to(YT.dtype.element_ty))
+            tl.store(YT + c64[:, None] * n_rows + r64[None, :], qt, mask=cmask[:, None] & rmask[None, :])
+
+
+def amax(x: torch.Tensor, per_row_col: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(amax [1], unused)`` or ``(row amax [R], column amax [C])`` of the 2-D ``x`` in fp32, one read."""
+    rows, cols = x.shape
+    if per_row_col:
+        out = torch.zeros(rows + cols, dtype=torch.float32, device=x.device)  # one fill for both
+        row_amax, col_amax = out[:rows], out[rows:]
+    else:
+        row_amax = col_amax = out = torch.zeros(1, dtype=torch.float32, device=x.device)
+    if rows and cols:
+        grid = (triton.cdiv(rows, _AMAX_ROWS), triton.cdiv(cols, _AMAX_COLS))
+        _amax_kernel[grid](
+            x,
+            out,
+            row_amax,
+            col_amax,
+            rows,
+            cols,
+            x.stride(0),
+            x.stride(1),
+            PER_ROW_COL=per_row_col,
+            ROWS=_AMAX_ROWS,
+            BLOCK_R=_AMAX_TILE_R,
+            BLOCK_C=_AMAX_COLS,
+            num_warps=4,
+        )
+    return (row_amax, col_amax) if per_row_col else (out, out)
+
+
+def dual_cast(
+    x: torch.Tensor,
+    dtype: torch.dtype,
+    amaxes: tuple[torch.Tensor, torch.Tensor],
+    *,
+    rowwise: bool,
+    write_t: bool,
+    amax_out: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """``(q [R, C], scale, q^T [C, R] or None, scale of q^T or None)`` from the amaxes ``amax()`` gave (tensor-wise:
+    both the same one-element tensor). Row-wise scales come out ``[R]`` and ``[C]``; tensor-wise one ``[1]``."""
+    rows, cols = x.shape
+    device = x.device
+    y = torch.empty((rows, cols), dtype=dtype, device=device)
+    yt = torch.empty((cols, rows), dtype=dtype, device=device) if write_t else None
+    scale = torch.empty(rows if rowwise else 1, dtype=torch.float32, device=device)
+    scale_t = torch.empty(cols, dtype=torch.float32, device=device) if rowwise and write_t else None
+    if rows and cols:
+        grid = (triton.cdiv(rows, _CAST_R), triton.cdiv(cols, _CAST_C))
+        _dual_cast_kernel[grid](
+            x,
+            amaxes[0],
+            amaxes[0],
+            amaxes[1],
+            y,
+            yt if yt is not None else y,
+            scale,
+            scale_t if scale_t is not None else scale,
+            amax_out if amax_out is not None else scale,
+            rows,
+            cols,
+            x.stride(0),
+            x.stride(1),
+            FMAX=FP8_MAX[dtype],
+            MBITS=_FORMAT_BITS[dtype][0],
+            MIN_EXP=_FORMAT_BITS[dtype][1],
+            ROWWISE=rowwise,
+            WRITE_YT=write_t,
+            RECORD_AMAX=amax_out is not None,
+            BLOCK_R=_CAST_R,
+            BLOCK_C=_CAST_C,
+            num_warps=_CAST_WARPS,
+        )
+    else:  # nothing to scale: the multipliers of empty groups are 1
+        scale.fill_(1.0)
+        if scale_t is not None:
+            scale_t.fill_(1.0)
+    return y, scale, yt, scale_t if rowwise else (scale if write_t else None)
+
+
+def block_dual(
+    x: torch.Tensor, dtype: torch.dtype, square: bool, *, write_t: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """``(q, scale, q^T, scale of q^T)`` of ``x`` in ``128x128`` (``square``) or ``1x128`` groups, one read.
+
+    ``1x128``: ``scale [R, ceil(C/128)]`` and ``scale_t [C, ceil(R/128)]`` (the groups of ``x^T`` along R);
+    ``128x128``: ``scale [ceil(R/128), ceil(C/128)]`` and its transpose.
+    """
+    rows, cols = x.shape
+    device = x.device
+    br, bc = triton.cdiv(rows, BLOCK), triton.cdiv(cols, BLOCK)
+    y = torch.empty((rows, cols), dtype=dtype, device=device)
+    scale = torch.empty((br, bc) if square else (rows, bc), dtype=torch.float32, device=device)
+    yt = scale_t = None
+    if write_t:
+        yt = torch.empty((cols, rows), dtype=dtype, device=device)
+        scale_t = torch.empty((bc, br) if square else (cols, br), dtype=torch.float32, device=device)
+    if rows and cols:
+        _block_dual_kernel[(br, bc)](
+            x,
+            y,
+            yt if yt is not None else y,
+            scale,
+            scale_t if scale_t is not None else scale,
+            rows,
+            cols,
+            x.stride(0),
+            x.stride(1),
+            scale.shape[1],
+            scale_t.shape[1] if scale_t is not None else 1,
+            FMAX=FP8_MAX[dtype],
+            MBITS=_FORMAT_BITS[dtype][0],
+            MIN_EXP=_FORMAT_BITS[dtype][1],
+            SQUARE=square,
+            WRITE_YT=write_t,
+            BLOCK_T=BLOCK,
+            CHUNK_R=_BLOCK_CHUNK_R,
+            num_warps=_BLOCK_WARPS,
+        )
+    return y, scale, yt, scale_t
