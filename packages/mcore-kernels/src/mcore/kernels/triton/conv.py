@@ -2,7 +2,7 @@
 
 Layout: ``x`` is ``[batch, seqlen, channels]`` with unit channel stride and any batch / sequence strides, so the
 mixer's ``[x | B | C]`` slice of the in_proj output is read in place (no transpose, no copy). Outputs are
-contiguous. Every kernel works on ``BLOCK_L x BLOCK_D`` tiles (positions x channels; channel-contiguous vector
+contiguous. Every kernel works on ``rows x cols`` tiles (positions x channels; channel-contiguous vector
 loads) and reads the ``WIDTH = 4`` shifted tiles of its input that the taps need; the shifted tiles overlap all but
 three rows, so DRAM sees each byte about once and the repeats come from L1/L2. A narrower conv (k < 4) is run with
 zero taps in front (``out[t] = sum_j w_j x[t - 3 + j]`` with the first ``4 - k`` weights 0): one set of kernels.
@@ -18,24 +18,96 @@ document): reads ``dpre``, writes ``dx`` (4E); a third, small kernel sums the pa
 bias' dtypes (deterministic, no atomics). Backward moves 10E bytes (14E with forward: 0.146 ms for the
 Nemotron-H-8B mixer at the measured 4.03 TB/s), against 6E for one fused backward pass (the 10E = 0.104 ms floor),
 which would have to recompute the SiLU derivative at four shifts (4x the sigmoids) because a program cannot shift
-a register tile.
+a register tile. That fused pass is here too (``BACKWARD = "fused"``: reads ``x`` with its 3-row halo behind and
+``dy`` with its 3-row halo ahead, recomputes ``pre`` at the four shifts, writes ``dx`` and the same partials); which
+of the two runs is a measurement's choice (``benchmarks/ssm_sweep.py``), not a guess.
+
+Each kernel has its own tiles (:class:`ConvTile`, defaults the fastest measured; :data:`TILE_CANDIDATES` are what
+the sweep tries): the forward and dx kernels ran at 0.071 / 0.050 ms with 32 x 128 tiles at 4 warps (H200, branch
+``ssm`` ``2289984``) and at 0.124 / 0.104 ms once a shared ``NUM_WARPS`` went to 8 for the dpre kernel's sake.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
 WIDTH = 4  # taps the kernels compute (the literal 4 in them); k < 4 gets zero taps in front, k > 4 uses torch
-# 4K-element tiles at 8 warps: 16 fp32 values a thread (_common.TILE_ELEMENTS, swept on an H200 for streaming
-# kernels); the dpre kernel keeps four such tap tiles live across the SiLU derivative, more would spill.
-BLOCK_L, BLOCK_D, NUM_WARPS = 32, 128, 8
-# The dpre kernel reduces dw / dbias over positions. Measured on an H200 (2026-12-01) with the 32 x 128 tiles above
-# it took 0.34 ms, 5x the forward kernel: its sums over the position axis crossed warps (through shared memory, five
-# a tile). A tile one warp-row high and 1024 channels wide (8 per thread x 32 threads x 4 warps) keeps every
-# position of a thread's channels in that thread, so the sums are register adds; 16 such tiles per program.
-DPRE_BLOCK_L, DPRE_BLOCK_D, DPRE_WARPS, DPRE_TILES = 4, 1024, 4, 16
+
+
+@dataclass(frozen=True)
+class ConvTile:
+    """One kernel's launch shape: ``rows x cols`` (positions x channels) register tiles at ``warps`` warps, and, for
+    the kernels that reduce over positions (dpre, fused backward), ``tiles`` consecutive row tiles a program (fewer
+    dw/dbias partials to sum). For the partial-summing dw kernel ``rows`` is the programs' partials read a step."""
+
+    rows: int
+    cols: int
+    warps: int
+    tiles: int = 1
+
+    def __post_init__(self) -> None:
+        for name in ("rows", "cols", "warps", "tiles"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1 or (name != "tiles" and value & (value - 1)):
+                raise ValueError(f"ConvTile.{name}={value!r}: a positive int (rows, cols, warps: a power of two)")
+
+    @property
+    def label(self) -> str:
+        return "x".join(map(str, (self.rows, self.cols, self.warps) + ((self.tiles,) if self.tiles > 1 else ())))
+
+
+# The forward and dx kernels stream 32 x 128 tiles at 4 warps (32 fp32 values a thread): the faster of the two warp
+# counts measured on an H200 (0.071 / 0.050 ms at 4, 0.124 / 0.104 ms at 8).
+FWD_TILE = ConvTile(32, 128, 4)
+DX_TILE = ConvTile(32, 128, 4)
+# The dpre kernel reduces dw / dbias over positions. With 32 x 128 tiles it took 0.34 ms, 5x the forward kernel: its
+# sums over the position axis crossed warps (through shared memory, five a tile). A tile one warp-row high and 1024
+# channels wide (8 per thread x 32 threads x 4 warps) keeps every position of a thread's channels in that thread, so
+# the sums are register adds; 16 such tiles per program (measured 0.187 ms).
+DPRE_TILE = ConvTile(4, 1024, 4, 16)
+# The fused backward keeps the same in-thread position axis, half as wide: it holds the dx accumulator beside the
+# tap tiles of each shift (not measured yet: the sweep decides).
+FUSED_TILE = ConvTile(4, 512, 4, 16)
+# The partial-summing kernel: 64 channels a program, 8 programs' partials a step.
+DW_TILE = ConvTile(8, 64, 4)
+# "split": dpre kernel + dx kernel (10E bytes); "fused": one pass (6E bytes, 4x the sigmoids). Until measured: split.
+BACKWARD = "split"
+BACKWARDS = ("split", "fused")
+# What benchmarks/ssm_sweep.py tries for each tile constant (the default first); the tests run every one.
+_STREAM = ((32, 128, 4), (32, 128, 8), (64, 128, 4), (16, 256, 4), (32, 256, 8), (64, 64, 2), (8, 512, 4))
+TILE_CANDIDATES: dict[str, tuple[ConvTile, ...]] = {
+    "FWD_TILE": tuple(ConvTile(*t) for t in _STREAM),
+    "DX_TILE": tuple(ConvTile(*t) for t in _STREAM),
+    "DPRE_TILE": tuple(
+        ConvTile(*t)
+        for t in (
+            (4, 1024, 4, 16),
+            (4, 1024, 4, 8),
+            (4, 1024, 4, 32),
+            (4, 2048, 8, 16),
+            (4, 512, 4, 16),
+            (8, 1024, 8, 16),
+            (2, 1024, 4, 32),
+        )
+    ),  # fmt: skip
+    "FUSED_TILE": tuple(
+        ConvTile(*t)
+        for t in (
+            (4, 512, 4, 16),
+            (4, 1024, 4, 16),
+            (4, 256, 2, 16),
+            (2, 512, 2, 32),
+            (4, 512, 4, 32),
+            (8, 512, 8, 16),
+            (2, 1024, 4, 32),
+        )
+    ),  # fmt: skip
+    "DW_TILE": tuple(ConvTile(*t) for t in ((8, 64, 4), (16, 32, 4), (8, 32, 2), (32, 64, 8), (4, 16, 1))),
+}
 
 
 @triton.jit
@@ -171,6 +243,78 @@ def _conv_dx_kernel(DPRE, W, SEQ, DX, L, D, stride_wd, stride_wk, K: tl.constexp
 
 
 @triton.jit
+def _dpre_at(X, W, SEQ, DY, rows, shift: tl.constexpr, seq_here, bias, offs_d, mask_d, stride_xl, stride_yl, L,
+             stride_wd, stride_wk, K: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_SEQ: tl.constexpr,
+             SILU: tl.constexpr):  # fmt: skip
+    """``dpre`` at rows ``rows + shift`` (fp32, recomputed from ``x`` and ``dy``), 0 where that row is past ``L`` or
+    (with ``seq_idx``) in another document than ``rows``; and the four tap inputs of those rows."""
+    src = rows + shift
+    x0, x1, x2, x3, w0, w1, w2, w3 = _taps(X, W, SEQ, src, offs_d, mask_d, stride_xl, L, stride_wd, stride_wk, K,
+                                           HAS_SEQ)  # fmt: skip
+    valid = src < L
+    if HAS_SEQ:
+        valid = valid & (tl.load(SEQ + src, mask=valid, other=-2) == seq_here)
+    ptrs = DY + src.to(tl.int64)[:, None] * stride_yl + offs_d[None, :]
+    dpre = tl.load(ptrs, mask=valid[:, None] & mask_d[None, :], other=0.0).to(tl.float32)
+    if SILU:
+        pre = w0 * x0 + w1 * x1 + w2 * x2 + w3 * x3
+        if HAS_BIAS:
+            pre += bias
+        sig = tl.sigmoid(pre)
+        dpre = dpre * sig * (1.0 + pre * (1.0 - sig))
+    return dpre, x0, x1, x2, x3
+
+
+@triton.jit
+def _conv_bwd_fused_kernel(X, W, BIAS, SEQ, DY, DX, PART, L, D, stride_xb, stride_xl, stride_yb, stride_yl,
+                           stride_wd, stride_wk, K: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_SEQ: tl.constexpr,
+                           SILU: tl.constexpr, BL: tl.constexpr, BD: tl.constexpr, TILES: tl.constexpr):  # fmt: skip
+    """The whole backward in one pass over ``TILES`` consecutive row tiles: ``dx[s] = sum_j w_j dpre[s + 3 - j]`` with
+    ``dpre`` recomputed at the four shifts (never written), and this program's dw / dbias partials from the shift-0
+    ``dpre`` (each position counted by the one program that owns it)."""
+    pid_l, pid_d, b = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
+    offs_d = pid_d * BD + tl.arange(0, BD)
+    mask_d = offs_d < D
+    x_b, seq_b, dy_b = X + b * stride_xb, SEQ + b * L, DY + b * stride_yb
+    bias = tl.zeros((1, BD), dtype=tl.float32)
+    if HAS_BIAS:
+        bias = tl.load(BIAS + offs_d, mask=mask_d, other=0.0).to(tl.float32)[None, :]
+    w3 = _tap_weight(W, offs_d, mask_d, 3, stride_wd, stride_wk, K)
+    dw0 = tl.zeros((BD,), dtype=tl.float32)
+    dw1 = tl.zeros((BD,), dtype=tl.float32)
+    dw2 = tl.zeros((BD,), dtype=tl.float32)
+    dw3 = tl.zeros((BD,), dtype=tl.float32)
+    db = tl.zeros((BD,), dtype=tl.float32)
+    for i in range(TILES):
+        rows = (pid_l * TILES + i) * BL + tl.arange(0, BL)
+        seq_here = 0
+        if HAS_SEQ:
+            seq_here = tl.load(seq_b + rows, mask=rows < L, other=-1)
+        d, x0, x1, x2, x3 = _dpre_at(x_b, W, seq_b, dy_b, rows, 0, seq_here, bias, offs_d, mask_d, stride_xl,
+                                     stride_yl, L, stride_wd, stride_wk, K, HAS_BIAS, HAS_SEQ, SILU)  # fmt: skip
+        # The taps are 0 across a document start or before row 0, and d is 0 past L: dw needs no other mask.
+        dw0 += tl.sum(d * x0, axis=0)
+        dw1 += tl.sum(d * x1, axis=0)
+        dw2 += tl.sum(d * x2, axis=0)
+        dw3 += tl.sum(d * x3, axis=0)
+        db += tl.sum(d, axis=0)
+        dx = w3 * d
+        # Row s feeds output s + 3 - j through tap j: the later rows' dpre, recomputed here (L1 hits on x and dy).
+        for shift in tl.static_range(1, 4):
+            d, x0, x1, x2, x3 = _dpre_at(x_b, W, seq_b, dy_b, rows, shift, seq_here, bias, offs_d, mask_d, stride_xl,
+                                         stride_yl, L, stride_wd, stride_wk, K, HAS_BIAS, HAS_SEQ, SILU)  # fmt: skip
+            dx += _tap_weight(W, offs_d, mask_d, 3 - shift, stride_wd, stride_wk, K) * d
+        ptrs = DX + (b * L + rows.to(tl.int64))[:, None] * D + offs_d[None, :]
+        tl.store(ptrs, dx.to(DX.dtype.element_ty), mask=(rows < L)[:, None] & mask_d[None, :])
+    part = PART + ((b * tl.num_programs(0) + pid_l) * 5) * D + offs_d
+    tl.store(part, dw0, mask=mask_d)
+    tl.store(part + D, dw1, mask=mask_d)
+    tl.store(part + 2 * D, dw2, mask=mask_d)
+    tl.store(part + 3 * D, dw3, mask=mask_d)
+    tl.store(part + 4 * D, db, mask=mask_d)
+
+
+@triton.jit
 def _sum_partials(PART, row: tl.constexpr, P, D, offs_d, mask_d, BP: tl.constexpr):
     """Sum over the ``P`` programs' partials ``PART[p, row, offs_d]`` (fp32 ``[BD]``)."""
     acc = tl.zeros_like(offs_d).to(tl.float32)
@@ -200,8 +344,8 @@ def _unit_channel_stride(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(2) == 1 else t.contiguous()
 
 
-def _grid(b: int, length: int, dim: int, rows: int, cols: int | None = None) -> tuple[int, int, int]:
-    return (triton.cdiv(length, rows), triton.cdiv(dim, BLOCK_D if cols is None else cols), b)
+def _grid(b: int, length: int, dim: int, tile: ConvTile) -> tuple[int, int, int]:
+    return (triton.cdiv(length, tile.rows * tile.tiles), triton.cdiv(dim, tile.cols), b)
 
 
 def conv_forward(x, weight, bias, seq_idx, silu: bool) -> torch.Tensor:
@@ -210,38 +354,46 @@ def conv_forward(x, weight, bias, seq_idx, silu: bool) -> torch.Tensor:
     b, length, dim = x.shape
     out = torch.empty(b, length, dim, dtype=x.dtype, device=x.device)
     seq = seq_idx.to(torch.int32).contiguous() if seq_idx is not None else out
-    _conv_fwd_kernel[_grid(b, length, dim, BLOCK_L)](
+    tile = FWD_TILE
+    _conv_fwd_kernel[_grid(b, length, dim, tile)](
         x, weight, bias if bias is not None else out, seq, out, length, dim, x.stride(0), x.stride(1),
         weight.stride(0), weight.stride(1), K=weight.shape[1], HAS_BIAS=bias is not None,
-        HAS_SEQ=seq_idx is not None, SILU=silu, BL=BLOCK_L, BD=BLOCK_D, num_warps=NUM_WARPS,
+        HAS_SEQ=seq_idx is not None, SILU=silu, BL=tile.rows, BD=tile.cols, num_warps=tile.warps,
     )  # fmt: skip
     return out
 
 
 def conv_backward(dy, x, weight, bias, seq_idx, silu: bool):
-    """``(dx, dweight, dbias or None)`` in the dtypes of ``x``, ``weight`` and ``bias``; ``dx`` contiguous."""
+    """``(dx, dweight, dbias or None)`` in the dtypes of ``x``, ``weight`` and ``bias``; ``dx`` contiguous. Runs the
+    :data:`BACKWARD` path, then the partial-summing kernel."""
+    if BACKWARD not in BACKWARDS:
+        raise ValueError(f"mcore.kernels.triton.conv.BACKWARD={BACKWARD!r}: must be one of {BACKWARDS}")
     x, dy = _unit_channel_stride(x), _unit_channel_stride(dy)
     b, length, dim = x.shape
     k = weight.shape[1]
     seq = seq_idx.to(torch.int32).contiguous() if seq_idx is not None else x
-    dpre = torch.empty(b, length, dim, dtype=x.dtype, device=x.device)
-    grid = _grid(b, length, dim, DPRE_BLOCK_L * DPRE_TILES, DPRE_BLOCK_D)
+    dx = torch.empty(b, length, dim, dtype=x.dtype, device=x.device)
+    tile = FUSED_TILE if BACKWARD == "fused" else DPRE_TILE
+    grid = _grid(b, length, dim, tile)
     part = torch.empty(b * grid[0], 5, dim, dtype=torch.float32, device=x.device)
     ws = weight.stride(0), weight.stride(1)
-    _conv_dpre_kernel[grid](
-        x, weight, bias if bias is not None else x, seq, dy, dpre, part, length, dim, x.stride(0), x.stride(1),
-        dy.stride(0), dy.stride(1), *ws, K=k, HAS_BIAS=bias is not None, HAS_SEQ=seq_idx is not None, SILU=silu,
-        BL=DPRE_BLOCK_L, BD=DPRE_BLOCK_D, TILES=DPRE_TILES, num_warps=DPRE_WARPS,
-    )  # fmt: skip
-    dx = torch.empty_like(dpre)
-    _conv_dx_kernel[_grid(b, length, dim, BLOCK_L)](
-        dpre, weight, seq, dx, length, dim, *ws, K=k, HAS_SEQ=seq_idx is not None, BL=BLOCK_L, BD=BLOCK_D,
-        num_warps=NUM_WARPS,
-    )  # fmt: skip
+    args = (x, weight, bias if bias is not None else x, seq, dy)
+    sizes = (length, dim, x.stride(0), x.stride(1), dy.stride(0), dy.stride(1), *ws)
+    flags = dict(K=k, HAS_BIAS=bias is not None, HAS_SEQ=seq_idx is not None, SILU=silu)
+    launch = dict(BL=tile.rows, BD=tile.cols, TILES=tile.tiles, num_warps=tile.warps)
+    if BACKWARD == "fused":
+        _conv_bwd_fused_kernel[grid](*args, dx, part, *sizes, **flags, **launch)
+    else:
+        dpre = torch.empty_like(dx)
+        _conv_dpre_kernel[grid](*args, dpre, part, *sizes, **flags, **launch)
+        _conv_dx_kernel[_grid(b, length, dim, DX_TILE)](
+            dpre, weight, seq, dx, length, dim, *ws, K=k, HAS_SEQ=seq_idx is not None, BL=DX_TILE.rows,
+            BD=DX_TILE.cols, num_warps=DX_TILE.warps,
+        )  # fmt: skip
     dw = torch.empty(dim, k, dtype=weight.dtype, device=x.device)
     db = torch.empty_like(bias) if bias is not None else None
-    _conv_dw_kernel[(triton.cdiv(dim, 64),)](
+    _conv_dw_kernel[(triton.cdiv(dim, DW_TILE.cols),)](
         part, dw, db if db is not None else dw, part.shape[0], dim, dw.stride(0), dw.stride(1), K=k,
-        HAS_BIAS=bias is not None, BD=64, BP=8, num_warps=4,
+        HAS_BIAS=bias is not None, BD=DW_TILE.cols, BP=DW_TILE.rows, num_warps=DW_TILE.warps,
     )  # fmt: skip
     return dx, dw, db
