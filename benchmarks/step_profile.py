@@ -32,7 +32,8 @@ from typing import Any
 # (category, kernel-name pattern), first match wins.
 CATEGORIES: tuple[tuple[str, str], ...] = (
     ("communication", r"nccl|all_?reduce|all_?gather|reduce_?scatter|sendrecv|cross_device"),
-    ("attention", r"flash|fmha|sdpa|attention|attn|flex"),
+    # mcore's own Triton flash kernels carry their Python names (flash_attention.py, flash_backward*.py)
+    ("attention", r"flash|fmha|sdpa|attention|attn|flex|^_fwd_kernel$|^_bwd_(kv|q)_kernel$|^_preprocess_kernel$"),
     (
         "ssm",
         r"_intra_(fwd|dx|dcb)_|_state_(fwd|bwd)_kernel|_inter_(fwd|bwd)_|_conv_(fwd|bwd|dpre|dx)_|ssd|"
