@@ -164,6 +164,16 @@ def test_every_sweep_candidate_tile_equals_float64(interpreter, monkeypatch, nam
     check_against_float64(x, w, bb, "silu", [[0, rows - 1, length]], gen, (1e-5, 1e-5))
 
 
+def test_each_tile_default_is_its_first_sweep_candidate():
+    """The sweep reports a constant's candidates in order and restores the default; the first is the default, so a
+    sweep's table reads as "the default, then the alternatives"."""
+    from mcore.kernels.triton import conv
+
+    for name, tiles in conv.TILE_CANDIDATES.items():
+        assert tiles[0] == getattr(conv, name), name
+        assert len(set(tiles)) == len(tiles), name
+
+
 def test_an_unknown_backward_path_or_a_bad_tile_is_one_clear_error(interpreter, monkeypatch):
     from mcore.kernels.triton import conv
 
@@ -176,6 +186,8 @@ def test_an_unknown_backward_path_or_a_bad_tile_is_one_clear_error(interpreter, 
         conv.ConvTile(4, 96, 4)
     with pytest.raises(ValueError, match=r"ConvTile.tiles=0"):
         conv.ConvTile(4, 128, 4, 0)
+    with pytest.raises(ValueError, match=r"ConvTile.defer='yes'"):
+        conv.ConvTile(4, 128, 4, 2, "yes")
 
 
 def test_triton_conv_reads_a_strided_weight_in_place(interpreter, small_tiles):
@@ -204,12 +216,23 @@ def test_convs_wider_than_the_kernels_use_the_torch_backend(interpreter, spy):
     assert launched == []
 
 
+def _cuda_cases():
+    """Each backward path at its default tiles, and the split path at every deferred-reduction dpre tile (the sweep
+    may make one the default: the compiled kernel, not only the interpreter's, must be right at the real shape)."""
+    from mcore.kernels.triton.conv import TILE_CANDIDATES
+
+    deferred = [t for t in TILE_CANDIDATES["DPRE_TILE"] if t.defer]
+    return [(b, None) for b in BACKWARDS] + [("split", t) for t in deferred]
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("backward", BACKWARDS)
-def test_triton_conv_bf16_on_cuda_mixer_layout_equals_float64(cuda_triton, monkeypatch, backward):
+@pytest.mark.parametrize("backward,dpre_tile", _cuda_cases(), ids=lambda v: getattr(v, "label", v))
+def test_triton_conv_bf16_on_cuda_mixer_layout_equals_float64(cuda_triton, monkeypatch, backward, dpre_tile):
     from mcore.kernels.triton import conv
 
     monkeypatch.setattr(conv, "BACKWARD", backward)
+    if dpre_tile is not None:
+        monkeypatch.setattr(conv, "DPRE_TILE", dpre_tile)
     length, before, dim, after = 4096, 8192, 10240, 8320  # Nemotron-H-8B's in_proj split: z | xBC | dt (+ slack)
     gen = torch.Generator().manual_seed(0)
     proj = torch.randn(1, length, before + dim + after, generator=gen).to("cuda", torch.bfloat16)

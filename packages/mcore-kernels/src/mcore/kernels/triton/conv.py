@@ -23,8 +23,9 @@ a register tile. That fused pass is here too (``BACKWARD = "fused"``: reads ``x`
 of the two runs is a measurement's choice (``benchmarks/ssm_sweep.py``), not a guess.
 
 Each kernel has its own tiles (:class:`ConvTile`, defaults the fastest measured; :data:`TILE_CANDIDATES` are what
-the sweep tries): the forward and dx kernels ran at 0.071 / 0.050 ms with 32 x 128 tiles at 4 warps (H200, branch
-``ssm`` ``2289984``) and at 0.124 / 0.104 ms once a shared ``NUM_WARPS`` went to 8 for the dpre kernel's sake.
+the sweep tries, each default first): on the H200 the whole conv (forward + backward, GPU kernel time) went 0.482 ->
+0.448 -> 0.290 ms over three tilings, against 2.41 ms for transformers' torch path (8.3x); the dpre kernel (0.160
+ms, 1.6 TB/s) is what stands between it and the 10E floor.
 """
 
 from __future__ import annotations
@@ -48,65 +49,87 @@ class ConvTile:
     cols: int
     warps: int
     tiles: int = 1
+    # dpre kernel only: keep the dw / dbias products as [rows, cols] register sums across the program's tiles and
+    # reduce over positions once at its end (any layout; 5 extra tiles of registers), instead of once a tile (cheap
+    # only when a thread holds every position of its channels: cols = 8 x 32 x warps)
+    defer: bool = False
 
     def __post_init__(self) -> None:
         for name in ("rows", "cols", "warps", "tiles"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1 or (name != "tiles" and value & (value - 1)):
                 raise ValueError(f"ConvTile.{name}={value!r}: a positive int (rows, cols, warps: a power of two)")
+        if not isinstance(self.defer, bool):
+            raise ValueError(f"ConvTile.defer={self.defer!r}: a bool")
 
     @property
     def label(self) -> str:
-        return "x".join(map(str, (self.rows, self.cols, self.warps) + ((self.tiles,) if self.tiles > 1 else ())))
+        label = "x".join(map(str, (self.rows, self.cols, self.warps) + ((self.tiles,) if self.tiles > 1 else ())))
+        return label + ("d" if self.defer else "")
 
 
-# The forward and dx kernels stream 32 x 128 tiles at 4 warps (32 fp32 values a thread): the faster of the two warp
-# counts measured on an H200 (0.071 / 0.050 ms at 4, 0.124 / 0.104 ms at 8).
-FWD_TILE = ConvTile(32, 128, 4)
-DX_TILE = ConvTile(32, 128, 4)
-# The dpre kernel reduces dw / dbias over positions. With 32 x 128 tiles it took 0.34 ms, 5x the forward kernel: its
-# sums over the position axis crossed warps (through shared memory, five a tile). A tile one warp-row high and 1024
-# channels wide (8 per thread x 32 threads x 4 warps) keeps every position of a thread's channels in that thread, so
-# the sums are register adds; 16 such tiles per program (measured 0.187 ms).
-DPRE_TILE = ConvTile(4, 1024, 4, 16)
-# The fused backward keeps the same in-thread position axis, half as wide: it holds the dx accumulator beside the
-# tap tiles of each shift (not measured yet: the sweep decides).
-FUSED_TILE = ConvTile(4, 512, 4, 16)
-# The partial-summing kernel: 64 channels a program, 8 programs' partials a step.
-DW_TILE = ConvTile(8, 64, 4)
-# "split": dpre kernel + dx kernel (10E bytes); "fused": one pass (6E bytes, 4x the sigmoids). Until measured: split.
+# Defaults: the fastest of each kernel's candidates in one sweep on an H200 (2026-12-01, session 6, call 5:
+# `benchmarks/results/s6-h200-2026-12-01/call5/`). The forward and dx kernels stream 16 x 256 tiles at 4 warps
+# (0.071 / 0.049 ms; 32 x 128 measured the same, any 8-warp tiling twice as long).
+FWD_TILE = ConvTile(16, 256, 4)
+DX_TILE = ConvTile(16, 256, 4)
+# The dpre kernel reduces dw / dbias over positions. With 32 x 128 tiles reduced once a tile it took 0.34 ms, 5x the
+# forward kernel: each sum crossed warps through shared memory. One-warp-row-high tiles 1024 channels wide (a thread
+# holds every position of its channels) made the sums register adds (0.18-0.19 ms); deferring the sums to the
+# program's end on 8 x 128 tiles at 2 warps, 16 tiles a program, is faster still (0.160 ms).
+DPRE_TILE = ConvTile(8, 128, 2, 16, True)
+# The fused backward keeps the in-thread position axis (0.41 ms at best: the four recomputed sigmoids cost more than
+# the 4E bytes they save).
+FUSED_TILE = ConvTile(2, 512, 2, 32)
+# The partial-summing kernel: 16 channels a program (one warp), 4 programs' partials a step (0.017 ms).
+DW_TILE = ConvTile(4, 16, 1)
+# "split": dpre kernel + dx kernel (10E bytes); "fused": one pass (6E bytes, 4x the sigmoids). Measured: split 0.290
+# ms against fused 0.500 ms for the whole conv (forward + backward) at the tiles above.
 BACKWARD = "split"
 BACKWARDS = ("split", "fused")
 # What benchmarks/ssm_sweep.py tries for each tile constant (the default first); the tests run every one.
-_STREAM = ((32, 128, 4), (32, 128, 8), (64, 128, 4), (16, 256, 4), (32, 256, 8), (64, 64, 2), (8, 512, 4))
+_STREAM = ((16, 256, 4), (32, 128, 4), (32, 128, 8), (64, 128, 4), (32, 256, 8), (64, 64, 2), (8, 512, 4))
 TILE_CANDIDATES: dict[str, tuple[ConvTile, ...]] = {
     "FWD_TILE": tuple(ConvTile(*t) for t in _STREAM),
     "DX_TILE": tuple(ConvTile(*t) for t in _STREAM),
     "DPRE_TILE": tuple(
         ConvTile(*t)
         for t in (
+            # deferred reductions on the forward's streaming tiles (rows across threads and warps)
+            (8, 128, 2, 16, True),
+            (8, 128, 4, 16, True),
+            (16, 128, 4, 8, True),
+            (8, 256, 4, 16, True),
+            (16, 128, 4, 16, True),
+            # reduced once a tile, a thread holding every position of its channels
             (4, 1024, 4, 16),
             (4, 1024, 4, 8),
             (4, 1024, 4, 32),
             (4, 2048, 8, 16),
-            (4, 512, 4, 16),
-            (8, 1024, 8, 16),
             (2, 1024, 4, 32),
+            # not measured yet: with one or two tiles a program the loads are not serialised behind a loop (more
+            # partials for the dw kernel to sum)
+            (32, 128, 4, 1, True),
+            (16, 256, 4, 1, True),
+            (32, 128, 4, 2, True),
+            (16, 128, 2, 2, True),
+            (64, 128, 4, 1, True),
+            (16, 128, 4, 1, True),
         )
     ),  # fmt: skip
     "FUSED_TILE": tuple(
         ConvTile(*t)
         for t in (
+            (2, 512, 2, 32),
             (4, 512, 4, 16),
             (4, 1024, 4, 16),
             (4, 256, 2, 16),
-            (2, 512, 2, 32),
             (4, 512, 4, 32),
             (8, 512, 8, 16),
             (2, 1024, 4, 32),
         )
     ),  # fmt: skip
-    "DW_TILE": tuple(ConvTile(*t) for t in ((8, 64, 4), (16, 32, 4), (8, 32, 2), (32, 64, 8), (4, 16, 1))),
+    "DW_TILE": tuple(ConvTile(*t) for t in ((4, 16, 1), (8, 64, 4), (16, 32, 4), (8, 32, 2), (32, 64, 8))),
 }
 
 
@@ -170,19 +193,27 @@ def _conv_fwd_kernel(X, W, BIAS, SEQ, OUT, L, D, stride_xb, stride_xl, stride_wd
 @triton.jit
 def _conv_dpre_kernel(X, W, BIAS, SEQ, DY, DPRE, PART, L, D, stride_xb, stride_xl, stride_yb, stride_yl, stride_wd,
                       stride_wk, K: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_SEQ: tl.constexpr, SILU: tl.constexpr,
-                      BL: tl.constexpr, BD: tl.constexpr, TILES: tl.constexpr):  # fmt: skip
-    """``dpre = dy * silu'(pre)`` over ``TILES`` consecutive row tiles, and this program's dw / dbias partials."""
+                      BL: tl.constexpr, BD: tl.constexpr, TILES: tl.constexpr, DEFER: tl.constexpr):  # fmt: skip
+    """``dpre = dy * silu'(pre)`` over ``TILES`` consecutive row tiles, and this program's dw / dbias partials
+    (``DEFER``: summed over positions once, after the last tile; else once a tile)."""
     pid_l, pid_d, b = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
     offs_d = pid_d * BD + tl.arange(0, BD)
     mask_d = offs_d < D
     x_b, seq_b, dy_b = X + b * stride_xb, SEQ + b * L, DY + b * stride_yb
     if HAS_BIAS:
         bias = tl.load(BIAS + offs_d, mask=mask_d, other=0.0).to(tl.float32)[None, :]
-    dw0 = tl.zeros((BD,), dtype=tl.float32)
-    dw1 = tl.zeros((BD,), dtype=tl.float32)
-    dw2 = tl.zeros((BD,), dtype=tl.float32)
-    dw3 = tl.zeros((BD,), dtype=tl.float32)
-    db = tl.zeros((BD,), dtype=tl.float32)
+    if DEFER:
+        acc0 = tl.zeros((BL, BD), dtype=tl.float32)
+        acc1 = tl.zeros((BL, BD), dtype=tl.float32)
+        acc2 = tl.zeros((BL, BD), dtype=tl.float32)
+        acc3 = tl.zeros((BL, BD), dtype=tl.float32)
+        accb = tl.zeros((BL, BD), dtype=tl.float32)
+    else:
+        dw0 = tl.zeros((BD,), dtype=tl.float32)
+        dw1 = tl.zeros((BD,), dtype=tl.float32)
+        dw2 = tl.zeros((BD,), dtype=tl.float32)
+        dw3 = tl.zeros((BD,), dtype=tl.float32)
+        db = tl.zeros((BD,), dtype=tl.float32)
     for i in range(TILES):
         rows = (pid_l * TILES + i) * BL + tl.arange(0, BL)
         in_row = (rows < L)[:, None] & mask_d[None, :]
@@ -199,15 +230,29 @@ def _conv_dpre_kernel(X, W, BIAS, SEQ, DY, DPRE, PART, L, D, stride_xb, stride_x
         out_ptrs = DPRE + (b * L + rows.to(tl.int64))[:, None] * D + offs_d[None, :]
         tl.store(out_ptrs, dpre.to(DPRE.dtype.element_ty), mask=in_row)
         # The tap inputs are already 0 where a tap crosses a document or the row start: dw needs no other mask.
-        # They are read again (L1 hits; the store above keeps the compiler from reusing the first loads), so that
-        # four tap tiles need not stay live in registers across the SiLU derivative.
-        x0, x1, x2, x3, w0, w1, w2, w3 = _taps(x_b, W, seq_b, rows, offs_d, mask_d, stride_xl, L, stride_wd, stride_wk,
-                                               K, HAS_SEQ)  # fmt: skip
-        dw0 += tl.sum(dpre * x0, axis=0)
-        dw1 += tl.sum(dpre * x1, axis=0)
-        dw2 += tl.sum(dpre * x2, axis=0)
-        dw3 += tl.sum(dpre * x3, axis=0)
-        db += tl.sum(dpre, axis=0)
+        if DEFER:
+            # The tap tiles stay live (few values a thread on these tiles); no cross-thread sum in the loop.
+            acc0 += dpre * x0
+            acc1 += dpre * x1
+            acc2 += dpre * x2
+            acc3 += dpre * x3
+            accb += dpre
+        else:
+            # Read again (L1 hits; the store above keeps the compiler from reusing the first loads), so that four
+            # wide tap tiles need not stay live in registers across the SiLU derivative.
+            x0, x1, x2, x3, w0, w1, w2, w3 = _taps(x_b, W, seq_b, rows, offs_d, mask_d, stride_xl, L, stride_wd,
+                                                   stride_wk, K, HAS_SEQ)  # fmt: skip
+            dw0 += tl.sum(dpre * x0, axis=0)
+            dw1 += tl.sum(dpre * x1, axis=0)
+            dw2 += tl.sum(dpre * x2, axis=0)
+            dw3 += tl.sum(dpre * x3, axis=0)
+            db += tl.sum(dpre, axis=0)
+    if DEFER:
+        dw0 = tl.sum(acc0, axis=0)
+        dw1 = tl.sum(acc1, axis=0)
+        dw2 = tl.sum(acc2, axis=0)
+        dw3 = tl.sum(acc3, axis=0)
+        db = tl.sum(accb, axis=0)
     part = PART + ((b * tl.num_programs(0) + pid_l) * 5) * D + offs_d
     tl.store(part, dw0, mask=mask_d)
     tl.store(part + D, dw1, mask=mask_d)
@@ -385,7 +430,7 @@ def conv_backward(dy, x, weight, bias, seq_idx, silu: bool):
         _conv_bwd_fused_kernel[grid](*args, dx, part, *sizes, **flags, **launch)
     else:
         dpre = torch.empty_like(dx)
-        _conv_dpre_kernel[grid](*args, dpre, part, *sizes, **flags, **launch)
+        _conv_dpre_kernel[grid](*args, dpre, part, *sizes, **flags, **launch, DEFER=tile.defer)
         _conv_dx_kernel[_grid(b, length, dim, DX_TILE)](
             dpre, weight, seq, dx, length, dim, *ws, K=k, HAS_SEQ=seq_idx is not None, BL=DX_TILE.rows,
             BD=DX_TILE.cols, num_warps=DX_TILE.warps,
