@@ -191,6 +191,18 @@ def _conv_fwd_kernel(X, W, BIAS, SEQ, OUT, L, D, stride_xb, stride_xl, stride_wd
 
 
 @triton.jit
+def _store_partials(PART, b, pid_l, D, offs_d, mask_d, dw0, dw1, dw2, dw3, db):
+    """This program's dw (four taps) and dbias partials: row ``b * programs + pid_l`` of ``PART [P, 5, D]``, which
+    :func:`_conv_dw_kernel` sums."""
+    part = PART + ((b * tl.num_programs(0) + pid_l) * 5) * D + offs_d
+    tl.store(part, dw0, mask=mask_d)
+    tl.store(part + D, dw1, mask=mask_d)
+    tl.store(part + 2 * D, dw2, mask=mask_d)
+    tl.store(part + 3 * D, dw3, mask=mask_d)
+    tl.store(part + 4 * D, db, mask=mask_d)
+
+
+@triton.jit
 def _conv_dpre_kernel(X, W, BIAS, SEQ, DY, DPRE, PART, L, D, stride_xb, stride_xl, stride_yb, stride_yl, stride_wd,
                       stride_wk, K: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_SEQ: tl.constexpr, SILU: tl.constexpr,
                       BL: tl.constexpr, BD: tl.constexpr, TILES: tl.constexpr, DEFER: tl.constexpr):  # fmt: skip
@@ -253,12 +265,7 @@ def _conv_dpre_kernel(X, W, BIAS, SEQ, DY, DPRE, PART, L, D, stride_xb, stride_x
         dw2 = tl.sum(acc2, axis=0)
         dw3 = tl.sum(acc3, axis=0)
         db = tl.sum(accb, axis=0)
-    part = PART + ((b * tl.num_programs(0) + pid_l) * 5) * D + offs_d
-    tl.store(part, dw0, mask=mask_d)
-    tl.store(part + D, dw1, mask=mask_d)
-    tl.store(part + 2 * D, dw2, mask=mask_d)
-    tl.store(part + 3 * D, dw3, mask=mask_d)
-    tl.store(part + 4 * D, db, mask=mask_d)
+    _store_partials(PART, b, pid_l, D, offs_d, mask_d, dw0, dw1, dw2, dw3, db)
 
 
 @triton.jit
@@ -351,12 +358,7 @@ def _conv_bwd_fused_kernel(X, W, BIAS, SEQ, DY, DX, PART, L, D, stride_xb, strid
             dx += _tap_weight(W, offs_d, mask_d, 3 - shift, stride_wd, stride_wk, K) * d
         ptrs = DX + (b * L + rows.to(tl.int64))[:, None] * D + offs_d[None, :]
         tl.store(ptrs, dx.to(DX.dtype.element_ty), mask=(rows < L)[:, None] & mask_d[None, :])
-    part = PART + ((b * tl.num_programs(0) + pid_l) * 5) * D + offs_d
-    tl.store(part, dw0, mask=mask_d)
-    tl.store(part + D, dw1, mask=mask_d)
-    tl.store(part + 2 * D, dw2, mask=mask_d)
-    tl.store(part + 3 * D, dw3, mask=mask_d)
-    tl.store(part + 4 * D, db, mask=mask_d)
+    _store_partials(PART, b, pid_l, D, offs_d, mask_d, dw0, dw1, dw2, dw3, db)
 
 
 @triton.jit

@@ -60,6 +60,15 @@ def _load_rows(ptrs, rows_valid, offs_d, D, ROWS_MASKED: tl.constexpr, EVEN_D: t
 
 
 @triton.jit
+def _block_row(BLOCKS, block):
+    """One program's row of :func:`~mcore.kernels.triton.flash_schedule.build_blocks`' table: ``(batch row (int64),
+    first token of the block in the packed tensor, its rows, its first position, segment range lo, hi)``."""
+    base = BLOCKS + block * 6
+    row = tl.load(base).to(tl.int64)
+    return row, tl.load(base + 1), tl.load(base + 2), tl.load(base + 3), tl.load(base + 4), tl.load(base + 5)
+
+
+@triton.jit
 def _allowed(q_pos, k_pos, valid, window, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr):
     """The causal/window rule on broadcast position tiles (either orientation: [q, k] or [k, q])."""
     allowed = valid
@@ -152,12 +161,7 @@ def _fwd_kernel(
     head = tl.program_id(0) * PACK  # the first of PACK heads (of one GQA group) whose rows share the tile
     block = tl.program_id(1)
     kv_head = head // group
-    row = tl.load(BLOCKS + block * 6).to(tl.int64)
-    q_start = tl.load(BLOCKS + block * 6 + 1)
-    q_rows = tl.load(BLOCKS + block * 6 + 2)
-    q_first = tl.load(BLOCKS + block * 6 + 3)
-    seg_lo = tl.load(BLOCKS + block * 6 + 4)
-    seg_hi = tl.load(BLOCKS + block * 6 + 5)
+    row, q_start, q_rows, q_first, seg_lo, seg_hi = _block_row(BLOCKS, block)
     q_last = q_first + q_rows - 1
 
     offs_m = tl.arange(0, BLOCK_M)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from mcore.kernels.triton.flash_attention import _allowed, _load_rows, _visible_keys
+from mcore.kernels.triton.flash_attention import _allowed, _block_row, _load_rows, _visible_keys
 from mcore.kernels.triton.flash_backward_kernels import _load_stats, _row_stats
 
 
@@ -92,12 +92,7 @@ def _bwd_q_kernel(
     head = tl.program_id(0) * PACK  # the first of PACK heads (of one GQA group) whose rows share the tile
     block = tl.program_id(1)
     kv_head = head // group
-    row = tl.load(BLOCKS + block * 6).to(tl.int64)
-    q_start = tl.load(BLOCKS + block * 6 + 1)
-    q_rows = tl.load(BLOCKS + block * 6 + 2)
-    q_first = tl.load(BLOCKS + block * 6 + 3)
-    seg_lo = tl.load(BLOCKS + block * 6 + 4)
-    seg_hi = tl.load(BLOCKS + block * 6 + 5)
+    row, q_start, q_rows, q_first, seg_lo, seg_hi = _block_row(BLOCKS, block)
     q_last = q_first + q_rows - 1
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)

@@ -15,7 +15,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from mcore.kernels.triton.flash_attention import _allowed, _load_rows
+from mcore.kernels.triton.flash_attention import _allowed, _block_row, _load_rows
 
 # dQ in the dK/dV kernel: not at all (the dQ kernel runs), by fp32 atomics, or stored (single-block documents).
 DQ_SEPARATE, DQ_ATOMIC, DQ_STORE = 0, 1, 2
@@ -242,12 +242,7 @@ def _bwd_kv_kernel(
 ):  # fmt: skip
     kv_head = tl.program_id(0)
     block = tl.program_id(1)
-    row = tl.load(BLOCKS + block * 6).to(tl.int64)
-    k_start = tl.load(BLOCKS + block * 6 + 1)
-    k_rows = tl.load(BLOCKS + block * 6 + 2)
-    k_first = tl.load(BLOCKS + block * 6 + 3)
-    seg_lo = tl.load(BLOCKS + block * 6 + 4)
-    seg_hi = tl.load(BLOCKS + block * 6 + 5)
+    row, k_start, k_rows, k_first, seg_lo, seg_hi = _block_row(BLOCKS, block)
     offs_m = tl.arange(0, BLOCK_M)
     offs_dqk = tl.arange(0, BLOCK_DQK)
     offs_dv = tl.arange(0, BLOCK_DV)
