@@ -18,14 +18,15 @@ SSD_TILES = {
     "STATE_BLOCK": (128, 256, 512, 1024),
 }
 STATES_ROWS = (32, 64, 128)  # mcore.kernels.triton.ssd_states.ROWS
-# mcore.kernels.triton.conv: each tile constant (its candidates: conv.TILE_CANDIDATES, the default first), the kernel
-# whose GPU time decides it, and the backward path that launches that kernel
+# mcore.kernels.triton.conv: each tile constant (its candidates: conv.TILE_CANDIDATES, the default first), the kernels
+# whose summed GPU time decides it (a tile runs one of the shifted / polyphase pair; the dpre tile also sets how many
+# partials the dw kernel sums), and the backward path that launches them
 CONV_KERNELS = {
-    "FWD_TILE": ("_conv_fwd_kernel", "split"),
-    "DX_TILE": ("_conv_dx_kernel", "split"),
-    "DPRE_TILE": ("_conv_dpre_kernel", "split"),
-    "FUSED_TILE": ("_conv_bwd_fused_kernel", "fused"),
-    "DW_TILE": ("_conv_dw_kernel", "split"),
+    "FWD_TILE": (("_conv_fwd_kernel", "_conv_fwd_phased_kernel"), "split"),
+    "DX_TILE": (("_conv_dx_kernel", "_conv_dx_phased_kernel"), "split"),
+    "DPRE_TILE": (("_conv_dpre_kernel", "_conv_dpre_phased_kernel", "_conv_dw_kernel"), "split"),
+    "FUSED_TILE": (("_conv_bwd_fused_kernel",), "fused"),
+    "DW_TILE": (("_conv_dw_kernel",), "split"),
 }
 
 
@@ -107,28 +108,28 @@ def _ssd_sweep(s: dict, device: torch.device, dtype: torch.dtype, measure, iters
 
 
 def _conv_sweep(conv_step: Callable[[], object], kernel_ms, iters: int) -> dict:
-    """Each conv tile constant's candidates timed by its own kernel's ms (``{constant: {label: ms or error}}``), then
-    the whole step on each backward path with every kernel at its fastest tile (``"BACKWARD": {path: ms}``), and
-    ``"best"``: what to make the defaults (``{constant: label, "BACKWARD": path}``). The defaults are restored."""
+    """Each conv tile constant's candidates timed by its kernels' ms (``{constant: {label: ms or error}}``), in
+    :data:`CONV_KERNELS` order with the constants before it at their fastest (the dw tile is chosen for the dpre
+    tile's partial count), then the whole step on each backward path with every kernel at its fastest tile
+    (``"BACKWARD": {path: ms}``), and ``"best"``: what to make the defaults (``{constant: label, "BACKWARD": path}``).
+    The defaults are restored."""
     from mcore.kernels.triton import conv as tconv
 
     saved = {name: getattr(tconv, name) for name in (*CONV_KERNELS, "BACKWARD")}
     out: dict = {}
     best: dict = {}
     try:
-        for name, (kernel, path) in CONV_KERNELS.items():
+        for name, (kernels, path) in CONV_KERNELS.items():
             tconv.BACKWARD = path
             out[name] = {}
             for tile in tconv.TILE_CANDIDATES[name]:
                 setattr(tconv, name, tile)
-                out[name][tile.label] = _conv_ms(conv_step, kernel_ms, iters, kernel)
-            setattr(tconv, name, saved[name])
+                out[name][tile.label] = _conv_ms(conv_step, kernel_ms, iters, kernels)
             timed = {t: out[name][t.label] for t in tconv.TILE_CANDIDATES[name]}
             timed = {t: ms for t, ms in timed.items() if isinstance(ms, float)}
             if timed:
                 best[name] = min(timed, key=timed.get)
-        for name, tile in best.items():
-            setattr(tconv, name, tile)
+            setattr(tconv, name, best.get(name, saved[name]))
         out["BACKWARD"] = {}
         for path in tconv.BACKWARDS:
             tconv.BACKWARD = path
@@ -143,15 +144,18 @@ def _conv_sweep(conv_step: Callable[[], object], kernel_ms, iters: int) -> dict:
     return out
 
 
-def _conv_ms(conv_step: Callable[[], object], kernel_ms, iters: int, kernel: str | None) -> float | str:
-    """GPU ms of ``kernel`` in one conv step (all kernels when ``None``), or the error that stopped it (a tile that
-    does not build on this GPU loses; the sweep goes on)."""
+def _conv_ms(conv_step: Callable[[], object], kernel_ms, iters: int, kernels: tuple[str, ...] | None) -> float | str:
+    """Summed GPU ms of those of ``kernels`` that ran in one conv step (all kernels when ``None``), or the error that
+    stopped it (a tile that does not build on this GPU loses; the sweep goes on)."""
     try:
         times = kernel_ms(conv_step, iters)
     except Exception as exc:  # recorded in the sweep's table
         return f"error: {type(exc).__name__}: {exc}"[:500]
-    if kernel is None:
+    if kernels is None:
         return float(sum(times.values()))
-    if kernel in times or "*" in times:
-        return float(times.get(kernel, times.get("*")))
-    return f"error: {kernel} did not run (kernels: {sorted(times)})"
+    if "*" in times:
+        return float(times["*"])
+    ran = [times[k] for k in kernels if k in times]
+    if ran:
+        return float(sum(ran))
+    return f"error: none of {', '.join(kernels)} ran (kernels: {sorted(times)})"

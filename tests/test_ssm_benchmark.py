@@ -135,8 +135,9 @@ def test_conv_sweep_records_a_failing_tile_and_a_kernel_that_did_not_run(monkeyp
     out = ssm_sweep._conv_sweep(lambda: None, kernel_ms, 1)
     assert out["FWD_TILE"]["64x64x2"].startswith("error: RuntimeError: out of resources")
     assert out["best"]["FWD_TILE"] == tconv.FWD_TILE.label
-    assert out["DX_TILE"][tconv.DX_TILE.label].startswith("error: _conv_dx_kernel did not run")
+    assert out["DX_TILE"][tconv.DX_TILE.label].startswith("error: none of _conv_dx_kernel, _conv_dx_phased_kernel ran")
     assert "DX_TILE" not in out["best"] and out["FUSED_TILE"][tconv.FUSED_TILE.label] == 0.2
+    assert out["DPRE_TILE"][tconv.DPRE_TILE.label] == pytest.approx(0.25)  # the dpre kernel + the dw kernel it feeds
     assert out["BACKWARD"] == pytest.approx({"split": 0.35, "fused": 0.35})
 
 

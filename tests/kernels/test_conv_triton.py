@@ -122,6 +122,29 @@ def test_triton_conv_on_the_mixer_layout_equals_float64_f_conv1d(interpreter, sp
     assert kernels["_conv_dpre_kernel"].launches == (backward == "split")
 
 
+@pytest.mark.parametrize("k,bias,activation,cuts", CASES)
+def test_polyphase_tiles_equal_float64_f_conv1d(interpreter, small_tiles, monkeypatch, k, bias, activation, cuts):
+    """The polyphase forward, dpre and dx kernels: documents cut inside a phase row and across programs (8-row tiles:
+    2 positions a phase), several dpre tiles a program."""
+    for name, tile in (("FWD_TILE", (8, 32, 2)), ("DX_TILE", (8, 16, 2)), ("DPRE_TILE", (8, 32, 2, 2))):
+        monkeypatch.setattr(small_tiles, name, small_tiles.ConvTile(*tile, phased=True))
+    launched = [CountedLaunches(monkeypatch, small_tiles, f"_conv_{n}_phased_kernel") for n in ("fwd", "dpre", "dx")]
+    b, length, dim = 2, 37, 40
+    gen = torch.Generator().manual_seed(k * 10 + len(cuts[0]) + len(cuts[1]) + 1)
+    x = mixer_slice(gen, b, length, dim)
+    w = torch.randn(dim, k, generator=gen).requires_grad_()
+    bb = torch.randn(dim, generator=gen).requires_grad_() if bias else None
+    check_against_float64(x, w, bb, activation, [[0, *c, length] for c in cuts], gen, (1e-5, 1e-5))
+    assert [kernel.launches for kernel in launched] == [1, 1, 1]
+
+
+def test_a_polyphase_tile_needs_two_positions_a_phase():
+    from mcore.kernels.triton import conv
+
+    with pytest.raises(ValueError, match=r"ConvTile.rows=4 with phased=True: at least 8"):
+        conv.ConvTile(4, 128, 4, phased=True)
+
+
 # fp16 / bf16 inputs (fp32 math in the kernels; outputs and, on the split path, dpre rounded to the input dtype). The
 # conv has no tl.dot, so the interpreter's wrong bf16 dot does not apply: bf16 is checked here too.
 LOW_PRECISION = [(torch.float16, (2e-3, 2e-3)), (torch.bfloat16, (2e-2, 2e-2))]
@@ -217,22 +240,23 @@ def test_convs_wider_than_the_kernels_use_the_torch_backend(interpreter, spy):
 
 
 def _cuda_cases():
-    """Each backward path at its default tiles, and the split path at every deferred-reduction dpre tile (the sweep
-    may make one the default: the compiled kernel, not only the interpreter's, must be right at the real shape)."""
+    """Each backward path at its default tiles, and the split path at every deferred-reduction dpre tile and every
+    polyphase tile (the sweep may make one the default: the compiled kernel, not only the interpreter's, must be right
+    at the real shape)."""
     from mcore.kernels.triton.conv import TILE_CANDIDATES
 
-    deferred = [t for t in TILE_CANDIDATES["DPRE_TILE"] if t.defer]
-    return [(b, None) for b in BACKWARDS] + [("split", t) for t in deferred]
+    picked = [(name, t) for name, tiles in TILE_CANDIDATES.items() for t in tiles if t.defer or t.phased]
+    return [(b, None, None) for b in BACKWARDS] + [("split", name, t) for name, t in picked]
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("backward,dpre_tile", _cuda_cases(), ids=lambda v: getattr(v, "label", v))
-def test_triton_conv_bf16_on_cuda_mixer_layout_equals_float64(cuda_triton, monkeypatch, backward, dpre_tile):
+@pytest.mark.parametrize("backward,name,tile", _cuda_cases(), ids=lambda v: getattr(v, "label", v))
+def test_triton_conv_bf16_on_cuda_mixer_layout_equals_float64(cuda_triton, monkeypatch, backward, name, tile):
     from mcore.kernels.triton import conv
 
     monkeypatch.setattr(conv, "BACKWARD", backward)
-    if dpre_tile is not None:
-        monkeypatch.setattr(conv, "DPRE_TILE", dpre_tile)
+    if tile is not None:
+        monkeypatch.setattr(conv, name, tile)
     length, before, dim, after = 4096, 8192, 10240, 8320  # Nemotron-H-8B's in_proj split: z | xBC | dt (+ slack)
     gen = torch.Generator().manual_seed(0)
     proj = torch.randn(1, length, before + dim + after, generator=gen).to("cuda", torch.bfloat16)

@@ -53,19 +53,25 @@ class ConvTile:
     # reduce over positions once at its end (any layout; 5 extra tiles of registers), instead of once a tile (cheap
     # only when a thread holds every position of its channels: cols = 8 x 32 x warps)
     defer: bool = False
+    # forward, dpre and dx kernels: the polyphase form (see "Polyphase tiles" below): a rows-high tile is four
+    # rows/4-high tiles of every fourth position, and the taps read 7 of those instead of 4 full shifted tiles
+    phased: bool = False
 
     def __post_init__(self) -> None:
         for name in ("rows", "cols", "warps", "tiles"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1 or (name != "tiles" and value & (value - 1)):
                 raise ValueError(f"ConvTile.{name}={value!r}: a positive int (rows, cols, warps: a power of two)")
-        if not isinstance(self.defer, bool):
-            raise ValueError(f"ConvTile.defer={self.defer!r}: a bool")
+        for name in ("defer", "phased"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"ConvTile.{name}={getattr(self, name)!r}: a bool")
+        if self.phased and self.rows < 2 * WIDTH:
+            raise ValueError(f"ConvTile.rows={self.rows} with phased=True: at least {2 * WIDTH} (rows/4 per phase)")
 
     @property
     def label(self) -> str:
         label = "x".join(map(str, (self.rows, self.cols, self.warps) + ((self.tiles,) if self.tiles > 1 else ())))
-        return label + ("d" if self.defer else "")
+        return label + ("d" if self.defer else "") + ("p" if self.phased else "")
 
 
 # Defaults: the fastest of each kernel's candidates in one sweep on an H200 (2026-12-01, session 6, call 5:
@@ -89,9 +95,15 @@ BACKWARD = "split"
 BACKWARDS = ("split", "fused")
 # What benchmarks/ssm_sweep.py tries for each tile constant (the default first); the tests run every one.
 _STREAM = ((16, 256, 4), (32, 128, 4), (32, 128, 8), (64, 128, 4), (32, 256, 8), (64, 64, 2), (8, 512, 4))
+# polyphase streaming tiles (not measured yet): rows / 4 positions a phase
+_PHASED = ((32, 128, 4), (16, 256, 4), (32, 256, 4), (64, 128, 4), (32, 128, 2), (16, 128, 2), (64, 256, 8),
+           (32, 64, 2))  # fmt: skip
+# the partial-summing kernel; the wider steps are for the one- and two-tile dpre programs' partial counts
+_DW = ((4, 16, 1), (8, 64, 4), (16, 32, 4), (8, 32, 2), (32, 64, 8), (16, 16, 1), (32, 16, 1), (16, 32, 2),
+       (32, 32, 4))  # fmt: skip
 TILE_CANDIDATES: dict[str, tuple[ConvTile, ...]] = {
-    "FWD_TILE": tuple(ConvTile(*t) for t in _STREAM),
-    "DX_TILE": tuple(ConvTile(*t) for t in _STREAM),
+    "FWD_TILE": tuple(ConvTile(*t) for t in _STREAM) + tuple(ConvTile(*t, phased=True) for t in _PHASED),
+    "DX_TILE": tuple(ConvTile(*t) for t in _STREAM) + tuple(ConvTile(*t, phased=True) for t in _PHASED),
     "DPRE_TILE": tuple(
         ConvTile(*t)
         for t in (
@@ -116,6 +128,22 @@ TILE_CANDIDATES: dict[str, tuple[ConvTile, ...]] = {
             (64, 128, 4, 1, True),
             (16, 128, 4, 1, True),
         )
+    )
+    # polyphase (not measured yet): the dw / dbias products summed as [rows / 4, cols] tiles, reduced at the end
+    + tuple(
+        ConvTile(*t, phased=True)
+        for t in (
+            (32, 128, 4, 1),
+            (32, 128, 4, 2),
+            (64, 128, 4, 1),
+            (32, 128, 2, 1),
+            (16, 128, 2, 2),
+            (32, 256, 4, 1),
+            (64, 128, 8, 1),
+            (32, 128, 4, 4),
+            (16, 256, 4, 2),
+            (64, 64, 2, 1),
+        )
     ),  # fmt: skip
     "FUSED_TILE": tuple(
         ConvTile(*t)
@@ -129,7 +157,7 @@ TILE_CANDIDATES: dict[str, tuple[ConvTile, ...]] = {
             (2, 1024, 4, 32),
         )
     ),  # fmt: skip
-    "DW_TILE": tuple(ConvTile(*t) for t in ((4, 16, 1), (8, 64, 4), (16, 32, 4), (8, 32, 2), (32, 64, 8))),
+    "DW_TILE": tuple(ConvTile(*t) for t in _DW),
 }
 
 
@@ -361,6 +389,211 @@ def _conv_bwd_fused_kernel(X, W, BIAS, SEQ, DY, DX, PART, L, D, stride_xb, strid
     _store_partials(PART, b, pid_l, D, offs_d, mask_d, dw0, dw1, dw2, dw3, db)
 
 
+# Polyphase tiles (``ConvTile.phased``). A program's positions ``r0 + 4 i + s`` (``i < rows / 4``, phase ``s < 4``) are
+# held as four ``[rows / 4, cols]`` tiles, one a phase. Tap ``j`` of output phase ``s`` reads position
+# ``r0 + 4 i + s - 3 + j``: with the seven source tiles ``src_k = in[r0 + 4 i - 3 + k]`` (``k < 7``; the first three
+# are phases 1-3 of the row before) that is ``src_{s + j}``. So each input element is read 7/4 times through L1/L2
+# instead of the 4 times of four shifted full tiles, for the same FMAs: Triton cannot shift a register tile, and
+# this needs no shift. The price: a tap's document mask depends on the output phase (one ``where`` a tap with
+# ``seq_idx``), and the stores of a phase are every fourth row (each row still ``cols`` contiguous channels).
+
+
+@triton.jit
+def _phase_seq(SEQ, rows, L, HAS_SEQ: tl.constexpr):
+    """Document index of ``rows`` (-1 outside ``[0, L)``); 0 without ``seq_idx``."""
+    q = 0
+    if HAS_SEQ:
+        q = tl.load(SEQ + rows, mask=(rows >= 0) & (rows < L), other=-1)
+    return q
+
+
+@triton.jit
+def _same_doc(t, q_src, q_out, HAS_SEQ: tl.constexpr):
+    """``t`` where its source row is in the output row's document, else 0 (rows outside ``[0, L)`` are 0 already)."""
+    if HAS_SEQ:
+        t = tl.where((q_src == q_out)[:, None], t, 0.0)
+    return t
+
+
+@triton.jit
+def _phase_sources(P, SEQ, first, offs_d, mask_d, stride_l, L, BQ: tl.constexpr, HAS_SEQ: tl.constexpr):
+    """The seven tiles ``P[first + 4 i + k]`` (``k < 7``; fp32 ``[BQ, BD]``, 0 outside ``[0, L)``) and their rows'
+    document indices."""
+    base = first + 4 * tl.arange(0, BQ)
+    t0 = _rows(P, base, offs_d, mask_d, stride_l, L, SEQ, 0, False)
+    t1 = _rows(P, base + 1, offs_d, mask_d, stride_l, L, SEQ, 0, False)
+    t2 = _rows(P, base + 2, offs_d, mask_d, stride_l, L, SEQ, 0, False)
+    t3 = _rows(P, base + 3, offs_d, mask_d, stride_l, L, SEQ, 0, False)
+    t4 = _rows(P, base + 4, offs_d, mask_d, stride_l, L, SEQ, 0, False)
+    t5 = _rows(P, base + 5, offs_d, mask_d, stride_l, L, SEQ, 0, False)
+    t6 = _rows(P, base + 6, offs_d, mask_d, stride_l, L, SEQ, 0, False)
+    q0 = _phase_seq(SEQ, base, L, HAS_SEQ)
+    q1 = _phase_seq(SEQ, base + 1, L, HAS_SEQ)
+    q2 = _phase_seq(SEQ, base + 2, L, HAS_SEQ)
+    q3 = _phase_seq(SEQ, base + 3, L, HAS_SEQ)
+    q4 = _phase_seq(SEQ, base + 4, L, HAS_SEQ)
+    q5 = _phase_seq(SEQ, base + 5, L, HAS_SEQ)
+    q6 = _phase_seq(SEQ, base + 6, L, HAS_SEQ)
+    return t0, t1, t2, t3, t4, t5, t6, q0, q1, q2, q3, q4, q5, q6
+
+
+@triton.jit
+def _weights(W, offs_d, mask_d, stride_wd, stride_wk, K: tl.constexpr):
+    w0 = _tap_weight(W, offs_d, mask_d, 0, stride_wd, stride_wk, K)
+    w1 = _tap_weight(W, offs_d, mask_d, 1, stride_wd, stride_wk, K)
+    w2 = _tap_weight(W, offs_d, mask_d, 2, stride_wd, stride_wk, K)
+    w3 = _tap_weight(W, offs_d, mask_d, 3, stride_wd, stride_wk, K)
+    return w0, w1, w2, w3
+
+
+@triton.jit
+def _phase_pre(t0, t1, t2, t3, q0, q1, q2, q3, w0, w1, w2, w3, bias, HAS_BIAS: tl.constexpr, HAS_SEQ: tl.constexpr):
+    """One output phase: the pre-activation from its four tap tiles (``t3`` is the output row itself, ``q3`` its
+    document), and the three earlier taps document-masked (what dw multiplies)."""
+    t0 = _same_doc(t0, q0, q3, HAS_SEQ)
+    t1 = _same_doc(t1, q1, q3, HAS_SEQ)
+    t2 = _same_doc(t2, q2, q3, HAS_SEQ)
+    pre = w0 * t0 + w1 * t1 + w2 * t2 + w3 * t3
+    if HAS_BIAS:
+        pre += bias
+    return pre, t0, t1, t2
+
+
+@triton.jit
+def _store_phase(OUT, rows, offs_d, mask_d, D, L, value):
+    ptrs = OUT + rows.to(tl.int64)[:, None] * D + offs_d[None, :]
+    tl.store(ptrs, value.to(OUT.dtype.element_ty), mask=(rows < L)[:, None] & mask_d[None, :])
+
+
+@triton.jit
+def _fwd_phase(OUT, rows, t0, t1, t2, t3, q0, q1, q2, q3, w0, w1, w2, w3, bias, offs_d, mask_d, D, L,
+               HAS_BIAS: tl.constexpr, HAS_SEQ: tl.constexpr, SILU: tl.constexpr):  # fmt: skip
+    acc, _, _, _ = _phase_pre(t0, t1, t2, t3, q0, q1, q2, q3, w0, w1, w2, w3, bias, HAS_BIAS, HAS_SEQ)
+    if SILU:
+        acc = acc * tl.sigmoid(acc)
+    _store_phase(OUT, rows, offs_d, mask_d, D, L, acc)
+
+
+@triton.jit
+def _conv_fwd_phased_kernel(X, W, BIAS, SEQ, OUT, L, D, stride_xb, stride_xl, stride_wd, stride_wk, K: tl.constexpr,
+                            HAS_BIAS: tl.constexpr, HAS_SEQ: tl.constexpr, SILU: tl.constexpr, BL: tl.constexpr,
+                            BD: tl.constexpr):  # fmt: skip
+    """The forward on polyphase tiles: output phase ``s`` from sources ``s .. s + 3``."""
+    BQ: tl.constexpr = BL // 4
+    pid_l, pid_d, b = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
+    offs_d = pid_d * BD + tl.arange(0, BD)
+    mask_d = offs_d < D
+    r0 = pid_l * BL
+    t0, t1, t2, t3, t4, t5, t6, q0, q1, q2, q3, q4, q5, q6 = _phase_sources(
+        X + b * stride_xb, SEQ + b * L, r0 - 3, offs_d, mask_d, stride_xl, L, BQ, HAS_SEQ
+    )
+    w0, w1, w2, w3 = _weights(W, offs_d, mask_d, stride_wd, stride_wk, K)
+    bias = tl.zeros((1, BD), dtype=tl.float32)
+    if HAS_BIAS:
+        bias = tl.load(BIAS + offs_d, mask=mask_d, other=0.0).to(tl.float32)[None, :]
+    out_b, rows = OUT + b * L * D, r0 + 4 * tl.arange(0, BQ)
+    _fwd_phase(out_b, rows, t0, t1, t2, t3, q0, q1, q2, q3, w0, w1, w2, w3, bias, offs_d, mask_d, D, L, HAS_BIAS,
+               HAS_SEQ, SILU)  # fmt: skip
+    _fwd_phase(out_b, rows + 1, t1, t2, t3, t4, q1, q2, q3, q4, w0, w1, w2, w3, bias, offs_d, mask_d, D, L, HAS_BIAS,
+               HAS_SEQ, SILU)  # fmt: skip
+    _fwd_phase(out_b, rows + 2, t2, t3, t4, t5, q2, q3, q4, q5, w0, w1, w2, w3, bias, offs_d, mask_d, D, L, HAS_BIAS,
+               HAS_SEQ, SILU)  # fmt: skip
+    _fwd_phase(out_b, rows + 3, t3, t4, t5, t6, q3, q4, q5, q6, w0, w1, w2, w3, bias, offs_d, mask_d, D, L, HAS_BIAS,
+               HAS_SEQ, SILU)  # fmt: skip
+
+
+@triton.jit
+def _dpre_phase(DY, DPRE, rows, t0, t1, t2, t3, q0, q1, q2, q3, w0, w1, w2, w3, bias, offs_d, mask_d, stride_yl, D, L,
+                acc0, acc1, acc2, acc3, accb, HAS_BIAS: tl.constexpr, HAS_SEQ: tl.constexpr,
+                SILU: tl.constexpr):  # fmt: skip
+    """One output phase of the dpre kernel: ``dpre`` stored, its dw / dbias products added to the running sums."""
+    pre, t0, t1, t2 = _phase_pre(t0, t1, t2, t3, q0, q1, q2, q3, w0, w1, w2, w3, bias, HAS_BIAS, HAS_SEQ)
+    in_row = (rows < L)[:, None] & mask_d[None, :]
+    dpre = tl.load(DY + rows.to(tl.int64)[:, None] * stride_yl + offs_d[None, :], mask=in_row, other=0.0)
+    dpre = dpre.to(tl.float32)
+    if SILU:
+        sig = tl.sigmoid(pre)
+        dpre = dpre * sig * (1.0 + pre * (1.0 - sig))
+    _store_phase(DPRE, rows, offs_d, mask_d, D, L, dpre)
+    return acc0 + dpre * t0, acc1 + dpre * t1, acc2 + dpre * t2, acc3 + dpre * t3, accb + dpre
+
+
+@triton.jit
+def _conv_dpre_phased_kernel(X, W, BIAS, SEQ, DY, DPRE, PART, L, D, stride_xb, stride_xl, stride_yb, stride_yl,
+                             stride_wd, stride_wk, K: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_SEQ: tl.constexpr,
+                             SILU: tl.constexpr, BL: tl.constexpr, BD: tl.constexpr, TILES: tl.constexpr):  # fmt: skip
+    """The dpre kernel on polyphase tiles over ``TILES`` consecutive row tiles; the dw / dbias products kept as
+    ``[BL / 4, BD]`` sums and reduced over positions once, at the end."""
+    BQ: tl.constexpr = BL // 4
+    pid_l, pid_d, b = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
+    offs_d = pid_d * BD + tl.arange(0, BD)
+    mask_d = offs_d < D
+    x_b, seq_b, dy_b, dpre_b = X + b * stride_xb, SEQ + b * L, DY + b * stride_yb, DPRE + b * L * D
+    w0, w1, w2, w3 = _weights(W, offs_d, mask_d, stride_wd, stride_wk, K)
+    bias = tl.zeros((1, BD), dtype=tl.float32)
+    if HAS_BIAS:
+        bias = tl.load(BIAS + offs_d, mask=mask_d, other=0.0).to(tl.float32)[None, :]
+    a0 = tl.zeros((BQ, BD), dtype=tl.float32)
+    a1 = tl.zeros((BQ, BD), dtype=tl.float32)
+    a2 = tl.zeros((BQ, BD), dtype=tl.float32)
+    a3 = tl.zeros((BQ, BD), dtype=tl.float32)
+    ab = tl.zeros((BQ, BD), dtype=tl.float32)
+    for i in range(TILES):
+        r0 = (pid_l * TILES + i) * BL
+        t0, t1, t2, t3, t4, t5, t6, q0, q1, q2, q3, q4, q5, q6 = _phase_sources(
+            x_b, seq_b, r0 - 3, offs_d, mask_d, stride_xl, L, BQ, HAS_SEQ
+        )
+        rows = r0 + 4 * tl.arange(0, BQ)
+        # The tap inputs are 0 before the row start and masked across documents, dpre is 0 past L: dw needs no other
+        # mask.
+        a0, a1, a2, a3, ab = _dpre_phase(dy_b, dpre_b, rows, t0, t1, t2, t3, q0, q1, q2, q3, w0, w1, w2, w3, bias,
+                                         offs_d, mask_d, stride_yl, D, L, a0, a1, a2, a3, ab, HAS_BIAS, HAS_SEQ,
+                                         SILU)  # fmt: skip
+        a0, a1, a2, a3, ab = _dpre_phase(dy_b, dpre_b, rows + 1, t1, t2, t3, t4, q1, q2, q3, q4, w0, w1, w2, w3, bias,
+                                         offs_d, mask_d, stride_yl, D, L, a0, a1, a2, a3, ab, HAS_BIAS, HAS_SEQ,
+                                         SILU)  # fmt: skip
+        a0, a1, a2, a3, ab = _dpre_phase(dy_b, dpre_b, rows + 2, t2, t3, t4, t5, q2, q3, q4, q5, w0, w1, w2, w3, bias,
+                                         offs_d, mask_d, stride_yl, D, L, a0, a1, a2, a3, ab, HAS_BIAS, HAS_SEQ,
+                                         SILU)  # fmt: skip
+        a0, a1, a2, a3, ab = _dpre_phase(dy_b, dpre_b, rows + 3, t3, t4, t5, t6, q3, q4, q5, q6, w0, w1, w2, w3, bias,
+                                         offs_d, mask_d, stride_yl, D, L, a0, a1, a2, a3, ab, HAS_BIAS, HAS_SEQ,
+                                         SILU)  # fmt: skip
+    _store_partials(PART, b, pid_l, D, offs_d, mask_d, tl.sum(a0, axis=0), tl.sum(a1, axis=0), tl.sum(a2, axis=0),
+                    tl.sum(a3, axis=0), tl.sum(ab, axis=0))  # fmt: skip
+
+
+@triton.jit
+def _dx_phase(DX, rows, d3, d2, d1, d0, q3, q2, q1, q0, w0, w1, w2, w3, offs_d, mask_d, D, L,
+              HAS_SEQ: tl.constexpr):  # fmt: skip
+    """One output phase of dx: ``d3`` is dpre at the output row (its document ``q3``), ``d2 .. d0`` the rows 1-3
+    after it, through taps 2-0."""
+    d2 = _same_doc(d2, q2, q3, HAS_SEQ)
+    d1 = _same_doc(d1, q1, q3, HAS_SEQ)
+    d0 = _same_doc(d0, q0, q3, HAS_SEQ)
+    _store_phase(DX, rows, offs_d, mask_d, D, L, w3 * d3 + w2 * d2 + w1 * d1 + w0 * d0)
+
+
+@triton.jit
+def _conv_dx_phased_kernel(DPRE, W, SEQ, DX, L, D, stride_wd, stride_wk, K: tl.constexpr, HAS_SEQ: tl.constexpr,
+                           BL: tl.constexpr, BD: tl.constexpr):  # fmt: skip
+    """dx on polyphase tiles: the sources are ``dpre[r0 + 4 i + k]`` (``k < 7``), output phase ``s`` reads ``s .. s +
+    3`` (taps 3 .. 0)."""
+    BQ: tl.constexpr = BL // 4
+    pid_l, pid_d, b = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
+    offs_d = pid_d * BD + tl.arange(0, BD)
+    mask_d = offs_d < D
+    r0 = pid_l * BL
+    t0, t1, t2, t3, t4, t5, t6, q0, q1, q2, q3, q4, q5, q6 = _phase_sources(
+        DPRE + b * L * D, SEQ + b * L, r0, offs_d, mask_d, D, L, BQ, HAS_SEQ
+    )
+    w0, w1, w2, w3 = _weights(W, offs_d, mask_d, stride_wd, stride_wk, K)
+    dx_b, rows = DX + b * L * D, r0 + 4 * tl.arange(0, BQ)
+    _dx_phase(dx_b, rows, t0, t1, t2, t3, q0, q1, q2, q3, w0, w1, w2, w3, offs_d, mask_d, D, L, HAS_SEQ)
+    _dx_phase(dx_b, rows + 1, t1, t2, t3, t4, q1, q2, q3, q4, w0, w1, w2, w3, offs_d, mask_d, D, L, HAS_SEQ)
+    _dx_phase(dx_b, rows + 2, t2, t3, t4, t5, q2, q3, q4, q5, w0, w1, w2, w3, offs_d, mask_d, D, L, HAS_SEQ)
+    _dx_phase(dx_b, rows + 3, t3, t4, t5, t6, q3, q4, q5, q6, w0, w1, w2, w3, offs_d, mask_d, D, L, HAS_SEQ)
+
+
 @triton.jit
 def _sum_partials(PART, row: tl.constexpr, P, D, offs_d, mask_d, BP: tl.constexpr):
     """Sum over the ``P`` programs' partials ``PART[p, row, offs_d]`` (fp32 ``[BD]``)."""
@@ -402,7 +635,8 @@ def conv_forward(x, weight, bias, seq_idx, silu: bool) -> torch.Tensor:
     out = torch.empty(b, length, dim, dtype=x.dtype, device=x.device)
     seq = seq_idx.to(torch.int32).contiguous() if seq_idx is not None else out
     tile = FWD_TILE
-    _conv_fwd_kernel[_grid(b, length, dim, tile)](
+    kernel = _conv_fwd_phased_kernel if tile.phased else _conv_fwd_kernel
+    kernel[_grid(b, length, dim, tile)](
         x, weight, bias if bias is not None else out, seq, out, length, dim, x.stride(0), x.stride(1),
         weight.stride(0), weight.stride(1), K=weight.shape[1], HAS_BIAS=bias is not None,
         HAS_SEQ=seq_idx is not None, SILU=silu, BL=tile.rows, BD=tile.cols, num_warps=tile.warps,
@@ -432,8 +666,12 @@ def conv_backward(dy, x, weight, bias, seq_idx, silu: bool):
         _conv_bwd_fused_kernel[grid](*args, dx, part, *sizes, **flags, **launch)
     else:
         dpre = torch.empty_like(dx)
-        _conv_dpre_kernel[grid](*args, dpre, part, *sizes, **flags, **launch, DEFER=tile.defer)
-        _conv_dx_kernel[_grid(b, length, dim, DX_TILE)](
+        if tile.phased:
+            _conv_dpre_phased_kernel[grid](*args, dpre, part, *sizes, **flags, **launch)
+        else:
+            _conv_dpre_kernel[grid](*args, dpre, part, *sizes, **flags, **launch, DEFER=tile.defer)
+        dx_kernel = _conv_dx_phased_kernel if DX_TILE.phased else _conv_dx_kernel
+        dx_kernel[_grid(b, length, dim, DX_TILE)](
             dpre, weight, seq, dx, length, dim, *ws, K=k, HAS_SEQ=seq_idx is not None, BL=DX_TILE.rows,
             BD=DX_TILE.cols, num_warps=DX_TILE.warps,
         )  # fmt: skip
