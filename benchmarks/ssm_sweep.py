@@ -118,13 +118,15 @@ def _conv_sweep(conv_step: Callable[[], object], kernel_ms, iters: int) -> dict:
     saved = {name: getattr(tconv, name) for name in (*CONV_KERNELS, "BACKWARD")}
     out: dict = {}
     best: dict = {}
+    parts: dict = {}  # constant -> label -> {kernel: ms}: every kernel of each candidate's step
     try:
         for name, (kernels, path) in CONV_KERNELS.items():
             tconv.BACKWARD = path
             out[name] = {}
             for tile in tconv.TILE_CANDIDATES[name]:
                 setattr(tconv, name, tile)
-                out[name][tile.label] = _conv_ms(conv_step, kernel_ms, iters, kernels)
+                record = parts.setdefault(name, {}).setdefault(tile.label, {})
+                out[name][tile.label] = _conv_ms(conv_step, kernel_ms, iters, kernels, record)
             timed = {t: out[name][t.label] for t in tconv.TILE_CANDIDATES[name]}
             timed = {t: ms for t, ms in timed.items() if isinstance(ms, float)}
             if timed:
@@ -138,19 +140,24 @@ def _conv_sweep(conv_step: Callable[[], object], kernel_ms, iters: int) -> dict:
         for name, value in saved.items():
             setattr(tconv, name, value)
     paths = {p: ms for p, ms in out["BACKWARD"].items() if isinstance(ms, float)}
+    out["kernels_ms"] = parts
     out["best"] = {name: tile.label for name, tile in best.items()}
     if paths:
         out["best"]["BACKWARD"] = min(paths, key=paths.get)
     return out
 
 
-def _conv_ms(conv_step: Callable[[], object], kernel_ms, iters: int, kernels: tuple[str, ...] | None) -> float | str:
+def _conv_ms(conv_step: Callable[[], object], kernel_ms, iters: int, kernels: tuple[str, ...] | None,
+             record: dict | None = None) -> float | str:  # fmt: skip
     """Summed GPU ms of those of ``kernels`` that ran in one conv step (all kernels when ``None``), or the error that
-    stopped it (a tile that does not build on this GPU loses; the sweep goes on)."""
+    stopped it (a tile that does not build on this GPU loses; the sweep goes on); every kernel's ms of the step
+    into ``record``."""
     try:
         times = kernel_ms(conv_step, iters)
     except Exception as exc:  # recorded in the sweep's table
         return f"error: {type(exc).__name__}: {exc}"[:500]
+    if record is not None:
+        record.update({k: float(v) for k, v in times.items()})
     if kernels is None:
         return float(sum(times.values()))
     if "*" in times:

@@ -138,6 +138,8 @@ def test_conv_sweep_records_a_failing_tile_and_a_kernel_that_did_not_run(monkeyp
     assert out["DX_TILE"][tconv.DX_TILE.label].startswith("error: none of _conv_dx_kernel, _conv_dx_phased_kernel ran")
     assert "DX_TILE" not in out["best"] and out["FUSED_TILE"][tconv.FUSED_TILE.label] == 0.2
     assert out["DPRE_TILE"][tconv.DPRE_TILE.label] == pytest.approx(0.25)  # the dpre kernel + the dw kernel it feeds
+    assert out["kernels_ms"]["DPRE_TILE"][tconv.DPRE_TILE.label] == {"_conv_fwd_kernel": 0.1, "_conv_dpre_kernel": 0.2,
+                                                                     "_conv_dw_kernel": 0.05}  # fmt: skip
     assert out["BACKWARD"] == pytest.approx({"split": 0.35, "fused": 0.35})
 
 

@@ -43,7 +43,7 @@ WIDTH = 4  # taps the kernels compute (the literal 4 in them); k < 4 gets zero t
 class ConvTile:
     """One kernel's launch shape: ``rows x cols`` (positions x channels) register tiles at ``warps`` warps, and, for
     the kernels that reduce over positions (dpre, fused backward), ``tiles`` consecutive row tiles a program (fewer
-    dw/dbias partials to sum). For the partial-summing dw kernel ``rows`` is the programs' partials read a step."""
+    dw/dbias partials to sum). For the partial-summing dw kernel ``rows`` is the most programs' partials read a step."""
 
     rows: int
     cols: int
@@ -87,8 +87,9 @@ DPRE_TILE = ConvTile(8, 128, 2, 16, True)
 # The fused backward keeps the in-thread position axis (0.41 ms at best: the four recomputed sigmoids cost more than
 # the 4E bytes they save).
 FUSED_TILE = ConvTile(2, 512, 2, 32)
-# The partial-summing kernel: 16 channels a program (one warp), 4 programs' partials a step (0.017 ms).
-DW_TILE = ConvTile(4, 16, 1)
+# The partial-summing kernel: 32 channels a program (4 warps), up to ``rows`` programs' partials a step (fewer when
+# there are fewer): 0.0072 ms for the 32 partials of the dpre tile above (4 x 16 x 1: 0.0100).
+DW_TILE = ConvTile(32, 32, 4)
 # "split": dpre kernel + dx kernel (10E bytes); "fused": one pass (6E bytes, 4x the sigmoids). Measured: split 0.290
 # ms against fused 0.500 ms for the whole conv (forward + backward) at the tiles above.
 BACKWARD = "split"
@@ -99,8 +100,8 @@ _STREAM = ((16, 256, 4), (32, 128, 4), (32, 128, 8), (64, 128, 4), (32, 256, 8),
 _PHASED = ((32, 128, 4), (16, 256, 4), (32, 256, 4), (64, 128, 4), (32, 128, 2), (16, 128, 2), (64, 256, 8),
            (32, 64, 2))  # fmt: skip
 # the partial-summing kernel; the wider steps are for the one- and two-tile dpre programs' partial counts
-_DW = ((4, 16, 1), (8, 64, 4), (16, 32, 4), (8, 32, 2), (32, 64, 8), (16, 16, 1), (32, 16, 1), (16, 32, 2),
-       (32, 32, 4))  # fmt: skip
+_DW = ((32, 32, 4), (4, 16, 1), (8, 64, 4), (16, 32, 4), (32, 64, 8), (16, 16, 1), (32, 16, 1), (128, 16, 4),
+       (64, 16, 2), (128, 32, 8), (64, 32, 4))  # fmt: skip
 TILE_CANDIDATES: dict[str, tuple[ConvTile, ...]] = {
     "FWD_TILE": tuple(ConvTile(*t) for t in _STREAM) + tuple(ConvTile(*t, phased=True) for t in _PHASED),
     "DX_TILE": tuple(ConvTile(*t) for t in _STREAM) + tuple(ConvTile(*t, phased=True) for t in _PHASED),
@@ -143,6 +144,13 @@ TILE_CANDIDATES: dict[str, tuple[ConvTile, ...]] = {
             (32, 128, 4, 4),
             (16, 256, 4, 2),
             (64, 64, 2, 1),
+            (32, 64, 2, 1),
+            (64, 64, 4, 1),
+            (128, 64, 4, 1),
+            (16, 128, 2, 1),
+            (64, 32, 2, 1),
+            (64, 64, 2, 2),
+            (32, 64, 2, 2),
         )
     ),  # fmt: skip
     "FUSED_TILE": tuple(
@@ -677,8 +685,10 @@ def conv_backward(dy, x, weight, bias, seq_idx, silu: bool):
         )  # fmt: skip
     dw = torch.empty(dim, k, dtype=weight.dtype, device=x.device)
     db = torch.empty_like(bias) if bias is not None else None
+    # One step for every partial when they fit the tile (a 1-tile dpre program leaves 128 a sequence of 4096).
+    step = min(DW_TILE.rows, triton.next_power_of_2(part.shape[0]))
     _conv_dw_kernel[(triton.cdiv(dim, DW_TILE.cols),)](
         part, dw, db if db is not None else dw, part.shape[0], dim, dw.stride(0), dw.stride(1), K=k,
-        HAS_BIAS=bias is not None, BD=DW_TILE.cols, BP=DW_TILE.rows, num_warps=DW_TILE.warps,
+        HAS_BIAS=bias is not None, BD=DW_TILE.cols, BP=step, num_warps=DW_TILE.warps,
     )  # fmt: skip
     return dx, dw, db
