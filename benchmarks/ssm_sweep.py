@@ -25,7 +25,7 @@ CONV_KERNELS = {
     "FWD_TILE": (("_conv_fwd_kernel", "_conv_fwd_phased_kernel"), "split"),
     "DX_TILE": (("_conv_dx_kernel", "_conv_dx_phased_kernel"), "split"),
     "DPRE_TILE": (("_conv_dpre_kernel", "_conv_dpre_phased_kernel", "_conv_dw_kernel"), "split"),
-    "FUSED_TILE": (("_conv_bwd_fused_kernel",), "fused"),
+    "FUSED_TILE": (("_conv_bwd_fused_kernel", "_conv_bwd_fused_phased_kernel", "_conv_dw_kernel"), "fused"),
     "DW_TILE": (("_conv_dw_kernel",), "split"),
 }
 

@@ -122,20 +122,25 @@ def test_triton_conv_on_the_mixer_layout_equals_float64_f_conv1d(interpreter, sp
     assert kernels["_conv_dpre_kernel"].launches == (backward == "split")
 
 
+@pytest.mark.parametrize("backward", BACKWARDS)
 @pytest.mark.parametrize("k,bias,activation,cuts", CASES)
-def test_polyphase_tiles_equal_float64_f_conv1d(interpreter, small_tiles, monkeypatch, k, bias, activation, cuts):
-    """The polyphase forward, dpre and dx kernels: documents cut inside a phase row and across programs (8-row tiles:
-    2 positions a phase), several dpre tiles a program."""
-    for name, tile in (("FWD_TILE", (8, 32, 2)), ("DX_TILE", (8, 16, 2)), ("DPRE_TILE", (8, 32, 2, 2))):
+def test_polyphase_tiles_equal_float64_f_conv1d(interpreter, small_tiles, monkeypatch, backward, k, bias, activation,
+                                                cuts):  # fmt: skip
+    """The polyphase forward, dpre, dx and fused backward kernels: documents cut inside a phase row and across
+    programs (8-row tiles: 2 positions a phase), several row tiles a program."""
+    for name, tile in (("FWD_TILE", (8, 32, 2)), ("DX_TILE", (8, 16, 2)), ("DPRE_TILE", (8, 32, 2, 2)),
+                       ("FUSED_TILE", (8, 32, 2, 2))):  # fmt: skip
         monkeypatch.setattr(small_tiles, name, small_tiles.ConvTile(*tile, phased=True))
-    launched = [CountedLaunches(monkeypatch, small_tiles, f"_conv_{n}_phased_kernel") for n in ("fwd", "dpre", "dx")]
+    monkeypatch.setattr(small_tiles, "BACKWARD", backward)
+    names = ("fwd", "dpre", "dx") if backward == "split" else ("fwd", "bwd_fused")
+    launched = [CountedLaunches(monkeypatch, small_tiles, f"_conv_{n}_phased_kernel") for n in names]
     b, length, dim = 2, 37, 40
     gen = torch.Generator().manual_seed(k * 10 + len(cuts[0]) + len(cuts[1]) + 1)
     x = mixer_slice(gen, b, length, dim)
     w = torch.randn(dim, k, generator=gen).requires_grad_()
     bb = torch.randn(dim, generator=gen).requires_grad_() if bias else None
     check_against_float64(x, w, bb, activation, [[0, *c, length] for c in cuts], gen, (1e-5, 1e-5))
-    assert [kernel.launches for kernel in launched] == [1, 1, 1]
+    assert [kernel.launches for kernel in launched] == [1] * len(names)
 
 
 def test_a_polyphase_tile_needs_two_positions_a_phase():
@@ -246,7 +251,8 @@ def _cuda_cases():
     from mcore.kernels.triton.conv import TILE_CANDIDATES
 
     picked = [(name, t) for name, tiles in TILE_CANDIDATES.items() for t in tiles if t.defer or t.phased]
-    return [(b, None, None) for b in BACKWARDS] + [("split", name, t) for name, t in picked]
+    path = {"FUSED_TILE": "fused"}
+    return [(b, None, None) for b in BACKWARDS] + [(path.get(name, "split"), name, t) for name, t in picked]
 
 
 @pytest.mark.gpu

@@ -151,6 +151,14 @@ TILE_CANDIDATES: dict[str, tuple[ConvTile, ...]] = {
             (64, 32, 2, 1),
             (64, 64, 2, 2),
             (32, 64, 2, 2),
+            (32, 32, 2, 1),
+            (32, 32, 1, 1),
+            (64, 32, 1, 1),
+            (64, 32, 2, 2),
+            (128, 32, 2, 1),
+            (32, 64, 2, 4),
+            (64, 16, 1, 1),
+            (16, 64, 2, 1),
         )
     ),  # fmt: skip
     "FUSED_TILE": tuple(
@@ -163,6 +171,23 @@ TILE_CANDIDATES: dict[str, tuple[ConvTile, ...]] = {
             (4, 512, 4, 32),
             (8, 512, 8, 16),
             (2, 1024, 4, 32),
+        )
+    )
+    # polyphase (not measured yet): dpre at 7/4 of the positions instead of 4x
+    + tuple(
+        ConvTile(*t, phased=True)
+        for t in (
+            (32, 64, 2, 1),
+            (64, 32, 2, 1),
+            (32, 32, 2, 1),
+            (32, 64, 2, 2),
+            (64, 32, 2, 2),
+            (32, 128, 4, 1),
+            (32, 32, 1, 1),
+            (64, 64, 4, 1),
+            (32, 64, 2, 4),
+            (16, 128, 2, 1),
+            (64, 16, 1, 1),
         )
     ),  # fmt: skip
     "DW_TILE": tuple(ConvTile(*t) for t in _DW),
@@ -603,6 +628,86 @@ def _conv_dx_phased_kernel(DPRE, W, SEQ, DX, L, D, stride_wd, stride_wk, K: tl.c
 
 
 @triton.jit
+def _dpre_row(DY, rows, t0, t1, t2, t3, q0, q1, q2, q3, w0, w1, w2, w3, bias, offs_d, mask_d, stride_yl, L,
+              HAS_BIAS: tl.constexpr, HAS_SEQ: tl.constexpr, SILU: tl.constexpr):  # fmt: skip
+    """``dpre`` (fp32, never stored) of the phase tile at ``rows`` from its four tap tiles, and those taps masked."""
+    pre, t0, t1, t2 = _phase_pre(t0, t1, t2, t3, q0, q1, q2, q3, w0, w1, w2, w3, bias, HAS_BIAS, HAS_SEQ)
+    in_row = (rows < L)[:, None] & mask_d[None, :]
+    dpre = tl.load(DY + rows.to(tl.int64)[:, None] * stride_yl + offs_d[None, :], mask=in_row, other=0.0)
+    dpre = dpre.to(tl.float32)
+    if SILU:
+        sig = tl.sigmoid(pre)
+        dpre = dpre * sig * (1.0 + pre * (1.0 - sig))
+    return dpre, t0, t1, t2, t3
+
+
+@triton.jit
+def _conv_bwd_fused_phased_kernel(X, W, BIAS, SEQ, DY, DX, PART, L, D, stride_xb, stride_xl, stride_yb, stride_yl,
+                                  stride_wd, stride_wk, K: tl.constexpr, HAS_BIAS: tl.constexpr,
+                                  HAS_SEQ: tl.constexpr, SILU: tl.constexpr, BL: tl.constexpr, BD: tl.constexpr,
+                                  TILES: tl.constexpr):  # fmt: skip
+    """The whole backward in one pass on polyphase tiles: ``dpre`` at the program's four phases and at the next
+    three positions after each phase row (``r0 + 4 i + n``, ``n < 7``: 7/4 of the SiLU derivatives, not the shifted
+    fused kernel's 4x), from the ten x tiles ``x[r0 + 4 i - 3 + k]``; dx from those seven, the dw / dbias products
+    from the four owned (each position counted once). ``dpre`` is never written: 6E bytes for the backward."""
+    BQ: tl.constexpr = BL // 4
+    pid_l, pid_d, b = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
+    offs_d = pid_d * BD + tl.arange(0, BD)
+    mask_d = offs_d < D
+    x_b, seq_b, dy_b, dx_b = X + b * stride_xb, SEQ + b * L, DY + b * stride_yb, DX + b * L * D
+    w0, w1, w2, w3 = _weights(W, offs_d, mask_d, stride_wd, stride_wk, K)
+    bias = tl.zeros((1, BD), dtype=tl.float32)
+    if HAS_BIAS:
+        bias = tl.load(BIAS + offs_d, mask=mask_d, other=0.0).to(tl.float32)[None, :]
+    a0 = tl.zeros((BQ, BD), dtype=tl.float32)
+    a1 = tl.zeros((BQ, BD), dtype=tl.float32)
+    a2 = tl.zeros((BQ, BD), dtype=tl.float32)
+    a3 = tl.zeros((BQ, BD), dtype=tl.float32)
+    ab = tl.zeros((BQ, BD), dtype=tl.float32)
+    for i in range(TILES):
+        r0 = (pid_l * TILES + i) * BL
+        rows = r0 + 4 * tl.arange(0, BQ)
+        # x sources k = 0..6 and 7..9 (positions r0 + 4i - 3 + k); q_k their documents
+        t0, t1, t2, t3, t4, t5, t6, q0, q1, q2, q3, q4, q5, q6 = _phase_sources(
+            x_b, seq_b, r0 - 3, offs_d, mask_d, stride_xl, L, BQ, HAS_SEQ
+        )
+        base = r0 + 4 + 4 * tl.arange(0, BQ)
+        t7 = _rows(x_b, base, offs_d, mask_d, stride_xl, L, seq_b, 0, False)
+        t8 = _rows(x_b, base + 1, offs_d, mask_d, stride_xl, L, seq_b, 0, False)
+        t9 = _rows(x_b, base + 2, offs_d, mask_d, stride_xl, L, seq_b, 0, False)
+        q7 = _phase_seq(seq_b, base, L, HAS_SEQ)
+        q8 = _phase_seq(seq_b, base + 1, L, HAS_SEQ)
+        q9 = _phase_seq(seq_b, base + 2, L, HAS_SEQ)
+        # dpre at positions r0 + 4i + n reads x sources n .. n + 3; its document is q_{n + 3}
+        d0, m0, m1, m2, m3 = _dpre_row(dy_b, rows, t0, t1, t2, t3, q0, q1, q2, q3, w0, w1, w2, w3, bias, offs_d,
+                                       mask_d, stride_yl, L, HAS_BIAS, HAS_SEQ, SILU)  # fmt: skip
+        a0, a1, a2, a3, ab = a0 + d0 * m0, a1 + d0 * m1, a2 + d0 * m2, a3 + d0 * m3, ab + d0
+        d1, m0, m1, m2, m3 = _dpre_row(dy_b, rows + 1, t1, t2, t3, t4, q1, q2, q3, q4, w0, w1, w2, w3, bias, offs_d,
+                                       mask_d, stride_yl, L, HAS_BIAS, HAS_SEQ, SILU)  # fmt: skip
+        a0, a1, a2, a3, ab = a0 + d1 * m0, a1 + d1 * m1, a2 + d1 * m2, a3 + d1 * m3, ab + d1
+        d2, m0, m1, m2, m3 = _dpre_row(dy_b, rows + 2, t2, t3, t4, t5, q2, q3, q4, q5, w0, w1, w2, w3, bias, offs_d,
+                                       mask_d, stride_yl, L, HAS_BIAS, HAS_SEQ, SILU)  # fmt: skip
+        a0, a1, a2, a3, ab = a0 + d2 * m0, a1 + d2 * m1, a2 + d2 * m2, a3 + d2 * m3, ab + d2
+        d3, m0, m1, m2, m3 = _dpre_row(dy_b, rows + 3, t3, t4, t5, t6, q3, q4, q5, q6, w0, w1, w2, w3, bias, offs_d,
+                                       mask_d, stride_yl, L, HAS_BIAS, HAS_SEQ, SILU)  # fmt: skip
+        a0, a1, a2, a3, ab = a0 + d3 * m0, a1 + d3 * m1, a2 + d3 * m2, a3 + d3 * m3, ab + d3
+        # the next three positions after each phase row: recomputed here, owned (and summed into dw) by the next row
+        d4, _, _, _, _ = _dpre_row(dy_b, rows + 4, t4, t5, t6, t7, q4, q5, q6, q7, w0, w1, w2, w3, bias, offs_d,
+                                   mask_d, stride_yl, L, HAS_BIAS, HAS_SEQ, SILU)  # fmt: skip
+        d5, _, _, _, _ = _dpre_row(dy_b, rows + 5, t5, t6, t7, t8, q5, q6, q7, q8, w0, w1, w2, w3, bias, offs_d,
+                                   mask_d, stride_yl, L, HAS_BIAS, HAS_SEQ, SILU)  # fmt: skip
+        d6, _, _, _, _ = _dpre_row(dy_b, rows + 6, t6, t7, t8, t9, q6, q7, q8, q9, w0, w1, w2, w3, bias, offs_d,
+                                   mask_d, stride_yl, L, HAS_BIAS, HAS_SEQ, SILU)  # fmt: skip
+        # dx at phase s: dpre at s (tap 3) .. s + 3 (tap 0), each in the output's document (q_{s + 3})
+        _dx_phase(dx_b, rows, d0, d1, d2, d3, q3, q4, q5, q6, w0, w1, w2, w3, offs_d, mask_d, D, L, HAS_SEQ)
+        _dx_phase(dx_b, rows + 1, d1, d2, d3, d4, q4, q5, q6, q7, w0, w1, w2, w3, offs_d, mask_d, D, L, HAS_SEQ)
+        _dx_phase(dx_b, rows + 2, d2, d3, d4, d5, q5, q6, q7, q8, w0, w1, w2, w3, offs_d, mask_d, D, L, HAS_SEQ)
+        _dx_phase(dx_b, rows + 3, d3, d4, d5, d6, q6, q7, q8, q9, w0, w1, w2, w3, offs_d, mask_d, D, L, HAS_SEQ)
+    _store_partials(PART, b, pid_l, D, offs_d, mask_d, tl.sum(a0, axis=0), tl.sum(a1, axis=0), tl.sum(a2, axis=0),
+                    tl.sum(a3, axis=0), tl.sum(ab, axis=0))  # fmt: skip
+
+
+@triton.jit
 def _sum_partials(PART, row: tl.constexpr, P, D, offs_d, mask_d, BP: tl.constexpr):
     """Sum over the ``P`` programs' partials ``PART[p, row, offs_d]`` (fp32 ``[BD]``)."""
     acc = tl.zeros_like(offs_d).to(tl.float32)
@@ -671,7 +776,8 @@ def conv_backward(dy, x, weight, bias, seq_idx, silu: bool):
     flags = dict(K=k, HAS_BIAS=bias is not None, HAS_SEQ=seq_idx is not None, SILU=silu)
     launch = dict(BL=tile.rows, BD=tile.cols, TILES=tile.tiles, num_warps=tile.warps)
     if BACKWARD == "fused":
-        _conv_bwd_fused_kernel[grid](*args, dx, part, *sizes, **flags, **launch)
+        kernel = _conv_bwd_fused_phased_kernel if tile.phased else _conv_bwd_fused_kernel
+        kernel[grid](*args, dx, part, *sizes, **flags, **launch)
     else:
         dpre = torch.empty_like(dx)
         if tile.phased:
