@@ -2,30 +2,30 @@
 
 Layout: ``x`` is ``[batch, seqlen, channels]`` with unit channel stride and any batch / sequence strides, so the
 mixer's ``[x | B | C]`` slice of the in_proj output is read in place (no transpose, no copy). Outputs are
-contiguous. Every kernel works on ``rows x cols`` tiles (positions x channels; channel-contiguous vector
-loads) and reads the ``WIDTH = 4`` shifted tiles of its input that the taps need; the shifted tiles overlap all but
-three rows, so DRAM sees each byte about once and the repeats come from L1/L2. A narrower conv (k < 4) is run with
-zero taps in front (``out[t] = sum_j w_j x[t - 3 + j]`` with the first ``4 - k`` weights 0): one set of kernels.
-The weight ``[dim, k]`` is read in place through its strides (no padded copy: every extra launch costs host time
-that a 0.1 ms op cannot hide). A tap whose source is before the row start or in another document (``seq_idx``
-differs) reads 0. Math is fp32.
+contiguous. Every kernel works on ``rows x cols`` tiles (positions x channels; channel-contiguous vector loads). A
+narrower conv (k < 4) is run with zero taps in front (``out[t] = sum_j w_j x[t - 3 + j]`` with the first ``4 - k``
+weights 0): one set of kernels. The weight ``[dim, k]`` is read in place through its strides (no padded copy: every
+extra launch costs host time that a 0.1 ms op cannot hide). A tap whose source is before the row start or in another
+document (``seq_idx`` differs) reads 0. Math is fp32.
 
-Byte floor (the reason for this design; ``E`` = elements of ``x``, bf16): forward reads ``x`` and writes ``y``
-(4E bytes). Backward is two kernels: (1) ``dpre = dy * silu'(pre)`` with ``pre`` recomputed from ``x``, written
-once in ``x``'s dtype (what autograd's SiLU backward would hand the conv), plus each program's ``dw`` / ``dbias``
-partials (fp32): reads ``x``, ``dy``, writes ``dpre`` (6E); (2) ``dx[s] = sum_j w_j dpre[s + 3 - j]`` (same
-document): reads ``dpre``, writes ``dx`` (4E); a third, small kernel sums the partials into the weight's and the
-bias' dtypes (deterministic, no atomics). Backward moves 10E bytes (14E with forward: 0.146 ms for the
-Nemotron-H-8B mixer at the measured 4.03 TB/s), against 6E for one fused backward pass (the 10E = 0.104 ms floor),
-which would have to recompute the SiLU derivative at four shifts (4x the sigmoids) because a program cannot shift
-a register tile. That fused pass is here too (``BACKWARD = "fused"``: reads ``x`` with its 3-row halo behind and
-``dy`` with its 3-row halo ahead, recomputes ``pre`` at the four shifts, writes ``dx`` and the same partials); which
-of the two runs is a measurement's choice (``benchmarks/ssm_sweep.py``), not a guess.
+Two tile forms (:class:`ConvTile` ``phased``). *Shifted*: a kernel reads the ``WIDTH = 4`` shifted full tiles its
+taps need (each input element 4 times through L1/L2). *Polyphase*: a tile is four ``rows/4``-high tiles of every
+fourth position, and the taps read seven of those (7/4 times); Triton cannot shift a register tile, and this needs no
+shift (see "Polyphase tiles" below). On the H200 polyphase made the forward 0.071 -> 0.054 ms.
 
-Each kernel has its own tiles (:class:`ConvTile`, defaults the fastest measured; :data:`TILE_CANDIDATES` are what
-the sweep tries, each default first): on the H200 the whole conv (forward + backward, GPU kernel time) went 0.482 ->
-0.448 -> 0.290 ms over three tilings, against 2.41 ms for transformers' torch path (8.3x); the dpre kernel (0.160
-ms, 1.6 TB/s) is what stands between it and the 10E floor.
+Byte floor (``E`` = elements of ``x``, bf16): forward reads ``x`` and writes ``y`` (4E bytes). Backward, two paths
+(``BACKWARD``): "split" is (1) ``dpre = dy * silu'(pre)`` with ``pre`` recomputed from ``x``, written once in
+``x``'s dtype, plus each program's ``dw`` / ``dbias`` partials (fp32): 6E; (2) ``dx[s] = sum_j w_j dpre[s + 3 - j]``
+(same document): 4E. "fused" is one pass that never writes ``dpre``: reads ``x`` and ``dy`` and writes ``dx`` (6E)
+and the same partials; it needs ``dpre`` at the three positions after each of its own, so it recomputes them: 4x the
+SiLU derivatives on shifted tiles (slower than split), 7/4x on polyphase tiles (faster: 0.152 ms against split's
+0.178). A small kernel sums the partials into the weight's and the bias' dtypes (deterministic, no atomics). Which
+path and which tiles run is a measurement's choice (``benchmarks/ssm_sweep.py``), not a guess.
+
+Each kernel has its own tiles (defaults the fastest measured; :data:`TILE_CANDIDATES` are what the sweep tries, each
+default first): on the H200 the whole conv (forward + backward, GPU kernel time) went 0.482 -> 0.448 -> 0.290 ->
+0.221 ms over four rounds, against 2.40 ms for transformers' torch path (10.9x); the 10E floor at the measured
+4.03 TB/s copy bandwidth is 0.104 ms.
 """
 
 from __future__ import annotations
@@ -74,124 +74,69 @@ class ConvTile:
         return label + ("d" if self.defer else "") + ("p" if self.phased else "")
 
 
-# Defaults: the fastest of each kernel's candidates in one sweep on an H200 (2026-12-01, session 6, call 5:
-# `benchmarks/results/s6-h200-2026-12-01/call5/`). The forward and dx kernels stream 16 x 256 tiles at 4 warps
-# (0.071 / 0.049 ms; 32 x 128 measured the same, any 8-warp tiling twice as long).
-FWD_TILE = ConvTile(16, 256, 4)
-DX_TILE = ConvTile(16, 256, 4)
-# The dpre kernel reduces dw / dbias over positions. With 32 x 128 tiles reduced once a tile it took 0.34 ms, 5x the
-# forward kernel: each sum crossed warps through shared memory. One-warp-row-high tiles 1024 channels wide (a thread
-# holds every position of its channels) made the sums register adds (0.18-0.19 ms); deferring the sums to the
-# program's end on 8 x 128 tiles at 2 warps, 16 tiles a program, is faster still (0.160 ms).
-DPRE_TILE = ConvTile(8, 128, 2, 16, True)
-# The fused backward keeps the in-thread position axis (0.41 ms at best: the four recomputed sigmoids cost more than
-# the 4E bytes they save).
-FUSED_TILE = ConvTile(2, 512, 2, 32)
-# The partial-summing kernel: 32 channels a program (4 warps), up to ``rows`` programs' partials a step (fewer when
-# there are fewer): 0.0072 ms for the 32 partials of the dpre tile above (4 x 16 x 1: 0.0100).
-DW_TILE = ConvTile(32, 32, 4)
-# "split": dpre kernel + dx kernel (10E bytes); "fused": one pass (6E bytes, 4x the sigmoids). Measured: split 0.290
-# ms against fused 0.500 ms for the whole conv (forward + backward) at the tiles above.
-BACKWARD = "split"
+# Defaults: the fastest of each kernel's candidates in one sweep on an H200 (2026-12-02, session 7, call 3:
+# `benchmarks/results/s7-h200-2026-12-02/call3/`; each sweep's full table is there and in earlier sessions' results).
+# The forward and dx kernels on polyphase tiles, 32 x 128 at 4 warps: 0.054 / 0.041 ms (shifted full tiles: 0.071 /
+# 0.050 ms; any 8-warp tiling about twice as long).
+FWD_TILE = ConvTile(32, 128, 4, phased=True)
+DX_TILE = ConvTile(32, 128, 4, phased=True)
+# The dpre kernel reduces dw / dbias over positions: on the split path its time decides. Shifted 32 x 128 tiles
+# reduced once a tile took 0.34 ms (each sum crossed warps through shared memory), deferred sums over 16 tiles of 8 x
+# 128 at 2 warps 0.160; narrow polyphase tiles at 1-2 warps, one tile a program, are fastest: 64 x 16 at 1 warp 0.137
+# (+0.0125 for the dw kernel's 64 partials). Every 4-warp one-tile program was 2-3x slower (not understood).
+DPRE_TILE = ConvTile(64, 16, 1, phased=True)
+# The fused backward on polyphase tiles: dpre at 7/4 of the positions, 6E bytes, dpre never written: 32 x 32 at 2
+# warps, 0.152 ms (+ the dw kernel's 128 partials) against split's dpre + dx 0.178; the shifted fused kernel, which
+# recomputes dpre at 4x the positions, took 0.41.
+FUSED_TILE = ConvTile(32, 32, 2, phased=True)
+# The partial-summing kernel: 16 channels a program (4 warps), up to 128 programs' partials a step (all of them here).
+DW_TILE = ConvTile(128, 16, 4)
+# "split": dpre kernel + dx kernel (10E bytes); "fused": one pass (6E bytes). Measured at the tiles above, the whole
+# conv (forward + backward, GPU kernel time): fused 0.221 ms, split 0.241 ms; HF's torch path 2.404 ms (10.9x).
+BACKWARD = "fused"
 BACKWARDS = ("split", "fused")
-# What benchmarks/ssm_sweep.py tries for each tile constant (the default first); the tests run every one.
-_STREAM = ((16, 256, 4), (32, 128, 4), (32, 128, 8), (64, 128, 4), (32, 256, 8), (64, 64, 2), (8, 512, 4))
-# polyphase streaming tiles (not measured yet): rows / 4 positions a phase
-_PHASED = ((32, 128, 4), (16, 256, 4), (32, 256, 4), (64, 128, 4), (32, 128, 2), (16, 128, 2), (64, 256, 8),
-           (32, 64, 2))  # fmt: skip
-# the partial-summing kernel; the wider steps are for the one- and two-tile dpre programs' partial counts
-_DW = ((32, 32, 4), (4, 16, 1), (8, 64, 4), (16, 32, 4), (32, 64, 8), (16, 16, 1), (32, 16, 1), (128, 16, 4),
-       (64, 16, 2), (128, 32, 8), (64, 32, 4))  # fmt: skip
+# What benchmarks/ssm_sweep.py tries for each tile constant (the default first); the tests run every one. Pruned to
+# those within about 1.5x of the best in the last sweep (and the shifted defaults of before, for comparison).
+_PHASED = ((32, 128, 4), (32, 64, 2), (16, 128, 2), (16, 256, 4), (64, 128, 4), (32, 128, 2), (32, 256, 4))
+_SHIFTED = ((16, 256, 4), (32, 128, 4), (8, 512, 4))
 TILE_CANDIDATES: dict[str, tuple[ConvTile, ...]] = {
-    "FWD_TILE": tuple(ConvTile(*t) for t in _STREAM) + tuple(ConvTile(*t, phased=True) for t in _PHASED),
-    "DX_TILE": tuple(ConvTile(*t) for t in _STREAM) + tuple(ConvTile(*t, phased=True) for t in _PHASED),
+    "FWD_TILE": tuple(ConvTile(*t, phased=True) for t in _PHASED) + tuple(ConvTile(*t) for t in _SHIFTED),
+    "DX_TILE": tuple(ConvTile(*t, phased=True) for t in _PHASED) + tuple(ConvTile(*t) for t in _SHIFTED),
     "DPRE_TILE": tuple(
-        ConvTile(*t)
-        for t in (
-            # deferred reductions on the forward's streaming tiles (rows across threads and warps)
-            (8, 128, 2, 16, True),
-            (8, 128, 4, 16, True),
-            (16, 128, 4, 8, True),
-            (8, 256, 4, 16, True),
-            (16, 128, 4, 16, True),
-            # reduced once a tile, a thread holding every position of its channels
-            (4, 1024, 4, 16),
-            (4, 1024, 4, 8),
-            (4, 1024, 4, 32),
-            (4, 2048, 8, 16),
-            (2, 1024, 4, 32),
-            # not measured yet: with one or two tiles a program the loads are not serialised behind a loop (more
-            # partials for the dw kernel to sum)
-            (32, 128, 4, 1, True),
-            (16, 256, 4, 1, True),
-            (32, 128, 4, 2, True),
-            (16, 128, 2, 2, True),
-            (64, 128, 4, 1, True),
-            (16, 128, 4, 1, True),
-        )
-    )
-    # polyphase (not measured yet): the dw / dbias products summed as [rows / 4, cols] tiles, reduced at the end
-    + tuple(
         ConvTile(*t, phased=True)
         for t in (
-            (32, 128, 4, 1),
-            (32, 128, 4, 2),
-            (64, 128, 4, 1),
-            (32, 128, 2, 1),
-            (16, 128, 2, 2),
-            (32, 256, 4, 1),
-            (64, 128, 8, 1),
-            (32, 128, 4, 4),
-            (16, 256, 4, 2),
-            (64, 64, 2, 1),
-            (32, 64, 2, 1),
-            (64, 64, 4, 1),
-            (128, 64, 4, 1),
-            (16, 128, 2, 1),
-            (64, 32, 2, 1),
-            (64, 64, 2, 2),
+            (64, 16, 1, 1),
+            (64, 32, 2, 2),
             (32, 64, 2, 2),
             (32, 32, 2, 1),
-            (32, 32, 1, 1),
             (64, 32, 1, 1),
-            (64, 32, 2, 2),
+            (64, 32, 2, 1),
             (128, 32, 2, 1),
+            (32, 32, 1, 1),
+            (64, 64, 2, 1),
             (32, 64, 2, 4),
-            (64, 16, 1, 1),
-            (16, 64, 2, 1),
-        )
-    ),  # fmt: skip
-    "FUSED_TILE": tuple(
-        ConvTile(*t)
-        for t in (
-            (2, 512, 2, 32),
-            (4, 512, 4, 16),
-            (4, 1024, 4, 16),
-            (4, 256, 2, 16),
-            (4, 512, 4, 32),
-            (8, 512, 8, 16),
-            (2, 1024, 4, 32),
         )
     )
-    # polyphase (not measured yet): dpre at 7/4 of the positions instead of 4x
-    + tuple(
+    # shifted tiles: deferred sums across a 16-tile loop; reduced once a tile, a thread holding every position
+    + (ConvTile(8, 128, 2, 16, True), ConvTile(16, 128, 4, 16, True), ConvTile(4, 1024, 4, 16)),
+    "FUSED_TILE": tuple(
         ConvTile(*t, phased=True)
         for t in (
-            (32, 64, 2, 1),
-            (64, 32, 2, 1),
             (32, 32, 2, 1),
-            (32, 64, 2, 2),
-            (64, 32, 2, 2),
-            (32, 128, 4, 1),
-            (32, 32, 1, 1),
-            (64, 64, 4, 1),
             (32, 64, 2, 4),
-            (16, 128, 2, 1),
+            (64, 32, 2, 2),
+            (32, 64, 2, 2),
             (64, 16, 1, 1),
+            (32, 32, 1, 1),
+            # not measured yet: the default's shape over 2 and 4 tiles (fewer partials)
+            (32, 32, 2, 2),
+            (32, 32, 2, 4),
         )
-    ),  # fmt: skip
-    "DW_TILE": tuple(ConvTile(*t) for t in _DW),
-}
+    )
+    + (ConvTile(2, 512, 2, 32),),  # the shifted fused kernel (dpre at 4x the positions)
+    "DW_TILE": tuple(ConvTile(*t) for t in ((128, 16, 4), (128, 32, 8), (64, 16, 2), (32, 16, 1), (32, 32, 4),
+                                            (4, 16, 1))),
+}  # fmt: skip
 
 
 @triton.jit

@@ -29,9 +29,11 @@ from dataclasses import dataclass
 
 SSD_FORWARD_PARTS = ("intra_fwd", "state_fwd", "chunk_state_fwd", "inter_fwd")
 SSD_BACKWARD_PARTS = ("intra_bwd", "state_bwd", "chunk_state_bwd", "inter_bwd")
-CONV_FORWARD_KERNELS = ("_conv_fwd_kernel",)
-# the split backward (dpre, dx) or the fused one, whichever the kernels ran, and the partial sums
-CONV_BACKWARD_KERNELS = ("_conv_dpre_kernel", "_conv_dx_kernel", "_conv_bwd_fused_kernel", "_conv_dw_kernel")
+# each on shifted or polyphase tiles, whichever the kernels ran
+CONV_FORWARD_KERNELS = ("_conv_fwd_kernel", "_conv_fwd_phased_kernel")
+# the split backward (dpre, dx) or the fused one, and the partial sums
+CONV_BACKWARD_KERNELS = ("_conv_dpre_kernel", "_conv_dx_kernel", "_conv_bwd_fused_kernel", "_conv_dpre_phased_kernel",
+                         "_conv_dx_phased_kernel", "_conv_bwd_fused_phased_kernel", "_conv_dw_kernel")  # fmt: skip
 
 
 @dataclass(frozen=True)
