@@ -194,6 +194,50 @@ def test_cuda_kernels_equal_reference(cuda_triton, granularity):
             torch.testing.assert_close(tri.scale, ref.scale, rtol=0, atol=0, equal_nan=True)
 
 
+def _tiny_group_input(granularity: str) -> torch.Tensor:
+    """Random values, except one group (of ``granularity``) of zeros and a few values near 1e-37: an amax below
+    ``amax_floor`` (where ``fmax / amax`` overflows fp32), in fp32 and bf16 alike."""
+    x = torch.randn(136, 256, generator=torch.Generator().manual_seed(8))
+    region = {"tensor": (slice(None), slice(None)), "row": (5, slice(None)), "1x128": (5, slice(0, 128)),
+              "128x128": (slice(0, 128), slice(0, 128))}[granularity]  # fmt: skip
+    x[region] = 0.0
+    x[5, 3], x[5, 7], x[9 if granularity in ("tensor", "128x128") else 5, 100] = 1e-37, -3e-38, 2e-38
+    return x
+
+
+@pytest.mark.parametrize("granularity", GRANULARITIES)
+def test_a_group_of_zeros_and_tiny_values_quantizes_finite(interpreter, granularity):
+    """The H200's 500-step block-wise run turned NaN at step 22; a group whose amax is below ``fmax * FLT_MIN`` made
+    ``fmax / amax`` inf and its zeros ``0 * inf = NaN``. With the floor every scale is a normal fp32 number, the
+    values dequantize to themselves within the format's rounding, and Triton gives the reference's bits."""
+    from mcore.kernels.fp8_casts import quantize_dual
+    from mcore.kernels.quantization import amax_floor
+
+    x = _tiny_group_input(granularity)
+    for dtype in (E4M3, E5M2):
+        assert amax_floor(FP8_MAX[dtype]) > FP8_MAX[dtype] / 3.4e38  # the floor is above the overflow point
+        results = {}
+        for backend in ("reference", "triton"):
+            q = quantize_fp8(x, dtype, granularity, backend=backend)
+            dual, dual_t = quantize_dual(x, dtype, granularity, backend=backend)
+            results[backend] = (q, dual, dual_t)
+            for got in (q, dual, dual_t):
+                assert not got.data.float().isnan().any(), (backend, dtype, granularity)
+                assert (got.scale >= torch.finfo(torch.float32).tiny).all() and got.scale.isfinite().all()
+            # (x^T's row and 1x128 groups run along x's columns, where random values dwarf the tiny ones)
+            pairs = [(q.dequantize(), x), (dual.dequantize(), x)]
+            if granularity in ("tensor", "128x128"):
+                pairs.append((dual_t.dequantize(), x.t()))
+            for got, ref in pairs:
+                tiny = (ref != 0) & (ref.abs() < 1e-30)
+                assert tiny.sum() == 3
+                rel = ((got - ref).abs() / ref.abs())[tiny]
+                assert rel.max().item() <= 2.0 ** -(FORMATS[dtype][0] + 1) * 1.001, (backend, dtype, granularity)
+        for ref, tri in zip(results["reference"], results["triton"], strict=True):
+            assert torch.equal(tri.data.view(torch.uint8), ref.data.view(torch.uint8))
+            assert torch.equal(tri.scale, ref.scale)
+
+
 def test_abs_max_is_the_amax_without_the_abs_temporary():
     from mcore.kernels.quantization import abs_max
 

@@ -80,16 +80,26 @@ def expand_scale(scale: torch.Tensor, granularity: str, shape: tuple[int, int]) 
     return scale.repeat_interleave(BLOCK, dim=0).repeat_interleave(BLOCK, dim=1)[:rows, :cols]
 
 
+def amax_floor(fmax: float) -> float:
+    """The smallest amax a scale is derived from: ``fmax`` times the smallest normal fp32. Below it ``fmax / amax``
+    would reach inf (from ``amax < fmax / FLT_MAX``), and a group of tiny values and zeros would quantize to
+    ``0 * inf = NaN`` (a 500-step block-wise run on the H200 turned NaN at step 22 so); floored, the multiplier stays
+    finite and the scale a normal number, and the group's values still fit (``|x| <= amax < floor``)."""
+    return fmax * torch.finfo(torch.float32).tiny
+
+
 def scale_from_amax(amax: torch.Tensor, fmax: float) -> tuple[torch.Tensor, torch.Tensor]:
     """``(multiplier, dequantization scale)`` in fp32 from an amax tensor: ``fmax / amax`` and its reciprocal.
 
     A zero (or non-finite) amax gives multiplier 1, so an all-zero group quantizes to zeros and a NaN in the
-    data stays visible as NaN instead of poisoning the scale of its neighbours with inf.
+    data stays visible as NaN instead of poisoning the scale of its neighbours with inf. A positive amax below
+    :func:`amax_floor` is raised to it.
     """
     amax = amax.to(torch.float32)
     ok = (amax > 0) & torch.isfinite(amax)
+    floored = amax.clamp(min=amax_floor(fmax))
     # torch.div of two tensors is correctly rounded; ``fmax / tensor`` is not (it multiplies by a reciprocal)
-    multiplier = torch.where(ok, torch.full_like(amax, fmax).div(torch.where(ok, amax, 1.0)), 1.0)
+    multiplier = torch.where(ok, torch.full_like(amax, fmax).div(torch.where(ok, floored, 1.0)), 1.0)
     return multiplier, torch.ones_like(multiplier).div(multiplier)
 
 

@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from mcore.kernels.triton.quantization import _FORMAT_BITS, FP8_MAX, _round_to_fp8
+from mcore.kernels.triton.quantization import _FORMAT_BITS, FP8_MAX, _round_to_fp8, multiplier_and_scale
 
 BLOCK = 128
 # amax pass: each program reduces _AMAX_ROWS x _AMAX_COLS (in _AMAX_TILE_R-row steps), so the column atomics
@@ -37,15 +37,6 @@ _AMAX_ROWS, _AMAX_TILE_R, _AMAX_COLS = 256, 32, 128
 # warps needed 255 and spilled: too few warps per SM to keep the memory busy)
 _CAST_R, _CAST_C, _CAST_WARPS = 64, 64, 8
 _BLOCK_CHUNK_R, _BLOCK_WARPS = 32, 8
-
-
-@triton.jit
-def _multiplier(amax, FMAX: tl.constexpr):
-    """``(fmax / amax, amax / fmax)`` correctly rounded; 1 for a zero, inf or NaN amax."""
-    ok = (amax > 0.0) & (amax < float("inf"))
-    zero = tl.zeros_like(amax)
-    mult = tl.where(ok, tl.math.div_rn(zero + FMAX, tl.where(ok, amax, 1.0)), 1.0)
-    return mult, tl.math.div_rn(zero + 1.0, mult)
 
 
 @triton.jit
@@ -123,8 +114,8 @@ def _dual_cast_kernel(
     if RECORD_AMAX:
         tl.atomic_max(AMAX_OUT, tl.max(tl.max(tl.where(x != x, float("inf"), tl.abs(x)), axis=1), axis=0))
     if ROWWISE:
-        mult_r, scale_r = _multiplier(tl.load(ROW_AMAX + rows, mask=rmask, other=1.0), FMAX)
-        mult_c, scale_c = _multiplier(tl.load(COL_AMAX + cols, mask=cmask, other=1.0), FMAX)
+        mult_r, scale_r = multiplier_and_scale(tl.load(ROW_AMAX + rows, mask=rmask, other=1.0), FMAX)
+        mult_c, scale_c = multiplier_and_scale(tl.load(COL_AMAX + cols, mask=cmask, other=1.0), FMAX)
         if pid_c == 0:
             tl.store(SCALE + rows, scale_r, mask=rmask)
         if WRITE_YT and pid_r == 0:
@@ -132,7 +123,7 @@ def _dual_cast_kernel(
         v = x * mult_r[:, None]
         vt = x * mult_c[None, :]
     else:
-        mult, scale = _multiplier(tl.load(AMAX), FMAX)
+        mult, scale = multiplier_and_scale(tl.load(AMAX), FMAX)
         if (pid_r == 0) & (pid_c == 0):
             tl.store(SCALE, scale)
         v = x * mult
@@ -184,12 +175,12 @@ def _block_dual_kernel(
         a = tl.where(x != x, float("inf"), tl.abs(x))
         col_max = tl.maximum(col_max, tl.max(a, axis=0))
         if not SQUARE:
-            mult_r, scale_r = _multiplier(tl.max(a, axis=1), FMAX)
+            mult_r, scale_r = multiplier_and_scale(tl.max(a, axis=1), FMAX)
             tl.store(SCALE + r64 * n_scale_cols + pid_c, scale_r, mask=rmask)
             q = _round_to_fp8(x * mult_r[:, None], FMAX, MBITS, MIN_EXP).to(Y.dtype.element_ty)
             tl.store(Y + r64[:, None] * n_cols + c64[None, :], q, mask=mask)
     if SQUARE:
-        mult, scale = _multiplier(tl.max(col_max, axis=0), FMAX)
+        mult, scale = multiplier_and_scale(tl.max(col_max, axis=0), FMAX)
         tl.store(SCALE + pid_r * n_scale_cols + pid_c, scale)
         if WRITE_YT:
             tl.store(SCALE_T + pid_c * n_scale_t_cols + pid_r, scale)
@@ -201,7 +192,7 @@ def _block_dual_kernel(
             if WRITE_YT:
                 tl.store(YT + c64[:, None] * n_rows + r64[None, :], tl.trans(q), mask=cmask[:, None] & rmask[None, :])
     elif WRITE_YT:
-        mult_c, scale_c = _multiplier(col_max, FMAX)
+        mult_c, scale_c = multiplier_and_scale(col_max, FMAX)
         tl.store(SCALE_T + c64 * n_scale_t_cols + pid_r, scale_c, mask=cmask)
         for i in range(BLOCK_T // CHUNK_R):
             rows = pid_r * BLOCK_T + i * CHUNK_R + tl.arange(0, CHUNK_R)

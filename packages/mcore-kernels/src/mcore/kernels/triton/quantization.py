@@ -46,6 +46,22 @@ def _round_to_fp8(v, FMAX: tl.constexpr, MBITS: tl.constexpr, MIN_EXP: tl.conste
     return tl.where(v != v, v, saturated)  # NaN stays NaN (min/max would turn it into a bound)
 
 
+# fp32's smallest normal number (torch.finfo(torch.float32).tiny): the amax floor is FMAX times it
+_FLT_TINY = tl.constexpr(1.1754943508222875e-38)
+
+
+@triton.jit
+def multiplier_and_scale(amax, FMAX: tl.constexpr):
+    """``(fmax / amax, amax / fmax)`` correctly rounded, the bits of ``quantization.scale_from_amax``: 1 for a zero,
+    inf or NaN amax, a positive amax below ``quantization.amax_floor`` raised to it (``amax * 0`` would be NaN for an
+    inf amax: the zeros come from ``zeros_like``)."""
+    ok = (amax > 0.0) & (amax < float("inf"))
+    zero = tl.zeros_like(amax)
+    floored = tl.maximum(amax, zero + FMAX * _FLT_TINY)
+    mult = tl.where(ok, tl.math.div_rn(zero + FMAX, tl.where(ok, floored, 1.0)), 1.0)
+    return mult, tl.math.div_rn(zero + 1.0, mult)
+
+
 @triton.jit
 def _block_quant_kernel(
     X,
@@ -85,10 +101,7 @@ def _block_quant_kernel(
         amax = tl.max(tl.max(a, axis=1), axis=0)
     else:
         amax = tl.max(a, axis=1)
-    ok = (amax > 0.0) & (amax < float("inf"))
-    zero = tl.zeros_like(amax)  # a scalar (128x128) or a vector (1x128), like amax (amax * 0 is NaN for inf)
-    mult = tl.where(ok, tl.math.div_rn(zero + FMAX, tl.where(ok, amax, 1.0)), 1.0)
-    scale = tl.math.div_rn(zero + 1.0, mult)
+    mult, scale = multiplier_and_scale(amax, FMAX)  # a scalar (128x128) or a vector (1x128), like amax
     if SQUARE:
         v = x * mult
         tl.store(SCALE + pid_r * n_scale_cols + pid_c, scale)
