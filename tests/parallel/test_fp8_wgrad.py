@@ -119,3 +119,28 @@ def test_cuda_bf16_weights_write_main_grad(recipe, grad_dtype):
             assert torch.isfinite(ga).all()
             # fused: the first micro-batch is never rounded to bf16 (the unfused one is, once)
             torch.testing.assert_close(ga.float(), gb.float(), rtol=1.6e-2, atol=1e-3)
+
+
+def _trainer_runs(rank, world_size, base):
+    from tests.train.tiny import train, train_records
+
+    fp8 = ["train.precision=fp8", "fp8.recipe=tensorwise", "train.steps=3", "train.global_batch_size=4"]
+    runs = {
+        "zero1_fused": [],
+        "zero1_unfused": ["parallel.gradient_accumulation_fusion=false"],
+        "fsdp_one_rank_fused": ["parallel.dp_shard=true"],  # the shard gradients as the GEMMs' targets
+        "fsdp_one_rank_unfused": ["parallel.dp_shard=true", "parallel.gradient_accumulation_fusion=false"],
+    }
+    for name, extra in runs.items():
+        train(base / name, *fp8, "train.micro_batch_size=1", *extra)
+    return {name: [r["loss"] for r in train_records(base / name).values()] for name in runs}
+
+
+def test_trainer_zero1_and_one_rank_fsdp_train_alike_with_and_without_the_fusion(tmp_path):
+    from tests.helpers.distributed import run_workers
+
+    losses = run_workers(1, _trainer_runs, tmp_path)[0]
+    reference = losses.pop("zero1_unfused")
+    assert len(reference) == 3
+    for name, got in losses.items():  # 4 micro-batches per step: the first writes, three add
+        assert got == pytest.approx(reference, rel=1e-6, abs=0), name

@@ -47,9 +47,9 @@ from mcore.kernels.quantization import (
 # The fused kernel or two single casts, per granularity, as measured on one H200 (torch 2.11, Triton 3.6; bf16
 # [8192, 4096], benchmarks/fp8.py casts, session 5 call 3), ms, fused vs two single casts (CUDA-graph replay):
 #   tensor 0.153 vs 0.519 | row 0.182 vs 0.866 | 1x128 0.171 vs 0.154 (0.144 vs 0.109) | 128x128 0.146 vs 0.163
-# 1x128's fused kernel reads each 128 x 128 tile once but keeps its column amaxes, both casts and the fp8 transpose
-# in one program; the single casts' 1x128 kernels are simpler and stream faster, so the second read costs less
-# than it saves. Tensor- and row-wise need a global amax pass first, which the fused kernel shares.
+# 1x128: the fused kernel reads each 128 x 128 tile once, but the two single casts (two reads, simpler programs)
+# measured faster (why is not profiled: its column amaxes and fp8 transpose in one program are the suspects).
+# Tensor- and row-wise need a global amax pass first, which the fused kernel shares. Both paths give the same bits.
 DUAL_PATH = {"tensor": "fused", "row": "fused", "1x128": "two_casts", "128x128": "fused"}
 
 
