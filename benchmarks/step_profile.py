@@ -39,7 +39,8 @@ CATEGORIES: tuple[tuple[str, str], ...] = (
     # mcore.kernels' Triton fp8 quantizers (triton/quantization.py, triton/quant_fused.py) and block-scaled GEMM
     ("fp8 cast", r"^_(dual_cast|amax|block_dual|block_quant|tiled_cast|jagged_column_amax)_kernel"),
     ("fp8 gemm", r"^_block_scaled_mm_kernel"),
-    ("attention", r"flash|fmha|sdpa|attention|attn|flex"),
+    # mcore's own Triton flash kernels carry their Python names (flash_attention.py, flash_backward*.py)
+    ("attention", r"flash|fmha|sdpa|attention|attn|flex|^_fwd_kernel$|^_bwd_(kv|q)_kernel$|^_preprocess_kernel$"),
     (
         "ssm",
         r"_intra_(fwd|dx|dcb)_|_state_(fwd|bwd)_kernel|_inter_(fwd|bwd)_|_conv_(fwd|bwd|dpre|dx)_|ssd|"

@@ -29,6 +29,10 @@ def _mark(ts: float, dur: float) -> dict:
         ("nvjet_hsh_256x128_64x4_1x2_h_bz_coopA_NTT", "gemm"),
         ("void pytorch_flash::flash_fwd_kernel<Flash_fwd_kernel_traits<128, 128>>", "attention"),
         ("cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob_3", "attention"),
+        ("_fwd_kernel", "attention"),  # mcore's Triton flash kernels (gptoss4l's 5.4 ms were "other" on 2026-12-01)
+        ("_bwd_kv_kernel", "attention"),
+        ("_bwd_q_kernel", "attention"),
+        ("_glu_fwd_kernel", "activation"),
         ("void at::native::(anonymous namespace)::multi_tensor_apply_kernel<FusedAdamMathFunctor>", "optimizer"),
         ("ncclDevKernel_AllReduce_Sum_bf16_RING_LL", "communication"),
         ("_norm_fwd_kernel", "norm"),

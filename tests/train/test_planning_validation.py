@@ -37,7 +37,8 @@ def test_every_timed_configuration_of_the_performance_doc_is_a_case():
     # session 5: the expert GEMM modes, bf16 optimizer states and FSDP2 at one rank after its rewrite
     s5 = ("gptoss4l grouped_fp32_wgrad", "gptoss4l grouped_fp32_wgrad bf16 states", "gptoss4l",
           "mixtral2l per_expert bf16 states", "mixtral2l fsdp-per_expert", "moonlight8l grouped_fp32_wgrad bf16 states",
-          "moonlight8l fsdp-grouped_fp32_wgrad")  # fmt: skip
+          "moonlight8l fsdp-grouped_fp32_wgrad", "qwen3moe4l bf16 states", "gptoss4l bf16 states",
+          "moonlight8l bf16 states")  # fmt: skip
     expected |= {f"{name} (1 GPU, MoE, s5-h200-2026-12-01)" for name in s5}
     expected |= {f"nemotron-h-8b-4l {c} (1 GPU, s5-h200-2026-12-01)" for c in ("zero1", "zero1_modules")}
     # MoE calls after e21cc44 (moe-<shapes>-h200-<run>/<shape>/mcore_*.json, moonlight8l's hand-written from its
