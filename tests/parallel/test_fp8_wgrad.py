@@ -15,7 +15,8 @@ from mcore.parallel import ColumnParallelLinear, DistributedDataParallel, RowPar
 from mcore.parallel.low_precision import enable_low_precision
 from mcore.parallel.param_attrs import wgrad_overwrites_main_grad
 
-M, H, FFN, STEPS, LR = 64, 128, 256, 3, 0.5
+# M: 128 tokens, as block-wise wgrad on CUDA contracts over them in 128-wide blocks
+M, H, FFN, STEPS, LR = 128, 128, 256, 3, 0.5
 
 
 class _MLP(torch.nn.Module):
