@@ -18,19 +18,15 @@ SSD_TILES = {
     "STATE_BLOCK": (128, 256, 512, 1024),
 }
 STATES_ROWS = (32, 64, 128)  # mcore.kernels.triton.ssd_states.ROWS
-# mcore.kernels.triton.conv: (BLOCK_L, BLOCK_D, NUM_WARPS) of the forward and dx kernels, and
-# (DPRE_BLOCK_L, DPRE_BLOCK_D, DPRE_WARPS, DPRE_TILES) of the dpre kernel; the defaults first
-CONV_CONSTANTS = ("BLOCK_L", "BLOCK_D", "NUM_WARPS", "DPRE_BLOCK_L", "DPRE_BLOCK_D", "DPRE_WARPS", "DPRE_TILES")
-CONV_TILES = (
-    (32, 128, 8, 4, 1024, 4, 16),
-    (32, 128, 4, 4, 1024, 4, 16),
-    (64, 128, 8, 4, 1024, 4, 16),
-    (16, 256, 4, 4, 1024, 4, 16),
-    (32, 128, 8, 8, 1024, 4, 8),
-    (32, 128, 8, 4, 2048, 8, 16),
-    (32, 128, 8, 2, 1024, 4, 32),
-    (32, 128, 8, 32, 128, 8, 1),  # the dpre tile of the first GPU run (sums across warps), one tile a program
-)
+# mcore.kernels.triton.conv: each tile constant (its candidates: conv.TILE_CANDIDATES, the default first), the kernel
+# whose GPU time decides it, and the backward path that launches that kernel
+CONV_KERNELS = {
+    "FWD_TILE": ("_conv_fwd_kernel", "split"),
+    "DX_TILE": ("_conv_dx_kernel", "split"),
+    "DPRE_TILE": ("_conv_dpre_kernel", "split"),
+    "FUSED_TILE": ("_conv_bwd_fused_kernel", "fused"),
+    "DW_TILE": ("_conv_dw_kernel", "split"),
+}
 
 
 def ssd_kernel_calls(s: dict, device: torch.device, dtype: torch.dtype) -> dict[str, Callable[[], object]]:
@@ -65,16 +61,17 @@ def ssd_kernel_calls(s: dict, device: torch.device, dtype: torch.dtype) -> dict[
 
 
 def sweep(s: dict, conv_step: Callable[[], object], device: torch.device, dtype: torch.dtype, measure,
-          iters: int, parts: tuple[str, ...] = ("ssd", "conv"), conv_measure=None) -> dict:  # fmt: skip
-    """``{"ssd": {constant: {value: ms}}, "conv": {"BLxBDxWARPSxTILES": ms}}`` for the ``parts`` asked; which
-    kernels a constant affects is summed; ``conv_step`` runs the conv forward + backward with whatever tiles are
-    set, timed by ``conv_measure`` (default ``measure``; on CUDA the benchmark passes GPU kernel time: its host
-    overhead would hide the tiles' differences)."""
+          iters: int, parts: tuple[str, ...] = ("ssd", "conv"), conv_kernel_ms=None) -> dict:  # fmt: skip
+    """``{"ssd": {constant: {value: ms}}, "conv": ...}`` (see :func:`_conv_sweep`) for the ``parts`` asked; which
+    kernels an SSD constant affects is summed; ``conv_step`` runs the conv forward + backward with whatever tiles are
+    set, ``conv_kernel_ms(step, iters)`` gives ``{kernel name: ms}`` of one step (on CUDA the benchmark passes the
+    profiler's GPU kernel times: host overhead would hide the tiles' differences; by default ``{"*": wall ms}``, one
+    number standing for every kernel)."""
     out: dict = {}
     if "ssd" in parts:
         out["ssd"] = _ssd_sweep(s, device, dtype, measure, iters)
     if "conv" in parts:
-        out["conv"] = _conv_sweep(conv_step, conv_measure or measure, iters)
+        out["conv"] = _conv_sweep(conv_step, conv_kernel_ms or (lambda fn, n: {"*": measure(fn, n) * 1e3}), iters)
     return out
 
 
@@ -109,17 +106,52 @@ def _ssd_sweep(s: dict, device: torch.device, dtype: torch.dtype, measure, iters
     return out
 
 
-def _conv_sweep(conv_step: Callable[[], object], measure, iters: int) -> dict:
+def _conv_sweep(conv_step: Callable[[], object], kernel_ms, iters: int) -> dict:
+    """Each conv tile constant's candidates timed by its own kernel's ms (``{constant: {label: ms or error}}``), then
+    the whole step on each backward path with every kernel at its fastest tile (``"BACKWARD": {path: ms}``), and
+    ``"best"``: what to make the defaults (``{constant: label, "BACKWARD": path}``). The defaults are restored."""
     from mcore.kernels.triton import conv as tconv
 
+    saved = {name: getattr(tconv, name) for name in (*CONV_KERNELS, "BACKWARD")}
     out: dict = {}
-    default = [getattr(tconv, name) for name in CONV_CONSTANTS]
+    best: dict = {}
     try:
-        for values in CONV_TILES:
-            for name, value in zip(CONV_CONSTANTS, values, strict=True):
-                setattr(tconv, name, value)
-            out["x".join(map(str, values))] = measure(conv_step, iters) * 1e3
+        for name, (kernel, path) in CONV_KERNELS.items():
+            tconv.BACKWARD = path
+            out[name] = {}
+            for tile in tconv.TILE_CANDIDATES[name]:
+                setattr(tconv, name, tile)
+                out[name][tile.label] = _conv_ms(conv_step, kernel_ms, iters, kernel)
+            setattr(tconv, name, saved[name])
+            timed = {t: out[name][t.label] for t in tconv.TILE_CANDIDATES[name]}
+            timed = {t: ms for t, ms in timed.items() if isinstance(ms, float)}
+            if timed:
+                best[name] = min(timed, key=timed.get)
+        for name, tile in best.items():
+            setattr(tconv, name, tile)
+        out["BACKWARD"] = {}
+        for path in tconv.BACKWARDS:
+            tconv.BACKWARD = path
+            out["BACKWARD"][path] = _conv_ms(conv_step, kernel_ms, iters, None)
     finally:
-        for name, value in zip(CONV_CONSTANTS, default, strict=True):
+        for name, value in saved.items():
             setattr(tconv, name, value)
+    paths = {p: ms for p, ms in out["BACKWARD"].items() if isinstance(ms, float)}
+    out["best"] = {name: tile.label for name, tile in best.items()}
+    if paths:
+        out["best"]["BACKWARD"] = min(paths, key=paths.get)
     return out
+
+
+def _conv_ms(conv_step: Callable[[], object], kernel_ms, iters: int, kernel: str | None) -> float | str:
+    """GPU ms of ``kernel`` in one conv step (all kernels when ``None``), or the error that stopped it (a tile that
+    does not build on this GPU loses; the sweep goes on)."""
+    try:
+        times = kernel_ms(conv_step, iters)
+    except Exception as exc:  # recorded in the sweep's table
+        return f"error: {type(exc).__name__}: {exc}"[:500]
+    if kernel is None:
+        return float(sum(times.values()))
+    if kernel in times or "*" in times:
+        return float(times.get(kernel, times.get("*")))
+    return f"error: {kernel} did not run (kernels: {sorted(times)})"

@@ -240,8 +240,8 @@ def bench_kernels(
         out["ssd_parts_ms"] = {name: measure(fn, iters) * 1e3 for name, fn in calls.items()}
     if (device.type == "cuda" or backend == "triton") and tile_sweep:
         conv_step = conv_calls(xc, w, bias, gc, "triton")["conv_ours"]
-        kernel_seconds = (lambda fn, n: kernel_times(fn, n)["total_ms"] / 1e3) if device.type == "cuda" else None
-        out["tile_sweep_ms"] = sweep(s, conv_step, device, dtype, measure, iters, tile_sweep, kernel_seconds)
+        kernel_ms = (lambda fn, n: kernel_times(fn, n)["kernels_ms"]) if device.type == "cuda" else None
+        out["tile_sweep_ms"] = sweep(s, conv_step, device, dtype, measure, iters, tile_sweep, kernel_ms)
     return out
 
 

@@ -71,10 +71,14 @@ def test_tile_sweep_restores_the_defaults_and_times_every_value(monkeypatch):
 
         pytest.skip("the sweep's CPU check runs the kernels under TRITON_INTERPRET=1")
     monkeypatch.setattr(ssm_sweep, "SSD_TILES", {"INTRA_ROWS": (16, 32), "STATE_BLOCK": (64, 256)})
-    monkeypatch.setattr(ssm_sweep, "CONV_TILES", ((16, 32, 4, 4, 32, 4, 2), (32, 64, 2, 8, 64, 2, 1)))
     monkeypatch.setattr(ssm_sweep, "STATES_ROWS", (16, 32))
-    tiles = ssm_sweep.CONV_CONSTANTS
-    before = (tssd.INTRA_ROWS, tssd.STATE_BLOCK, *(getattr(tconv, name) for name in tiles))
+    tile = tconv.ConvTile
+    candidates = {"FWD_TILE": (tile(16, 32, 4), tile(32, 64, 2)), "DX_TILE": (tile(16, 64, 4),),
+                  "DPRE_TILE": (tile(4, 64, 2, 2),), "FUSED_TILE": (tile(4, 64, 2, 4), tile(8, 32, 2, 2)),
+                  "DW_TILE": (tile(4, 16, 1), tile(2, 64, 2))}  # fmt: skip
+    monkeypatch.setattr(tconv, "TILE_CANDIDATES", candidates)
+    names = (*ssm_sweep.CONV_KERNELS, "BACKWARD")
+    before = (tssd.INTRA_ROWS, tssd.STATE_BLOCK, *(getattr(tconv, name) for name in names))
     s = KERNEL_SHAPES["tiny"]
     x = torch.randn(1, s["seq"], 48, requires_grad=True)
     w, bias = torch.randn(48, 4, requires_grad=True), torch.randn(48, requires_grad=True)
@@ -87,17 +91,53 @@ def test_tile_sweep_restores_the_defaults_and_times_every_value(monkeypatch):
     seen = []
 
     def conv_step():
-        seen.append(tuple(getattr(tconv, name) for name in tiles))
+        seen.append(tuple(getattr(tconv, name) for name in names))
         causal_conv1d(x, w, bias, backend="triton").backward(torch.randn(x.shape))
 
     out = ssm_sweep.sweep(s, conv_step, torch.device("cpu"), torch.float32, measure, 1)
-    assert seen == [(16, 32, 4, 4, 32, 4, 2), (32, 64, 2, 8, 64, 2, 1)]
+    # One step per candidate (on the path that runs its kernel), then both paths at the best tiles.
+    assert len(seen) == sum(map(len, candidates.values())) + 2
+    assert seen[0][0] == tile(16, 32, 4) and seen[1][0] == tile(32, 64, 2) and seen[0][-1] == "split"
+    fused_steps = seen[4:6]  # after 2 forward, 1 dx and 1 dpre candidates
+    assert {step[3] for step in fused_steps} == set(candidates["FUSED_TILE"])
+    assert {step[-1] for step in fused_steps} == {"fused"}
+    assert [step[-1] for step in seen[-2:]] == ["split", "fused"]
+    conv = out["conv"]
+    for name, tiles in candidates.items():
+        assert set(conv[name]) == {t.label for t in tiles} and all(v > 0 for v in conv[name].values()), name
+        assert conv["best"][name] == min(conv[name], key=conv[name].get)
+    assert conv["best"]["BACKWARD"] == min(conv["BACKWARD"], key=conv["BACKWARD"].get)
     only_conv = ssm_sweep.sweep(s, conv_step, torch.device("cpu"), torch.float32, measure, 1, parts=("conv",))
-    assert set(only_conv) == {"conv"} and set(only_conv["conv"]) == {"16x32x4x4x32x4x2", "32x64x2x8x64x2x1"}
+    assert set(only_conv) == {"conv"}
     assert set(out["ssd"]["INTRA_ROWS"]) == {"16", "32"} and set(out["ssd"]["STATE_BLOCK"]) == {"64", "256"}
     assert set(out["ssd"]["states.ROWS"]) == {"16", "32"}
-    assert set(out["conv"]) == {"16x32x4x4x32x4x2", "32x64x2x8x64x2x1"} and all(v > 0 for v in out["conv"].values())
-    assert before == (tssd.INTRA_ROWS, tssd.STATE_BLOCK, *(getattr(tconv, name) for name in tiles))
+    assert before == (tssd.INTRA_ROWS, tssd.STATE_BLOCK, *(getattr(tconv, name) for name in names))
+
+
+def test_conv_sweep_records_a_failing_tile_and_a_kernel_that_did_not_run(monkeypatch):
+    """On CUDA a candidate that does not build, or a kernel missing from the profile, is recorded and loses."""
+    import pytest
+
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    import ssm_sweep
+
+    from mcore.kernels.triton import conv as tconv
+
+    one = {name: tiles[:1] for name, tiles in tconv.TILE_CANDIDATES.items()}
+    monkeypatch.setattr(tconv, "TILE_CANDIDATES", one | {"FWD_TILE": (tconv.FWD_TILE, tconv.ConvTile(64, 64, 2))})
+
+    def kernel_ms(step, iters):
+        if tconv.FWD_TILE.rows == 64:
+            raise RuntimeError("out of resources")
+        kernel = "_conv_bwd_fused_kernel" if tconv.BACKWARD == "fused" else "_conv_dpre_kernel"
+        return {"_conv_fwd_kernel": 0.1, kernel: 0.2, "_conv_dw_kernel": 0.05}
+
+    out = ssm_sweep._conv_sweep(lambda: None, kernel_ms, 1)
+    assert out["FWD_TILE"]["64x64x2"].startswith("error: RuntimeError: out of resources")
+    assert out["best"]["FWD_TILE"] == tconv.FWD_TILE.label
+    assert out["DX_TILE"][tconv.DX_TILE.label].startswith("error: _conv_dx_kernel did not run")
+    assert "DX_TILE" not in out["best"] and out["FUSED_TILE"][tconv.FUSED_TILE.label] == 0.2
+    assert out["BACKWARD"] == pytest.approx({"split": 0.35, "fused": 0.35})
 
 
 def test_step_profile_puts_the_ssm_kernels_in_their_category(monkeypatch):

@@ -70,9 +70,8 @@ MODELS = {
 }
 
 
-@pytest.mark.parametrize("model", sorted(MODELS))
-def test_cp2_sinks_mla_mtp_on_two_gpus_train_like_one_gpu(tmp_path, model):
-    common, comm_type = MODELS[model]
+def _cp2_trains_like_one_gpu(tmp_path, model: str, common: list[str], comm_type: str) -> None:
+    """fp32 losses and grad norms of 4 steps at cp=2 (``comm_type``) equal one GPU's within ``PRECISION``."""
     common = ["train.precision=fp32", *common]
     _, single = _run(tmp_path / "single", 1, *common)
     out, got = _run(tmp_path / "cp2", 2, *common, "parallel.cp=2", f"parallel.cp_comm_type={comm_type}")
@@ -81,6 +80,11 @@ def test_cp2_sinks_mla_mtp_on_two_gpus_train_like_one_gpu(tmp_path, model):
     for step in single:
         for key in ("loss", "grad_norm"):
             assert got[step][key] == pytest.approx(single[step][key], rel=PRECISION["fp32"]), (model, step, key)
+
+
+@pytest.mark.parametrize("model", sorted(MODELS))
+def test_cp2_sinks_mla_mtp_on_two_gpus_train_like_one_gpu(tmp_path, model):
+    _cp2_trains_like_one_gpu(tmp_path, model, *MODELS[model])
 
 
 # Mamba-2 hybrids: the all-to-all around the Triton conv + scan (mcore.parallel.cp_ssm; tests/models/test_cp_hybrid.py
@@ -93,12 +97,4 @@ HYBRIDS = {
 
 @pytest.mark.parametrize("model", sorted(HYBRIDS))
 def test_cp2_mamba_hybrids_on_two_gpus_train_like_one_gpu(tmp_path, model):
-    common, comm_type = HYBRIDS[model]
-    common = ["train.precision=fp32", *common]
-    _, single = _run(tmp_path / "single", 1, *common)
-    out, got = _run(tmp_path / "cp2", 2, *common, "parallel.cp=2", f"parallel.cp_comm_type={comm_type}")
-    assert "world 2 = tp 1 x cp 2 x pp 1 x dp 1" in out
-    assert sorted(got) == sorted(single) == [1, 2, 3, 4]
-    for step in single:
-        for key in ("loss", "grad_norm"):
-            assert got[step][key] == pytest.approx(single[step][key], rel=PRECISION["fp32"]), (model, step, key)
+    _cp2_trains_like_one_gpu(tmp_path, model, *HYBRIDS[model])

@@ -205,25 +205,13 @@ RUNS = {  # name: (single-process reference, overrides of the 4-rank run)
 
 def _train(run_dir, *overrides) -> tuple[list[tuple[float, float]], dict[str, list[float]], int]:
     """((loss, grad norm) by step, the expert biases at the end, the CP size) of one mcore-train run in this process."""
-    from mcore.train import trainer as trainer_module
-    from tests.train.tiny import train, train_records
+    from tests.train.tiny import train_keeping_trainer, train_records
 
-    built = []
-    original = trainer_module.Trainer.__init__
-
-    def capture(self, *args, **kwargs):
-        original(self, *args, **kwargs)
-        built.append(self)
-
-    trainer_module.Trainer.__init__ = capture
-    try:
-        train(run_dir, *STEPS, *overrides)
-    finally:
-        trainer_module.Trainer.__init__ = original
+    trainer = train_keeping_trainer(run_dir, *STEPS, *overrides)
     # lists, not tensors: a tensor sent from a worker that has exited cannot be opened by the parent
-    biases = {n: b.tolist() for n, b, _ in built[-1].named_local_buffers() if n.endswith("expert_bias")}
+    biases = {n: b.tolist() for n, b, _ in trainer.named_local_buffers() if n.endswith("expert_bias")}
     curve = [(r["loss"], r["grad_norm"]) for _, r in sorted(train_records(run_dir).items())]
-    return curve, biases, built[-1].groups.cp_size
+    return curve, biases, trainer.groups.cp_size
 
 
 # ------------------------------------------------------------------------------------------------ workers

@@ -40,24 +40,10 @@ LAYOUTS = {
 
 def _run(run_dir, *overrides) -> tuple[list[float], dict[str, torch.Tensor]]:
     """(losses by step, this rank's expert biases at the end) of one mcore-train run in this process."""
-    from mcore.train import trainer as trainer_module
-    from tests.train.tiny import train, train_records
+    from tests.train.tiny import train_keeping_trainer, train_records
 
-    built = []
-    original = trainer_module.Trainer.__init__
-
-    def capture(self, *args, **kwargs):
-        original(self, *args, **kwargs)
-        built.append(self)
-
-    trainer_module.Trainer.__init__ = capture
-    try:
-        train(run_dir, *DEEPSEEK, *overrides)
-    finally:
-        trainer_module.Trainer.__init__ = original
-    biases = {
-        name: b.detach().clone() for name, b, _ in built[-1].named_local_buffers() if name.endswith("expert_bias")
-    }
+    trainer = train_keeping_trainer(run_dir, *DEEPSEEK, *overrides)
+    biases = {name: b.detach().clone() for name, b, _ in trainer.named_local_buffers() if name.endswith("expert_bias")}
     return [r["loss"] for _, r in sorted(train_records(run_dir).items())], biases
 
 

@@ -196,3 +196,18 @@ def test_cuda_fp8_training_follows_bf16(tmp_path, recipe):
     fp8 = run(name + grads, "train.precision=fp8", f"fp8.recipe={name}", *extra)
     assert fp8.final_loss != bf16.final_loss
     assert abs(fp8.final_loss - bf16.final_loss) / bf16.final_loss < 0.02
+
+
+def test_every_convergence_configuration_is_a_valid_config():
+    """Each configuration of benchmarks/low_precision_convergence.py loads as mcore-train overrides (a mistyped
+    key or value there would otherwise surface only in the GPU run), and the bf16-optimizer-states one really sets
+    the three optimizer dtypes."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        from low_precision_convergence import CONFIGS
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    for overrides in CONFIGS.values():
+        load_config(None, [*TINY, *overrides])  # raises UserError naming the key
+    states = load_config(None, [*TINY, *CONFIGS["bf16-optimizer-states"]]).optim
+    assert (states.main_grads_dtype, states.exp_avg_dtype, states.exp_avg_sq_dtype) == ("bf16", "bf16", "bf16")

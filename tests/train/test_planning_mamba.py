@@ -60,6 +60,17 @@ def test_shipped_mamba_rates_are_the_kernel_benchmarks():
     assert 2 * ssd_ms == pytest.approx(record["profile"][0]["categories_ms"]["ssm"], rel=0.10)
 
 
+def test_mamba_conv_rate_reads_a_fused_backward_profile_too():
+    """With the conv's fused backward (BACKWARD="fused") the profile has no dpre / dx kernels: the same time in one
+    kernel gives the same rate."""
+    kernels = json.loads((SSM_RUN / "ssm_throughput.json").read_text())["kernels"]
+    split = rates_from_ssm_benchmark(kernels)["conv_gbps"]
+    conv = kernels["conv_ours_kernels"]["kernels_ms"]
+    fused = conv.pop("_conv_dpre_kernel") + conv.pop("_conv_dx_kernel")
+    conv["_conv_bwd_fused_kernel"] = fused
+    assert rates_from_ssm_benchmark(kernels)["conv_gbps"] == pytest.approx(split, rel=1e-12)
+
+
 def test_selective_recompute_trades_mamba_activations_for_scan_time():
     shape = ModelShape.from_config(get_config("nemotron-h-8b-4l"))
     plain = Layout(seq_length=4096, distributed_optimizer=True)

@@ -40,6 +40,26 @@ def train(run_dir: Path | str, *overrides: str) -> tuple[RunResult, str]:
     return result, out.getvalue()
 
 
+def train_keeping_trainer(run_dir: Path | str, *overrides: str):
+    """``train``, returning the last ``Trainer`` the run built (to read its buffers and groups afterwards): its
+    ``__init__`` is wrapped for the run, since ``run_training`` keeps the trainer to itself."""
+    from mcore.train import trainer as trainer_module
+
+    built = []
+    original = trainer_module.Trainer.__init__
+
+    def capture(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        built.append(self)
+
+    trainer_module.Trainer.__init__ = capture
+    try:
+        train(run_dir, *overrides)
+    finally:
+        trainer_module.Trainer.__init__ = original
+    return built[-1]
+
+
 def train_records(run_dir: Path | str) -> dict[int, dict]:
     """The ``train`` records of a run's metrics.jsonl by step (a resumed run appends to the same file)."""
     records = {}

@@ -30,7 +30,8 @@ from dataclasses import dataclass
 SSD_FORWARD_PARTS = ("intra_fwd", "state_fwd", "chunk_state_fwd", "inter_fwd")
 SSD_BACKWARD_PARTS = ("intra_bwd", "state_bwd", "chunk_state_bwd", "inter_bwd")
 CONV_FORWARD_KERNELS = ("_conv_fwd_kernel",)
-CONV_BACKWARD_KERNELS = ("_conv_dpre_kernel", "_conv_dx_kernel", "_conv_dw_kernel")
+# the split backward (dpre, dx) or the fused one, whichever the kernels ran, and the partial sums
+CONV_BACKWARD_KERNELS = ("_conv_dpre_kernel", "_conv_dx_kernel", "_conv_bwd_fused_kernel", "_conv_dw_kernel")
 
 
 @dataclass(frozen=True)
@@ -102,7 +103,8 @@ def rates_from_ssm_benchmark(kernels: dict) -> dict[str, list[float]]:
     parts, conv = kernels["ssd_parts_ms"], kernels["conv_ours_kernels"]["kernels_ms"]
     fwd_ms, bwd_ms = (sum(parts[p] for p in names) for names in (SSD_FORWARD_PARTS, SSD_BACKWARD_PARTS))
     flops = tokens * shape.ssd_forward_flops(kernels["seq"])
-    conv_fwd, conv_bwd = (sum(conv[k] for k in names) for names in (CONV_FORWARD_KERNELS, CONV_BACKWARD_KERNELS))
+    # .get: a backward path's kernels that did not run are absent from the profile
+    conv_fwd, conv_bwd = (sum(conv.get(k, 0.0) for k in ks) for ks in (CONV_FORWARD_KERNELS, CONV_BACKWARD_KERNELS))
     elements = 2.0 * tokens * shape.conv_dim  # bf16 bytes of one pass over the channels
     return {
         "ssd_tflops": [flops / (fwd_ms * 1e9), 2 * flops / (bwd_ms * 1e9)],
