@@ -118,8 +118,10 @@ def test_cuda_bf16_weights_write_main_grad(recipe, grad_dtype):
     for a, b in zip(fused[:1], unfused[:1], strict=True):  # step 1: the same weights; later ones drift apart
         for ga, gb in zip(a, b, strict=True):
             assert torch.isfinite(ga).all()
-            # fused: the first micro-batch is never rounded to bf16 (the unfused one is, once)
-            torch.testing.assert_close(ga.float(), gb.float(), rtol=1.6e-2, atol=1e-3)
+            # fused: the first micro-batch is never rounded to bf16 (the unfused one is, once). The two micro-batches'
+            # terms can cancel, so the rounding is bounded by the gradient's scale, not by each element's value:
+            # the atol is 2 bf16 ulps (2^-7) of the largest magnitude (a missed write or a NaN poison fails it).
+            torch.testing.assert_close(ga.float(), gb.float(), rtol=1.6e-2, atol=2**-7 * gb.float().abs().max().item())
 
 
 def _trainer_runs(rank, world_size, base):
