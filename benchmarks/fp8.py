@@ -11,7 +11,10 @@
    a bf16 ``[8192, 4096]`` tensor: GB/s over the bytes each moves, against the copy (``clone``) in the same run.
 3. **Training**: the real ``mcore-train`` step on ``8b4l`` (``train_throughput.py``'s spec: seq 4096, micro-batch 2,
    distributed optimizer at dp=1, mock data) in bf16 and with ``train.precision=fp8`` per recipe: tokens/s,
-   speedup, peak memory, final loss.
+   speedup, peak memory, final loss; on the GPU one more step per row under the CUDA profiler
+   (``step_profile.py``, ``--profile-steps``): the row's ``profile`` and its ``time_breakdown`` (ms per step:
+   fp8 casts, fp8 GEMMs, bf16 GEMMs, attention, optimizer, the rest, GPU idle), to show what the fp8 step still
+   spends beside its GEMMs.
 4. **Experts**: the ``mixtral2l`` expert GEMMs (8 experts, 2 x 4096 x 2 routed rows, gate_up [8, 28672, 4096] and
    down [8, 4096, 14336], balanced) forward + backward through ``grouped_gemm`` (bf16) and ``fp8_grouped_gemm``
    (row-wise fp8, every cast included); then ``mixtral2l`` training (``moe_throughput.py``'s spec) in bf16 and
@@ -197,7 +200,7 @@ def bench_casts(rows_cols, device, dtype, iters, warmup) -> list[dict[str, Any]]
     operands from two single casts (``quantize_fp8`` of x and of x^T): GB/s over the bytes each moves, against
     the copy (``clone``) measured here; ``of ideal``: the time of the fewest bytes (read x once, write q and q^T)
     at the copy's rate over the time taken."""
-    from mcore.kernels.fp8_casts import quantize_dual
+    from mcore.kernels.fp8_casts import DUAL_PATH, quantize_dual
     from mcore.kernels.quantization import E4M3, quantize_fp8
 
     cuda = device.type == "cuda"
@@ -212,8 +215,13 @@ def bench_casts(rows_cols, device, dtype, iters, warmup) -> list[dict[str, Any]]
     cases = {}
     for granularity, reads in passes.items():
         cases[f"{granularity} fused q + q^T"] = (
-            lambda g=granularity: quantize_dual(x, E4M3, g),
+            lambda g=granularity: _fused_dual(x, g, cuda),
             n * (reads * size + 2),
+        )
+        # what the linears run: fp8_casts.DUAL_PATH's choice between the fused kernel and the two single casts
+        cases[f"{granularity} quantize_dual ({DUAL_PATH[granularity]})"] = (
+            lambda g=granularity: quantize_dual(x, E4M3, g),
+            n * ((reads if DUAL_PATH[granularity] == "fused" else 2) * size + 2),
         )
         cases[f"{granularity} two single casts"] = (
             lambda g=granularity: (quantize_fp8(x, E4M3, g), quantize_fp8(x, E4M3, g, transpose=True)),
@@ -230,11 +238,26 @@ def bench_casts(rows_cols, device, dtype, iters, warmup) -> list[dict[str, Any]]
     return out
 
 
-def train_spec(name: str, recipe: str | None, dry_run: bool, iters: int, warmup: int) -> RunSpec:
+def _fused_dual(x: torch.Tensor, granularity: str, cuda: bool):
+    """The fused operand-and-transpose kernel of ``granularity`` whatever ``DUAL_PATH`` chose (CPU: the reference)."""
+    from mcore.kernels.fp8_casts import quantize_dual
+    from mcore.kernels.quantization import E4M3, fp8_dtype
+
+    if cuda and granularity in ("1x128", "128x128"):
+        from mcore.kernels.triton.quant_fused import block_dual
+
+        return block_dual(x, fp8_dtype(E4M3), granularity == "128x128", write_t=True)
+    return quantize_dual(x, E4M3, granularity)
+
+
+def train_spec(
+    name: str, recipe: str | None, dry_run: bool, iters: int, warmup: int, profile_steps: int = 0
+) -> RunSpec:
     sys.path.insert(0, str(Path(__file__).parent))
     from train_throughput import build_spec
 
-    spec = build_spec("tiny" if dry_run else "8b4l", iters=iters, warmup=warmup, dry_run=dry_run)
+    shape = "tiny" if dry_run else "8b4l"
+    spec = build_spec(shape, iters=iters, warmup=warmup, dry_run=dry_run, profile_steps=profile_steps)
     spec.name = name
     if dry_run:  # the tiny model, widened so that every linear fits the 128-element blocks
         spec.model.update(hidden_size=128, intermediate_size=256)
@@ -245,24 +268,57 @@ def train_spec(name: str, recipe: str | None, dry_run: bool, iters: int, warmup:
     return spec
 
 
+# time_breakdown: step_profile's categories folded into what decides the fp8 speedup (the rest: "other")
+_BREAKDOWN = {
+    "fp8 cast": ("fp8 cast",),
+    "fp8 gemm": ("fp8 gemm",),
+    "bf16 gemm": ("gemm",),
+    "attention": ("attention",),
+    "optimizer": ("optimizer",),
+    "copy/cast (torch)": ("copy/cast",),
+}
+
+
+def time_breakdown(profile: dict[str, Any] | None) -> dict[str, float] | None:
+    """ms per step of ``_BREAKDOWN``'s groups, ``other`` (every other category), ``idle`` (the GPU waiting for the
+    host) and ``step`` (the profiled step window) from ``step_profile``'s breakdown; ``None`` without a profile."""
+    if not profile:
+        return None
+    cats = dict(profile["categories_ms"])
+    out = {group: sum(cats.pop(c, 0.0) for c in members) for group, members in _BREAKDOWN.items()}
+    out["other"] = sum(cats.values())
+    out["idle"] = profile["idle_ms"]
+    out["step"] = profile["step_window_ms"]
+    return out
+
+
 def bench_training(
-    dry_run: bool, iters: int, warmup: int, configs=TRAIN_CONFIGS, rows: list | None = None, on_row=None
+    dry_run: bool,
+    iters: int,
+    warmup: int,
+    configs=TRAIN_CONFIGS,
+    rows: list | None = None,
+    on_row=None,
+    profile_steps: int = 0,
 ) -> list[dict[str, Any]]:
     """``8b4l`` through the Trainer (``run_spec``) in bf16, then in each of ``configs``, in this process; each row is
-    appended to ``rows`` as it finishes and ``on_row()`` called (the caller saves: a cut run keeps its rows)."""
+    appended to ``rows`` as it finishes and ``on_row()`` called (the caller saves: a cut run keeps its rows).
+    ``profile_steps`` more steps per row under the CUDA profiler give the row's ``profile`` and ``time_breakdown``."""
     rows = [] if rows is None else rows
     keys = ("precision", "tokens_per_s", "step_s", "tflops_per_gpu", "mfu", "peak_mem_gb", "final_loss")
     for recipe in (None, *configs):
         name = f"8b4l-{recipe or 'bf16'}"
         t0 = time.perf_counter()
         try:
-            result, runtime = run_spec(train_spec(name, recipe, dry_run, iters, warmup))
+            result, runtime = run_spec(train_spec(name, recipe, dry_run, iters, warmup, profile_steps))
         except Exception as exc:  # noqa: BLE001 - a failing recipe is a row of the table, the others still run
             rows.append({"config": name, "recipe": recipe or "bf16", "error": _first_line(exc)})
         else:
             runtime.shutdown()
             row = {"config": name, "recipe": recipe or "bf16", **{k: result[k] for k in keys}}
             row["losses"] = result["losses"]
+            row["profile"] = result["profile"][0] if result.get("profile") else None
+            row["time_breakdown"] = time_breakdown(row["profile"])
             rows.append(row)
         base = rows[0].get("tokens_per_s")
         if base and "tokens_per_s" in rows[-1]:
@@ -347,6 +403,11 @@ def render(data: dict[str, Any]) -> str:
     if data.get("training"):
         keys = ["config", "tokens_per_s", "speedup", "step_s", "mfu", "peak_mem_gb", "final_loss", "error"]
         parts.append(markdown_table(keys, [[r.get(k, "") for k in keys] for r in data["training"]]))
+        profiled = [r for r in data["training"] if r.get("time_breakdown")]
+        if profiled:
+            groups = [*_BREAKDOWN, "other", "idle", "step"]
+            table = [[r["config"], *(r["time_breakdown"][g] for g in groups)] for r in profiled]
+            parts.append("GPU time per step (ms, CUDA profiler):\n\n" + markdown_table(["config", *groups], table))
     if data.get("experts"):
         keys = ["gemm", "impl", "rows", "n", "k", "ms", "tflops", "speedup", "error"]
         parts.append(markdown_table(keys, [[r.get(k, "") for k in keys] for r in data["experts"]]))
@@ -368,6 +429,12 @@ def main(argv: list[str] | None = None) -> int:
         help="comma-separated parts to skip: gemms, linears, casts, training, experts, moe_training",
     )
     parser.add_argument(
+        "--profile-steps",
+        type=int,
+        default=None,
+        help="steps per training row under the CUDA profiler, after the timed ones (1; dry run 0: it needs a GPU)",
+    )
+    parser.add_argument(
         "--train-configs",
         default=",".join(TRAIN_CONFIGS),
         help="fp8 training rows after bf16 (recipes; '+output': the output layer in fp8 too)",
@@ -377,6 +444,9 @@ def main(argv: list[str] | None = None) -> int:
     valid = {*TRAIN_RECIPES, *(f"{r}+output" for r in TRAIN_RECIPES)}
     if set(configs) - valid:
         parser.error(f"--train-configs: unknown {sorted(set(configs) - valid)}; expected some of {sorted(valid)}")
+    profile_steps = args.profile_steps if args.profile_steps is not None else (0 if args.dry_run else 1)
+    if profile_steps < 0 or (args.dry_run and profile_steps):
+        parser.error(f"--profile-steps must be >= 0 and 0 in a dry run (it reads CUDA kernels), got {profile_steps}")
     device = torch.device("cpu" if args.dry_run else "cuda")
     if not args.dry_run and not torch.cuda.is_available():
         parser.error("no CUDA device: run with --dry-run on CPU")
@@ -406,9 +476,11 @@ def main(argv: list[str] | None = None) -> int:
         save()
         print("fp8.py: casts done", flush=True)
     if "training" not in skip:
-        steps = dict(iters=3, warmup=0) if args.dry_run else dict(iters=10, warmup=3)
+        # the profiled step replaces a timed one: the row's wall time stays ~35-45 s on the H200
+        steps = dict(iters=3, warmup=0) if args.dry_run else dict(iters=max(1, 10 - profile_steps), warmup=3)
         data["training"] = []
-        bench_training(args.dry_run, configs=configs, rows=data["training"], on_row=save, **steps)
+        rows = data["training"]
+        bench_training(args.dry_run, configs=configs, rows=rows, on_row=save, profile_steps=profile_steps, **steps)
     if "linears" not in skip:
         data["linears"] = bench_linears(linear_shapes(shape), device, dtype, iters, warmup)
         save()

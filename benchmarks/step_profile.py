@@ -15,6 +15,10 @@ permute, experts and unpermute) is put in that scope's category, in forward and 
 found through autograd's sequence numbers: the backward node that launched a kernel carries the sequence number of
 the forward op that recorded it, and that op lay inside the scope. In a scope, GEMM and communication kernels keep
 their kind (``"moe experts: gemm"``: the grouped GEMMs); the others take the scope's name alone.
+
+FP8: torch's fp8 GEMM ops (``aten::_scaled_mm``, ``_scaled_mm_v2``) are scopes too, so their cuBLAS kernels (named
+like any GEMM's) count as ``fp8 gemm`` and ``gemm`` keeps the other (bf16) GEMMs; mcore's Triton fp8 casts and its
+block-scaled GEMM are known by name (``fp8 cast``, ``fp8 gemm``).
 """
 
 from __future__ import annotations
@@ -32,6 +36,9 @@ from typing import Any
 # (category, kernel-name pattern), first match wins.
 CATEGORIES: tuple[tuple[str, str], ...] = (
     ("communication", r"nccl|all_?reduce|all_?gather|reduce_?scatter|sendrecv|cross_device"),
+    # mcore.kernels' Triton fp8 quantizers (triton/quantization.py, triton/quant_fused.py) and block-scaled GEMM
+    ("fp8 cast", r"^_(dual_cast|amax|block_dual|block_quant|tiled_cast|jagged_column_amax)_kernel"),
+    ("fp8 gemm", r"^_block_scaled_mm_kernel"),
     # mcore's own Triton flash kernels carry their Python names (flash_attention.py, flash_backward*.py)
     ("attention", r"flash|fmha|sdpa|attention|attn|flex|^_fwd_kernel$|^_bwd_(kv|q)_kernel$|^_preprocess_kernel$"),
     (
@@ -55,6 +62,8 @@ SCOPES: dict[str, str] = {
     "mcore.moe.permute": "moe permute",
     "mcore.moe.experts": "moe experts",
     "mcore.moe.unpermute": "moe unpermute",
+    "aten::_scaled_mm": "fp8 gemm",  # torch's fp8 GEMMs (cuBLAS kernels whose names do not say fp8)
+    "aten::_scaled_mm_v2": "fp8 gemm",
 }
 _KEPT_IN_SCOPE = ("gemm", "communication")
 _BACKWARD_NODE = "autograd::engine::evaluate_function:"
@@ -163,6 +172,8 @@ def _category(kernel: dict[str, Any], label: Callable[[dict[str, Any]], str | No
     scope = label(kernel)
     if scope is None:
         return kind
+    if scope.endswith(kind):  # "fp8 gemm" already says it is a GEMM
+        return scope
     return f"{scope}: {kind}" if kind in _KEPT_IN_SCOPE else scope
 
 

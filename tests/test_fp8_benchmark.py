@@ -35,6 +35,7 @@ def test_fp8_benchmark_dry_run(tmp_path):
     casts = {r["cast"]: r for r in data["casts"]}
     for granularity in ("tensor", "row", "1x128", "128x128"):
         assert {f"{granularity} fused q + q^T", f"{granularity} two single casts"} <= set(casts)
+        assert any(c.startswith(f"{granularity} quantize_dual (") for c in casts)
     assert "copy (clone)" in casts and all(r["gbps"] > 0 and r["pct_ideal"] > 0 for c, r in casts.items() if "q" in c)
     training = {r["recipe"]: r for r in data["training"]}
     assert set(training) == {"bf16", "tensorwise", "delayed", "rowwise", "blockwise", "tensorwise+output"}
@@ -43,6 +44,7 @@ def test_fp8_benchmark_dry_run(tmp_path):
         assert row["precision"] == ("fp32" if recipe == "bf16" else "fp8")  # CPU dry run: fp32 parameters
         assert row["tokens_per_s"] > 0 and row["speedup"] > 0 and row["peak_mem_gb"] > 0, row
         assert len(row["losses"]) == 4  # the untimed first step and 3 timed ones
+        assert row["profile"] is None and row["time_breakdown"] is None  # the profiler needs a GPU
     assert training["tensorwise"]["losses"] != training["bf16"]["losses"]  # the recipe really ran
     assert training["tensorwise+output"]["losses"] != training["tensorwise"]["losses"]  # the output layer too
     assert "| 8b4l-blockwise |" in (tmp_path / "fp8.md").read_text()
@@ -52,3 +54,22 @@ def test_fp8_benchmark_dry_run(tmp_path):
     moe = {r["recipe"]: r for r in data["moe_training"]}
     assert set(moe) == {"bf16", "rowwise"} and moe["rowwise"]["precision"] == "fp8" and "error" not in moe["rowwise"]
     assert moe["rowwise"]["final_loss"] != moe["bf16"]["final_loss"]
+
+
+def test_time_breakdown_folds_the_profile_and_renders(monkeypatch):
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import fp8
+
+    profile = {
+        "categories_ms": {"fp8 gemm": 100.0, "gemm": 40.0, "fp8 cast": 20.0, "attention": 50.0, "norm": 3.0,
+                          "optimizer": 8.0, "copy/cast": 4.0, "activation": 2.0},
+        "idle_ms": 6.0,
+        "step_window_ms": 233.0,
+    }  # fmt: skip
+    got = fp8.time_breakdown(profile)
+    assert got == {"fp8 cast": 20.0, "fp8 gemm": 100.0, "bf16 gemm": 40.0, "attention": 50.0, "optimizer": 8.0,
+                   "copy/cast (torch)": 4.0, "other": 5.0, "idle": 6.0, "step": 233.0}  # fmt: skip
+    assert fp8.time_breakdown(None) is None
+    row = {"config": "8b4l-tensorwise", "tokens_per_s": 1.0, "time_breakdown": got}
+    text = fp8.render({"device": "x", "torch": "y", "date": "z", "training": [row]})
+    assert "GPU time per step" in text and "| 8b4l-tensorwise | 20" in text

@@ -184,3 +184,40 @@ def test_moe_rows_fold_the_categories():
     assert sum(r["ms"] for r in rows.values()) == pytest.approx(10.0)
     text = moe_profile.render_moe_breakdowns({"s": moe_profile.moe_time_breakdown(b)})
     assert "| grouped GEMMs | 4.00 (40.0%) |" in text
+
+
+@pytest.mark.parametrize(
+    ("name", "category"),
+    [
+        ("_dual_cast_kernel", "fp8 cast"),
+        ("_amax_kernel", "fp8 cast"),
+        ("_block_dual_kernel", "fp8 cast"),
+        ("_block_quant_kernel", "fp8 cast"),
+        ("_tiled_cast_kernel", "fp8 cast"),
+        ("_block_scaled_mm_kernel", "fp8 gemm"),
+        ("_grad_amax_kernel_x", step_profile.OTHER),  # anchored: only mcore's own cast kernels
+    ],
+)
+def test_fp8_kernels_by_name(name, category):
+    assert step_profile.categorize(name) == category
+
+
+def test_fp8_gemms_by_the_torch_op_that_launched_them():
+    # the same cuBLAS kernel name twice: launched inside aten::_scaled_mm (fp8) and inside aten::mm (bf16)
+    op, rt = {"cat": "cpu_op", "ph": "X", "tid": 1}, {"cat": "cuda_runtime", "ph": "X", "tid": 1, "dur": 1}
+    gemm = "nvjet_sm90_tst_128x256_64x4_2x1_v_bz_coopA_NNN"
+    events = [
+        _mark(0, 50),
+        {**op, "name": "aten::_scaled_mm", "ts": 1, "dur": 5, "args": {"External id": 1}},
+        {**rt, "name": "cudaLaunchKernel", "ts": 2, "args": {"correlation": 11}},
+        {**op, "name": "aten::mm", "ts": 10, "dur": 5, "args": {"External id": 2}},
+        {**rt, "name": "cudaLaunchKernel", "ts": 11, "args": {"correlation": 12}},
+        {**op, "name": "aten::_scaled_mm_v2", "ts": 20, "dur": 5, "args": {"External id": 3}},
+        {**rt, "name": "cudaLaunchKernel", "ts": 21, "args": {"correlation": 13}},
+        {**_k(gemm, 30, 4), "args": {"correlation": 11}},
+        {**_k(gemm, 34, 6), "args": {"correlation": 12}},
+        {**_k(gemm, 40, 3), "args": {"correlation": 13}},
+        _k("_dual_cast_kernel", 43, 2),
+    ]
+    b = step_profile.breakdown_from_trace({"traceEvents": events})
+    assert b["categories_ms"] == pytest.approx({"fp8 gemm": 0.007, "gemm": 0.006, "fp8 cast": 0.002})

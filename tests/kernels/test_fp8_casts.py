@@ -83,6 +83,57 @@ def test_dual_casts_are_the_bits_of_the_single_casts(interpreter, granularity):
     assert none is None and torch.equal(alone.data.view(torch.uint8), q.data.view(torch.uint8))
 
 
+def _both_block_paths(x, granularity, monkeypatch):
+    """``quantize_dual`` of ``x`` through the fused block kernel and through two single casts (``DUAL_PATH``)."""
+    import mcore.kernels.fp8_casts as fp8_casts
+
+    out = {}
+    for path in ("fused", "two_casts"):
+        monkeypatch.setitem(fp8_casts.DUAL_PATH, granularity, path)
+        out[path] = [quantize_dual(x, dtype, granularity, backend="triton") for dtype in (E4M3, E5M2)]
+    return out
+
+
+def _same_bits(a, b) -> bool:
+    """Equal bits except that NaNs (whose bit patterns may differ) only need to be NaN in both."""
+    nan_a, nan_b = a.float().isnan(), b.float().isnan()
+    bits_a, bits_b = a.view(torch.uint8).clone(), b.view(torch.uint8).clone()
+    bits_a[nan_a], bits_b[nan_b] = 0, 0  # through uint8 views: CUDA has no float8 masked_fill_ (torch 2.11)
+    return torch.equal(nan_a, nan_b) and torch.equal(bits_a, bits_b)
+
+
+@pytest.mark.parametrize("granularity", ["1x128", "128x128"])
+def test_the_fused_block_kernel_and_two_single_casts_give_the_same_bits(interpreter, granularity, monkeypatch):
+    """``DUAL_PATH`` picks the faster of the two by measurement: whichever runs, the bits are the same."""
+    x = _inputs((130, 384), torch.bfloat16, seed=3)
+    x[5, 7] = -1e-30
+    paths = _both_block_paths(x, granularity, monkeypatch)
+    for fused, single in zip(paths["fused"], paths["two_casts"], strict=True):
+        for a, b in zip(fused, single, strict=True):
+            assert _same_bits(a.data, b.data) and torch.equal(a.scale, b.scale)
+
+
+def test_dual_path_runs_what_it_says(interpreter, monkeypatch):
+    from mcore.kernels.triton import quant_fused, quantization
+
+    calls = []
+    monkeypatch.setattr(quant_fused, "block_dual", lambda *a, **k: calls.append("fused") or _raise())
+    monkeypatch.setattr(quantization, "quantize_blocks", lambda *a, **k: calls.append("single") or _raise())
+    x = _inputs((128, 128), torch.bfloat16)
+    for granularity, want in (("1x128", "single"), ("128x128", "fused")):
+        with pytest.raises(_Ran):
+            quantize_dual(x, E4M3, granularity, backend="triton")
+        assert calls.pop() == want, granularity
+
+
+class _Ran(Exception):
+    pass
+
+
+def _raise():
+    raise _Ran
+
+
 @pytest.mark.parametrize("backend", ["triton", "reference"])
 def test_row_reductions_scale_each_side_by_its_own_amax(interpreter, backend):
     """``reduce_q`` sees the row amaxes, ``reduce_t`` the column amaxes (what another rank might raise)."""
@@ -220,3 +271,15 @@ def test_cuda_dual_casts_are_the_bits_of_the_reference(granularity):
             w_bits[w.data.float().isnan()] = 0
             assert torch.equal(g_bits, w_bits), (granularity, dtype)
             assert torch.equal(g.scale, w.scale)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("granularity", ["1x128", "128x128"])
+def test_cuda_fused_block_kernel_and_two_single_casts_give_the_same_bits(granularity, monkeypatch):
+    x = _inputs((1000, 1536), torch.bfloat16, seed=7).cuda()
+    x[1, 1], x[700, 1000] = -1e-30, float("nan")
+    paths = _both_block_paths(x, granularity, monkeypatch)
+    for fused, single in zip(paths["fused"], paths["two_casts"], strict=True):
+        for a, b in zip(fused, single, strict=True):
+            assert _same_bits(a.data, b.data) and torch.equal(a.scale, b.scale), granularity

@@ -16,7 +16,8 @@ granularity ``q`` along C                                ``q_t`` along R
 
 Passes over ``x`` on CUDA (``triton/quant_fused.py``): tensor- and row-wise two (amax, then both casts with the
 scales computed in the kernel), block-wise one; the results are bit-identical to ``quantize_fp8`` of ``x`` and of
-``x^T`` (the CPU reference path computes exactly that).
+``x^T`` (the CPU reference path computes exactly that). Where two single casts (``quantize_fp8`` of ``x`` and of
+``x^T``, one read each) measured faster than the fused kernel, ``DUAL_PATH`` runs those instead: the same bits.
 
 Tensor parallelism: ``reduce_q(t)`` / ``reduce_t(t)`` reduce in place the amaxes behind ``q``'s / ``q_t``'s
 scales over the ranks holding parts of the same reduction dimension (row-wise: the row amaxes when C is
@@ -42,6 +43,14 @@ from mcore.kernels.quantization import (
     reference_quantize_blocks,
     scale_from_amax,
 )
+
+# The fused kernel or two single casts, per granularity, as measured on one H200 (torch 2.11, Triton 3.6; bf16
+# [8192, 4096], benchmarks/fp8.py casts, session 5 call 3), ms, fused vs two single casts (CUDA-graph replay):
+#   tensor 0.153 vs 0.519 | row 0.182 vs 0.866 | 1x128 0.171 vs 0.154 (0.144 vs 0.109) | 128x128 0.146 vs 0.163
+# 1x128: the fused kernel reads each 128 x 128 tile once, but the two single casts (two reads, simpler programs)
+# measured faster (why is not profiled: its column amaxes and fp8 transpose in one program are the suspects).
+# Tensor- and row-wise need a global amax pass first, which the fused kernel shares. Both paths give the same bits.
+DUAL_PATH = {"tensor": "fused", "row": "fused", "1x128": "two_casts", "128x128": "fused"}
 
 
 def quantize_dual(
@@ -91,6 +100,9 @@ def quantize_fp8_pair(
 def _triton_dual(x, dtype, granularity, transposed, reduce_q, reduce_t, amax, amax_out):
     from mcore.kernels.triton import quant_fused as tq
 
+    if granularity in ("1x128", "128x128") and DUAL_PATH[granularity] == "two_casts":
+        q = Quantized(*tq_blocks(x, dtype, granularity, transpose=False), granularity)
+        return q, Quantized(*tq_blocks(x, dtype, granularity, transpose=True), granularity) if transposed else None
     if granularity in ("1x128", "128x128"):
         data, scale, data_t, scale_t = tq.block_dual(x, dtype, granularity == "128x128", write_t=transposed)
         q_t = Quantized(data_t, scale_t, granularity) if transposed else None
@@ -119,6 +131,13 @@ def _triton_dual(x, dtype, granularity, transposed, reduce_q, reduce_t, amax, am
         return q, Quantized(data_t, scale_t.reshape(-1, 1), "row") if transposed else None
     scale = scale.reshape(())
     return Quantized(data, scale, "tensor"), Quantized(data_t, scale, "tensor") if transposed else None
+
+
+def tq_blocks(x: torch.Tensor, dtype: torch.dtype, granularity: str, *, transpose: bool):
+    """One single Triton block cast (``quantize_fp8``'s kernel): ``(data, scale)`` of ``x`` or ``x^T``."""
+    from mcore.kernels.triton import quantization as tq
+
+    return tq.quantize_blocks(x, dtype, granularity, transpose=transpose)
 
 
 def _reduce(fn: AmaxReduce | None, t: torch.Tensor) -> None:

@@ -9,9 +9,11 @@ CUDA they differ only by accumulation order.
 
 Shape rules of the CUDA kernels (checked before any launch, with the rule in the message): K and N
 multiples of 16 (tensor- and row-wise); K and N multiples of 128 for block-wise; the row- and block-wise
-kernels write bf16 (other output dtypes are cast from it). cuBLAS's block-scaled kernels take e4m3 operands
-only, and want the scales in the layouts :func:`blockwise_scales` builds (measured on an H200 with torch 2.11;
-the rules are torch's ``_scaled_mm_v2`` checks); a block pair with an e5m2 operand (gradients in e5m2) runs our
+kernels write bf16 (other output dtypes are cast from it), except fp32 (the weight gradient written straight
+into ``main_grad``), which they are asked for directly (torch >= 2.9 with cuBLAS >= 12.9 on sm90; a refusal is
+remembered and the result cast from bf16 from then on). cuBLAS's block-scaled kernels take e4m3 operands only,
+and want the scales in the layouts :func:`blockwise_scales` builds (measured on an H200 with torch 2.11; the
+rules are torch's ``_scaled_mm_v2`` checks); a block pair with an e5m2 operand (gradients in e5m2) runs our
 Triton block-scaled GEMM (``triton/block_scaled_mm.py``) instead.
 """
 
@@ -37,6 +39,7 @@ def scaled_matmul(
     out_dtype: torch.dtype = torch.bfloat16,
     backend: str | None = None,
     fast_accum: bool = False,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``a [M, K] @ b [N, K]^T -> [M, N]`` in ``out_dtype`` from fp8 operands and their scales.
 
@@ -45,33 +48,83 @@ def scaled_matmul(
     kernels, and ours for a block pair with an e5m2 operand, which cuBLAS refuses).
     ``fast_accum``: tensor- and row-wise on CUDA, let the tensor cores accumulate without the periodic fp32
     promotion (faster, less exact over long K; torchao's choice for the forward GEMM); ignored elsewhere.
+    ``out``: a contiguous ``[M, N]`` tensor written with the product (its dtype is the output dtype; it is not
+    read, so it may hold anything); tensor-wise ``torch._scaled_mm`` writes it directly, in fp32 too.
     """
     check_operands(a, b)
+    if out is not None:
+        _check_out(out, a, b)
+        out_dtype = out.dtype
     chosen = _choose(a, b, backend)
     if chosen == dispatch.REFERENCE:
-        return reference_scaled_matmul(a, b, out_dtype)
+        return _into(out, reference_scaled_matmul(a, b, out_dtype))
     if chosen == dispatch.TRITON:
-        return _blockwise_triton(a, b, out_dtype)
+        return _into(out, _blockwise_triton(a, b, out_dtype))
     check_cuda_shapes(a.granularity, a.shape[0], b.shape[0], a.shape[1])
     if a.granularity == "tensor":
-        return torch._scaled_mm(a.data, b.data.t(), a.scale, b.scale, out_dtype=out_dtype, use_fast_accum=fast_accum)
-    if a.granularity == "row":
-        scale_b = b.scale.reshape(1, -1)
-        out = torch._scaled_mm(
-            a.data, b.data.t(), a.scale, scale_b, out_dtype=torch.bfloat16, use_fast_accum=fast_accum
+        kwargs = {} if out is None else {"out": out}
+        return torch._scaled_mm(
+            a.data, b.data.t(), a.scale, b.scale, out_dtype=out_dtype, use_fast_accum=fast_accum, **kwargs
         )
-        return out.to(out_dtype)
+    if a.granularity == "row":
+        return _into(out, _rowwise_cuda(a, b, out_dtype, fast_accum))
     pair = (a.granularity, b.granularity)
     if backend is None and pair in _CUBLAS_REFUSED:
-        return _blockwise_triton(a, b, out_dtype)
+        return _into(out, _blockwise_triton(a, b, out_dtype))
     try:
-        return _blockwise_cuda(a, b, out_dtype)
+        result = _blockwise_cuda(a, b, out_dtype)
     except (RuntimeError, ValueError) as exc:  # this torch / cuBLAS lacks the pair: ours runs it, logged once
         if backend is not None:
             raise
         _CUBLAS_REFUSED.add(pair)
         logger.warning("scaled_matmul: torch refused block pair %s (%s); using mcore's Triton GEMM", pair, exc)
-        return _blockwise_triton(a, b, out_dtype)
+        return _into(out, _blockwise_triton(a, b, out_dtype))
+    return _into(out, result)
+
+
+def _check_out(out: torch.Tensor, a: Quantized, b: Quantized) -> None:
+    shape = (a.shape[0], b.shape[0])
+    if not isinstance(out, torch.Tensor) or tuple(out.shape) != shape or not out.is_contiguous():
+        got = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
+        raise ValueError(f"scaled_matmul: out must be a contiguous tensor of shape {shape} (a @ b^T), got {got}")
+    if out.device != a.data.device:
+        raise ValueError(f"scaled_matmul: out is on {out.device}, the operands on {a.data.device}")
+
+
+def _into(out: torch.Tensor | None, result: torch.Tensor) -> torch.Tensor:
+    if out is None or result is out:
+        return result
+    return out.copy_(result)
+
+
+# output dtypes the running torch refused for a scale pair (row-wise or block-wise fp32 out, before cuBLAS 12.9):
+# the GEMM writes bf16 from then on and the result is cast (one warning)
+_OUT_DTYPE_REFUSED: set[tuple[str, torch.dtype]] = set()
+
+
+def _native_out_dtype(granularity: str, out_dtype: torch.dtype) -> torch.dtype:
+    """The dtype the row- or block-wise CUDA kernel is asked for: fp32 when wanted and not refused, else bf16."""
+    if out_dtype == torch.float32 and (granularity, out_dtype) not in _OUT_DTYPE_REFUSED:
+        return out_dtype
+    return torch.bfloat16
+
+
+def _refused(granularity: str, out_dtype: torch.dtype, exc: Exception) -> None:
+    _OUT_DTYPE_REFUSED.add((granularity, out_dtype))
+    logger.warning("scaled_matmul: %s GEMM refused %s output (%s); writing bf16, cast", granularity, out_dtype, exc)
+
+
+def _rowwise_cuda(a: Quantized, b: Quantized, out_dtype: torch.dtype, fast_accum: bool) -> torch.Tensor:
+    native = _native_out_dtype("row", out_dtype)
+    scale_b = b.scale.reshape(1, -1)
+    try:
+        out = torch._scaled_mm(a.data, b.data.t(), a.scale, scale_b, out_dtype=native, use_fast_accum=fast_accum)
+    except (RuntimeError, ValueError) as exc:
+        if native == torch.bfloat16:
+            raise
+        _refused("row", native, exc)
+        return _rowwise_cuda(a, b, out_dtype, fast_accum)
+    return out.to(out_dtype)
 
 
 # block pairs the running torch refused (its CUDA build's cuBLAS lacks them): the Triton GEMM takes them instead
@@ -166,13 +219,13 @@ def _blockwise_cuda(a: Quantized, b: Quantized, out_dtype: torch.dtype) -> torch
             )
     recipe = {"1x128": ScalingType.BlockWise1x128, "128x128": ScalingType.BlockWise128x128}
     scale_a, scale_b = blockwise_scales(a, b)
-    out = scaled_mm(
-        a.data,
-        b.data.t(),
-        scale_a,
-        recipe[a.granularity],
-        scale_b,
-        recipe[b.granularity],
-        output_dtype=torch.bfloat16,  # the output dtype measured on sm90; others are cast from it
-    )
+    native = _native_out_dtype(a.granularity + b.granularity, out_dtype)
+    args = (a.data, b.data.t(), scale_a, recipe[a.granularity], scale_b, recipe[b.granularity])
+    try:  # bf16 output measured on sm90; fp32 (the weight gradient into main_grad) tried, bf16 if refused
+        out = scaled_mm(*args, output_dtype=native)
+    except (RuntimeError, ValueError) as exc:
+        if native == torch.bfloat16:
+            raise
+        _refused(a.granularity + b.granularity, native, exc)
+        out = scaled_mm(*args, output_dtype=torch.bfloat16)
     return out.to(out_dtype)

@@ -168,6 +168,9 @@ class LowPrecisionLinear:
         self.row_segments = row_segments  # BitNet: one weight scale per fused projection (``bitnet.py``)
         self.weight_cache = weight_cache  # fp8 casts of the weight reused until the owner invalidates them
         self.histories = {op: AmaxHistory(recipe.amax_history_len, recipe.amax_compute) for op in ("x", "w", "g")}
+        # fp8 recipes: ``wgrad_into(weight)`` -> ``(target, accumulate)`` or ``None``: where the weight-gradient
+        # GEMM writes (DDP's main_grad, set by mcore.parallel.low_precision); ``None`` returns the gradient
+        self.wgrad_into: Callable[[torch.Tensor], tuple[torch.Tensor, bool] | None] | None = None
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if x.shape[-1] != weight.shape[1]:
@@ -249,9 +252,26 @@ class LowPrecisionLinear:
             return make()
         return self.weight_cache.get(self, weight, transposed, make)
 
-    def matmul(self, a: Quantized, b: Quantized, out_dtype: torch.dtype, fast_accum: bool = False) -> torch.Tensor:
+    def matmul(
+        self, a: Quantized, b: Quantized, out_dtype: torch.dtype, fast_accum: bool = False, out=None
+    ) -> torch.Tensor:
         backend = "reference" if self.backend == "reference" else None
-        return scaled_matmul(a, b, out_dtype=out_dtype, backend=backend, fast_accum=fast_accum)
+        return scaled_matmul(a, b, out_dtype=out_dtype, backend=backend, fast_accum=fast_accum, out=out)
+
+    def weight_grad(self, weight: torch.Tensor, qg_t: Quantized, qx_t: Quantized) -> torch.Tensor | None:
+        """``grad^T x`` from the fp8 operands, returned in the weight's dtype, or ``None`` when it went into the
+        target of ``wgrad_into``: written by the GEMM in the target's dtype (fp32 main_grad: never rounded to
+        bf16, 4 bytes per element instead of bf16 out + DDP's add, ~12) on the step's first micro-batch, the
+        weight-dtype gradient added to it later (what DDP's hook would add, so those steps are bit-equal)."""
+        into = self.wgrad_into(weight) if self.wgrad_into is not None else None
+        if into is None:
+            return self.matmul(qg_t, qx_t, weight.dtype)
+        target, accumulate = into
+        if accumulate:
+            target.add_(self.matmul(qg_t, qx_t, weight.dtype))
+        else:
+            self.matmul(qg_t, qx_t, target.dtype, out=target)
+        return None
 
 
 class _Fp8LinearFunction(torch.autograd.Function):
@@ -269,7 +289,7 @@ class _Fp8LinearFunction(torch.autograd.Function):
         ctx.granularities = [q.granularity if q is not None else None for q in saved]
         ctx.save_for_backward(*(t for q in saved for t in ((q.data, q.scale) if q is not None else (None, None))))
         ctx.layer, ctx.has_bias = layer, bias is not None
-        ctx.x_shape, ctx.weight_dtype = x.shape, weight.dtype
+        ctx.x_shape, ctx.param = x.shape, weight  # the Parameter: its main_grad may take the weight gradient
         y = layer.matmul(qx, qw, x.dtype, fast_accum=layer.recipe.fast_accum)
         if bias is not None:
             y = y + bias
@@ -286,8 +306,8 @@ class _Fp8LinearFunction(torch.autograd.Function):
             qw_t = Quantized(wt_data, wt_scale, ctx.granularities[1])
             grad_x = layer.matmul(qg, qw_t, grad_out.dtype).reshape(ctx.x_shape)
         if ctx.needs_input_grad[1]:
-            # straight into the weight's dtype: the kernels accumulate in fp32 whatever they write
-            grad_w = layer.matmul(qg_t, Quantized(xt_data, xt_scale, ctx.granularities[0]), ctx.weight_dtype)
+            # the kernels accumulate in fp32 whatever they write: main_grad's dtype or the weight's
+            grad_w = layer.weight_grad(ctx.param, qg_t, Quantized(xt_data, xt_scale, ctx.granularities[0]))
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_b = g2.sum(0)
         return grad_x, grad_w, grad_b, None, None

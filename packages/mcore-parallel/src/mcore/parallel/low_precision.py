@@ -38,6 +38,7 @@ from mcore.kernels.fp8_weight_cache import WeightCastCache
 from mcore.kernels.low_precision_linear import FP8_RECIPES, LowPrecisionLinear, Recipe, recipe_shape_problem
 from mcore.parallel.comm import group_size
 from mcore.parallel.expert_parallel import MoELayer
+from mcore.parallel.param_attrs import mark_wgrad_in_main_grad, take_wgrad_target
 from mcore.parallel.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 
 __all__ = ["LayerDecision", "Recipe", "WeightCastCache", "disable_low_precision", "enable_low_precision", "tp_reduce"]
@@ -70,6 +71,17 @@ def tp_reduce(tp_group: dist.ProcessGroup | None, op: dist.ReduceOp = dist.Reduc
 def _local_shape(module: nn.Module) -> tuple[int, int]:
     out_features, in_features = module.weight.shape
     return out_features, in_features
+
+
+def fp8_wgrad_into(weight) -> tuple | None:
+    """``LowPrecisionLinear.wgrad_into``: DDP's ``main_grad`` (or FSDP2's one-rank shard gradient) of ``weight`` as
+    ``(target, accumulate)``, ``accumulate=False`` on the step's first weight gradient (``take_wgrad_target``: the
+    GEMM writes it unread, and DDP then skips its zero-fill); ``None`` without a data-parallel wrapper."""
+    target, overwrite = take_wgrad_target(weight)
+    if target is None:
+        return None
+    mark_wgrad_in_main_grad(weight)  # DDP's hook must not add a .grad: the gradient is in main_grad
+    return target, not overwrite
 
 
 def enable_low_precision(
@@ -142,6 +154,8 @@ def enable_low_precision(
             row_segments=segments,
             weight_cache=weight_cache,
         )
+        if recipe.name in FP8_RECIPES:
+            module.low_precision.wgrad_into = fp8_wgrad_into
         decisions.append(LayerDecision(name, recipe.name))
     decisions += _enable_fp8_experts(model, recipe, backend, keep, min_features, on_mismatch, prefix)
     converted = sum(d.recipe is not None for d in decisions)
