@@ -21,6 +21,7 @@ import mcore.parallel.expert_gemm as expert_gemm
 from mcore.parallel import DistributedDataParallel, MoELayer
 from mcore.parallel.expert_biases import use_gpt_oss_options
 from mcore.parallel.expert_gemm import HostOffsets
+from tests.helpers.main_grad import start_step
 from tests.parallel._moe import BASE
 from tests.parallel._moe import full_weights as _full_weights
 
@@ -55,10 +56,7 @@ def _train(
     experts = [layer.experts.input_weight, layer.experts.down]  # the GEMMs' weights (GPT-OSS's biases: DDP's hook)
     out = []
     for step in range(STEPS):
-        ddp.zero_grad_buffer()
-        if poison:  # whatever reads main_grad before writing it turns NaN
-            for p in experts:
-                p.main_grad.fill_(float("nan"))
+        start_step(ddp, experts, poison)
         for micro in range(len(TOKENS)):
             x, probe = _batch(step, micro)
             last = micro == len(TOKENS) - 1

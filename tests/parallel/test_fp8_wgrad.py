@@ -14,6 +14,7 @@ from mcore.kernels.low_precision_linear import FP8_RECIPES, Recipe
 from mcore.parallel import ColumnParallelLinear, DistributedDataParallel, RowParallelLinear
 from mcore.parallel.low_precision import enable_low_precision
 from mcore.parallel.param_attrs import wgrad_overwrites_main_grad
+from tests.helpers.main_grad import start_step
 
 # M: 128 tokens, as block-wise wgrad on CUDA contracts over them in 128-wide blocks
 M, H, FFN, STEPS, LR = 128, 128, 256, 3, 0.5
@@ -51,10 +52,7 @@ def _train(recipe, micro, *, fuse, poison, grad_dtype=torch.float32, dtype=torch
             layer.low_precision.wgrad_into = lambda w, inner=inner, name=name: _record(seen, name, inner(w))
     out = []
     for step in range(STEPS):
-        ddp.zero_grad_buffer()
-        if poison:  # whatever reads main_grad before writing it turns NaN
-            for w in weights:
-                w.main_grad.fill_(float("nan"))
+        start_step(ddp, weights, poison)
         g = torch.Generator().manual_seed(step)
         for m in range(micro):
             x = torch.randn(M, H, generator=g).to(device, dtype)

@@ -465,10 +465,7 @@ def _conv_fwd_phased_kernel(X, W, BIAS, SEQ, OUT, L, D, stride_xb, stride_xl, st
     t0, t1, t2, t3, t4, t5, t6, q0, q1, q2, q3, q4, q5, q6 = _phase_sources(
         X + b * stride_xb, SEQ + b * L, r0 - 3, offs_d, mask_d, stride_xl, L, BQ, HAS_SEQ
     )
-    w0, w1, w2, w3 = _weights(W, offs_d, mask_d, stride_wd, stride_wk, K)
-    bias = tl.zeros((1, BD), dtype=tl.float32)
-    if HAS_BIAS:
-        bias = tl.load(BIAS + offs_d, mask=mask_d, other=0.0).to(tl.float32)[None, :]
+    w0, w1, w2, w3, bias = _weights_and_bias(W, BIAS, offs_d, mask_d, stride_wd, stride_wk, K, HAS_BIAS, BD)
     out_b, rows = OUT + b * L * D, r0 + 4 * tl.arange(0, BQ)
     _fwd_phase(out_b, rows, t0, t1, t2, t3, q0, q1, q2, q3, w0, w1, w2, w3, bias, offs_d, mask_d, D, L, HAS_BIAS,
                HAS_SEQ, SILU)  # fmt: skip
@@ -481,10 +478,9 @@ def _conv_fwd_phased_kernel(X, W, BIAS, SEQ, OUT, L, D, stride_xb, stride_xl, st
 
 
 @triton.jit
-def _dpre_phase(DY, DPRE, rows, t0, t1, t2, t3, q0, q1, q2, q3, w0, w1, w2, w3, bias, offs_d, mask_d, stride_yl, D, L,
-                acc0, acc1, acc2, acc3, accb, HAS_BIAS: tl.constexpr, HAS_SEQ: tl.constexpr,
-                SILU: tl.constexpr):  # fmt: skip
-    """One output phase of the dpre kernel: ``dpre`` stored, its dw / dbias products added to the running sums."""
+def _dpre_row(DY, rows, t0, t1, t2, t3, q0, q1, q2, q3, w0, w1, w2, w3, bias, offs_d, mask_d, stride_yl, L,
+              HAS_BIAS: tl.constexpr, HAS_SEQ: tl.constexpr, SILU: tl.constexpr):  # fmt: skip
+    """``dpre`` (fp32, never stored) of the phase tile at ``rows`` from its four tap tiles, and those taps masked."""
     pre, t0, t1, t2 = _phase_pre(t0, t1, t2, t3, q0, q1, q2, q3, w0, w1, w2, w3, bias, HAS_BIAS, HAS_SEQ)
     in_row = (rows < L)[:, None] & mask_d[None, :]
     dpre = tl.load(DY + rows.to(tl.int64)[:, None] * stride_yl + offs_d[None, :], mask=in_row, other=0.0)
@@ -492,8 +488,57 @@ def _dpre_phase(DY, DPRE, rows, t0, t1, t2, t3, q0, q1, q2, q3, w0, w1, w2, w3, 
     if SILU:
         sig = tl.sigmoid(pre)
         dpre = dpre * sig * (1.0 + pre * (1.0 - sig))
-    _store_phase(DPRE, rows, offs_d, mask_d, D, L, dpre)
-    return acc0 + dpre * t0, acc1 + dpre * t1, acc2 + dpre * t2, acc3 + dpre * t3, accb + dpre
+    return dpre, t0, t1, t2, t3
+
+
+@triton.jit
+def _accumulate(a0, a1, a2, a3, ab, dpre, m0, m1, m2, m3):
+    return a0 + dpre * m0, a1 + dpre * m1, a2 + dpre * m2, a3 + dpre * m3, ab + dpre
+
+
+@triton.jit
+def _owned_phases(DY, DPRE, rows, t0, t1, t2, t3, t4, t5, t6, q0, q1, q2, q3, q4, q5, q6, w0, w1, w2, w3, bias,
+                  offs_d, mask_d, stride_yl, D, L, a0, a1, a2, a3, ab, HAS_BIAS: tl.constexpr, HAS_SEQ: tl.constexpr,
+                  SILU: tl.constexpr, STORE: tl.constexpr):  # fmt: skip
+    """``dpre`` at the program's four phases (phase ``s`` reads x sources ``s .. s + 3``; ``STORE``: written to
+    ``DPRE``) and their dw / dbias products added to the running sums: the two polyphase backward kernels' common
+    part."""
+    d0, m0, m1, m2, m3 = _dpre_row(DY, rows, t0, t1, t2, t3, q0, q1, q2, q3, w0, w1, w2, w3, bias, offs_d, mask_d,
+                                   stride_yl, L, HAS_BIAS, HAS_SEQ, SILU)  # fmt: skip
+    a0, a1, a2, a3, ab = _accumulate(a0, a1, a2, a3, ab, d0, m0, m1, m2, m3)
+    d1, m0, m1, m2, m3 = _dpre_row(DY, rows + 1, t1, t2, t3, t4, q1, q2, q3, q4, w0, w1, w2, w3, bias, offs_d, mask_d,
+                                   stride_yl, L, HAS_BIAS, HAS_SEQ, SILU)  # fmt: skip
+    a0, a1, a2, a3, ab = _accumulate(a0, a1, a2, a3, ab, d1, m0, m1, m2, m3)
+    d2, m0, m1, m2, m3 = _dpre_row(DY, rows + 2, t2, t3, t4, t5, q2, q3, q4, q5, w0, w1, w2, w3, bias, offs_d, mask_d,
+                                   stride_yl, L, HAS_BIAS, HAS_SEQ, SILU)  # fmt: skip
+    a0, a1, a2, a3, ab = _accumulate(a0, a1, a2, a3, ab, d2, m0, m1, m2, m3)
+    d3, m0, m1, m2, m3 = _dpre_row(DY, rows + 3, t3, t4, t5, t6, q3, q4, q5, q6, w0, w1, w2, w3, bias, offs_d, mask_d,
+                                   stride_yl, L, HAS_BIAS, HAS_SEQ, SILU)  # fmt: skip
+    a0, a1, a2, a3, ab = _accumulate(a0, a1, a2, a3, ab, d3, m0, m1, m2, m3)
+    if STORE:
+        _store_phase(DPRE, rows, offs_d, mask_d, D, L, d0)
+        _store_phase(DPRE, rows + 1, offs_d, mask_d, D, L, d1)
+        _store_phase(DPRE, rows + 2, offs_d, mask_d, D, L, d2)
+        _store_phase(DPRE, rows + 3, offs_d, mask_d, D, L, d3)
+    return d0, d1, d2, d3, a0, a1, a2, a3, ab
+
+
+@triton.jit
+def _weights_and_bias(W, BIAS, offs_d, mask_d, stride_wd, stride_wk, K: tl.constexpr, HAS_BIAS: tl.constexpr,
+                      BD: tl.constexpr):  # fmt: skip
+    """The four tap weights (fp32 ``[1, BD]``) and the bias (0 without one)."""
+    w0, w1, w2, w3 = _weights(W, offs_d, mask_d, stride_wd, stride_wk, K)
+    bias = tl.zeros((1, BD), dtype=tl.float32)
+    if HAS_BIAS:
+        bias = tl.load(BIAS + offs_d, mask=mask_d, other=0.0).to(tl.float32)[None, :]
+    return w0, w1, w2, w3, bias
+
+
+@triton.jit
+def _zero_sums(BQ: tl.constexpr, BD: tl.constexpr):
+    """The five ``[BQ, BD]`` running sums of the dw (four taps) and dbias products."""
+    z = tl.zeros((BQ, BD), dtype=tl.float32)
+    return z, z, z, z, z
 
 
 @triton.jit
@@ -507,35 +552,19 @@ def _conv_dpre_phased_kernel(X, W, BIAS, SEQ, DY, DPRE, PART, L, D, stride_xb, s
     offs_d = pid_d * BD + tl.arange(0, BD)
     mask_d = offs_d < D
     x_b, seq_b, dy_b, dpre_b = X + b * stride_xb, SEQ + b * L, DY + b * stride_yb, DPRE + b * L * D
-    w0, w1, w2, w3 = _weights(W, offs_d, mask_d, stride_wd, stride_wk, K)
-    bias = tl.zeros((1, BD), dtype=tl.float32)
-    if HAS_BIAS:
-        bias = tl.load(BIAS + offs_d, mask=mask_d, other=0.0).to(tl.float32)[None, :]
-    a0 = tl.zeros((BQ, BD), dtype=tl.float32)
-    a1 = tl.zeros((BQ, BD), dtype=tl.float32)
-    a2 = tl.zeros((BQ, BD), dtype=tl.float32)
-    a3 = tl.zeros((BQ, BD), dtype=tl.float32)
-    ab = tl.zeros((BQ, BD), dtype=tl.float32)
+    w0, w1, w2, w3, bias = _weights_and_bias(W, BIAS, offs_d, mask_d, stride_wd, stride_wk, K, HAS_BIAS, BD)
+    a0, a1, a2, a3, ab = _zero_sums(BQ, BD)
     for i in range(TILES):
         r0 = (pid_l * TILES + i) * BL
         t0, t1, t2, t3, t4, t5, t6, q0, q1, q2, q3, q4, q5, q6 = _phase_sources(
             x_b, seq_b, r0 - 3, offs_d, mask_d, stride_xl, L, BQ, HAS_SEQ
         )
-        rows = r0 + 4 * tl.arange(0, BQ)
         # The tap inputs are 0 before the row start and masked across documents, dpre is 0 past L: dw needs no other
         # mask.
-        a0, a1, a2, a3, ab = _dpre_phase(dy_b, dpre_b, rows, t0, t1, t2, t3, q0, q1, q2, q3, w0, w1, w2, w3, bias,
-                                         offs_d, mask_d, stride_yl, D, L, a0, a1, a2, a3, ab, HAS_BIAS, HAS_SEQ,
-                                         SILU)  # fmt: skip
-        a0, a1, a2, a3, ab = _dpre_phase(dy_b, dpre_b, rows + 1, t1, t2, t3, t4, q1, q2, q3, q4, w0, w1, w2, w3, bias,
-                                         offs_d, mask_d, stride_yl, D, L, a0, a1, a2, a3, ab, HAS_BIAS, HAS_SEQ,
-                                         SILU)  # fmt: skip
-        a0, a1, a2, a3, ab = _dpre_phase(dy_b, dpre_b, rows + 2, t2, t3, t4, t5, q2, q3, q4, q5, w0, w1, w2, w3, bias,
-                                         offs_d, mask_d, stride_yl, D, L, a0, a1, a2, a3, ab, HAS_BIAS, HAS_SEQ,
-                                         SILU)  # fmt: skip
-        a0, a1, a2, a3, ab = _dpre_phase(dy_b, dpre_b, rows + 3, t3, t4, t5, t6, q3, q4, q5, q6, w0, w1, w2, w3, bias,
-                                         offs_d, mask_d, stride_yl, D, L, a0, a1, a2, a3, ab, HAS_BIAS, HAS_SEQ,
-                                         SILU)  # fmt: skip
+        _, _, _, _, a0, a1, a2, a3, ab = _owned_phases(
+            dy_b, dpre_b, r0 + 4 * tl.arange(0, BQ), t0, t1, t2, t3, t4, t5, t6, q0, q1, q2, q3, q4, q5, q6, w0, w1,
+            w2, w3, bias, offs_d, mask_d, stride_yl, D, L, a0, a1, a2, a3, ab, HAS_BIAS, HAS_SEQ, SILU, True
+        )  # fmt: skip
     _store_partials(PART, b, pid_l, D, offs_d, mask_d, tl.sum(a0, axis=0), tl.sum(a1, axis=0), tl.sum(a2, axis=0),
                     tl.sum(a3, axis=0), tl.sum(ab, axis=0))  # fmt: skip
 
@@ -573,20 +602,6 @@ def _conv_dx_phased_kernel(DPRE, W, SEQ, DX, L, D, stride_wd, stride_wk, K: tl.c
 
 
 @triton.jit
-def _dpre_row(DY, rows, t0, t1, t2, t3, q0, q1, q2, q3, w0, w1, w2, w3, bias, offs_d, mask_d, stride_yl, L,
-              HAS_BIAS: tl.constexpr, HAS_SEQ: tl.constexpr, SILU: tl.constexpr):  # fmt: skip
-    """``dpre`` (fp32, never stored) of the phase tile at ``rows`` from its four tap tiles, and those taps masked."""
-    pre, t0, t1, t2 = _phase_pre(t0, t1, t2, t3, q0, q1, q2, q3, w0, w1, w2, w3, bias, HAS_BIAS, HAS_SEQ)
-    in_row = (rows < L)[:, None] & mask_d[None, :]
-    dpre = tl.load(DY + rows.to(tl.int64)[:, None] * stride_yl + offs_d[None, :], mask=in_row, other=0.0)
-    dpre = dpre.to(tl.float32)
-    if SILU:
-        sig = tl.sigmoid(pre)
-        dpre = dpre * sig * (1.0 + pre * (1.0 - sig))
-    return dpre, t0, t1, t2, t3
-
-
-@triton.jit
 def _conv_bwd_fused_phased_kernel(X, W, BIAS, SEQ, DY, DX, PART, L, D, stride_xb, stride_xl, stride_yb, stride_yl,
                                   stride_wd, stride_wk, K: tl.constexpr, HAS_BIAS: tl.constexpr,
                                   HAS_SEQ: tl.constexpr, SILU: tl.constexpr, BL: tl.constexpr, BD: tl.constexpr,
@@ -600,15 +615,8 @@ def _conv_bwd_fused_phased_kernel(X, W, BIAS, SEQ, DY, DX, PART, L, D, stride_xb
     offs_d = pid_d * BD + tl.arange(0, BD)
     mask_d = offs_d < D
     x_b, seq_b, dy_b, dx_b = X + b * stride_xb, SEQ + b * L, DY + b * stride_yb, DX + b * L * D
-    w0, w1, w2, w3 = _weights(W, offs_d, mask_d, stride_wd, stride_wk, K)
-    bias = tl.zeros((1, BD), dtype=tl.float32)
-    if HAS_BIAS:
-        bias = tl.load(BIAS + offs_d, mask=mask_d, other=0.0).to(tl.float32)[None, :]
-    a0 = tl.zeros((BQ, BD), dtype=tl.float32)
-    a1 = tl.zeros((BQ, BD), dtype=tl.float32)
-    a2 = tl.zeros((BQ, BD), dtype=tl.float32)
-    a3 = tl.zeros((BQ, BD), dtype=tl.float32)
-    ab = tl.zeros((BQ, BD), dtype=tl.float32)
+    w0, w1, w2, w3, bias = _weights_and_bias(W, BIAS, offs_d, mask_d, stride_wd, stride_wk, K, HAS_BIAS, BD)
+    a0, a1, a2, a3, ab = _zero_sums(BQ, BD)
     for i in range(TILES):
         r0 = (pid_l * TILES + i) * BL
         rows = r0 + 4 * tl.arange(0, BQ)
@@ -624,18 +632,10 @@ def _conv_bwd_fused_phased_kernel(X, W, BIAS, SEQ, DY, DX, PART, L, D, stride_xb
         q8 = _phase_seq(seq_b, base + 1, L, HAS_SEQ)
         q9 = _phase_seq(seq_b, base + 2, L, HAS_SEQ)
         # dpre at positions r0 + 4i + n reads x sources n .. n + 3; its document is q_{n + 3}
-        d0, m0, m1, m2, m3 = _dpre_row(dy_b, rows, t0, t1, t2, t3, q0, q1, q2, q3, w0, w1, w2, w3, bias, offs_d,
-                                       mask_d, stride_yl, L, HAS_BIAS, HAS_SEQ, SILU)  # fmt: skip
-        a0, a1, a2, a3, ab = a0 + d0 * m0, a1 + d0 * m1, a2 + d0 * m2, a3 + d0 * m3, ab + d0
-        d1, m0, m1, m2, m3 = _dpre_row(dy_b, rows + 1, t1, t2, t3, t4, q1, q2, q3, q4, w0, w1, w2, w3, bias, offs_d,
-                                       mask_d, stride_yl, L, HAS_BIAS, HAS_SEQ, SILU)  # fmt: skip
-        a0, a1, a2, a3, ab = a0 + d1 * m0, a1 + d1 * m1, a2 + d1 * m2, a3 + d1 * m3, ab + d1
-        d2, m0, m1, m2, m3 = _dpre_row(dy_b, rows + 2, t2, t3, t4, t5, q2, q3, q4, q5, w0, w1, w2, w3, bias, offs_d,
-                                       mask_d, stride_yl, L, HAS_BIAS, HAS_SEQ, SILU)  # fmt: skip
-        a0, a1, a2, a3, ab = a0 + d2 * m0, a1 + d2 * m1, a2 + d2 * m2, a3 + d2 * m3, ab + d2
-        d3, m0, m1, m2, m3 = _dpre_row(dy_b, rows + 3, t3, t4, t5, t6, q3, q4, q5, q6, w0, w1, w2, w3, bias, offs_d,
-                                       mask_d, stride_yl, L, HAS_BIAS, HAS_SEQ, SILU)  # fmt: skip
-        a0, a1, a2, a3, ab = a0 + d3 * m0, a1 + d3 * m1, a2 + d3 * m2, a3 + d3 * m3, ab + d3
+        d0, d1, d2, d3, a0, a1, a2, a3, ab = _owned_phases(
+            dy_b, dx_b, rows, t0, t1, t2, t3, t4, t5, t6, q0, q1, q2, q3, q4, q5, q6, w0, w1, w2, w3, bias, offs_d,
+            mask_d, stride_yl, D, L, a0, a1, a2, a3, ab, HAS_BIAS, HAS_SEQ, SILU, False
+        )  # fmt: skip
         # the next three positions after each phase row: recomputed here, owned (and summed into dw) by the next row
         d4, _, _, _, _ = _dpre_row(dy_b, rows + 4, t4, t5, t6, t7, q4, q5, q6, q7, w0, w1, w2, w3, bias, offs_d,
                                    mask_d, stride_yl, L, HAS_BIAS, HAS_SEQ, SILU)  # fmt: skip
