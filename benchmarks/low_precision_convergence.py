@@ -210,11 +210,15 @@ def plot(path: Path, results: dict[str, dict[str, Any]], tail: int) -> None:
 
     fig, (curves, gaps) = plt.subplots(1, 2, figsize=(13, 4.5))
     base = smooth(results["baseline"]["losses"]) if "baseline" in results else None
-    for name, result in results.items():
-        losses = smooth(result["losses"])
-        curves.plot(range(1, len(losses) + 1), losses, label=name, linewidth=1)
+    # one colour per configuration in both panels (the gap panel has no baseline line to shift the cycle)
+    colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for i, (name, result) in enumerate(results.items()):
+        losses, colour = smooth(result["losses"]), colours[i % len(colours)]
+        steps = range(1, len(losses) + 1)
+        curves.plot(steps, losses, label=name, linewidth=1, color=colour)
         if base is not None and name != "baseline":
-            gaps.plot([100 * (a - b) / b for a, b in zip(losses, base, strict=False)], label=name, linewidth=1)
+            gap = [100 * (a - b) / b for a, b in zip(losses, base, strict=False)]
+            gaps.plot(steps[: len(gap)], gap, label=name, linewidth=1, color=colour)
     curves.set(xlabel="step", ylabel=f"training loss (mean of {tail} steps)", title="loss")
     gaps.set(xlabel="step", ylabel="% vs baseline", title="gap to the baseline")
     gaps.axhline(0, color="black", linewidth=0.5)
