@@ -9,6 +9,8 @@
    of a step after the first); eager (the host launching) and replayed from a CUDA graph (the GPU alone).
 2. **Casts**: each fused operand-and-transpose cast (``quantize_dual``) and the two single casts it replaces, on
    a bf16 ``[8192, 4096]`` tensor: GB/s over the bytes each moves, against the copy (``clone``) in the same run.
+   With ``--sweep-casts``, first every candidate launch shape of the fused cast kernels (``fp8_cast_sweep.py``)
+   on the same tensor, and the fastest of each.
 3. **Training**: the real ``mcore-train`` step on ``8b4l`` (``train_throughput.py``'s spec: seq 4096, micro-batch 2,
    distributed optimizer at dp=1, mock data) in bf16 and with ``train.precision=fp8`` per recipe: tokens/s,
    speedup, peak memory, final loss; on the GPU one more step per row under the CUDA profiler
@@ -238,6 +240,15 @@ def bench_casts(rows_cols, device, dtype, iters, warmup) -> list[dict[str, Any]]
     return out
 
 
+def bench_cast_sweep(rows_cols, device, dtype, iters, warmup) -> dict[str, Any]:
+    """``fp8_cast_sweep.sweep_casts`` on a random ``rows_cols`` tensor, each fused cast timed like the casts part."""
+    from fp8_cast_sweep import sweep_casts
+
+    cuda = device.type == "cuda"
+    x = torch.randn(*rows_cols, device=device, dtype=dtype)
+    return sweep_casts(x, lambda t, g: 1e3 * timer(lambda: _fused_dual(t, g, cuda), iters, warmup, cuda))
+
+
 def _fused_dual(x: torch.Tensor, granularity: str, cuda: bool):
     """The fused operand-and-transpose kernel of ``granularity`` whatever ``DUAL_PATH`` chose (CPU: the reference)."""
     from mcore.kernels.fp8_casts import quantize_dual
@@ -397,6 +408,11 @@ def render(data: dict[str, Any]) -> str:
     if data.get("linears"):
         keys = ["layer", "impl", "ms", "tflops", "speedup", "graph_ms", "graph_speedup", "error", "graph_error"]
         parts.append(markdown_table(keys, [[r.get(k, "") for k in keys] for r in data["linears"]]))
+    if data.get("cast_sweep"):
+        sweep = data["cast_sweep"]
+        rows = [[name, tile, ms] for name, tiles in sweep.items() if name != "best" for tile, ms in tiles.items()]
+        table = markdown_table(["constant", "tile", "ms (or error)"], rows)
+        parts.append(f"Fused cast tiles (best: {sweep['best']}):\n\n{table}")
     if data.get("casts"):
         keys = ["cast", "ms", "gbps", "pct_copy", "pct_ideal", "graph_ms", "graph_pct_ideal", "graph_error"]
         parts.append(markdown_table(keys, [[r.get(k, "") for k in keys] for r in data["casts"]]))
@@ -435,6 +451,11 @@ def main(argv: list[str] | None = None) -> int:
         help="steps per training row under the CUDA profiler, after the timed ones (1; dry run 0: it needs a GPU)",
     )
     parser.add_argument(
+        "--sweep-casts",
+        action="store_true",
+        help="first time every candidate tile of the fused casts (fp8_cast_sweep.py) on a bf16 [8192, 4096]",
+    )
+    parser.add_argument(
         "--train-configs",
         default=",".join(TRAIN_CONFIGS),
         help="fp8 training rows after bf16 (recipes; '+output': the output layer in fp8 too)",
@@ -471,6 +492,11 @@ def main(argv: list[str] | None = None) -> int:
 
     # casts first (seconds), then training row by row (saved after each: a call cut short keeps what ran), then the
     # linears (their CUDA-graph captures last: a failed capture cannot disturb the training rows)
+    if args.sweep_casts:
+        data["cast_sweep"] = bench_cast_sweep((256, 512) if args.dry_run else (8192, 4096), device, dtype, iters,
+                                              warmup)  # fmt: skip
+        save()
+        print("fp8.py: cast sweep done", flush=True)
     if "casts" not in skip:
         data["casts"] = bench_casts((256, 512) if args.dry_run else (8192, 4096), device, dtype, iters, warmup)
         save()

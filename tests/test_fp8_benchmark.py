@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def test_fp8_benchmark_dry_run(tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
-    cmd = [sys.executable, str(ROOT / "benchmarks" / "fp8.py"), "--dry-run", "--out", str(tmp_path)]
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "fp8.py"), "--dry-run", "--sweep-casts", "--out", str(tmp_path)]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     data = json.loads((tmp_path / "fp8.json").read_text())
@@ -32,6 +32,11 @@ def test_fp8_benchmark_dry_run(tmp_path):
     impls += [f"{r}+weight cache" for r in ("tensorwise", "rowwise", "blockwise")]
     assert set(linears) == {(layer, impl) for layer in shapes for impl in impls}
     assert all(r["ms"] > 0 and "error" not in r for r in linears.values())
+    sweep = data["cast_sweep"]
+    assert (
+        set(sweep["best"]) == {"AMAX_TILE", "CAST_TILE", "BLOCK_TILE"}
+        and "Fused cast tiles" in (tmp_path / "fp8.md").read_text()
+    )
     casts = {r["cast"]: r for r in data["casts"]}
     for granularity in ("tensor", "row", "1x128", "128x128"):
         assert {f"{granularity} fused q + q^T", f"{granularity} two single casts"} <= set(casts)
@@ -73,3 +78,36 @@ def test_time_breakdown_folds_the_profile_and_renders(monkeypatch):
     row = {"config": "8b4l-tensorwise", "tokens_per_s": 1.0, "time_breakdown": got}
     text = fp8.render({"device": "x", "torch": "y", "date": "z", "training": [row]})
     assert "GPU time per step" in text and "| 8b4l-tensorwise | 20" in text
+
+
+def test_cast_sweep_times_every_candidate_and_restores_the_defaults(monkeypatch):
+    """``fp8.py --sweep-casts``: every candidate of each constant timed over the granularities it shapes, the later
+    constants with the earlier ones at their best, a failing tile recorded and passed over, the defaults restored."""
+    import torch
+
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    from fp8_cast_sweep import CAST_SWEEP, label, sweep_casts
+
+    from mcore.kernels.triton import quant_fused as qf
+
+    before = {name: getattr(qf, name) for name in CAST_SWEEP}
+    seen = []
+
+    def time_cast(x, granularity):
+        tiles = tuple(getattr(qf, name) for name in CAST_SWEEP)
+        seen.append((tiles, granularity))
+        if qf.CAST_TILE == (128, 128, 8):
+            raise RuntimeError("out of resources")
+        return float(sum(map(sum, tiles)))  # deterministic: the smaller tiles "win"
+
+    out = sweep_casts(torch.zeros(1), time_cast)
+    # (the failing tile stops at the first of its two granularities)
+    assert len(seen) == sum(len(qf.TILE_CANDIDATES[n]) * len(g) for n, g in CAST_SWEEP.items()) - 1
+    for name in CAST_SWEEP:
+        assert set(out[name]) == {label(t) for t in qf.TILE_CANDIDATES[name]}
+        timed = {k: v for k, v in out[name].items() if isinstance(v, float)}
+        assert out["best"][name] == min(timed, key=timed.get)
+    assert out["CAST_TILE"]["128x128x8"].startswith("error: RuntimeError: out of resources")
+    best = {name: tuple(int(v) for v in out["best"][name].split("x")) for name in CAST_SWEEP}
+    assert all(tiles[:2] == (best["AMAX_TILE"], best["CAST_TILE"]) for tiles, g in seen if g in ("1x128", "128x128"))
+    assert before == {name: getattr(qf, name) for name in CAST_SWEEP}

@@ -102,6 +102,34 @@ def _same_bits(a, b) -> bool:
     return torch.equal(nan_a, nan_b) and torch.equal(bits_a, bits_b)
 
 
+def _cast_tile_cases():
+    from mcore.kernels.triton.quant_fused import TILE_CANDIDATES
+
+    return [(name, tile) for name, tiles in TILE_CANDIDATES.items() for tile in tiles]
+
+
+@pytest.mark.parametrize(
+    "name,tile", _cast_tile_cases(), ids=lambda v: "x".join(map(str, v)) if isinstance(v, tuple) else v
+)
+def test_every_sweep_candidate_cast_tile_gives_the_single_casts_bits(interpreter, monkeypatch, name, tile):
+    """Each launch shape ``fp8.py --sweep-casts`` may make the default: the fused casts it shapes (tensor- and
+    row-wise through ``quantize_dual``; 1x128 and 128x128 through the block kernel itself), on partial tiles of
+    every candidate along both axes, give the reference single casts' bits."""
+    import mcore.kernels.fp8_casts as fp8_casts
+    from mcore.kernels.triton import quant_fused
+
+    monkeypatch.setattr(quant_fused, name, tile)
+    for granularity in ("1x128", "128x128"):
+        monkeypatch.setitem(fp8_casts.DUAL_PATH, granularity, "fused")
+    x = _inputs((257, 300), torch.bfloat16, seed=4)
+    for granularity in ("1x128", "128x128") if name == "BLOCK_TILE" else ("tensor", "row"):
+        q, q_t = quantize_dual(x, E4M3, granularity, backend="triton")
+        for got, transpose in ((q, False), (q_t, True)):
+            want = quantize_fp8(x, E4M3, granularity, transpose=transpose, backend="reference")
+            assert _same_bits(got.data, want.data), (granularity, transpose)
+            assert torch.equal(got.scale.reshape(want.scale.shape), want.scale), (granularity, transpose)
+
+
 @pytest.mark.parametrize("granularity", ["1x128", "128x128"])
 def test_the_fused_block_kernel_and_two_single_casts_give_the_same_bits(interpreter, granularity, monkeypatch):
     """``DUAL_PATH`` picks the faster of the two by measurement: whichever runs, the bits are the same."""
@@ -283,3 +311,25 @@ def test_cuda_fused_block_kernel_and_two_single_casts_give_the_same_bits(granula
     for fused, single in zip(paths["fused"], paths["two_casts"], strict=True):
         for a, b in zip(fused, single, strict=True):
             assert _same_bits(a.data, b.data) and torch.equal(a.scale, b.scale), granularity
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize(
+    "name,tile", _cast_tile_cases(), ids=lambda v: "x".join(map(str, v)) if isinstance(v, tuple) else v
+)
+def test_cuda_every_sweep_candidate_cast_tile_gives_the_reference_bits(name, tile, monkeypatch):
+    """The compiled kernels at each candidate launch shape (what the sweep may make the default)."""
+    import mcore.kernels.fp8_casts as fp8_casts
+    from mcore.kernels.triton import quant_fused
+
+    monkeypatch.setattr(quant_fused, name, tile)
+    for granularity in ("1x128", "128x128"):
+        monkeypatch.setitem(fp8_casts.DUAL_PATH, granularity, "fused")
+    x = _inputs((1000, 1536), torch.bfloat16, seed=8).cuda()
+    x[1, 1] = -1e-30
+    for granularity in ("1x128", "128x128") if name == "BLOCK_TILE" else ("tensor", "row"):
+        got = quantize_dual(x, E4M3, granularity, backend="triton")
+        want = quantize_dual(x, E4M3, granularity, backend="reference")
+        for g, w in zip(got, want, strict=True):
+            assert _same_bits(g.data, w.data) and torch.equal(g.scale, w.scale), (granularity, tile)

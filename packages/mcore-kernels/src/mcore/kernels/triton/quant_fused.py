@@ -30,13 +30,23 @@ import triton.language as tl
 from mcore.kernels.triton.quantization import _FORMAT_BITS, FP8_MAX, _round_to_fp8, multiplier_and_scale
 
 BLOCK = 128
-# amax pass: each program reduces _AMAX_ROWS x _AMAX_COLS (in _AMAX_TILE_R-row steps), so the column atomics
-# number C * R / 256 and the row atomics R * C / 128, a few percent of the elements
-_AMAX_ROWS, _AMAX_TILE_R, _AMAX_COLS = 256, 32, 128
-# 64 x 64 tiles over 8 warps: 16 elements per thread keep the cast kernel near 100 registers (64 x 128 over 4
-# warps needed 255 and spilled: too few warps per SM to keep the memory busy)
-_CAST_R, _CAST_C, _CAST_WARPS = 64, 64, 8
-_BLOCK_CHUNK_R, _BLOCK_WARPS = 32, 8
+# Launch shapes (module constants so that ``benchmarks/fp8.py --sweep-casts`` can time the alternatives in
+# :data:`TILE_CANDIDATES`, each default first; the defaults are the ones measured in session 5 on the H200).
+# amax pass: (rows a program, rows a step, columns, warps): each program reduces 256 x 128 in 32-row steps, so the
+# column atomics number C * R / 256 and the row atomics R * C / 128, a few percent of the elements
+AMAX_TILE = (256, 32, 128, 4)
+# dual cast (rows, columns, warps): 64 x 64 over 8 warps, 16 elements per thread, keep it near 100 registers (64 x 128
+# over 4 warps needed 255 and spilled: too few warps per SM to keep the memory busy)
+CAST_TILE = (64, 64, 8)
+# block dual cast (rows a step of its 128 x 128 tile, warps)
+BLOCK_TILE = (32, 8)
+TILE_CANDIDATES = {
+    "AMAX_TILE": ((256, 32, 128, 4), (512, 32, 128, 4), (256, 64, 128, 8), (128, 32, 256, 4), (256, 16, 256, 4),
+                  (1024, 32, 128, 4), (256, 32, 64, 2)),
+    "CAST_TILE": ((64, 64, 8), (64, 64, 4), (128, 64, 8), (64, 128, 8), (32, 128, 4), (128, 128, 8), (32, 64, 4),
+                  (128, 32, 4)),
+    "BLOCK_TILE": ((32, 8), (16, 4), (32, 4), (64, 8), (16, 8), (8, 4), (64, 16)),
+}  # fmt: skip
 
 
 @triton.jit
@@ -210,7 +220,8 @@ def amax(x: torch.Tensor, per_row_col: bool) -> tuple[torch.Tensor, torch.Tensor
     else:
         row_amax = col_amax = out = torch.zeros(1, dtype=torch.float32, device=x.device)
     if rows and cols:
-        grid = (triton.cdiv(rows, _AMAX_ROWS), triton.cdiv(cols, _AMAX_COLS))
+        per_program, step, width, warps = AMAX_TILE
+        grid = (triton.cdiv(rows, per_program), triton.cdiv(cols, width))
         _amax_kernel[grid](
             x,
             out,
@@ -221,10 +232,10 @@ def amax(x: torch.Tensor, per_row_col: bool) -> tuple[torch.Tensor, torch.Tensor
             x.stride(0),
             x.stride(1),
             PER_ROW_COL=per_row_col,
-            ROWS=_AMAX_ROWS,
-            BLOCK_R=_AMAX_TILE_R,
-            BLOCK_C=_AMAX_COLS,
-            num_warps=4,
+            ROWS=per_program,
+            BLOCK_R=step,
+            BLOCK_C=width,
+            num_warps=warps,
         )
     return (row_amax, col_amax) if per_row_col else (out, out)
 
@@ -247,7 +258,8 @@ def dual_cast(
     scale = torch.empty(rows if rowwise else 1, dtype=torch.float32, device=device)
     scale_t = torch.empty(cols, dtype=torch.float32, device=device) if rowwise and write_t else None
     if rows and cols:
-        grid = (triton.cdiv(rows, _CAST_R), triton.cdiv(cols, _CAST_C))
+        tile_r, tile_c, warps = CAST_TILE
+        grid = (triton.cdiv(rows, tile_r), triton.cdiv(cols, tile_c))
         _dual_cast_kernel[grid](
             x,
             amaxes[0],
@@ -268,9 +280,9 @@ def dual_cast(
             ROWWISE=rowwise,
             WRITE_YT=write_t,
             RECORD_AMAX=amax_out is not None,
-            BLOCK_R=_CAST_R,
-            BLOCK_C=_CAST_C,
-            num_warps=_CAST_WARPS,
+            BLOCK_R=tile_r,
+            BLOCK_C=tile_c,
+            num_warps=warps,
         )
     else:  # nothing to scale: the multipliers of empty groups are 1
         scale.fill_(1.0)
@@ -315,7 +327,7 @@ def block_dual(
             SQUARE=square,
             WRITE_YT=write_t,
             BLOCK_T=BLOCK,
-            CHUNK_R=_BLOCK_CHUNK_R,
-            num_warps=_BLOCK_WARPS,
+            CHUNK_R=BLOCK_TILE[0],
+            num_warps=BLOCK_TILE[1],
         )
     return y, scale, yt, scale_t
