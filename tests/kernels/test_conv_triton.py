@@ -148,6 +148,8 @@ def test_a_polyphase_tile_needs_two_positions_a_phase():
 
     with pytest.raises(ValueError, match=r"ConvTile.rows=4 with phased=True: at least 8"):
         conv.ConvTile(4, 128, 4, phased=True)
+    with pytest.raises(ValueError, match=r"defer=True is for shifted dpre tiles"):
+        conv.ConvTile(32, 128, 4, 2, True, phased=True)
 
 
 # fp16 / bf16 inputs (fp32 math in the kernels; outputs and, on the split path, dpre rounded to the input dtype). The

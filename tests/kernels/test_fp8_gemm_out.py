@@ -48,3 +48,33 @@ def test_a_bad_out_is_one_error():
 @pytest.mark.parametrize("pair", PAIRS, ids=lambda p: f"{p[0]}-{p[1]}")
 def test_cuda_out_equals_the_returned_product(pair, dtype):
     _check(pair, "cuda", dtype)
+
+
+def test_a_refused_fp32_output_is_remembered_and_run_in_bf16(monkeypatch):
+    """The row- and block-wise CUDA GEMMs ask for fp32 output (the weight gradient into main_grad) where torch
+    takes it; a refusal is remembered for that scale pair, and the GEMM runs in bf16, cast to what was asked."""
+    from mcore.kernels import fp8_gemm
+
+    monkeypatch.setattr(fp8_gemm, "_OUT_DTYPE_REFUSED", set())
+    asked = []
+
+    def run(dtype):
+        asked.append(dtype)
+        if dtype == torch.float32:
+            raise RuntimeError("Only bf16 high precision output types are supported for row-wise scaling")
+        return torch.full((2, 3), 1.5, dtype=dtype)
+
+    out = fp8_gemm._native_or_bf16("row", torch.float32, run)
+    assert out.dtype == torch.float32 and torch.equal(out, torch.full((2, 3), 1.5))
+    assert asked == [torch.float32, torch.bfloat16] and ("row", torch.float32) in fp8_gemm._OUT_DTYPE_REFUSED
+    fp8_gemm._native_or_bf16("row", torch.float32, run)  # remembered: bf16 asked at once
+    assert asked[2:] == [torch.bfloat16]
+    asked.clear()
+    fp8_gemm._native_or_bf16("1x128128x128", torch.float32, run)  # another pair tries fp32 on its own
+    assert asked == [torch.float32, torch.bfloat16]
+
+    def broken(dtype):
+        raise RuntimeError("CUBLAS_STATUS_EXECUTION_FAILED")
+
+    with pytest.raises(RuntimeError, match="EXECUTION_FAILED"):  # a bf16 failure is not swallowed
+        fp8_gemm._native_or_bf16("row", torch.bfloat16, broken)

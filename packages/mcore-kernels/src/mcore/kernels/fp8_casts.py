@@ -101,8 +101,11 @@ def _triton_dual(x, dtype, granularity, transposed, reduce_q, reduce_t, amax, am
     from mcore.kernels.triton import quant_fused as tq
 
     if granularity in ("1x128", "128x128") and DUAL_PATH[granularity] == "two_casts":
-        q = Quantized(*tq_blocks(x, dtype, granularity, transpose=False), granularity)
-        return q, Quantized(*tq_blocks(x, dtype, granularity, transpose=True), granularity) if transposed else None
+        from mcore.kernels.triton.quantization import quantize_blocks  # quantize_fp8's single block cast
+
+        q = Quantized(*quantize_blocks(x, dtype, granularity, transpose=False), granularity)
+        q_t = Quantized(*quantize_blocks(x, dtype, granularity, transpose=True), granularity) if transposed else None
+        return q, q_t
     if granularity in ("1x128", "128x128"):
         data, scale, data_t, scale_t = tq.block_dual(x, dtype, granularity == "128x128", write_t=transposed)
         q_t = Quantized(data_t, scale_t, granularity) if transposed else None
@@ -131,13 +134,6 @@ def _triton_dual(x, dtype, granularity, transposed, reduce_q, reduce_t, amax, am
         return q, Quantized(data_t, scale_t.reshape(-1, 1), "row") if transposed else None
     scale = scale.reshape(())
     return Quantized(data, scale, "tensor"), Quantized(data_t, scale, "tensor") if transposed else None
-
-
-def tq_blocks(x: torch.Tensor, dtype: torch.dtype, granularity: str, *, transpose: bool):
-    """One single Triton block cast (``quantize_fp8``'s kernel): ``(data, scale)`` of ``x`` or ``x^T``."""
-    from mcore.kernels.triton import quantization as tq
-
-    return tq.quantize_blocks(x, dtype, granularity, transpose=transpose)
 
 
 def _reduce(fn: AmaxReduce | None, t: torch.Tensor) -> None:

@@ -20,6 +20,7 @@ Triton block-scaled GEMM (``triton/block_scaled_mm.py``) instead.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import torch
 
@@ -109,22 +110,30 @@ def _native_out_dtype(granularity: str, out_dtype: torch.dtype) -> torch.dtype:
     return torch.bfloat16
 
 
-def _refused(granularity: str, out_dtype: torch.dtype, exc: Exception) -> None:
-    _OUT_DTYPE_REFUSED.add((granularity, out_dtype))
-    logger.warning("scaled_matmul: %s GEMM refused %s output (%s); writing bf16, cast", granularity, out_dtype, exc)
-
-
-def _rowwise_cuda(a: Quantized, b: Quantized, out_dtype: torch.dtype, fast_accum: bool) -> torch.Tensor:
-    native = _native_out_dtype("row", out_dtype)
-    scale_b = b.scale.reshape(1, -1)
+def _native_or_bf16(granularity: str, out_dtype: torch.dtype, run: Callable[[torch.dtype], torch.Tensor]):
+    """``run(dtype)`` of a row- or block-wise CUDA GEMM, asked for :func:`_native_out_dtype`; a refused fp32 output
+    is remembered (one warning) and the GEMM run again in bf16. Cast to ``out_dtype``."""
+    native = _native_out_dtype(granularity, out_dtype)
     try:
-        out = torch._scaled_mm(a.data, b.data.t(), a.scale, scale_b, out_dtype=native, use_fast_accum=fast_accum)
+        out = run(native)
     except (RuntimeError, ValueError) as exc:
         if native == torch.bfloat16:
             raise
-        _refused("row", native, exc)
-        return _rowwise_cuda(a, b, out_dtype, fast_accum)
+        _OUT_DTYPE_REFUSED.add((granularity, native))
+        logger.warning("scaled_matmul: %s GEMM refused %s output (%s); writing bf16, cast", granularity, native, exc)
+        out = run(torch.bfloat16)
     return out.to(out_dtype)
+
+
+def _rowwise_cuda(a: Quantized, b: Quantized, out_dtype: torch.dtype, fast_accum: bool) -> torch.Tensor:
+    scale_b = b.scale.reshape(1, -1)
+    return _native_or_bf16(
+        "row",
+        out_dtype,
+        lambda dtype: torch._scaled_mm(
+            a.data, b.data.t(), a.scale, scale_b, out_dtype=dtype, use_fast_accum=fast_accum
+        ),
+    )
 
 
 # block pairs the running torch refused (its CUDA build's cuBLAS lacks them): the Triton GEMM takes them instead
@@ -219,13 +228,6 @@ def _blockwise_cuda(a: Quantized, b: Quantized, out_dtype: torch.dtype) -> torch
             )
     recipe = {"1x128": ScalingType.BlockWise1x128, "128x128": ScalingType.BlockWise128x128}
     scale_a, scale_b = blockwise_scales(a, b)
-    native = _native_out_dtype(a.granularity + b.granularity, out_dtype)
     args = (a.data, b.data.t(), scale_a, recipe[a.granularity], scale_b, recipe[b.granularity])
-    try:  # bf16 output measured on sm90; fp32 (the weight gradient into main_grad) tried, bf16 if refused
-        out = scaled_mm(*args, output_dtype=native)
-    except (RuntimeError, ValueError) as exc:
-        if native == torch.bfloat16:
-            raise
-        _refused(a.granularity + b.granularity, native, exc)
-        out = scaled_mm(*args, output_dtype=torch.bfloat16)
-    return out.to(out_dtype)
+    # bf16 output measured on sm90; fp32 (the weight gradient into main_grad) tried, bf16 if refused
+    return _native_or_bf16(a.granularity + b.granularity, out_dtype, lambda dtype: scaled_mm(*args, output_dtype=dtype))

@@ -80,6 +80,8 @@ class ConvTile:
         for name in ("defer", "phased"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"ConvTile.{name}={getattr(self, name)!r}: a bool")
+        if self.phased and self.defer:
+            raise ValueError("ConvTile: defer=True is for shifted dpre tiles; phased ones always defer their sums")
         if self.phased and self.rows < 2 * WIDTH:
             raise ValueError(f"ConvTile.rows={self.rows} with phased=True: at least {2 * WIDTH} (rows/4 per phase)")
 
