@@ -456,6 +456,11 @@ def main(argv: list[str] | None = None) -> int:
         help="first time every candidate tile of the fused casts (fp8_cast_sweep.py) on a bf16 [8192, 4096]",
     )
     parser.add_argument(
+        "--use-swept-casts",
+        action="store_true",
+        help="with --sweep-casts: the rest of the run (casts, training rows, ...) uses the sweep's fastest tiles",
+    )
+    parser.add_argument(
         "--train-configs",
         default=",".join(TRAIN_CONFIGS),
         help="fp8 training rows after bf16 (recipes; '+output': the output layer in fp8 too)",
@@ -492,11 +497,17 @@ def main(argv: list[str] | None = None) -> int:
 
     # casts first (seconds), then training row by row (saved after each: a call cut short keeps what ran), then the
     # linears (their CUDA-graph captures last: a failed capture cannot disturb the training rows)
+    if args.use_swept_casts and not args.sweep_casts:
+        parser.error("--use-swept-casts needs --sweep-casts")
     if args.sweep_casts:
         data["cast_sweep"] = bench_cast_sweep((256, 512) if args.dry_run else (8192, 4096), device, dtype, iters,
                                               warmup)  # fmt: skip
+        if args.use_swept_casts:
+            from fp8_cast_sweep import apply_tiles
+
+            data["cast_tiles_used"] = apply_tiles(data["cast_sweep"]["best"])
         save()
-        print("fp8.py: cast sweep done", flush=True)
+        print("fp8.py: cast sweep done", data["cast_sweep"]["best"], flush=True)
     if "casts" not in skip:
         data["casts"] = bench_casts((256, 512) if args.dry_run else (8192, 4096), device, dtype, iters, warmup)
         save()

@@ -52,3 +52,18 @@ def sweep_casts(x: torch.Tensor, time_cast: Callable[[torch.Tensor, str], float]
             setattr(qf, name, value)
     out["best"] = {name: label(tile) for name, tile in best.items()}
     return out
+
+
+def apply_tiles(best: dict[str, str]) -> dict[str, str]:
+    """Set ``quant_fused``'s constants to the labels in ``best`` (a sweep's ``"best"``: ``{constant: "AxBxC"}``)
+    for the rest of this process; returns every swept constant's label now in force."""
+    from mcore.kernels.triton import quant_fused as qf
+
+    for name, value in best.items():
+        if name not in CAST_SWEEP:
+            raise KeyError(f"apply_tiles: {name!r} is not a swept constant; expected one of {sorted(CAST_SWEEP)}")
+        tile = tuple(int(v) for v in value.split("x"))
+        if tile not in qf.TILE_CANDIDATES[name]:
+            raise ValueError(f"apply_tiles: {name}={value} is not among its candidates {qf.TILE_CANDIDATES[name]}")
+        setattr(qf, name, tile)
+    return {name: label(getattr(qf, name)) for name in CAST_SWEEP}

@@ -111,3 +111,24 @@ def test_cast_sweep_times_every_candidate_and_restores_the_defaults(monkeypatch)
     best = {name: tuple(int(v) for v in out["best"][name].split("x")) for name in CAST_SWEEP}
     assert all(tiles[:2] == (best["AMAX_TILE"], best["CAST_TILE"]) for tiles, g in seen if g in ("1x128", "128x128"))
     assert before == {name: getattr(qf, name) for name in CAST_SWEEP}
+
+
+def test_apply_tiles_sets_the_swept_constants_and_refuses_unknown_ones(monkeypatch):
+    """``fp8.py --use-swept-casts``: the sweep's best labels become quant_fused's constants; a name or tile outside
+    the candidates is one clear error."""
+    import pytest
+
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    from fp8_cast_sweep import CAST_SWEEP, apply_tiles, label
+
+    from mcore.kernels.triton import quant_fused as qf
+
+    for name in CAST_SWEEP:  # restored after the test whatever it sets
+        monkeypatch.setattr(qf, name, getattr(qf, name))
+    pick = {name: label(qf.TILE_CANDIDATES[name][-1]) for name in CAST_SWEEP}
+    assert apply_tiles(pick) == pick
+    assert all(getattr(qf, name) == qf.TILE_CANDIDATES[name][-1] for name in CAST_SWEEP)
+    with pytest.raises(KeyError, match="not a swept constant"):
+        apply_tiles({"NOPE": "1x2"})
+    with pytest.raises(ValueError, match="not among its candidates"):
+        apply_tiles({"CAST_TILE": "3x3x3"})
