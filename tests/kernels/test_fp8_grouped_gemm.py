@@ -11,6 +11,7 @@ from mcore.kernels.fp8_grouped_gemm import (
     fp8_grouped_gemm,
     jagged_transpose_quantize,
     quantize_expert_weights,
+    quantize_expert_weights_dual,
     row_groups,
 )
 from mcore.kernels.quantization import E4M3
@@ -84,6 +85,34 @@ def test_expert_weights_quantized_along_their_reduction_dims():
         assert ((deq - want).abs() <= amax.unsqueeze(-1) * 2**-4 + 1e-12).all()
 
 
+def test_triton_dual_expert_weight_cast_is_the_bits_of_the_two_single_casts(interpreter):
+    """The CUDA path's one pass per expert for ``w`` and ``w^T``, written into the stacked outputs."""
+    _, w, _ = _inputs(seed=7)
+    w = w.detach().to(torch.float16)
+    q, q_t = quantize_expert_weights_dual(w, SCALED_GROUPED_MM)
+    for got, transpose in ((q, False), (q_t, True)):
+        want = quantize_expert_weights(w, transpose=transpose, backend="reference")
+        assert got.data.shape == want.data.shape and got.scale.shape == want.scale.shape
+        assert torch.equal(got.data.view(torch.uint8), want.data.view(torch.uint8))
+        assert torch.equal(got.scale, want.scale)
+
+
+@pytest.mark.parametrize("tail_rows", [None, 16])
+def test_rows_past_the_last_offset_stay_out_of_the_gradients(tail_rows):
+    """Whatever the output gradient holds in the rows of no expert (NaN here), dx there is zero and dw as with
+    zeros there: those rows are never masked, only left out."""
+    grads = []
+    for poison in (0.0, float("nan")):
+        x, w, offsets = _inputs(seed=8)
+        y = fp8_grouped_gemm(x, w, offsets, tail_rows=tail_rows)
+        dy = torch.randn(ROWS, N, generator=torch.Generator().manual_seed(9))
+        dy[OFFSETS[-1] :] = poison
+        y.backward(dy)
+        assert torch.all(y[OFFSETS[-1] :] == 0) and torch.all(x.grad[OFFSETS[-1] :] == 0)
+        grads.append((x.grad, w.grad))
+    assert torch.equal(grads[0][0], grads[1][0]) and torch.equal(grads[0][1], grads[1][1])
+
+
 def test_reference_forward_is_the_float64_product_of_the_dequantized_operands():
     x, w, offsets = _inputs()
     y = fp8_grouped_gemm(x, w, offsets, backend="reference")
@@ -120,14 +149,17 @@ def test_bad_inputs_are_named():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("rows", [ROWS, 104])  # 104: not a multiple of 16 (the dispatcher's spare rows)
-def test_cuda_scaled_grouped_mm_equals_the_reference_path(cuda_triton, rows):
+@pytest.mark.parametrize("rows, tail_rows", [(ROWS, None), (104, None), (ROWS, 16)])  # 104: not a multiple of 16
+def test_cuda_scaled_grouped_mm_equals_the_reference_path(cuda_triton, rows, tail_rows):
     outs = []
     for backend in (None, "reference"):
         x, w, offsets = _inputs("cuda", torch.bfloat16, seed=3, rows=rows)
-        y = fp8_grouped_gemm(x, w, offsets, backend=backend)
-        y.backward(torch.randn(rows, N, generator=torch.Generator().manual_seed(6)).cuda().bfloat16())
+        y = fp8_grouped_gemm(x, w, offsets, backend=backend, tail_rows=tail_rows)
+        dy = torch.randn(rows, N, generator=torch.Generator().manual_seed(6)).cuda().bfloat16()
+        dy[OFFSETS[-1] :] = float("nan")  # rows of no expert: left out, never masked
+        y.backward(dy)
         outs.append((y.float(), x.grad.float(), w.grad.float()))
+    assert torch.all(outs[0][0][OFFSETS[-1] :] == 0) and torch.all(outs[0][1][OFFSETS[-1] :] == 0)
     for fast, ref in zip(*outs, strict=True):
         torch.testing.assert_close(fast, ref, rtol=2e-2, atol=2e-2 * ref.abs().max().item())
 

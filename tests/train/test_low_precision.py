@@ -145,6 +145,21 @@ def test_convergence_script_dry_run(tmp_path):
     assert "fp8-rowwise" in (tmp_path / "low_precision_convergence.md").read_text()
     assert data["text"]["documents"] > 0 and "standard library" in data["text"]["text"]  # real text, named
     assert (tmp_path / "low_precision_convergence.png").stat().st_size > 0
+    # --from reuses the baseline; what --only names is trained again even though the file holds it
+    again = [
+        "--dry-run",
+        "--only",
+        "fp8-rowwise",
+        "--skip-baseline",
+        "--from",
+        str(tmp_path / "low_precision_convergence.json"),
+    ]
+    proc = subprocess.run([sys.executable, str(script), *again, "--out", str(tmp_path / "again")], capture_output=True,
+                          text=True, env=env, timeout=600)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "[fp8-rowwise] loss after" in proc.stdout and "[baseline]" not in proc.stdout
+    merged = json.loads((tmp_path / "again" / "low_precision_convergence.json").read_text())
+    assert merged["curves"]["baseline"] == data["curves"]["baseline"] and set(merged["summary"]) == set(data["summary"])
 
 
 def test_bitnet_quant_trains_and_rejects_fp8(tmp_path, fp32_run):

@@ -34,16 +34,23 @@ ALIGN = 16  # rows per expert, K and N: multiples of this for torch's fp8 groupe
 
 
 def fp8_grouped_gemm(
-    x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, *, backend: str | None = None
+    x: torch.Tensor,
+    w: torch.Tensor,
+    offsets: torch.Tensor,
+    *,
+    backend: str | None = None,
+    tail_rows: int | None = None,
 ) -> torch.Tensor:
     """``y[rows of e] = x[rows of e] @ w[e]^T`` with fp8 operands: ``x`` [T, K], ``w`` [E, N, K] -> [T, N].
 
     ``backend``: ``"scaled_grouped_mm"``, ``"reference"`` or ``None`` (CUDA -> scaled_grouped_mm).
+    ``tail_rows``: at most that many last rows lie past ``offsets[-1]`` (``grouped_gemm``'s meaning): only those
+    are zeroed in the outputs, not the whole tensor (``None``: any row may).
     """
-    from mcore.kernels.grouped_gemm import _check
+    from mcore.kernels.grouped_gemm import _check, _tail
 
     _check(x, w, offsets)
-    return _Fp8GroupedGemm.apply(x, w, offsets, _choose(x, w, backend))
+    return _Fp8GroupedGemm.apply(x, w, offsets, _choose(x, w, backend), _tail(tail_rows, x.shape[0]))
 
 
 def _choose(x: torch.Tensor, w: torch.Tensor, backend: str | None) -> str:
@@ -62,6 +69,27 @@ def _choose(x: torch.Tensor, w: torch.Tensor, backend: str | None) -> str:
 
 def _cast_backend(backend: str) -> str | None:
     return "reference" if backend == dispatch.REFERENCE else None
+
+
+def quantize_expert_weights_dual(w: torch.Tensor, backend: str) -> tuple[Quantized, Quantized]:
+    """Row-wise e4m3 ``w[e]`` (``[E, N, K]``, a scale per (e, n)) *and* ``w[e]^T`` (``[E, K, N]``, per (e, k)).
+
+    CUDA: per expert one amax pass (its rows and columns) and one pass writing both, into the stacked outputs (no
+    stacking copy); elsewhere the two single casts, the same bits (``fp8_casts``)."""
+    if backend == dispatch.REFERENCE:
+        return (quantize_expert_weights(w, transpose=False, backend=backend),
+                quantize_expert_weights(w, transpose=True, backend=backend))  # fmt: skip
+    from mcore.kernels.triton import quant_fused as tq
+
+    experts, n, k = w.shape
+    data = torch.empty(w.shape, dtype=torch.float8_e4m3fn, device=w.device)
+    data_t = torch.empty(experts, k, n, dtype=torch.float8_e4m3fn, device=w.device)
+    scale = torch.empty(experts, n, dtype=torch.float32, device=w.device)
+    scale_t = torch.empty(experts, k, dtype=torch.float32, device=w.device)
+    for e in range(experts):
+        tq.dual_cast(w[e], torch.float8_e4m3fn, tq.amax(w[e], per_row_col=True), rowwise=True, write_t=True,
+                     outputs=(data[e], scale[e], data_t[e], scale_t[e]))  # fmt: skip
+    return Quantized(data, scale, "row"), Quantized(data_t, scale_t, "row")
 
 
 def quantize_expert_weights(w: torch.Tensor, *, transpose: bool, backend: str) -> Quantized:
@@ -102,10 +130,6 @@ def jagged_transpose_quantize(t: torch.Tensor, offsets: torch.Tensor, groups: to
     return tq.cast_grouped_columns(t, multiplier, groups, E4M3), scale
 
 
-def _row_mask(rows: int, offsets: torch.Tensor) -> torch.Tensor:
-    return (torch.arange(rows, device=offsets.device) < offsets[-1]).unsqueeze(1)
-
-
 def _segments(offsets: torch.Tensor):
     start = 0
     for expert, end in enumerate(offsets.tolist()):  # host sync: the reference only
@@ -119,9 +143,11 @@ def _deq(data: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return data.float() * scale.unsqueeze(-1)
 
 
-def _grouped_2d_3d(qa: Quantized, qb: Quantized, offsets: torch.Tensor, backend: str) -> torch.Tensor:
+def _grouped_2d_3d(qa: Quantized, qb: Quantized, offsets: torch.Tensor, backend: str, tail: int) -> torch.Tensor:
     """``out[rows of e] = a[rows of e] @ b[e]^T`` of row-quantized ``a`` [T, K] and ``b`` [E, N, K]: [T, N] fp32
-    (reference) or bf16 (CUDA); rows of no expert are zero."""
+    (reference) or bf16 (CUDA); rows of no expert (among the last ``tail``) are zero."""
+    from mcore.kernels.grouped_gemm import _zero_unused_rows_
+
     rows = qa.data.shape[0]
     if backend == SCALED_GROUPED_MM:
         out = torch._scaled_grouped_mm(
@@ -132,7 +158,7 @@ def _grouped_2d_3d(qa: Quantized, qb: Quantized, offsets: torch.Tensor, backend:
             offs=offsets,
             out_dtype=torch.bfloat16,
         )
-        return out.masked_fill_(~_row_mask(rows, offsets), 0)
+        return _zero_unused_rows_(out, offsets, tail)
     out = torch.zeros(rows, qb.data.shape[1], dtype=torch.float32, device=qa.data.device)
     a = _deq(qa.data, qa.scale.reshape(-1))
     for expert, start, end in _segments(offsets):
@@ -157,24 +183,32 @@ def _weight_grad(dy, x, offsets, experts: int, backend: str) -> torch.Tensor:
 
 
 class _Fp8GroupedGemm(torch.autograd.Function):
+    """Each operand cast once for the GEMMs it feeds: ``w`` and ``w^T`` in one pass per expert in forward (``w^T``
+    kept for the input gradient instead of ``w``), ``dy`` row-wise and jagged-transposed in backward."""
+
     @staticmethod
-    def forward(ctx, x, w, offsets, backend):
-        ctx.save_for_backward(x, w, offsets)
-        ctx.backend = backend
+    def forward(ctx, x, w, offsets, backend, tail):
+        need_w_t = ctx.needs_input_grad[0]
+        if need_w_t:
+            qw, qw_t = quantize_expert_weights_dual(w, backend)
+        else:
+            qw, qw_t = quantize_expert_weights(w, transpose=False, backend=backend), None
+        ctx.save_for_backward(x, offsets, *((qw_t.data, qw_t.scale) if qw_t is not None else (None, None)))
+        ctx.backend, ctx.tail, ctx.w_shape, ctx.w_dtype = backend, tail, w.shape, w.dtype
         qx = quantize_fp8(x, E4M3, "row", backend=_cast_backend(backend))
-        qw = quantize_expert_weights(w, transpose=False, backend=backend)
-        return _grouped_2d_3d(qx, qw, offsets, backend).to(x.dtype)
+        return _grouped_2d_3d(qx, qw, offsets, backend, tail).to(x.dtype)
 
     @staticmethod
     def backward(ctx, dy):
-        x, w, offsets = ctx.saved_tensors
+        x, offsets, wt_data, wt_scale = ctx.saved_tensors
         backend = ctx.backend
-        dy = dy.contiguous().masked_fill(~_row_mask(dy.shape[0], offsets), 0)
+        # rows past offsets[-1] need no masking here: their dx rows are zeroed below and the weight gradient's
+        # jagged operands leave them out (scale group E, past the GEMM's last offset)
+        dy = dy.contiguous()
         dx = dw = None
         if ctx.needs_input_grad[0]:
             qdy = quantize_fp8(dy, E4M3, "row", backend=_cast_backend(backend))
-            qw_t = quantize_expert_weights(w, transpose=True, backend=backend)
-            dx = _grouped_2d_3d(qdy, qw_t, offsets, backend).to(x.dtype)
+            dx = _grouped_2d_3d(qdy, Quantized(wt_data, wt_scale, "row"), offsets, backend, ctx.tail).to(x.dtype)
         if ctx.needs_input_grad[1]:
-            dw = _weight_grad(dy, x, offsets, w.shape[0], backend).to(w.dtype)
-        return dx, dw, None, None
+            dw = _weight_grad(dy, x, offsets, ctx.w_shape[0], backend).to(ctx.w_dtype)
+        return dx, dw, None, None, None

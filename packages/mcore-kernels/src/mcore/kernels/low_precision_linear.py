@@ -39,6 +39,7 @@ import torch
 
 from mcore.kernels.bitnet import bitnet_linear
 from mcore.kernels.fp8_casts import quantize_dual
+from mcore.kernels.fp8_delayed import AmaxHistory
 from mcore.kernels.fp8_gemm import scaled_matmul, shape_rule_violation
 from mcore.kernels.fp8_weight_cache import WeightCastCache
 from mcore.kernels.microscaling import MX_BLOCK, NVFP4_BLOCK, fake_quantize
@@ -115,29 +116,6 @@ def recipe_shape_problem(recipe: Recipe, out_features: int, in_features: int) ->
                 return f"{name}={value} must be a multiple of {block} for {recipe.name} blocks"
         return None
     return shape_rule_violation(_GRANULARITY[recipe.name][1], None, out_features, in_features)
-
-
-class AmaxHistory:
-    """Delayed scaling state of one operand: the last ``length`` amaxes, on the device (no host sync)."""
-
-    def __init__(self, length: int, compute: str) -> None:
-        self.length, self.compute = length, compute
-        self.history: torch.Tensor | None = None
-        self.count = 0
-
-    def scale_amax(self) -> torch.Tensor | None:
-        """The amax to scale with (max of the window, or the most recent), ``None`` before the first record."""
-        if self.count == 0:
-            return None
-        if self.compute == "max":
-            return self.history.max()
-        return self.history[(self.count - 1) % self.length].clone()
-
-    def record(self, amax: torch.Tensor) -> None:
-        if self.history is None or self.history.device != amax.device:
-            self.history = torch.zeros(self.length, dtype=torch.float32, device=amax.device)
-        self.history[self.count % self.length] = amax.reshape(())
-        self.count += 1
 
 
 class LowPrecisionLinear:
@@ -224,25 +202,10 @@ class LowPrecisionLinear:
             return quantize_dual(
                 t, dtype, granularity, transposed=transposed, reduce_q=reduce_q, reduce_t=reduce_t, backend=backend
             )
-        # delayed scaling: scale by the history, record this tensor's amax measured in the same pass (one read;
-        # the first use has no history and measures first)
-        history = self.histories[tensor]
-        amax = history.scale_amax()
-        current = torch.zeros((), dtype=torch.float32, device=t.device)
-        pair = quantize_dual(
-            t,
-            dtype,
-            "tensor",
-            transposed=transposed,
-            reduce_q=reduce_q if amax is None else None,
-            amax=amax,
-            amax_out=current,
-            backend=backend,
-        )
-        if reduce_q is not None:
-            reduce_q(current)
-        history.record(current)
-        return pair
+        # delayed scaling: scaled by the history, this tensor's amax recorded in the same pass (the first use has no
+        # history and measures first); a tensor-wise amax is one per tensor, so either reduction serves
+        return self.histories[tensor].quantize(t, dtype, transposed=transposed, reduce=reduce_q or reduce_t,
+                                               backend=backend)  # fmt: skip
 
     def weight_operands(self, weight: torch.Tensor, transposed: bool) -> tuple[Quantized, Quantized | None]:
         """``W`` along K and ``W^T`` along N: from the weight cast cache when this layer has one and the weight

@@ -274,8 +274,8 @@ class GroupedExperts(nn.Module):
         w_in, act = self.input_weight, self.activation_fn
         rows = rows.to(w_in.dtype)
         if self.low_precision is not None:  # fp8 experts (mcore.parallel.low_precision): both GEMMs quantized
-            h = self.low_precision(rows, w_in, offsets)
-            return self.low_precision(act(h), self.down, offsets)
+            h = self.low_precision(rows, w_in, offsets, tail_rows=tail_rows)
+            return self.low_precision(act(h), self.down, offsets, tail_rows=tail_rows)
         if self.gemm == "per_expert":
             bounds = (host_offsets or HostOffsets.start(offsets)).bounds()  # the host sync of this mode
             h = per_expert_linear(rows, w_in, bounds)

@@ -90,7 +90,8 @@ def _amax_kernel(
         tl.atomic_max(AMAX, tl.max(col_max, axis=0))
 
 
-@triton.jit
+# the history slots change every call: specializing on them (== 1, multiples of 16) would compile variants
+@triton.jit(do_not_specialize=["hist_len", "slot", "next_slot", "recent_slot"])
 def _dual_cast_kernel(
     X,
     AMAX,
@@ -105,12 +106,20 @@ def _dual_cast_kernel(
     n_cols,
     stride_r,
     stride_c,
+    hist_len,
+    slot,
+    next_slot,
+    recent_slot,
     FMAX: tl.constexpr,
     MBITS: tl.constexpr,
     MIN_EXP: tl.constexpr,
     ROWWISE: tl.constexpr,  # multipliers from ROW_AMAX (q) and COL_AMAX (q^T); else one from AMAX[0]
     WRITE_YT: tl.constexpr,
-    RECORD_AMAX: tl.constexpr,  # max |x| into AMAX_OUT in the same pass (delayed scaling)
+    RECORD_AMAX: tl.constexpr,  # max |x| into AMAX_OUT[slot] in the same pass (delayed scaling)
+    # 0: the amax is AMAX[0]; delayed scaling from the ring AMAX[:hist_len] (``fp8_delayed``): 1 the max of every
+    # slot but ``slot`` and ``next_slot``, 2 the most recent, AMAX[recent_slot]; program 0 zeroes AMAX[next_slot]
+    HISTORY: tl.constexpr,
+    HIST_P2: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_C: tl.constexpr,
 ):
@@ -122,7 +131,7 @@ def _dual_cast_kernel(
     c64 = cols.to(tl.int64)
     x, mask, rmask, r64 = _load_tile(X, rows, cols, n_rows, n_cols, stride_r, stride_c)
     if RECORD_AMAX:
-        tl.atomic_max(AMAX_OUT, tl.max(tl.max(tl.where(x != x, float("inf"), tl.abs(x)), axis=1), axis=0))
+        tl.atomic_max(AMAX_OUT + slot, tl.max(tl.max(tl.where(x != x, float("inf"), tl.abs(x)), axis=1), axis=0))
     if ROWWISE:
         mult_r, scale_r = multiplier_and_scale(tl.load(ROW_AMAX + rows, mask=rmask, other=1.0), FMAX)
         mult_c, scale_c = multiplier_and_scale(tl.load(COL_AMAX + cols, mask=cmask, other=1.0), FMAX)
@@ -133,9 +142,19 @@ def _dual_cast_kernel(
         v = x * mult_r[:, None]
         vt = x * mult_c[None, :]
     else:
-        mult, scale = multiplier_and_scale(tl.load(AMAX), FMAX)
+        if HISTORY == 1:
+            idx = tl.arange(0, HIST_P2)
+            window = (idx < hist_len) & (idx != slot) & (idx != next_slot)
+            amax = tl.max(tl.load(AMAX + idx, mask=window, other=0.0), axis=0)
+        elif HISTORY == 2:
+            amax = tl.load(AMAX + recent_slot)
+        else:
+            amax = tl.load(AMAX)
+        mult, scale = multiplier_and_scale(amax, FMAX)
         if (pid_r == 0) & (pid_c == 0):
             tl.store(SCALE, scale)
+            if HISTORY != 0:
+                tl.store(AMAX + next_slot, 0.0)
         v = x * mult
         vt = v
     q = _round_to_fp8(v, FMAX, MBITS, MIN_EXP).to(Y.dtype.element_ty)  # exact: already on the fp8 grid
@@ -248,15 +267,47 @@ def dual_cast(
     rowwise: bool,
     write_t: bool,
     amax_out: torch.Tensor | None = None,
+    outputs: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """``(q [R, C], scale, q^T [C, R] or None, scale of q^T or None)`` from the amaxes ``amax()`` gave (tensor-wise:
-    both the same one-element tensor). Row-wise scales come out ``[R]`` and ``[C]``; tensor-wise one ``[1]``."""
+    both the same one-element tensor). Row-wise scales come out ``[R]`` and ``[C]``; tensor-wise one ``[1]``.
+    ``outputs``: those four written in place (contiguous, of those shapes; views into stacked tensors, say)."""
+    return _launch_dual(x, dtype, amaxes, rowwise=rowwise, write_t=write_t, amax_out=amax_out, history=None,
+                        outputs=outputs)  # fmt: skip
+
+
+def delayed_dual_cast(
+    x: torch.Tensor,
+    dtype: torch.dtype,
+    history: torch.Tensor,
+    slot: int,
+    next_slot: int,
+    recent_slot: int,
+    window_max: bool,
+    *,
+    write_t: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Tensor-wise ``(q, scale [1], q^T or None)`` scaled from the amax ring ``history`` (``fp8_delayed``): the max of
+    its slots but ``slot`` and ``next_slot`` (``window_max``) or ``history[recent_slot]``; this tensor's amax is
+    max-ed into ``history[slot]`` (zero before the call) and ``history[next_slot]`` zeroed, all in the one pass."""
+    y, scale, yt, _ = _launch_dual(x, dtype, (history, history), rowwise=False, write_t=write_t, amax_out=history,
+                                   history=(slot, next_slot, recent_slot, 1 if window_max else 2))  # fmt: skip
+    return y, scale, yt
+
+
+def _launch_dual(x, dtype, amaxes, *, rowwise, write_t, amax_out, history, outputs=None):
     rows, cols = x.shape
-    device = x.device
-    y = torch.empty((rows, cols), dtype=dtype, device=device)
-    yt = torch.empty((cols, rows), dtype=dtype, device=device) if write_t else None
-    scale = torch.empty(rows if rowwise else 1, dtype=torch.float32, device=device)
-    scale_t = torch.empty(cols, dtype=torch.float32, device=device) if rowwise and write_t else None
+    if outputs is not None:
+        y, scale, yt, scale_t = outputs
+        _check_outputs(outputs, rows, cols, dtype, rowwise, write_t)
+    else:
+        device = x.device
+        y = torch.empty((rows, cols), dtype=dtype, device=device)
+        yt = torch.empty((cols, rows), dtype=dtype, device=device) if write_t else None
+        scale = torch.empty(rows if rowwise else 1, dtype=torch.float32, device=device)
+        scale_t = torch.empty(cols, dtype=torch.float32, device=device) if rowwise and write_t else None
+    slot, next_slot, recent_slot, mode = history if history is not None else (0, 0, 0, 0)
+    hist_len = amaxes[0].numel()
     if rows and cols:
         tile_r, tile_c, warps = CAST_TILE
         grid = (triton.cdiv(rows, tile_r), triton.cdiv(cols, tile_c))
@@ -274,12 +325,18 @@ def dual_cast(
             cols,
             x.stride(0),
             x.stride(1),
+            hist_len,
+            slot,
+            next_slot,
+            recent_slot,
             FMAX=FP8_MAX[dtype],
             MBITS=_FORMAT_BITS[dtype][0],
             MIN_EXP=_FORMAT_BITS[dtype][1],
             ROWWISE=rowwise,
             WRITE_YT=write_t,
             RECORD_AMAX=amax_out is not None,
+            HISTORY=mode,
+            HIST_P2=triton.next_power_of_2(hist_len),
             BLOCK_R=tile_r,
             BLOCK_C=tile_c,
             num_warps=warps,
@@ -289,6 +346,19 @@ def dual_cast(
         if scale_t is not None:
             scale_t.fill_(1.0)
     return y, scale, yt, scale_t if rowwise else (scale if write_t else None)
+
+
+def _check_outputs(outputs, rows, cols, dtype, rowwise, write_t) -> None:
+    y, scale, yt, scale_t = outputs
+    want = [("q", y, (rows, cols), dtype), ("scale", scale, (rows if rowwise else 1,), torch.float32)]
+    if write_t:
+        want.append(("q^T", yt, (cols, rows), dtype))
+    if rowwise and write_t:
+        want.append(("scale of q^T", scale_t, (cols,), torch.float32))
+    for name, t, shape, dt in want:
+        if t is None or tuple(t.shape) != shape or t.dtype != dt or not t.is_contiguous():
+            got = "None" if t is None else f"{t.dtype} {tuple(t.shape)} contiguous={t.is_contiguous()}"
+            raise ValueError(f"dual_cast: outputs' {name} must be a contiguous {dt} {shape}, got {got}")
 
 
 def block_dual(

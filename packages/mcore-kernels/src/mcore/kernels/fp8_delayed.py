@@ -1,0 +1,109 @@
+"""Delayed scaling (tensor-wise): an operand scaled by the amaxes of its previous calls, kept on the device.
+
+:class:`AmaxHistory` holds the last ``length`` amaxes of one operand in a ring of ``length + 2`` fp32 slots and
+a host-side call counter (no host sync ever). At call ``n`` the amax this call measures goes into slot
+``n % (length + 2)``; the window it is scaled by is every slot but that one and the next, ``(n + 1) % (length +
+2)``, which holds the oldest amax, the one leaving the window: exactly the last ``length`` amaxes (the slots of
+calls not made yet are zero, and amaxes are >= 0, so they never raise the max). Each call zeroes the next slot for
+the following call's record.
+
+Why the two spare slots: on CUDA the whole bookkeeping runs inside the one cast kernel (``quant_fused``'s dual
+cast): its programs read the window, every program adds its tile's max to the record slot by an atomic max
+(which needs that slot zeroed beforehand: the previous call did it), and one program zeroes the next slot; no
+program reads a slot another one writes. Without them the step paid four small torch ops per operand (the window
+max, a zeroed scalar, its reset and an indexed copy), host time that left the GPU idle in the 8b4l fp8 step.
+
+The first call has no history: it measures the amax first (current scaling) and records it. Under tensor
+parallelism ``reduce`` (a MAX all-reduce over the ranks sharing the tensor) is applied to the recorded slot in
+place, so every rank's history holds the group's amax (the first call's scale uses the reduced amax as well).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from mcore.kernels import dispatch
+from mcore.kernels.fp8_casts import quantize_dual
+from mcore.kernels.quantization import AmaxReduce, Quantized
+
+COMPUTES = ("max", "most_recent")
+
+
+class AmaxHistory:
+    """Delayed scaling state of one operand: the last ``length`` amaxes, on the device."""
+
+    def __init__(self, length: int, compute: str) -> None:
+        if length < 1:
+            raise ValueError(f"AmaxHistory: length must be >= 1, got {length}")
+        if compute not in COMPUTES:
+            raise ValueError(f"AmaxHistory: compute must be one of {COMPUTES}, got {compute!r}")
+        self.length, self.compute = length, compute
+        self.history: torch.Tensor | None = None  # [length + 2] fp32 ring, created on the first record's device
+        self.count = 0
+
+    @property
+    def slots(self) -> int:
+        return self.length + 2
+
+    def _buffer(self, device: torch.device) -> torch.Tensor:
+        if self.history is None or self.history.device != device:
+            self.history = torch.zeros(self.slots, dtype=torch.float32, device=device)
+        return self.history
+
+    def _window(self) -> torch.Tensor:
+        """Which slots hold the last ``length`` amaxes (bool ``[slots]``)."""
+        keep = torch.ones(self.slots, dtype=torch.bool, device=self.history.device)
+        keep[self.count % self.slots] = False
+        keep[(self.count + 1) % self.slots] = False
+        return keep
+
+    def scale_amax(self) -> torch.Tensor | None:
+        """The amax to scale with (max of the window, or the most recent), ``None`` before the first record."""
+        if self.count == 0:
+            return None
+        if self.compute == "most_recent":
+            return self.history[(self.count - 1) % self.slots].clone()
+        return torch.where(self._window(), self.history, 0.0).max()
+
+    def record(self, amax: torch.Tensor) -> None:
+        """Store this call's ``amax`` and zero the slot the next call records into."""
+        history = self._buffer(amax.device)
+        history[self.count % self.slots] = amax.reshape(())
+        history[(self.count + 1) % self.slots] = 0.0
+        self.count += 1
+
+    def quantize(
+        self,
+        t: torch.Tensor,
+        dtype: torch.dtype,
+        *,
+        transposed: bool,
+        reduce: AmaxReduce | None = None,
+        backend: str | None = None,
+    ) -> tuple[Quantized, Quantized | None]:
+        """``(q, q_t)`` of the 2-D ``t`` (``fp8_casts.quantize_dual`` at ``tensor``) scaled by the history, this
+        call's amax recorded (reduced by ``reduce``); the first call measures its own amax first."""
+        history = self._buffer(t.device)
+        slot = self.count % self.slots
+        record = history[slot : slot + 1]
+        if self.count == 0:  # no history: current scaling, this amax recorded
+            pair = quantize_dual(t, dtype, "tensor", transposed=transposed, reduce_q=reduce, amax_out=record,
+                                 backend=backend)  # fmt: skip
+            history[(slot + 1) % self.slots] = 0.0
+        elif t.numel() and dispatch.choose("quantize_fp8", t, backend=backend) == dispatch.TRITON:
+            from mcore.kernels.triton.quant_fused import delayed_dual_cast
+
+            nxt, recent = (self.count + 1) % self.slots, (self.count - 1) % self.slots
+            data, scale, data_t = delayed_dual_cast(t, dtype, history, slot, nxt, recent, self.compute == "max",
+                                                    write_t=transposed)  # fmt: skip
+            scale = scale.reshape(())
+            pair = Quantized(data, scale, "tensor"), Quantized(data_t, scale, "tensor") if transposed else None
+        else:
+            amax = self.scale_amax()
+            pair = quantize_dual(t, dtype, "tensor", transposed=transposed, amax=amax, amax_out=record,
+                                 backend="reference")  # fmt: skip
+            history[(slot + 1) % self.slots] = 0.0
+        if reduce is not None:
+            reduce(record)
+        self.count += 1
+        return pair
