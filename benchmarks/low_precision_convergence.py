@@ -147,22 +147,25 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     results: dict[str, dict[str, Any]] = {}
+    source_text = None  # the text the reused curves were trained on (kept when nothing is trained here)
     for source in args.sources:
         previous = json.loads(source.read_text())
+        source_text = source_text or previous.get("text")
         for name, curve in previous["curves"].items():
             # "runs" holds step time and precision; files of the first version kept them in "summary" only
             old = previous.get("runs", previous["summary"])[name]
             results[name] = {"losses": curve, "step_s": old["step_s"], "precision": old["precision"]}
     data_path, args.text_info = None, {"text": "the corpus embedded in mcore-train, byte tokenizer"}
-    if args.text == "stdlib":
+    to_train = [n for n in args.names if n not in results or n in args.explicit]
+    if not to_train and source_text is not None:  # a merge of earlier runs: their text, no corpus built
+        args.text_info = source_text
+    elif args.text == "stdlib":
         from real_text import build_corpus
 
         # the tokenized text (tens of MB) goes to a temporary directory, not beside the results
         text_dir = Path(tempfile.mkdtemp(prefix="mcore-text-"))
         data_path, args.text_info = build_corpus(text_dir, int(args.text_mb * 2**20))
-    for name in args.names:
-        if name in results and name not in args.explicit:  # reused from --from; what --only names is trained
-            continue
+    for name in to_train:  # what --from holds is reused, except what --only names
         result, runtime = run_spec(build_spec(name, args.steps, args.device, args.model, data_path))
         runtime.shutdown()
         results[name] = result
