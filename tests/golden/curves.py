@@ -44,8 +44,12 @@ RUNS: dict[str, list[str]] = {
 
 
 def platform_key() -> str:
-    """What must match for the curves to be bitwise reproducible."""
-    return f"torch {torch.__version__} | python {platform.python_version()} | {platform.machine()}"
+    """What must match for the curves to be bitwise reproducible: torch, Python, the machine and the vector ISA
+    torch's CPU kernels dispatch to (an AVX2 and an AVX-512 machine sum fp32 differently: the curves recorded on
+    2026-12-01 differ in the 8th digit at step 11 on an AVX2 EPYC). Recordings whose key lacks the ISA (the first
+    ones) are compared to 1e-6 everywhere."""
+    isa = torch.backends.cpu.get_cpu_capability()
+    return f"torch {torch.__version__} | python {platform.python_version()} | {platform.machine()} | {isa}"
 
 
 def train_curve(name: str) -> list[float]:
