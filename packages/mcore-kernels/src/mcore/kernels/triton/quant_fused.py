@@ -4,12 +4,14 @@ A linear needs every tensor twice: ``x`` along K (forward) and ``x^T`` along M (
 and ``W^T`` along N, ``grad`` along N and ``grad^T`` along M. These kernels write both fp8 tensors, with their
 scales, from one read of the source per pass:
 
-* ``_amax_kernel``: the absolute maximum of the whole tensor, or of every row *and* every column at once (the
+* ``_amax_kernel``: the absolute maximum of the whole tensor (delayed scaling's first call; tensor-wise current
+  scaling takes torch's infinity norm, which costs the host less), or of every row *and* every column at once (the
   row-wise scales of ``q`` and of ``q^T``), one read; partial maxima meet through atomic max (non-negative
   values: NaN is counted as inf, so its group keeps multiplier 1 like the torch reference).
 * ``_dual_cast_kernel``: the multipliers computed in the kernel from those amaxes (no torch ops in between),
   ``q = x * m_row`` and ``q^T = (x * m_col)^T`` written from the same tile; tensor-wise both use one multiplier.
-  With a given amax (delayed scaling) it also measures this tensor's amax in the same pass.
+  With a given amax it also measures this tensor's amax in the same pass; delayed scaling's ring of past amaxes
+  (``fp8_delayed``) is read, recorded into and advanced inside it as well (``HISTORY``).
 * ``_block_dual_kernel``: block-wise needs no global pass: one 128 x 128 tile gives the ``1x128`` scales of its
   rows (``q``) and of its columns (``q^T``, the 1x128 groups of the transposed tensor), or the one ``128x128``
   scale both share; amax, scales and both casts from one read of the tile from memory (swept twice, the second
