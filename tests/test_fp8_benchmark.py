@@ -132,3 +132,18 @@ def test_apply_tiles_sets_the_swept_constants_and_refuses_unknown_ones(monkeypat
         apply_tiles({"NOPE": "1x2"})
     with pytest.raises(ValueError, match="not among its candidates"):
         apply_tiles({"CAST_TILE": "3x3x3"})
+
+
+def test_fp8_host_time_dry_run(tmp_path):
+    """``benchmarks/fp8_host_time.py`` on CPU: every recipe's linear timed and its CPU ops listed."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "fp8_host_time.py"), "--dry-run", "--size", "128", "--out",
+           str(tmp_path)]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    data = json.loads((tmp_path / "fp8_host_time.json").read_text())
+    assert [r["impl"] for r in data["rows"]] == ["fp32", "tensorwise", "delayed", "rowwise", "blockwise"]
+    assert all(r["host_us"] > 0 for r in data["rows"])
+    assert set(data["cpu_ops"]) == {"tensorwise", "delayed", "rowwise", "blockwise"}
+    assert all(ops and all(o["self_us"] >= 0 for o in ops) for ops in data["cpu_ops"].values())
+    assert "host us per forward + backward" in (tmp_path / "fp8_host_time.md").read_text()
