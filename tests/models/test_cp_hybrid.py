@@ -15,7 +15,10 @@ from tests.models.test_parallel_parity import _full_slice, _rel_err
 
 REL_TOL = 1e-5
 # As in test_hybrid_parallel: the SGD steps amplify the fp32 rounding of the TP / CP reductions into the small,
-# cancelling A_log / dt_bias gradients (at tp2 x cp2 one A_log gradient of a third step differs by 1.1e-5).
+# cancelling A_log / dt_bias gradients (at tp2 x cp2 one A_log gradient of a third step differs by 1.1e-5; on an
+# AVX2 EPYC, whose fp32 sums differ from the first machine's, a first-step dt_bias gradient by 1.4e-5). Those two get
+# 3e-5; every other gradient and the loss keep 1e-5 (the kernels take no float64 to make this exact).
+CANCELLING_TOL = {"A_log": 3e-5, "dt_bias": 3e-5}
 LR = 0.2
 B, S, STEPS = 2, 24, 2
 DOCS = (0, 8, 24, 28, 48)  # document lengths 8, 16, 4, 20: multiples of 2 x cp
@@ -159,7 +162,7 @@ def test_hybrid_cp_equals_single_process(results, case):
     per_rank = case_result(results, case)
     assert any(f"loss{STEPS - 1}" in errors for errors in per_rank)
     for rank, errors in enumerate(per_rank):
-        bad = {k: v for k, v in errors.items() if v > REL_TOL}
+        bad = {k: v for k, v in errors.items() if v > CANCELLING_TOL.get(k.rsplit(".", 1)[-1], REL_TOL)}
         assert not bad, (rank, bad)
         assert sum(k.startswith(f"grad{STEPS - 1}:") and ".mamba." in k for k in errors) > 0
 
