@@ -50,11 +50,15 @@ class AmaxHistory:
             self.history = torch.zeros(self.slots, dtype=torch.float32, device=device)
         return self.history
 
+    def _ring(self) -> tuple[int, int, int]:
+        """(the slot this call records into, the next one, which it zeroes, the most recent record's)."""
+        return self.count % self.slots, (self.count + 1) % self.slots, (self.count - 1) % self.slots
+
     def _window(self) -> torch.Tensor:
         """Which slots hold the last ``length`` amaxes (bool ``[slots]``)."""
+        slot, nxt, _ = self._ring()
         keep = torch.ones(self.slots, dtype=torch.bool, device=self.history.device)
-        keep[self.count % self.slots] = False
-        keep[(self.count + 1) % self.slots] = False
+        keep[slot] = keep[nxt] = False
         return keep
 
     def scale_amax(self) -> torch.Tensor | None:
@@ -62,14 +66,15 @@ class AmaxHistory:
         if self.count == 0:
             return None
         if self.compute == "most_recent":
-            return self.history[(self.count - 1) % self.slots].clone()
+            return self.history[self._ring()[2]].clone()
         return torch.where(self._window(), self.history, 0.0).max()
 
     def record(self, amax: torch.Tensor) -> None:
         """Store this call's ``amax`` and zero the slot the next call records into."""
         history = self._buffer(amax.device)
-        history[self.count % self.slots] = amax.reshape(())
-        history[(self.count + 1) % self.slots] = 0.0
+        slot, nxt, _ = self._ring()
+        history[slot] = amax.reshape(())
+        history[nxt] = 0.0
         self.count += 1
 
     def quantize(
@@ -84,16 +89,15 @@ class AmaxHistory:
         """``(q, q_t)`` of the 2-D ``t`` (``fp8_casts.quantize_dual`` at ``tensor``) scaled by the history, this
         call's amax recorded (reduced by ``reduce``); the first call measures its own amax first."""
         history = self._buffer(t.device)
-        slot = self.count % self.slots
+        slot, nxt, recent = self._ring()
         record = history[slot : slot + 1]
         if self.count == 0:  # no history: current scaling, this amax recorded
             pair = quantize_dual(t, dtype, "tensor", transposed=transposed, reduce_q=reduce, amax_out=record,
                                  backend=backend)  # fmt: skip
-            history[(slot + 1) % self.slots] = 0.0
+            history[nxt] = 0.0
         elif t.numel() and dispatch.choose("quantize_fp8", t, backend=backend) == dispatch.TRITON:
             from mcore.kernels.triton.quant_fused import delayed_dual_cast
 
-            nxt, recent = (self.count + 1) % self.slots, (self.count - 1) % self.slots
             data, scale, data_t = delayed_dual_cast(t, dtype, history, slot, nxt, recent, self.compute == "max",
                                                     write_t=transposed)  # fmt: skip
             scale = scale.reshape(())
@@ -102,7 +106,7 @@ class AmaxHistory:
             amax = self.scale_amax()
             pair = quantize_dual(t, dtype, "tensor", transposed=transposed, amax=amax, amax_out=record,
                                  backend="reference")  # fmt: skip
-            history[(slot + 1) % self.slots] = 0.0
+            history[nxt] = 0.0
         if reduce is not None:
             reduce(record)
         self.count += 1
