@@ -41,8 +41,8 @@ from _common import RunSpec, markdown_table, run_spec, write_json
 CONFIGS: dict[str, list[str]] = {
     "baseline": [],
     "fp8-tensorwise": ["train.precision=fp8", "fp8.recipe=tensorwise"],
-    # tensor-wise with e4m3 gradients (the default is the "hybrid" e5m2: one scale over the whole gradient)
-    "fp8-tensorwise-e4m3": ["train.precision=fp8", "fp8.recipe=tensorwise", "fp8.grad_format=e4m3"],
+    # tensor-wise with the "hybrid" e5m2 gradients (its default until session 9; e4m3 measured closer to bf16)
+    "fp8-tensorwise-e5m2": ["train.precision=fp8", "fp8.recipe=tensorwise", "fp8.grad_format=e5m2"],
     "fp8-delayed": ["train.precision=fp8", "fp8.recipe=delayed"],
     "fp8-rowwise": ["train.precision=fp8", "fp8.recipe=rowwise"],
     "fp8-blockwise": ["train.precision=fp8", "fp8.recipe=blockwise"],

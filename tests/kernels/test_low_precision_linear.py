@@ -241,8 +241,8 @@ def test_bad_recipe_fields():
         Recipe("rowwise", grad_format="e4m4")
     with pytest.raises(ValueError, match="amax_history_len"):
         Recipe("delayed", amax_history_len=0)
-    # gradient formats by default: e5m2 under one tensor-wide scale, e4m3 where finer scales give the range
-    assert [Recipe(n).grad_format for n in FP8_RECIPES] == ["e5m2", "e5m2", "e4m3", "e4m3"]
+    # gradient formats by default: e5m2 under a delayed (history) scale, e4m3 where the tensor's own amax scales it
+    assert [Recipe(n).grad_format for n in FP8_RECIPES] == ["e4m3", "e5m2", "e4m3", "e4m3"]
     with pytest.raises(ValueError, match="does not match weight"):
         LowPrecisionLinear(Recipe())(torch.randn(2, 8), torch.randn(4, 16))
 

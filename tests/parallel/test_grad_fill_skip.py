@@ -257,3 +257,141 @@ def test_every_expert_gemm_mode_gives_the_zero_filled_gradients(gemm, device):
     for step_filled, step_skipped in zip(filled, skipped, strict=True):
         for a, b in zip(step_filled, step_skipped, strict=True):
             assert torch.isfinite(b).all() and torch.equal(a, b)
+
+
+# ---- the dense tensor-parallel linears: their step's first weight-gradient GEMM overwrites main_grad too
+
+WIDTH = 16
+
+
+def _dense_net(tied: bool) -> torch.nn.Module:
+    """Column -> tanh -> Row (tp group of one); ``tied``: an embedding whose weight the Column layer also uses (the
+    tied LM head: its GEMM overwrites, then DDP's hook adds the embedding's ``.grad``)."""
+    from mcore.parallel import ColumnParallelLinear, RowParallelLinear
+
+    class Net(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed = torch.nn.Embedding(2 * WIDTH, WIDTH) if tied else None
+            self.col = ColumnParallelLinear(WIDTH, 2 * WIDTH, bias=True)
+            self.row = RowParallelLinear(2 * WIDTH, WIDTH)
+            if tied:
+                self.col.weight = self.embed.weight
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            if self.embed is not None:
+                x = x + self.embed(torch.arange(x.shape[0], device=x.device) % (2 * WIDTH)).sum(0)
+            return self.row(torch.tanh(self.col(x)))
+
+    torch.manual_seed(5)
+    return Net()
+
+
+def _counting(fn, calls: dict, key: str):
+    def counted(*args):
+        calls[key] += 1
+        return fn(*args)
+
+    return counted
+
+
+def _dense_run(tied: bool, skip: bool, device: str = "cpu", monkeypatch=None) -> dict:
+    """Three poisoned steps of two micro-batches through DDP + the mixed-precision optimizer."""
+    import mcore.parallel.tensor_parallel as tp_module
+
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    model = _dense_net(tied).to(device, dtype)
+    ddp = DistributedDataParallel(model, None, bucket_size=200, skip_overwritten_fill=skip)
+    opt = MixedPrecisionOptimizer(ddp, lr=LR, clip_grad=CLIP, fused_step=device == "cuda")
+    calls = {"write": 0, "add": 0}
+    if monkeypatch is not None:
+        for name, key in (("write_weight_grad_", "write"), ("accumulate_weight_grad_", "add")):
+            monkeypatch.setattr(tp_module, name, _counting(getattr(tp_module, name), calls, key))
+    out = {"grads": [], "losses": [], "kept": [], "calls": calls}
+    for step in range(STEPS):
+        for buf in ddp.grad_buffers:
+            buf.grad_data.fill_(float("nan"))
+        opt.zero_grad()
+        out["kept"].append([bool(torch.isnan(m.weight.main_grad).all()) for m in (model.col, model.row)])
+        loss = 0.0
+        for micro in range(2):
+            x = torch.randn(6, WIDTH, generator=torch.Generator().manual_seed(10 * step + micro)).to(device, dtype)
+            with ddp.no_sync() if micro == 0 else torch.enable_grad():
+                micro_loss = ddp(x).float().square().mean()
+                micro_loss.backward()
+            loss += float(micro_loss.detach())
+        ddp.finish_grad_sync()
+        out["grads"].append([buf.grad_data.clone() for buf in ddp.grad_buffers])
+        out["losses"].append(loss)
+        opt.step()
+    out["weights"] = [p.detach().clone() for p in model.parameters()]
+    return out
+
+
+def _dense_reference_grads(tied: bool) -> list[torch.Tensor]:
+    """The first step's gradients by plain autograd (two micro-batches summed) on the same model."""
+    model = _dense_net(tied)
+    for micro in range(2):
+        x = torch.randn(6, WIDTH, generator=torch.Generator().manual_seed(micro))
+        model(x).square().mean().backward()
+    return [p.grad for p in model.parameters()]
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_dense_linears_overwrite_main_grad_and_match_the_zero_filled_run(tied, monkeypatch):
+    filled = _dense_run(tied, skip=False)
+    skipped = _dense_run(tied, skip=True, monkeypatch=monkeypatch)
+    # each linear weight: written by the first micro-batch's GEMM, added to by the second, in every step
+    assert skipped["calls"] == {"write": 2 * STEPS, "add": 2 * STEPS}, skipped["calls"]
+    assert filled["kept"] == [[False, False]] * STEPS
+    assert skipped["kept"] == [[False, False]] + [[True, True]] * (STEPS - 1)  # left unfilled from the 2nd step
+    for key in ("grads", "losses", "weights"):
+        assert _equal(skipped[key], filled[key]), key
+    assert all(bool(torch.isfinite(g).all()) for g in sum(skipped["grads"], []))
+    # the written-then-added gradients are the plain autograd ones
+    model = _dense_net(tied)
+    ddp = DistributedDataParallel(model, None, bucket_size=200)
+    ddp.zero_grad_buffer()
+    for micro in range(2):
+        x = torch.randn(6, WIDTH, generator=torch.Generator().manual_seed(micro))
+        with ddp.no_sync() if micro == 0 else torch.enable_grad():
+            ddp(x).square().mean().backward()
+    ddp.finish_grad_sync()
+    for p, ref in zip(model.parameters(), _dense_reference_grads(tied), strict=True):
+        torch.testing.assert_close(p.main_grad, ref, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("tied", [False, True])
+def test_dense_linears_overwrite_main_grad_on_cuda_in_bf16(tied):
+    filled, skipped = _dense_run(tied, skip=False, device="cuda"), _dense_run(tied, skip=True, device="cuda")
+    assert skipped["kept"] == [[False, False]] + [[True, True]] * (STEPS - 1)
+    for key in ("grads", "losses", "weights"):
+        assert _equal(skipped[key], filled[key]), key
+
+
+@pytest.mark.parametrize(
+    "device,dtype",
+    [
+        ("cpu", torch.float32),
+        ("cpu", torch.bfloat16),
+        pytest.param(
+            "cuda",
+            torch.bfloat16,
+            marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")],
+        ),
+    ],
+)
+def test_write_weight_grad_does_not_read_its_target(device, dtype):
+    from mcore.parallel.tensor_parallel import write_weight_grad_
+
+    g = torch.Generator().manual_seed(7)
+    grad_out, x = (torch.randn(64, n, generator=g).to(device, dtype) for n in (48, 32))
+    target = torch.full((48, 32), float("nan"), device=device)
+    write_weight_grad_(target, grad_out, x)
+    exact = grad_out.double().t() @ x.double()
+    assert torch.isfinite(target).all()
+    # fp32 operands: fp32 rounding of the GEMM; bf16 operands: accumulated in fp32 on CUDA, a bf16 product on CPU
+    tol = 1e-5 if dtype == torch.float32 or device == "cuda" else 1e-2
+    torch.testing.assert_close(target.double(), exact, rtol=tol, atol=tol * exact.abs().max().item())

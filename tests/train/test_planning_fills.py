@@ -1,7 +1,9 @@
 """What the planner charges for the gradient buffers' fill and FSDP2's copies, against hand counts of what the code
-does: DDP's ``zero_grad_buffer`` leaves the expert weights' regions unfilled (``skip_overwritten_fill``: the expert
-GEMMs overwrite them) but fills the dense parameters and the expert biases; FSDP2 at one rank gathers once per step
-and copies only the gradients no GEMM writes (norms, the embedding), at several ranks every micro-batch."""
+does and against the code itself: DDP's ``zero_grad_buffer`` leaves unfilled the regions whose step's first
+weight-gradient GEMM overwrites them (``skip_overwritten_fill``: the tensor-parallel linears, the output layer, the
+expert weights) but fills the embedding, norms, biases, replicated linears and expert biases; FSDP2 at one rank
+gathers once per step and copies only the gradients no GEMM writes (norms, the embedding), at several ranks every
+micro-batch."""
 
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ import pytest
 from mcore.models.families import get_config
 from mcore.train.planning.cluster import PRESETS, Network
 from mcore.train.planning.layout import Layout
+from mcore.train.planning.memory import stage_parameters
 from mcore.train.planning.shape import ModelShape
 from mcore.train.planning.step import predict_step
 from mcore.train.planning.validation import SHAPE_8B4L, _moe_shape, _shape
@@ -35,6 +38,13 @@ def _expert_weights(r: dict) -> int:
     return r["layers"] * r["experts"] * 3 * r["hidden"] * r["moe_ffn"]
 
 
+def _overwritten_dense(r: dict) -> int:
+    """The tensor-parallel linears of a MoE record's layers (fused QKV and the output projection; the router is
+    replicated) and its output layer (vocabularies of these records are multiples of 128: no padding), by hand."""
+    q, kv = r["heads"] * r["head_dim"], r["kv"] * r["head_dim"]
+    return r["layers"] * (r["hidden"] * (q + 2 * kv) + q * r["hidden"]) + r["vocab"] * r["hidden"]
+
+
 @pytest.mark.parametrize("name", sorted(RECORDS))
 @pytest.mark.parametrize("grads", ["fp32", "bf16"])
 @pytest.mark.parametrize("gemm", ["grouped", "per_expert", "grouped_fp32_wgrad"])
@@ -42,7 +52,7 @@ def test_grad_zero_fills_all_but_the_expert_weights(name, grads, gemm):
     r = _record(name)
     shape = _moe_shape(r)
     layout = Layout(seq_length=r["seq"], distributed_optimizer=True, expert_gemm=gemm, main_grads_dtype=grads)
-    filled = r["params"] - _expert_weights(r)  # dense parameters and (GPT-OSS) expert biases
+    filled = r["params"] - _expert_weights(r) - _overwritten_dense(r)  # embedding, norms, router, biases
     nbytes = {"fp32": 4, "bf16": 2}[grads] * filled
     got = predict_step(shape, layout, H200).breakdown["grad_zero"]
     assert got == pytest.approx(nbytes / (GPU.copy_gbps * 1e9), rel=1e-9)
@@ -52,15 +62,55 @@ def test_expert_biases_are_filled():
     r = _record("gptoss4l")
     biases = r["layers"] * r["experts"] * (2 * r["moe_ffn"] + r["hidden"])
     shape, layout = _moe_shape(r), Layout(seq_length=r["seq"], distributed_optimizer=True)
-    dense_only = _moe_shape(r).total_parameters() - _expert_weights(r) - biases
+    dense_only = _moe_shape(r).total_parameters() - _expert_weights(r) - _overwritten_dense(r) - biases
     got = predict_step(shape, layout, H200).breakdown["grad_zero"] * GPU.copy_gbps * 1e9 / 4
     assert got - dense_only == pytest.approx(biases, rel=1e-9) and biases > 0
 
 
-def test_a_dense_model_fills_its_whole_buffer():
+def test_a_dense_model_fills_only_its_embedding_and_norms():
     shape = _shape(SHAPE_8B4L, "8b4l")
     got = predict_step(shape, Layout(seq_length=4096), H200).breakdown["grad_zero"]
-    assert got == pytest.approx(4 * shape.total_parameters() / (GPU.copy_gbps * 1e9), rel=1e-9)
+    h = SHAPE_8B4L["hidden"]
+    filled = SHAPE_8B4L["vocab"] * h + (2 * SHAPE_8B4L["layers"] + 1) * h  # vocab 128256: a multiple of 128
+    assert got == pytest.approx(4 * filled / (GPU.copy_gbps * 1e9), rel=1e-9)
+
+
+def _filled_by_ddp(config) -> tuple[int, int]:
+    """(elements ``zero_grad_buffer`` zeroes, elements it leaves unfilled) of a real model's gradient buffers after
+    one step, counted by poisoning the buffers with NaN first (parameters only: the bucket padding is not a
+    parameter's)."""
+    import torch
+
+    from mcore.models import GPTModel
+    from mcore.parallel import DistributedDataParallel
+
+    torch.manual_seed(0)
+    model = GPTModel(config)
+    ddp = DistributedDataParallel(model, None)
+    ddp.zero_grad_buffer()
+    ids = torch.randint(0, config.vocab_size, (2, 16))
+    ddp(ids, labels=torch.roll(ids, -1, 1)).mean().backward()
+    ddp.finish_grad_sync()
+    for buf in ddp.grad_buffers:
+        buf.grad_data.fill_(float("nan"))
+    ddp.zero_grad_buffer()
+    kept = [int(torch.isnan(p.main_grad).sum()) for p in model.parameters()]
+    return sum(p.numel() for p in model.parameters()) - sum(kept), sum(kept)
+
+
+@pytest.mark.parametrize("family,tied", [("llama", False), ("llama", True), ("mixtral", False), ("deepseek_v3", False)])
+def test_the_planned_fill_is_what_ddp_fills(family, tied):
+    from tests.helpers.families import tiny_config
+
+    config = tiny_config(family, tie_word_embeddings=tied)
+    shape = ModelShape.from_config(config)
+    filled, unfilled = _filled_by_ddp(config)
+    assert unfilled > 0
+    chunks = [(0, shape.layers)]
+    dense, expert = stage_parameters(shape, Layout(), 0, chunks)
+    assert dense + expert == filled + unfilled  # the planner holds the model's parameters
+    got = predict_step(shape, Layout(seq_length=16), H200).breakdown["grad_zero"] * GPU.copy_gbps * 1e9 / 4
+    assert got == pytest.approx(filled, rel=1e-9)
 
 
 def test_fsdp_has_no_buffer_fill():

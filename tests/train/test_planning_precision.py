@@ -64,7 +64,9 @@ def test_optimizer_step_time_counts_the_bytes():
         out = predict_step(LLAMA8B, layout, H200).breakdown
         expected = adam * n / (g.copy_gbps * 1e9 * g.optimizer_efficiency) + g.memory_seconds(grad * n)
         assert out["optimizer"] == pytest.approx(expected, rel=1e-9)
-        assert out["grad_zero"] == pytest.approx(grad * n / (g.copy_gbps * 1e9), rel=1e-9)
+        # the embedding and the norms: the linears' first weight-gradient GEMM of a step overwrites their region
+        filled = LLAMA8B.vocab * LLAMA8B.hidden + (2 * LLAMA8B.layers + 1) * LLAMA8B.hidden
+        assert out["grad_zero"] == pytest.approx(grad * filled / (g.copy_gbps * 1e9), rel=1e-9)
 
 
 def test_dp_gradient_reduction_moves_half_the_bytes():

@@ -30,7 +30,7 @@ from collections.abc import Callable
 import torch
 
 from mcore.parallel.param_attrs import mark_wgrad_in_main_grad, take_wgrad_target
-from mcore.parallel.tensor_parallel import accumulate_weight_grad_
+from mcore.parallel.tensor_parallel import accumulate_weight_grad_, write_weight_grad_
 
 __all__ = [
     "HostOffsets",
@@ -39,10 +39,6 @@ __all__ = [
     "per_expert_linear",
     "per_expert_linear_of_activation",
 ]
-
-# how a bf16 GEMM writes an fp32 target on CUDA: "mm" (mm(out_dtype=)), "addmm" (addmm(beta=0, out_dtype=)),
-# "unfused" (neither exists in this torch: a bf16 GEMM then a copy), None: not tried yet
-_MIXED_DTYPE_WRITE: str | None = None
 
 
 def expert_bounds(offsets: torch.Tensor) -> list[tuple[int, int]]:
@@ -111,34 +107,12 @@ def expert_wgrad_into(w: torch.Tensor, host_offsets: HostOffsets | None = None):
 def _per_expert_weight_grads_(target, accumulate: bool, bounds, dy: torch.Tensor, x: torch.Tensor) -> None:
     """``target[g] (+)= dy[rows of g]^T @ x[rows of g]`` for each expert, accumulated in ``target``'s precision by
     the GEMM; written (zeros for an expert without rows, ``target`` not read) unless ``accumulate``."""
-    write = accumulate_weight_grad_ if accumulate else _write_weight_grad_
+    write = accumulate_weight_grad_ if accumulate else write_weight_grad_
     for g, (lo, hi) in enumerate(bounds):
         if hi > lo:
             write(target[g], dy[lo:hi], x[lo:hi])
         elif not accumulate:
             target[g].zero_()
-
-
-def _write_weight_grad_(target: torch.Tensor, grad_out: torch.Tensor, x: torch.Tensor) -> None:
-    """``target = grad_out^T @ x`` in ``target``'s precision by the GEMM itself, ``target`` not read (beta 0)."""
-    global _MIXED_DTYPE_WRITE
-    a, b = grad_out.t(), x
-    if target.dtype == a.dtype:
-        torch.mm(a, b, out=target)
-        return
-    if target.is_cuda and _MIXED_DTYPE_WRITE != "unfused":
-        for name in (_MIXED_DTYPE_WRITE,) if _MIXED_DTYPE_WRITE else ("mm", "addmm"):
-            try:
-                if name == "mm":
-                    torch.mm(a, b, out_dtype=target.dtype, out=target)
-                else:  # beta 0: cuBLAS does not read the output (NaN in it is not propagated)
-                    torch.addmm(target, a, b, beta=0, out_dtype=target.dtype, out=target)
-                _MIXED_DTYPE_WRITE = name
-                return
-            except (RuntimeError, TypeError, NotImplementedError):
-                continue
-        _MIXED_DTYPE_WRITE = "unfused"  # older torch: the unfused form from now on
-    target.copy_(a.matmul(b))
 
 
 def per_expert_linear(x: torch.Tensor, w: torch.Tensor, bounds: list[tuple[int, int]]) -> torch.Tensor:

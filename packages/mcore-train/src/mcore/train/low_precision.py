@@ -43,7 +43,7 @@ class Fp8Section(_LowPrecisionSection):
     ``recipe``: ``tensorwise`` (current scaling), ``delayed`` (tensor-wise from an amax history of
     ``amax_history_len`` steps, ``amax_compute`` max or most_recent), ``rowwise``, ``blockwise`` (1x128
     activations and gradients, 128x128 weights) or ``mxfp8`` (emulated). ``grad_format``: e4m3 or e5m2 for
-    the gradient operands (default e5m2 for tensor-wise recipes, e4m3 for row- and block-wise ones; block-wise
+    the gradient operands (default e5m2 for delayed scaling, e4m3 for the others; block-wise
     with e5m2 runs mcore's Triton block-scaled GEMM on CUDA, as cuBLAS's takes e4m3 only).
     ``keep`` / ``min_features`` / ``on_mismatch``: which linears stay in high precision, and what a linear
     whose shape does not fit the recipe does (``error`` or ``fallback`` to high precision, logged).

@@ -132,6 +132,25 @@ def _stage_parameters(shape: ModelShape, key: tuple[int, int, int, int], rank: i
     return dense, expert
 
 
+def stage_overwritten_weights(shape: ModelShape, layout: Layout, rank: int, chunks) -> float:
+    """Dense gradient elements on pipeline rank ``rank`` whose step's first weight-gradient GEMM writes ``main_grad``
+    without reading it (``tensor_parallel._weight_grad``, gradient-accumulation fusion on: the default), so DDP's
+    ``zero_grad_buffer`` leaves them unfilled: the column- and row-parallel linears' weights, the output layer (also
+    when tied to the embedding at pp = 1: its GEMM runs first in backward, the embedding's gradient is added after)
+    and MTP's ``eh_proj``. Not the replicated linears (MLA's down projections, the router: autograd's ``.grad``)."""
+    tp = layout.tp
+    n = 0.0
+    for start, end in chunks:
+        for i, count in shape.layer_kinds(start, end).items():
+            n += count * sum(lin.weights / tp for lin in shape.layer_linears(i) if lin.role != "replicated")
+    if rank == layout.pp - 1:
+        n += shape.padded_vocab(tp) * shape.hidden / tp
+        if shape.mtp_layers:
+            last = sum(lin.weights / tp for lin in shape.layer_linears(shape.layers - 1) if lin.role != "replicated")
+            n += shape.mtp_layers * (last + shape.mtp_eh_proj().weights / tp)
+    return n
+
+
 @lru_cache(maxsize=65536)
 def activation_parts_per_layer(shape: ModelShape, layout: Layout, index: int, dtype_bytes: int = 2) -> dict[str, float]:
     """Bytes layer ``index`` keeps for backward per micro-batch on one rank, by the decoder layer's part that saves

@@ -6,7 +6,13 @@ from dataclasses import dataclass
 
 from mcore.train.planning.cluster import Network
 from mcore.train.planning.layout import Layout
-from mcore.train.planning.memory import SCHEDULE_CLASSES, offloaded_bytes_per_layer, rank_chunks, stage_parameters
+from mcore.train.planning.memory import (
+    SCHEDULE_CLASSES,
+    offloaded_bytes_per_layer,
+    rank_chunks,
+    stage_overwritten_weights,
+    stage_parameters,
+)
 from mcore.train.planning.offload_cost import activation_offload_seconds, offloaded_pieces, optimizer_offload_seconds
 from mcore.train.planning.pipeline_sim import estimate, run_schedule
 from mcore.train.planning.shape import ModelShape
@@ -112,17 +118,19 @@ def _data_parallel(
     return out
 
 
-def _filled_gradients(shape: ModelShape, dense: float, expert: float) -> float:
+def _filled_gradients(shape: ModelShape, layout: Layout, rank: int, chunks, dense: float, expert: float) -> float:
     """Gradient-buffer elements DDP's ``zero_grad_buffer`` zero-fills each step (a write-only fill: copy speed).
-    Not the expert weights: with ``skip_overwritten_fill`` (its default) their regions are left stale, since every
-    expert GEMM mode (grouped, per_expert, grouped_fp32_wgrad) writes the step's first weight gradient over them
-    without reading (``param_attrs.take_wgrad_target``). Still filled: the dense parameters (their GEMMs add), the
+    With ``skip_overwritten_fill`` (its default) the regions whose step's first weight gradient a GEMM writes
+    without reading (``param_attrs.take_wgrad_target``) are left stale: the tensor-parallel linears' weights and
+    the output layer (``memory.stage_overwritten_weights``) and the expert weights (every expert GEMM mode:
+    grouped, per_expert, grouped_fp32_wgrad). Still filled: the embedding, norms, biases, replicated linears, the
     expert biases (GPT-OSS: added by autograd) and the bucket padding (under a bucket's alignment, not counted)."""
+    filled = dense - stage_overwritten_weights(shape, layout, rank, chunks)
     if not expert:
-        return dense
+        return filled
     weights = sum(lin.weights for lin in shape.expert_linears())
     biases = sum(lin.out_features for lin in shape.expert_linears()) if shape.expert_bias else 0
-    return dense + expert * biases / (weights + biases)
+    return filled + expert * biases / (weights + biases)
 
 
 def _optimizer(model: TimeModel, dense: float, expert: float, rank: int, chunks, last_backward: float):
@@ -139,7 +147,9 @@ def _optimizer(model: TimeModel, dense: float, expert: float, rank: int, chunks,
     device = adamw + gpu.memory_seconds(grad * on_gpu)
     out = {"optimizer": device}
     if not lay.dp_shard:  # FSDP2 has no buffer to fill: its shard gradients are set to None and made afresh
-        out["grad_zero"] = lay.grad_bytes * _filled_gradients(model.shape, dense, expert) / (gpu.copy_gbps * 1e9)
+        out["grad_zero"] = (
+            lay.grad_bytes * _filled_gradients(model.shape, lay, rank, chunks, dense, expert) / (gpu.copy_gbps * 1e9)
+        )
     passes = (BUCKET_SCALE_BYTES if lay.dp * lay.cp > 1 and not lay.dp_shard else 0) + (
         BUCKET_NAN_CHECK_BYTES if lay.grad_nan_check else 0
     )
