@@ -218,6 +218,8 @@ def breakdown_from_trace(trace: dict[str, Any], top: int = 25) -> dict[str, Any]
             (comm if cat.endswith("communication") else compute).append(iv)
         exposed_comm_us += _exposed(comm, compute)
     window_ms = window_us / n / 1e3
+    nonempty = [(mark, ks) for mark, ks in zip(marks, per_step) if ks]
+    gaps = idle_gaps(nonempty[0][0][0], nonempty[0][1]) if nonempty else []
     categories = {c: cat_us[c] / n / 1e3 for c in sorted(cat_us, key=cat_us.get, reverse=True)}
     top_kernels = sorted(by_name.items(), key=lambda kv: kv[1][0], reverse=True)[:top]
     return {
@@ -228,11 +230,37 @@ def breakdown_from_trace(trace: dict[str, Any], top: int = 25) -> dict[str, Any]
         "categories_ms": categories,
         "categories_percent_of_window": {c: 100 * v / window_ms for c, v in categories.items()},
         "exposed_communication_ms": exposed_comm_us / n / 1e3,
+        # where the first profiled step's GPU waited (the host behind): the start, then the longest gaps
+        "idle_gaps": gaps,
         "top_kernels": [
             {"name": name[:160], "category": cat, "ms_per_step": t / n / 1e3, "calls_per_step": c / n}
             for (name, cat), (t, c) in top_kernels
         ],
     }
+
+
+def idle_gaps(mark_start: float, kernels: Sequence[dict[str, Any]], top: int = 8) -> list[dict[str, Any]]:
+    """The step's GPU idle as gaps: from the step's host-side start to its first kernel (``"(step start)"``), then
+    the ``top`` longest gaps between busy intervals (any stream), each with its offset from the step's start (ms),
+    its length (ms) and the kernels that end before it and start after it (which part of the step waited)."""
+    ks = sorted(kernels, key=lambda k: k["ts"])
+    out = [
+        {
+            "at_ms": 0.0,
+            "gap_ms": (ks[0]["ts"] - mark_start) / 1e3,
+            "before": "(step start)",
+            "after": ks[0]["name"][:80],
+        }
+    ]
+    end, last = ks[0]["ts"] + ks[0]["dur"], ks[0]
+    found = []
+    for k in ks[1:]:
+        if k["ts"] > end:
+            found.append({"at_ms": (end - mark_start) / 1e3, "gap_ms": (k["ts"] - end) / 1e3,
+                          "before": last["name"][:80], "after": k["name"][:80]})  # fmt: skip
+        if k["ts"] + k["dur"] >= end:
+            end, last = k["ts"] + k["dur"], k
+    return out + sorted(found, key=lambda g: -g["gap_ms"])[:top]
 
 
 def profile_steps(run_step: Callable[[int], None], steps: Sequence[int], sync: Callable[[], None]) -> dict[str, Any]:

@@ -75,6 +75,11 @@ def test_breakdown_busy_idle_and_exposed_communication():
         {"gemm": 0.015, "communication": 0.015, "attention": 0.01, "norm": 0.005}
     )
     assert [k["name"] for k in b["top_kernels"]][:2] == ["sm90_xmma_gemm", "ncclDevKernel_AllGather"]
+    # the first step's idle, where it was: 10 us before the gemm, then 10 us between the all-gather and the norm
+    assert b["idle_gaps"] == [
+        {"at_ms": 0.0, "gap_ms": 0.01, "before": "(step start)", "after": "sm90_xmma_gemm"},
+        {"at_ms": 0.06, "gap_ms": 0.01, "before": "ncclDevKernel_AllGather", "after": "_norm_fwd_kernel"},
+    ]
     text = step_profile.render_breakdown(b)
     assert "| gemm | 0.01 |" in text and "idle (GPU waits for the host)" in text
 
