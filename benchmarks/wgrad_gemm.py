@@ -1,18 +1,19 @@
 """The weight-gradient GEMM into DDP's fp32 ``main_grad``: how each way of writing it costs, at the 8b4l linears.
 
-``dW = grad^T @ x`` (``grad [tokens, out]``, ``x [tokens, in]``, bf16) timed four ways on CUDA events:
+``dW = grad^T @ x`` (``grad [tokens, out]``, ``x [tokens, in]``, bf16) timed on CUDA events:
 
 * ``bf16``: ``torch.mm`` writing bf16 (no fusion: DDP's hook then adds it into fp32 ``main_grad``: an extra pass);
 * ``add_fp32``: ``torch.addmm(main_grad, ..., out_dtype=float32)`` (gradient-accumulation fusion: reads and
   writes the fp32 buffer; a step's later micro-batches);
 * ``write_fp32``: ``tensor_parallel.write_weight_grad_`` (``mm(out_dtype=float32)``, beta 0: the buffer is not
-  read; a step's first weight gradient, whose region DDP then does not zero-fill);
+  read; a step's first weight gradient, whose region DDP then does not zero-fill), and its two forms apart:
+  ``write_mm`` (``mm(out_dtype=float32)``) and ``write_addmm0`` (``addmm(beta=0, out_dtype=float32)``);
 * ``fill_fp32``: the zero fill of the same fp32 region that ``write_fp32`` makes unnecessary (``Tensor.zero_``).
 
 Writes ``OUT/wgrad_gemm.json`` and ``.md`` (ms and TFLOP/s per shape, sums over the step's linears)::
 
     python benchmarks/wgrad_gemm.py --out $OUT/wgrad        # one GPU, ~20 s
-    python benchmarks/wgrad_gemm.py --dry-run --out /tmp/w  # CPU, tiny shapes (checks the four agree)
+    python benchmarks/wgrad_gemm.py --dry-run --out /tmp/w  # CPU, tiny shapes (checks the ways agree)
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ LINEARS_8B4L = (
 )
 TOKENS_8B4L = 8192
 TINY = (("a", 96, 64, 2), ("b", 64, 160, 1))
+WAYS = ("bf16", "add_fp32", "write_fp32", "write_mm", "write_addmm0", "fill_fp32")
 
 
 def cuda_ms(fn, iters: int, warmup: int) -> float:
@@ -74,6 +76,9 @@ def one_linear(device, dtype, name: str, out_f: int, in_f: int, count: int, toke
         "bf16": lambda: grad.t().mm(x),
         "add_fp32": lambda: accumulate_weight_grad_(main, grad, x),
         "write_fp32": lambda: write_weight_grad_(main, grad, x),
+        # the two beta-0 forms write_weight_grad_ can take (it uses the first that this torch accepts)
+        "write_mm": lambda: torch.mm(grad.t(), x, out_dtype=torch.float32, out=main),
+        "write_addmm0": lambda: torch.addmm(main, grad.t(), x, beta=0, out_dtype=torch.float32, out=main),
         "fill_fp32": lambda: main.zero_(),
     }
     flops = 2 * tokens * out_f * in_f
@@ -89,7 +94,7 @@ def measure(device: torch.device, linears, tokens: int, iters: int, warmup: int)
     rows = [one_linear(device, dtype, *lin, tokens, iters, warmup) for lin in linears]
     out: dict[str, Any] = {"tokens": tokens, "rows": rows}
     if device.type == "cuda":
-        for way in ("bf16", "add_fp32", "write_fp32", "fill_fp32"):
+        for way in WAYS:
             out[f"step_{way}_ms"] = sum(r[f"{way}_ms"] * r["count"] for r in rows)
     return out
 
@@ -99,15 +104,16 @@ def render(data: dict[str, Any]) -> str:
     res = data["result"]
     if "step_bf16_ms" not in res:
         return "\n".join(lines + ["CPU dry run: nothing timed.", ""])
-    header = ["linear", "out x in", "x/step", "bf16 ms", "add fp32 ms", "write fp32 ms", "fill ms", "max rel err"]
+    header = ["linear", "out x in", "x/step", "bf16 ms", "add fp32 ms", "write fp32 ms", "mm ms", "addmm beta 0 ms",
+              "fill ms", "max rel err"]  # fmt: skip
     timed = lambda r, w: f"{r[w + '_ms']:.3f} ({r[w + '_tflops']:.0f})"  # noqa: E731
     body = [
         [r["linear"], f"{r['out']} x {r['in']}", r["count"], timed(r, "bf16"), timed(r, "add_fp32"),
-         timed(r, "write_fp32"), f"{r['fill_fp32_ms']:.3f}", f"{r['max_rel_err']:.1e}"]
+         timed(r, "write_fp32"), timed(r, "write_mm"), timed(r, "write_addmm0"), f"{r['fill_fp32_ms']:.3f}",
+         f"{r['max_rel_err']:.1e}"]
         for r in res["rows"]
     ]  # fmt: skip
-    body.append(["step", "", "", *(f"{res[f'step_{w}_ms']:.2f}" for w in ("bf16", "add_fp32", "write_fp32")),
-                 f"{res['step_fill_fp32_ms']:.2f}", ""])  # fmt: skip
+    body.append(["step", "", "", *(f"{res[f'step_{w}_ms']:.2f}" for w in WAYS), ""])
     lines += [markdown_table(header, body), "", f"tokens per GEMM: {res['tokens']}; (TFLOP/s) beside the ms", ""]
     return "\n".join(lines)
 

@@ -155,6 +155,7 @@ class Trainer:
         pp, vpp = groups.pp_size, config.parallel.vpp
         self.num_stages = pp * vpp
         self.pipeline_layout = pipeline_layout(config, pp)
+        self._aux_loss_modules: list[torch.nn.Module] | None = None  # the MoE layers and MTP (train_step)
         self.chunks: list[GPTModel] = build_stage_chunks(
             config.model,
             groups,
@@ -322,9 +323,12 @@ class Trainer:
         # MoE layers' and MTP's aux losses: their gradient, scaled as the loss is (under CP each rank's MTP loss is
         # its share of the micro-batch's and DDP averages over dp x cp: x cp, as _forward_step's loss)
         aux_scale = self.optimizer.loss_scale / self.num_microbatches * self.groups.cp_size
-        for module in (m for chunk in self.chunks for m in chunk.modules()):
-            if hasattr(module, "aux_loss_scale"):
-                module.aux_loss_scale = aux_scale
+        if self._aux_loss_modules is None:  # found once: walking every module each step kept the GPU waiting
+            self._aux_loss_modules = [
+                m for chunk in self.chunks for m in chunk.modules() if hasattr(m, "aux_loss_scale")
+            ]
+        for module in self._aux_loss_modules:
+            module.aux_loss_scale = aux_scale
         loss = self._forward_backward(microbatches)
         if self.weight_casts is not None:
             self.weight_casts.invalidate()  # the step changes the weights (and frees the casts before its peak)

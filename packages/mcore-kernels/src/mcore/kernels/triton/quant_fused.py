@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from mcore.kernels.triton.quantization import _FORMAT_BITS, FP8_MAX, _round_to_fp8, multiplier_and_scale
+from mcore.kernels.triton.quantization import FP8_MAX, _round_to_fp8, multiplier_and_scale, rounding_bits
 
 BLOCK = 128
 # Launch shapes (module constants so that ``benchmarks/fp8.py --sweep-casts`` can time the alternatives in
@@ -332,8 +332,7 @@ def _launch_dual(x, dtype, amaxes, *, rowwise, write_t, amax_out, history, outpu
             next_slot,
             recent_slot,
             FMAX=FP8_MAX[dtype],
-            MBITS=_FORMAT_BITS[dtype][0],
-            MIN_EXP=_FORMAT_BITS[dtype][1],
+            **rounding_bits(dtype),
             ROWWISE=rowwise,
             WRITE_YT=write_t,
             RECORD_AMAX=amax_out is not None,
@@ -394,8 +393,7 @@ def block_dual(
             scale.shape[1],
             scale_t.shape[1] if scale_t is not None else 1,
             FMAX=FP8_MAX[dtype],
-            MBITS=_FORMAT_BITS[dtype][0],
-            MIN_EXP=_FORMAT_BITS[dtype][1],
+            **rounding_bits(dtype),
             SQUARE=square,
             WRITE_YT=write_t,
             BLOCK_T=BLOCK,
