@@ -219,10 +219,17 @@ def test_every_convergence_configuration_is_a_valid_config():
     the three optimizer dtypes."""
     sys.path.insert(0, str(ROOT / "benchmarks"))
     try:
-        from low_precision_convergence import CONFIGS
+        from low_precision_convergence import CONFIGS, build_spec
     finally:
         sys.path.remove(str(ROOT / "benchmarks"))
     for overrides in CONFIGS.values():
         load_config(None, [*TINY, *overrides])  # raises UserError naming the key
+    # --seed reaches the run's config (and without it the config's default seed stays)
+    seeded, default = (
+        build_spec("fp8-rowwise", 6, "cpu", "demo", None, seed=7),
+        build_spec("baseline", 6, "cpu", "demo", None),
+    )
+    assert load_config(None, seeded.overrides).train.seed == 7
+    assert load_config(None, default.overrides).train.seed == load_config(None, []).train.seed != 7
     states = load_config(None, [*TINY, *CONFIGS["bf16-optimizer-states"]]).optim
     assert (states.main_grads_dtype, states.exp_avg_dtype, states.exp_avg_sq_dtype) == ("bf16", "bf16", "bf16")
