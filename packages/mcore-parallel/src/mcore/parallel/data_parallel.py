@@ -8,9 +8,10 @@ frees ``param.grad``; when a bucket's last gradient arrives its collective start
 averaged over ``dp_group`` (pass the dp x cp group under context parallelism).
 
 Gradient-accumulation fusion (``gradient_accumulation_fusion``, on by default, Megatron's option of that name):
-the tensor-parallel linears compute their weight gradient with a GEMM that accumulates into ``main_grad``
-(in its dtype) directly, instead of materializing a bf16 gradient that the hook then adds (a full extra pass over
-every weight gradient, ~5% of a step on an H200 for an 8B-layer shape). Other parameters go through the hook.
+the tensor-parallel linears compute their weight gradient with a GEMM that writes ``main_grad`` (in its dtype)
+directly: it overwrites on a step's first micro-batch (beta 0, the region not zero-filled before) and accumulates
+on later ones, instead of materializing a bf16 gradient that the hook then adds (a full extra pass over every
+weight gradient, ~5% of a step on an H200 for an 8B-layer shape). Other parameters go through the hook.
 
 Gradient accumulation: run the backward of every micro-batch but the last inside ``no_sync()``; the
 gradients add up in ``main_grad`` and are reduced once. Then ``finish_grad_sync()`` (or
@@ -55,8 +56,9 @@ class DistributedDataParallel(nn.Module):
     which parameters flagged ``expert_parallel`` are reduced (``groups.expert_dp``); the default ``"dense"``
     reduces them with the rest, which is right only when ep = etp = 1. ``skip_overwritten_fill`` (default on):
     ``zero_grad_buffer`` does not zero-fill the ``main_grad`` of parameters whose first weight gradient of a step
-    overwrites it (the experts' GEMMs: ``param_attrs.take_wgrad_target``), one pass over the experts' gradient
-    memory less per step; off, every gradient is zero-filled (the results are the same bit for bit).
+    overwrites it (the tensor-parallel linears' and the experts' GEMMs: ``param_attrs.take_wgrad_target``), one
+    pass over most of the gradient memory less per step, the rest zeroed in one multi-tensor launch; off, every
+    gradient is zero-filled (the results are the same bit for bit).
     """
 
     def __init__(

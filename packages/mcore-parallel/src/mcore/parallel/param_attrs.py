@@ -35,8 +35,9 @@ Gradient plumbing (set by ``DistributedDataParallel`` while it wraps the module)
 - ``mcore_main_grad_zeroed``: ``main_grad`` holds nothing of this step yet (DDP zeroed it, and no gradient came
   since), so a weight-gradient GEMM may write it instead of adding to it (``beta = 0``: it is not read).
   :func:`mark_main_grad_zeroed` (DDP's ``zero_grad_buffer``), :func:`take_wgrad_target` (the GEMMs that can
-  overwrite: the experts'); every other writer clears it (:func:`fused_wgrad_target`, DDP's gradient hook
-  through :func:`take_wgrad_in_main_grad`), so a parameter written twice in one step accumulates the second time.
+  overwrite: the tensor-parallel linears', the experts' and the fp8 linears'); every other writer clears it
+  (:func:`fused_wgrad_target`, DDP's gradient hook through :func:`take_wgrad_in_main_grad`), so a parameter
+  written twice in one step accumulates the second time.
 - ``mcore_wgrad_overwrites``: the first weight gradient of a step overwrote ``main_grad`` (:func:`take_wgrad_target`
   gave ``overwrite``), so DDP's next ``zero_grad_buffer`` leaves it unfilled: :func:`wgrad_overwrites_main_grad`.
   ``mcore_main_grad_unfilled``: ``main_grad`` holds stale values, not zeros (:func:`mark_main_grad_unfilled`); the
