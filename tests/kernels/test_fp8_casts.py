@@ -333,3 +333,17 @@ def test_cuda_every_sweep_candidate_cast_tile_gives_the_reference_bits(name, til
         want = quantize_dual(x, E4M3, granularity, backend="reference")
         for g, w in zip(got, want, strict=True):
             assert _same_bits(g.data, w.data) and torch.equal(g.scale, w.scale), (granularity, tile)
+
+
+def test_rounding_is_explicit_under_the_interpreter_and_the_cast_instructions_on_a_gpu(monkeypatch):
+    """The interpreter's cast rounds ties away from zero, so the kernels round to the fp8 grid themselves there (the
+    format's mantissa bits and smallest normal exponent); on a GPU ``cvt.rn`` rounds to nearest even, torch's bits
+    (the CUDA twins above check them), so the kernels only saturate (``MBITS = 0``)."""
+    pytest.importorskip("triton")
+    from mcore.kernels.triton.quantization import rounding_bits
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert rounding_bits(E4M3) == {"MBITS": 3, "MIN_EXP": -6}
+    assert rounding_bits(E5M2) == {"MBITS": 2, "MIN_EXP": -14}
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    assert rounding_bits(E4M3) == rounding_bits(E5M2) == {"MBITS": 0, "MIN_EXP": 0}
