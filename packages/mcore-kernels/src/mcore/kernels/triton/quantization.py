@@ -14,11 +14,11 @@ kernels and the torch references give the same bits.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
+
+from mcore.kernels import dispatch
 
 # The formats' constants (quantization.py has the same; importing it from here would make an import cycle).
 BLOCK = 128
@@ -36,7 +36,7 @@ def rounding_bits(dtype: torch.dtype) -> dict[str, int]:
     exponent under the interpreter (its cast rounds ties away from zero, so the kernels round explicitly first), 0 / 0
     on a GPU, whose cast instruction (``cvt.rn.satfinite``) rounds to nearest even itself: the same bits, without ~20
     integer and float instructions per element (the fused casts ran at 21-36% of copy bandwidth with them)."""
-    if os.environ.get("TRITON_INTERPRET", "0") == "1":
+    if dispatch.triton_interpreting():
         mbits, min_exp = _FORMAT_BITS[dtype]
         return {"MBITS": mbits, "MIN_EXP": min_exp}
     return {"MBITS": 0, "MIN_EXP": 0}

@@ -139,15 +139,15 @@ def stage_overwritten_weights(shape: ModelShape, layout: Layout, rank: int, chun
     when tied to the embedding at pp = 1: its GEMM runs first in backward, the embedding's gradient is added after)
     and MTP's ``eh_proj``. Not the replicated linears (MLA's down projections, the router: autograd's ``.grad``)."""
     tp = layout.tp
-    n = 0.0
-    for start, end in chunks:
-        for i, count in shape.layer_kinds(start, end).items():
-            n += count * sum(lin.weights / tp for lin in shape.layer_linears(i) if lin.role != "replicated")
+
+    def tp_linears(index: int) -> float:
+        return sum(lin.weights / tp for lin in shape.layer_linears(index) if lin.role != "replicated")
+
+    n = sum(count * tp_linears(i) for start, end in chunks for i, count in shape.layer_kinds(start, end).items())
     if rank == layout.pp - 1:
         n += shape.padded_vocab(tp) * shape.hidden / tp
-        if shape.mtp_layers:
-            last = sum(lin.weights / tp for lin in shape.layer_linears(shape.layers - 1) if lin.role != "replicated")
-            n += shape.mtp_layers * (last + shape.mtp_eh_proj().weights / tp)
+        if shape.mtp_layers:  # per depth: a layer like the last and eh_proj
+            n += shape.mtp_layers * (tp_linears(shape.layers - 1) + shape.mtp_eh_proj().weights / tp)
     return n
 
 
