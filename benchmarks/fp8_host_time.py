@@ -49,6 +49,27 @@ def cpu_ops(fn, calls: int, top: int) -> list[dict[str, Any]]:
     return [{"op": e.key, "self_us": e.self_cpu_time_total / calls, "count": e.count / calls} for e in events]
 
 
+def python_functions(fn, calls: int, top: int) -> list[dict[str, Any]]:
+    """The ``top`` Python functions by own time (cProfile), microseconds per call of ``fn`` and calls per call:
+    where the host's Python goes (our wrappers, Triton's launcher, torch's autograd glue), which the op-level
+    profile above folds into "self time" of the autograd function."""
+    import cProfile
+    import pstats
+
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(calls):
+        fn()
+    profiler.disable()
+    stats = pstats.Stats(profiler).stats
+    rows = []
+    for (filename, line, name), (_, ncalls, tottime, cumtime, _) in stats.items():
+        where = "/".join(Path(filename).parts[-2:]) if filename.startswith("/") else filename
+        rows.append({"function": f"{where}:{line}({name})", "own_us": 1e6 * tottime / calls,
+                     "cum_us": 1e6 * cumtime / calls, "count": ncalls / calls})  # fmt: skip
+    return sorted(rows, key=lambda r: -r["own_us"])[:top]
+
+
 def measure(device: torch.device, size: int, calls: int, top: int) -> dict[str, Any]:
     from mcore.kernels.low_precision_linear import LowPrecisionLinear, Recipe
 
@@ -63,7 +84,8 @@ def measure(device: torch.device, size: int, calls: int, top: int) -> dict[str, 
         steps[name] = lambda layer=layer: layer(x, w).backward(g)
     rows = [{"impl": name, "host_us": host_us(fn, calls, cuda)} for name, fn in steps.items()]
     profiles = {name: cpu_ops(steps[name], max(1, calls // 10), top) for name in RECIPES}
-    return {"rows": rows, "cpu_ops": profiles}
+    python = {name: python_functions(steps[name], max(1, calls // 4), top) for name in RECIPES}
+    return {"rows": rows, "cpu_ops": profiles, "python": python}
 
 
 def render(data: dict[str, Any]) -> str:
@@ -74,6 +96,11 @@ def render(data: dict[str, Any]) -> str:
     for name, ops in data["cpu_ops"].items():
         parts.append(f"{name}: top CPU ops (self us per call, count per call)\n\n" + markdown_table(
             ["op", "self us", "count"], [[o["op"][:80], o["self_us"], o["count"]] for o in ops]))  # fmt: skip
+    for name, funcs in data.get("python", {}).items():
+        title = f"{name}: top Python functions (own us per call, cumulative us, count per call)"
+        table = markdown_table(["function", "own us", "cum us", "count"],
+                               [[f["function"][:90], f["own_us"], f["cum_us"], f["count"]] for f in funcs])  # fmt: skip
+        parts.append(f"{title}\n\n{table}")
     return "\n\n".join(parts) + "\n"
 
 

@@ -146,4 +146,10 @@ def test_fp8_host_time_dry_run(tmp_path):
     assert all(r["host_us"] > 0 for r in data["rows"])
     assert set(data["cpu_ops"]) == {"tensorwise", "delayed", "rowwise", "blockwise"}
     assert all(ops and all(o["self_us"] >= 0 for o in ops) for ops in data["cpu_ops"].values())
-    assert "host us per forward + backward" in (tmp_path / "fp8_host_time.md").read_text()
+    # the Python-level profile: our autograd function's forward among each recipe's functions, times non-negative
+    assert set(data["python"]) == set(data["cpu_ops"])
+    for funcs in data["python"].values():
+        assert all(f["own_us"] >= 0 and f["cum_us"] >= f["own_us"] - 1e-6 and f["count"] > 0 for f in funcs)
+    assert any("low_precision_linear.py" in f["function"] for f in data["python"]["tensorwise"])
+    text = (tmp_path / "fp8_host_time.md").read_text()
+    assert "host us per forward + backward" in text and "top Python functions" in text

@@ -162,6 +162,42 @@ def test_convergence_script_dry_run(tmp_path):
     assert merged["curves"]["baseline"] == data["curves"]["baseline"] and set(merged["summary"]) == set(data["summary"])
 
 
+def test_convergence_script_pairs_seeds(tmp_path):
+    """``--seeds``: every configuration at each seed, the gap paired by seed and averaged (what passes), the
+    per-seed gaps and their spread reported; a later ``--from`` run keeps the seeds it reuses."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
+    script = ROOT / "benchmarks" / "low_precision_convergence.py"
+    args = ["--dry-run", "--only", "fp8-tensorwise", "--seeds", "3,4", "--out", str(tmp_path)]
+    proc = subprocess.run([sys.executable, str(script), *args], capture_output=True, text=True, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    data = json.loads((tmp_path / "low_precision_convergence.json").read_text())
+    assert data["seeds"] == ["3", "4"] and set(data["seed_curves"]) == {"baseline", "fp8-tensorwise"}
+    runs = data["seed_curves"]
+    assert runs["baseline"]["3"] != runs["baseline"]["4"]  # the seed reached the runs
+    row = data["summary"]["fp8-tensorwise"]
+
+    def final(curve):
+        return sum(curve[-2:]) / 2  # the dry run's tail
+
+    gaps = {s: final(runs["fp8-tensorwise"][s]) / final(runs["baseline"][s]) - 1 for s in ("3", "4")}
+    assert row["gaps_by_seed"] == pytest.approx(gaps)
+    assert row["relative_to_baseline"] == pytest.approx((gaps["3"] + gaps["4"]) / 2)
+    assert row["gap_std"] == pytest.approx(abs(gaps["3"] - gaps["4"]) / 2**0.5)
+    assert data["curves"]["baseline"] == pytest.approx([(a + b) / 2 for a, b in zip(*runs["baseline"].values())])
+    assert "gap std over seeds" in (tmp_path / "low_precision_convergence.md").read_text()
+    # seed 4 reused from the file, seed 5 trained: the summary pairs exactly the seeds asked for
+    first = str(tmp_path / "low_precision_convergence.json")
+    again = ["--dry-run", "--only", "fp8-tensorwise", "--seeds", "4,5", "--from", first]
+    proc = subprocess.run([sys.executable, str(script), *again, "--skip-baseline", "--out", str(tmp_path / "b")],
+                          capture_output=True, text=True, env=env, timeout=600)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    merged = json.loads((tmp_path / "b" / "low_precision_convergence.json").read_text())
+    assert "[fp8-tensorwise] loss after 6 steps (seed 4)" in proc.stdout  # --only names it: trained again
+    assert "[baseline] loss after" not in proc.stdout  # --skip-baseline: seed 4's comes from the file
+    assert set(merged["summary"]["fp8-tensorwise"]["gaps_by_seed"]) == {"4"}  # no baseline of seed 5 to pair with
+    assert merged["seed_curves"]["baseline"] == {"4": runs["baseline"]["4"]}
+
+
 def test_bitnet_quant_trains_and_rejects_fp8(tmp_path, fp32_run):
     result, _ = train(tmp_path / "bitnet", "train.quant=bitnet")
     assert result.status == "finished" and result.final_loss != fp32_run.final_loss
@@ -231,5 +267,10 @@ def test_every_convergence_configuration_is_a_valid_config():
     )
     assert load_config(None, seeded.overrides).train.seed == 7
     assert load_config(None, default.overrides).train.seed == load_config(None, []).train.seed != 7
+    # the medium model trains at its own (GPT-3 125M's) learning rate, the demo at the config default
+    medium_spec = build_spec("fp8-blockwise", 6, "cuda", "medium", None)
+    medium = load_config(None, medium_spec.overrides, default_model=medium_spec.model)
+    assert (medium.lr.max_lr, medium.lr.min_lr, medium.data.seq_length) == (6e-4, 6e-5, 1024)
+    assert load_config(None, default.overrides).lr.max_lr == load_config(None, []).lr.max_lr
     states = load_config(None, [*TINY, *CONFIGS["bf16-optimizer-states"]]).optim
     assert (states.main_grads_dtype, states.exp_avg_dtype, states.exp_avg_sq_dtype) == ("bf16", "bf16", "bf16")
