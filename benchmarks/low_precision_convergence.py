@@ -25,7 +25,9 @@ apart, so a 1% criterion needs several seeds.
 
 ``--from FILE`` (repeatable) reuses the curves of an earlier run's JSON instead of training those
 configurations again (to split the runs over processes and merge them); a configuration ``--only`` names is
-trained even when a ``--from`` file holds it (its new curve replaces the old one).
+trained even when a ``--from`` file holds it (its new curve replaces the old one), unless ``--reuse`` asks to train
+only what the files lack (more seeds of an earlier comparison:
+``--seeds 1,2 --only fp8-blockwise --from seed1.json --reuse`` trains seed 2's baseline and block-wise runs).
 
 Writes ``DIR/low_precision_convergence.json`` (every loss curve, the text used), ``.md`` and ``.png`` (the curves,
 when matplotlib imports); exits 1 when a recipe misses the tolerance.
@@ -49,11 +51,25 @@ CONFIGS: dict[str, list[str]] = {
     "fp8-tensorwise": ["train.precision=fp8", "fp8.recipe=tensorwise"],
     # tensor-wise with the "hybrid" e5m2 gradients (its default until session 9; e4m3 measured closer to bf16)
     "fp8-tensorwise-e5m2": ["train.precision=fp8", "fp8.recipe=tensorwise", "fp8.grad_format=e5m2"],
+    # the forward GEMM accumulating with the periodic fp32 promotion (fast_accum off; torchao's default is on)
+    "fp8-tensorwise-exact-accum": ["train.precision=fp8", "fp8.recipe=tensorwise", "fp8.fast_accum=false"],
     "fp8-delayed": ["train.precision=fp8", "fp8.recipe=delayed"],
     "fp8-rowwise": ["train.precision=fp8", "fp8.recipe=rowwise"],
     "fp8-blockwise": ["train.precision=fp8", "fp8.recipe=blockwise"],
     # e5m2 gradients: cuBLAS's block-scaled GEMMs refuse them, mcore's Triton block-scaled GEMM runs them
     "fp8-blockwise-e5m2": ["train.precision=fp8", "fp8.recipe=blockwise", "fp8.grad_format=e5m2"],
+    # the first and last decoder layers in bf16 as well (Megatron's --first-last-layers-bf16; NVIDIA's FP8 and NVFP4
+    # recipes keep the layers nearest the embedding and the loss in high precision)
+    "fp8-tensorwise-first-last-bf16": [
+        "train.precision=fp8",
+        "fp8.recipe=tensorwise",
+        "fp8.keep=[output, 'layers.{first}.*', 'layers.{last}.*']",
+    ],
+    "fp8-blockwise-first-last-bf16": [
+        "train.precision=fp8",
+        "fp8.recipe=blockwise",
+        "fp8.keep=[output, 'layers.{first}.*', 'layers.{last}.*']",
+    ],
     "fp8-mxfp8": ["train.precision=fp8", "fp8.recipe=mxfp8"],
     "fp4-mxfp4": ["train.precision=fp4", "fp4.recipe=mxfp4"],
     "fp4-nvfp4": ["train.precision=fp4", "fp4.recipe=nvfp4"],
@@ -167,6 +183,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--from", dest="sources", type=Path, action="append", default=[], help="reuse these results")
     parser.add_argument("--skip-baseline", action="store_true", help="do not train the baseline here")
+    parser.add_argument(
+        "--reuse", action="store_true", help="train only the runs the --from files lack, --only's configurations too"
+    )
     seeds = parser.add_mutually_exclusive_group()
     seeds.add_argument(
         "--seed",
@@ -198,7 +217,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if unknown:
         parser.error(f"unknown configuration(s) {unknown}; known: {list(CONFIGS)}")
     args.names = names
-    args.explicit = set(names) - {"baseline"} if args.only is not None else set()
+    args.explicit = set(names) - {"baseline"} if args.only is not None and not args.reuse else set()
     return args
 
 
@@ -223,6 +242,8 @@ def main(argv: list[str] | None = None) -> int:
                 }  # fmt: skip
     data_path, args.text_info = None, {"text": "the corpus embedded in mcore-train, byte tokenizer"}
     keys = [seed_key(seed) for seed in args.seed_list]
+    # only the seeds asked for count (a --from file may hold others)
+    results = {n: {k: r for k, r in runs.items() if k in keys} for n, runs in results.items()}
     to_train = [
         (name, seed)
         for seed in args.seed_list  # seed by seed: a cut-off run still leaves complete pairs behind
@@ -244,8 +265,6 @@ def main(argv: list[str] | None = None) -> int:
         at = "" if seed is None else f" (seed {seed})"
         print(f"[{name}] loss after {args.steps} steps{at} {result['final_loss']:.4f}, {result['step_s']:.3f} s/step")
         write_outputs(args, results)
-    # only the seeds asked for count (a --from file may hold others)
-    results = {n: {k: r for k, r in runs.items() if k in keys} for n, runs in results.items()}
     rows = write_outputs(args, results)
     failed = [n for n, r in rows.items() if not r["passes"]]
     if failed and not args.dry_run:

@@ -16,6 +16,7 @@ from mcore.kernels.low_precision_linear import LowPrecisionLinear
 from mcore.parallel.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from mcore.train.config import load_config
 from mcore.train.errors import UserError
+from mcore.train.low_precision import expand_patterns
 from mcore.train.runtime import init_runtime
 from mcore.train.trainer import Trainer
 from tests.train.tiny import TINY, train, train_records
@@ -185,17 +186,17 @@ def test_convergence_script_pairs_seeds(tmp_path):
     assert row["gap_std"] == pytest.approx(abs(gaps["3"] - gaps["4"]) / 2**0.5)
     assert data["curves"]["baseline"] == pytest.approx([(a + b) / 2 for a, b in zip(*runs["baseline"].values())])
     assert "gap std over seeds" in (tmp_path / "low_precision_convergence.md").read_text()
-    # seed 4 reused from the file, seed 5 trained: the summary pairs exactly the seeds asked for
+    # --reuse: seed 4 comes from the file, only seed 5's runs are trained; the summary pairs the seeds asked for
     first = str(tmp_path / "low_precision_convergence.json")
-    again = ["--dry-run", "--only", "fp8-tensorwise", "--seeds", "4,5", "--from", first]
-    proc = subprocess.run([sys.executable, str(script), *again, "--skip-baseline", "--out", str(tmp_path / "b")],
-                          capture_output=True, text=True, env=env, timeout=600)  # fmt: skip
+    again = ["--dry-run", "--only", "fp8-tensorwise", "--seeds", "4,5", "--from", first, "--reuse"]
+    proc = subprocess.run([sys.executable, str(script), *again, "--out", str(tmp_path / "b")], capture_output=True,
+                          text=True, env=env, timeout=600)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "(seed 5)" in proc.stdout and "(seed 4)" not in proc.stdout and "(seed 3)" not in proc.stdout
     merged = json.loads((tmp_path / "b" / "low_precision_convergence.json").read_text())
-    assert "[fp8-tensorwise] loss after 6 steps (seed 4)" in proc.stdout  # --only names it: trained again
-    assert "[baseline] loss after" not in proc.stdout  # --skip-baseline: seed 4's comes from the file
-    assert set(merged["summary"]["fp8-tensorwise"]["gaps_by_seed"]) == {"4"}  # no baseline of seed 5 to pair with
-    assert merged["seed_curves"]["baseline"] == {"4": runs["baseline"]["4"]}
+    assert merged["seeds"] == ["4", "5"] and set(merged["seed_curves"]["baseline"]) == {"4", "5"}
+    assert merged["seed_curves"]["fp8-tensorwise"]["4"] == runs["fp8-tensorwise"]["4"]  # reused, not retrained
+    assert merged["summary"]["fp8-tensorwise"]["gaps_by_seed"]["4"] == pytest.approx(gaps["4"])
 
 
 def test_bitnet_quant_trains_and_rejects_fp8(tmp_path, fp32_run):
@@ -272,5 +273,9 @@ def test_every_convergence_configuration_is_a_valid_config():
     medium = load_config(None, medium_spec.overrides, default_model=medium_spec.model)
     assert (medium.lr.max_lr, medium.lr.min_lr, medium.data.seq_length) == (6e-4, 6e-5, 1024)
     assert load_config(None, default.overrides).lr.max_lr == load_config(None, []).lr.max_lr
+    # the first-last configurations keep decoder layers 0 and 7 of the medium model (and its output layer) in bf16
+    first_last = build_spec("fp8-blockwise-first-last-bf16", 6, "cuda", "medium", None)
+    keep = load_config(None, first_last.overrides, default_model=first_last.model).fp8.keep
+    assert expand_patterns(keep, 8) == ["output", "layers.0.*", "layers.7.*"]
     states = load_config(None, [*TINY, *CONFIGS["bf16-optimizer-states"]]).optim
     assert (states.main_grads_dtype, states.exp_avg_dtype, states.exp_avg_sq_dtype) == ("bf16", "bf16", "bf16")
