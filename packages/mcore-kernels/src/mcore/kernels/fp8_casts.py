@@ -116,7 +116,7 @@ def _triton_dual(x, dtype, granularity, transposed, reduce_q, reduce_t, amax, am
         # fraction of a zero-filled buffer plus a Triton launch (measured on an H200: ~1.4 ms of host time per fp8
         # linear forward + backward, which left the 8b4l step's GPU idle), the same amax bits; a NaN amax gives
         # multiplier 1 like the Triton pass's inf
-        amaxes = (abs_max(x).to(torch.float32).reshape(1),) * 2
+        amaxes = (abs_max(x).reshape(1),) * 2
         _reduce(reduce_q or reduce_t, amaxes[0])
         recorded = None
     elif amax is None:
@@ -160,7 +160,7 @@ def _reference_dual(x, dtype, granularity, transposed, reduce_q, reduce_t, amax,
         q_t = Quantized(q.data.t().contiguous(), q.scale.t().contiguous(), granularity) if transposed else None
         return q, q_t
     if granularity == "row":
-        row_amax, col_amax = abs_max(x, 1).to(torch.float32), abs_max(x, 0).to(torch.float32).reshape(-1, 1)
+        row_amax, col_amax = abs_max(x, 1), abs_max(x, 0).reshape(-1, 1)
         _reduce(reduce_q, row_amax)
         _reduce(reduce_t, col_amax)
         mult, scale = scale_from_amax(row_amax, fmax)
@@ -169,7 +169,7 @@ def _reference_dual(x, dtype, granularity, transposed, reduce_q, reduce_t, amax,
             return q, None
         mult_t, scale_t = scale_from_amax(col_amax, fmax)
         return q, Quantized(reference_cast(x.t(), mult_t, dtype), scale_t, "row")
-    measured = abs_max(x).to(torch.float32)
+    measured = abs_max(x)
     if amax_out is not None:
         amax_out.copy_(measured)
     if amax is None:

@@ -125,7 +125,7 @@ def quantize_fp8(
     source = x.t() if transpose else x
     if granularity in ("tensor", "row"):
         if amax is None:
-            amax = abs_max(source, None if granularity == "tensor" else 1).to(torch.float32)
+            amax = abs_max(source, None if granularity == "tensor" else 1)
             if amax_reduce is not None:
                 amax_reduce(amax)
         multiplier, scale = scale_from_amax(amax, FP8_MAX[dtype])
@@ -145,11 +145,13 @@ def quantize_fp8(
 
 
 def abs_max(x: torch.Tensor, dim: int | None = None) -> torch.Tensor:
-    """``max |x|`` (over ``dim``, kept) without the ``|x|`` temporary ``x.abs().amax()`` writes and reads back: the
-    infinity norm is one fused reduction. Exact (a max), and NaN propagates as with ``amax``."""
+    """``max |x|`` in fp32 (over ``dim``, kept) without the ``|x|`` temporary ``x.abs().amax()`` writes and reads
+    back: the infinity norm is one fused reduction, and asked for in fp32 it upcasts as it loads (one launch, where
+    a bf16 result then cast to fp32 took two). Exact (a max: the same bits either way), and NaN propagates as with
+    ``amax``."""
     if dim is None:
-        return torch.linalg.vector_norm(x, float("inf"))
-    return torch.linalg.vector_norm(x, float("inf"), dim=dim, keepdim=True)
+        return torch.linalg.vector_norm(x, float("inf"), dtype=torch.float32)
+    return torch.linalg.vector_norm(x, float("inf"), dim=dim, keepdim=True, dtype=torch.float32)
 
 
 def _check_input(x, granularity, amax, amax_reduce) -> None:
