@@ -45,6 +45,9 @@ from typing import Any
 
 from _common import RunSpec, markdown_table, run_spec, write_json
 
+# the first and last decoder layers in bf16 as well as the output layer (Megatron's --first-last-layers-bf16; NVIDIA's
+# FP8 and NVFP4 recipes keep the layers nearest the embedding and the loss in high precision)
+FIRST_LAST_BF16 = "fp8.keep=[output, 'layers.{first}.*', 'layers.{last}.*']"
 # name -> overrides on top of the model
 CONFIGS: dict[str, list[str]] = {
     "baseline": [],
@@ -58,18 +61,8 @@ CONFIGS: dict[str, list[str]] = {
     "fp8-blockwise": ["train.precision=fp8", "fp8.recipe=blockwise"],
     # e5m2 gradients: cuBLAS's block-scaled GEMMs refuse them, mcore's Triton block-scaled GEMM runs them
     "fp8-blockwise-e5m2": ["train.precision=fp8", "fp8.recipe=blockwise", "fp8.grad_format=e5m2"],
-    # the first and last decoder layers in bf16 as well (Megatron's --first-last-layers-bf16; NVIDIA's FP8 and NVFP4
-    # recipes keep the layers nearest the embedding and the loss in high precision)
-    "fp8-tensorwise-first-last-bf16": [
-        "train.precision=fp8",
-        "fp8.recipe=tensorwise",
-        "fp8.keep=[output, 'layers.{first}.*', 'layers.{last}.*']",
-    ],
-    "fp8-blockwise-first-last-bf16": [
-        "train.precision=fp8",
-        "fp8.recipe=blockwise",
-        "fp8.keep=[output, 'layers.{first}.*', 'layers.{last}.*']",
-    ],
+    "fp8-tensorwise-first-last-bf16": ["train.precision=fp8", "fp8.recipe=tensorwise", FIRST_LAST_BF16],
+    "fp8-blockwise-first-last-bf16": ["train.precision=fp8", "fp8.recipe=blockwise", FIRST_LAST_BF16],
     "fp8-mxfp8": ["train.precision=fp8", "fp8.recipe=mxfp8"],
     "fp4-mxfp4": ["train.precision=fp4", "fp4.recipe=mxfp4"],
     "fp4-nvfp4": ["train.precision=fp4", "fp4.recipe=nvfp4"],
@@ -207,6 +200,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         parser.error(f"--seeds must be comma-separated integers, got {args.seeds!r}")
     if len(set(args.seed_list)) != len(args.seed_list):
         parser.error(f"--seeds lists a seed twice: {args.seeds!r}")
+    if args.reuse and not args.sources:
+        parser.error("--reuse reuses the runs of --from files: give at least one --from FILE")
     if args.dry_run:
         args.steps, args.tail, args.text_mb = 6, 2, 0.2
     args.model = args.model or ("medium" if args.device == "cuda" and not args.dry_run else "demo")
@@ -258,7 +253,7 @@ def main(argv: list[str] | None = None) -> int:
         # the tokenized text (tens of MB) goes to a temporary directory, not beside the results
         text_dir = Path(tempfile.mkdtemp(prefix="mcore-text-"))
         data_path, args.text_info = build_corpus(text_dir, int(args.text_mb * 2**20))
-    for name, seed in to_train:  # what --from holds is reused, except what --only names
+    for name, seed in to_train:  # what --from holds is reused, except what --only names (unless --reuse)
         result, runtime = run_spec(build_spec(name, args.steps, args.device, args.model, data_path, seed))
         runtime.shutdown()
         results.setdefault(name, {})[seed_key(seed)] = result
@@ -280,14 +275,16 @@ def write_outputs(args: argparse.Namespace, results: dict[str, dict[str, dict[st
     data = {"steps": args.steps, "tail": args.tail, "tolerance": args.tolerance, "model": args.model}
     data.update(seed=args.seed_list[0] if len(args.seed_list) == 1 else None, seeds=seeds, text=args.text_info)
     # "curves": the mean over seeds (one seed: that run's curve), "seed_curves": every run's
-    data.update(summary=rows, curves={n: mean_curve(runs) for n, runs in results.items() if runs})
+    means = {n: mean_curve(runs) for n, runs in results.items() if runs}
+    data.update(summary=rows, curves=means)
     data["seed_curves"] = {n: {k: r["losses"] for k, r in runs.items()} for n, runs in results.items()}
-    data["runs"] = {
-        n: {"step_s": statistics.fmean(r["step_s"] for r in runs.values()),
-            "precision": next(iter(runs.values()))["precision"],
-            "peak_mem_gb": next(iter(runs.values())).get("peak_mem_gb")}
-        for n, runs in results.items() if runs
-    }  # fmt: skip
+    data["runs"] = {}
+    for name, runs in results.items():
+        if runs:
+            first = next(iter(runs.values()))
+            step_s = statistics.fmean(r["step_s"] for r in runs.values())
+            data["runs"][name] = {"step_s": step_s, "precision": first["precision"],
+                                  "peak_mem_gb": first.get("peak_mem_gb")}  # fmt: skip
     write_json(args.out / "low_precision_convergence.json", data)
     several = len(seeds) > 1
     gap_header = "vs baseline (mean over seeds, paired)" if several else "vs baseline"
@@ -312,7 +309,7 @@ def write_outputs(args: argparse.Namespace, results: dict[str, dict[str, dict[st
     seed_text = "" if seeds == ["default"] else f", train.seed {' / '.join(seeds)}"
     text = f"Text: {args.text_info['text']}; model {args.model}, {args.steps} steps{seed_text}.\n\n{table}\n"
     (args.out / "low_precision_convergence.md").write_text(text)
-    plot(args.out / "low_precision_convergence.png", {n: mean_curve(r) for n, r in results.items() if r}, args.tail)
+    plot(args.out / "low_precision_convergence.png", means, args.tail)
     print(table, flush=True)
     return rows
 

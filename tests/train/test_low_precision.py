@@ -250,13 +250,13 @@ def test_cuda_fp8_training_follows_bf16(tmp_path, recipe):
     assert abs(fp8.final_loss - bf16.final_loss) / bf16.final_loss < 0.02
 
 
-def test_every_convergence_configuration_is_a_valid_config():
+def test_every_convergence_configuration_is_a_valid_config(capsys):
     """Each configuration of benchmarks/low_precision_convergence.py loads as mcore-train overrides (a mistyped
     key or value there would otherwise surface only in the GPU run), and the bf16-optimizer-states one really sets
     the three optimizer dtypes."""
     sys.path.insert(0, str(ROOT / "benchmarks"))
     try:
-        from low_precision_convergence import CONFIGS, build_spec
+        from low_precision_convergence import CONFIGS, build_spec, parse_args
     finally:
         sys.path.remove(str(ROOT / "benchmarks"))
     for overrides in CONFIGS.values():
@@ -268,6 +268,16 @@ def test_every_convergence_configuration_is_a_valid_config():
     )
     assert load_config(None, seeded.overrides).train.seed == 7
     assert load_config(None, default.overrides).train.seed == load_config(None, []).train.seed != 7
+    # bad seed lists and a --reuse with nothing to reuse stop at the argument parser, naming the option
+    for argv, message in (
+        (["--seeds", "1,x"], "--seeds must be comma-separated integers"),
+        (["--seeds", "1,1"], "--seeds lists a seed twice"),
+        (["--reuse"], "--reuse reuses the runs of --from files"),
+    ):
+        with pytest.raises(SystemExit):
+            parse_args([*argv, "--out", "/tmp/unused"])
+        assert message in capsys.readouterr().err
+    assert parse_args(["--seeds", "3,4", "--out", "/tmp/unused"]).seed_list == [3, 4]
     # the medium model trains at its own (GPT-3 125M's) learning rate, the demo at the config default
     medium_spec = build_spec("fp8-blockwise", 6, "cuda", "medium", None)
     medium = load_config(None, medium_spec.overrides, default_model=medium_spec.model)
