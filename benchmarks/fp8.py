@@ -433,6 +433,30 @@ def render(data: dict[str, Any]) -> str:
     return "\n\n".join(parts) + "\n"
 
 
+def parse_dual_path(text: str) -> dict[str, str]:
+    """``"128x128=two_casts,1x128=fused"`` -> ``{granularity: path}``, checked against ``fp8_casts.DUAL_PATH``."""
+    from mcore.kernels.fp8_casts import DUAL_PATH
+
+    chosen: dict[str, str] = {}
+    for item in (i for i in text.split(",") if i):
+        granularity, _, path = item.partition("=")
+        if granularity not in DUAL_PATH or path not in ("fused", "two_casts"):
+            raise ValueError(
+                f"--dual-path: {item!r} must be granularity=path with granularity one of {sorted(DUAL_PATH)} and "
+                "path 'fused' or 'two_casts'"
+            )
+        chosen[granularity] = path
+    return chosen
+
+
+def apply_dual_path(chosen: dict[str, str]) -> dict[str, str]:
+    """Set ``fp8_casts.DUAL_PATH``'s entries in ``chosen`` for the rest of this process; returns the map in force."""
+    from mcore.kernels.fp8_casts import DUAL_PATH
+
+    DUAL_PATH.update(chosen)
+    return dict(DUAL_PATH)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, required=True)
@@ -461,11 +485,20 @@ def main(argv: list[str] | None = None) -> int:
         help="with --sweep-casts: the rest of the run (casts, training rows, ...) uses the sweep's fastest tiles",
     )
     parser.add_argument(
+        "--dual-path",
+        default="",
+        help="override fp8_casts.DUAL_PATH for this run, e.g. '128x128=two_casts' (granularity=fused|two_casts,...)",
+    )
+    parser.add_argument(
         "--train-configs",
         default=",".join(TRAIN_CONFIGS),
         help="fp8 training rows after bf16 (recipes; '+output': the output layer in fp8 too)",
     )
     args = parser.parse_args(argv)
+    try:
+        dual_path = parse_dual_path(args.dual_path)
+    except ValueError as exc:
+        parser.error(str(exc))
     configs = [c for c in args.train_configs.split(",") if c]
     valid = {*TRAIN_RECIPES, *(f"{r}+output" for r in TRAIN_RECIPES)}
     if set(configs) - valid:
@@ -489,6 +522,7 @@ def main(argv: list[str] | None = None) -> int:
         "date": time.strftime("%Y-%m-%d"),
         "dry_run": args.dry_run,
         "linear_shapes": linear_shapes(shape),
+        "dual_path": apply_dual_path(dual_path),
     }
 
     def save() -> None:

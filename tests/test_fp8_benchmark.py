@@ -153,3 +153,23 @@ def test_fp8_host_time_dry_run(tmp_path):
     assert any("low_precision_linear.py" in f["function"] for f in data["python"]["tensorwise"])
     text = (tmp_path / "fp8_host_time.md").read_text()
     assert "host us per forward + backward" in text and "top Python functions" in text
+
+
+def test_dual_path_override_is_parsed_checked_and_applied(monkeypatch):
+    """``fp8.py --dual-path 128x128=two_casts``: the step measured with the other block cast path; bad items are
+    one error naming the item and the choices."""
+    import pytest
+
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    from fp8 import apply_dual_path, parse_dual_path
+
+    from mcore.kernels import fp8_casts
+
+    monkeypatch.setattr(fp8_casts, "DUAL_PATH", dict(fp8_casts.DUAL_PATH))
+    chosen = parse_dual_path("128x128=two_casts,1x128=fused")
+    assert chosen == {"128x128": "two_casts", "1x128": "fused"} and parse_dual_path("") == {}
+    in_force = apply_dual_path(chosen)
+    assert fp8_casts.DUAL_PATH["128x128"] == "two_casts" and in_force["1x128"] == "fused"
+    for bad in ("128x128=fast", "2x2=fused", "128x128"):
+        with pytest.raises(ValueError, match="granularity=path"):
+            parse_dual_path(bad)

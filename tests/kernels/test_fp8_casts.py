@@ -141,6 +141,49 @@ def test_the_fused_block_kernel_and_two_single_casts_give_the_same_bits(interpre
             assert _same_bits(a.data, b.data) and torch.equal(a.scale, b.scale)
 
 
+@pytest.mark.parametrize("granularity", ["1x128", "128x128"])
+@pytest.mark.parametrize("shape", [(130, 384), (256, 512), (384, 1152)], ids=lambda s: f"{s[0]}x{s[1]}")
+def test_block_scales_are_stored_as_cublas_reads_them_and_pass_without_a_copy(
+    interpreter, granularity, shape, monkeypatch
+):
+    """Both block paths write their scales in ``empty_block_scale``'s layouts (1x128 R-major; 128x128 rows padded
+    to 4 groups with ones), so ``blockwise_scales`` hands cuBLAS views of the same memory; the values stay those
+    of the torch reference (K/128 = 3, 4 and 9: padded, unpadded and padded past one 16-byte group)."""
+    from mcore.kernels.fp8_gemm import blockwise_scales
+
+    x = _inputs(shape, torch.bfloat16, seed=6)
+    for path, casts in _both_block_paths(x, granularity, monkeypatch).items():
+        q, q_t = casts[0]
+        for got, source in ((q, x), (q_t, x.t())):
+            want = quantize_fp8(source, E4M3, granularity, backend="reference")
+            assert torch.equal(got.scale, want.scale), (path, granularity)
+            rows, groups = got.scale.shape
+            if granularity == "1x128":
+                assert got.scale.stride() == (1, rows), (path, got.scale.stride())
+                scale_a, _ = blockwise_scales(got, got)
+                assert scale_a.data_ptr() == got.scale.data_ptr() and scale_a.stride() == (1, rows)
+                continue
+            padded = -(-groups // 4) * 4
+            assert got.scale.stride() == (padded, 1), (path, got.scale.stride())
+            _, scale_b = blockwise_scales(quantize_fp8(torch.randn(64, got.shape[1]), E4M3, "1x128"), got)
+            assert scale_b.data_ptr() == got.scale.data_ptr()
+            assert scale_b.shape == (padded, rows) and scale_b.stride() == (1, padded)
+            assert torch.equal(scale_b[:groups], want.scale.t()) and torch.all(scale_b[groups:] == 1)
+
+
+def test_reference_block_scales_are_copied_into_the_cublas_layouts():
+    """The torch reference's scales are plain row-major: ``blockwise_scales`` copies them into the layouts."""
+    from mcore.kernels.fp8_gemm import blockwise_scales
+
+    gen = torch.Generator().manual_seed(8)
+    a = quantize_fp8(torch.randn(96, 384, generator=gen), E4M3, "1x128", backend="reference")
+    b = quantize_fp8(torch.randn(256, 384, generator=gen), E4M3, "128x128", backend="reference")
+    scale_a, scale_b = blockwise_scales(a, b)
+    assert scale_a.stride() == (1, 96) and torch.equal(scale_a, a.scale)
+    assert scale_b.shape == (4, 2) and scale_b.stride() == (1, 4)
+    assert torch.equal(scale_b[:3], b.scale.t()) and torch.all(scale_b[3] == 1)
+
+
 def test_dual_path_runs_what_it_says(interpreter, monkeypatch):
     from mcore.kernels.triton import quant_fused, quantization
 

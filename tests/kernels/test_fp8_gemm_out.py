@@ -58,7 +58,8 @@ def test_a_refused_fp32_output_is_remembered_and_run_in_bf16(monkeypatch):
     monkeypatch.setattr(fp8_gemm, "_OUT_DTYPE_REFUSED", set())
     asked = []
 
-    def run(dtype):
+    def run(dtype, target):
+        assert target is None  # no out given: nothing to write into
         asked.append(dtype)
         if dtype == torch.float32:
             raise RuntimeError("Only bf16 high precision output types are supported for row-wise scaling")
@@ -73,8 +74,41 @@ def test_a_refused_fp32_output_is_remembered_and_run_in_bf16(monkeypatch):
     fp8_gemm._native_or_bf16("1x128128x128", torch.float32, run)  # another pair tries fp32 on its own
     assert asked == [torch.float32, torch.bfloat16]
 
-    def broken(dtype):
+    def broken(dtype, target):
         raise RuntimeError("CUBLAS_STATUS_EXECUTION_FAILED")
 
     with pytest.raises(RuntimeError, match="EXECUTION_FAILED"):  # a bf16 failure is not swallowed
         fp8_gemm._native_or_bf16("row", torch.bfloat16, broken)
+
+
+def test_an_out_of_the_native_dtype_is_written_by_the_gemm_itself(monkeypatch):
+    """The fp32 weight gradient goes into main_grad as the GEMM's own output (no product temporary, no copy);
+    after a refused fp32 output the bf16 product is copied into it instead."""
+    from mcore.kernels import fp8_gemm
+
+    monkeypatch.setattr(fp8_gemm, "_OUT_DTYPE_REFUSED", set())
+    targets = []
+
+    def run(dtype, target):
+        targets.append(target)
+        if target is not None:
+            return target.fill_(2.5)
+        return torch.full((2, 3), 2.5, dtype=dtype)
+
+    out = torch.full((2, 3), float("nan"))
+    assert fp8_gemm._native_or_bf16("1x1281x128", torch.float32, run, out) is out
+    assert targets == [out] and torch.equal(out, torch.full((2, 3), 2.5))
+
+    def refusing(dtype, target):
+        if dtype == torch.float32:
+            raise RuntimeError("fp32 output not supported")
+        return run(dtype, target)
+
+    targets.clear()
+    out = torch.full((2, 3), float("nan"))
+    assert fp8_gemm._native_or_bf16("1x1281x128", torch.float32, refusing, out) is out
+    assert targets == [None] and torch.equal(out, torch.full((2, 3), 2.5))  # bf16 product copied in
+    bf16_out = torch.full((2, 3), float("nan"), dtype=torch.bfloat16)
+    targets.clear()
+    fp8_gemm._native_or_bf16("row", torch.bfloat16, run, bf16_out)  # bf16 out: the kernel's own dtype
+    assert targets == [bf16_out]

@@ -89,7 +89,7 @@ def test_cuda_scaled_mm_equals_the_reference(pair, m, n, k):
 def test_a_block_pair_torch_refuses_falls_back_to_the_triton_gemm(interpreter, monkeypatch, caplog):
     import mcore.kernels.fp8_gemm as fp8_gemm
 
-    def refuse(a, b, out_dtype):
+    def refuse(a, b, out_dtype, out=None):
         raise ValueError("Invalid scaling configuration.")
 
     monkeypatch.setattr(fp8_gemm, "_blockwise_cuda", refuse)

@@ -29,7 +29,13 @@ import torch
 import triton
 import triton.language as tl
 
-from mcore.kernels.triton.quantization import FP8_MAX, _round_to_fp8, multiplier_and_scale, rounding_bits
+from mcore.kernels.triton.quantization import (
+    FP8_MAX,
+    _round_to_fp8,
+    empty_block_scale,
+    multiplier_and_scale,
+    rounding_bits,
+)
 
 BLOCK = 128
 # Launch shapes (module constants so that ``benchmarks/fp8.py --sweep-casts`` can time the alternatives in
@@ -181,8 +187,10 @@ def _block_dual_kernel(
     n_cols,
     stride_r,
     stride_c,
-    n_scale_cols,
-    n_scale_t_cols,
+    stride_s0,
+    stride_s1,
+    stride_t0,
+    stride_t1,
     FMAX: tl.constexpr,
     MBITS: tl.constexpr,
     MIN_EXP: tl.constexpr,
@@ -207,14 +215,14 @@ def _block_dual_kernel(
         col_max = tl.maximum(col_max, tl.max(a, axis=0))
         if not SQUARE:
             mult_r, scale_r = multiplier_and_scale(tl.max(a, axis=1), FMAX)
-            tl.store(SCALE + r64 * n_scale_cols + pid_c, scale_r, mask=rmask)
+            tl.store(SCALE + r64 * stride_s0 + pid_c * stride_s1, scale_r, mask=rmask)
             q = _round_to_fp8(x * mult_r[:, None], FMAX, MBITS, MIN_EXP).to(Y.dtype.element_ty)
             tl.store(Y + r64[:, None] * n_cols + c64[None, :], q, mask=mask)
     if SQUARE:
         mult, scale = multiplier_and_scale(tl.max(col_max, axis=0), FMAX)
-        tl.store(SCALE + pid_r * n_scale_cols + pid_c, scale)
+        tl.store(SCALE + pid_r * stride_s0 + pid_c * stride_s1, scale)
         if WRITE_YT:
-            tl.store(SCALE_T + pid_c * n_scale_t_cols + pid_r, scale)
+            tl.store(SCALE_T + pid_c * stride_t0 + pid_r * stride_t1, scale)
         for i in range(BLOCK_T // CHUNK_R):
             rows = pid_r * BLOCK_T + i * CHUNK_R + tl.arange(0, CHUNK_R)
             x, mask, rmask, r64 = _load_tile(X, rows, cols, n_rows, n_cols, stride_r, stride_c)
@@ -224,7 +232,7 @@ def _block_dual_kernel(
                 tl.store(YT + c64[:, None] * n_rows + r64[None, :], tl.trans(q), mask=cmask[:, None] & rmask[None, :])
     elif WRITE_YT:
         mult_c, scale_c = multiplier_and_scale(col_max, FMAX)
-        tl.store(SCALE_T + c64 * n_scale_t_cols + pid_r, scale_c, mask=cmask)
+        tl.store(SCALE_T + c64 * stride_t0 + pid_r * stride_t1, scale_c, mask=cmask)
         for i in range(BLOCK_T // CHUNK_R):
             rows = pid_r * BLOCK_T + i * CHUNK_R + tl.arange(0, CHUNK_R)
             x, mask, rmask, r64 = _load_tile(X, rows, cols, n_rows, n_cols, stride_r, stride_c)
@@ -368,17 +376,18 @@ def block_dual(
     """``(q, scale, q^T, scale of q^T)`` of ``x`` in ``128x128`` (``square``) or ``1x128`` groups, one read.
 
     ``1x128``: ``scale [R, ceil(C/128)]`` and ``scale_t [C, ceil(R/128)]`` (the groups of ``x^T`` along R);
-    ``128x128``: ``scale [ceil(R/128), ceil(C/128)]`` and its transpose.
+    ``128x128``: ``scale [ceil(R/128), ceil(C/128)]`` and its transpose; both in ``empty_block_scale``'s layouts.
     """
     rows, cols = x.shape
     device = x.device
     br, bc = triton.cdiv(rows, BLOCK), triton.cdiv(cols, BLOCK)
+    granularity = "128x128" if square else "1x128"
     y = torch.empty((rows, cols), dtype=dtype, device=device)
-    scale = torch.empty((br, bc) if square else (rows, bc), dtype=torch.float32, device=device)
+    scale = empty_block_scale(rows, cols, granularity, device)
     yt = scale_t = None
     if write_t:
         yt = torch.empty((cols, rows), dtype=dtype, device=device)
-        scale_t = torch.empty((bc, br) if square else (cols, br), dtype=torch.float32, device=device)
+        scale_t = empty_block_scale(cols, rows, granularity, device)
     if rows and cols:
         _block_dual_kernel[(br, bc)](
             x,
@@ -390,8 +399,8 @@ def block_dual(
             cols,
             x.stride(0),
             x.stride(1),
-            scale.shape[1],
-            scale_t.shape[1] if scale_t is not None else 1,
+            *scale.stride(),
+            *(scale_t.stride() if scale_t is not None else scale.stride()),
             FMAX=FP8_MAX[dtype],
             **rounding_bits(dtype),
             SQUARE=square,

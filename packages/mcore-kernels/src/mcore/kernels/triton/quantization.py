@@ -89,7 +89,8 @@ def _block_quant_kernel(
     n_cols,
     stride_x0,
     stride_x1,
-    n_scale_cols,
+    stride_s0,
+    stride_s1,
     FMAX: tl.constexpr,
     MBITS: tl.constexpr,
     MIN_EXP: tl.constexpr,
@@ -122,10 +123,10 @@ def _block_quant_kernel(
     mult, scale = multiplier_and_scale(amax, FMAX)  # a scalar (128x128) or a vector (1x128), like amax
     if SQUARE:
         v = x * mult
-        tl.store(SCALE + pid_r * n_scale_cols + pid_c, scale)
+        tl.store(SCALE + pid_r * stride_s0 + pid_c * stride_s1, scale)
     else:
         v = x * mult[:, None]
-        tl.store(SCALE + r64 * n_scale_cols + pid_c, scale, mask=rmask)
+        tl.store(SCALE + r64 * stride_s0 + pid_c * stride_s1, scale, mask=rmask)
     v = _round_to_fp8(v, FMAX, MBITS, MIN_EXP)
     tl.store(Y + r64[:, None] * n_cols + c64[None, :], v.to(Y.dtype.element_ty), mask=mask)
 
@@ -224,17 +225,37 @@ def cast_grouped_columns(
     return out
 
 
+def empty_block_scale(rows: int, cols: int, granularity: str, device: torch.device) -> torch.Tensor:
+    """The scale tensor of a ``[rows, cols]`` operand in ``1x128`` or ``128x128`` groups, laid out the way cuBLAS's
+    block-scaled GEMMs read it (``fp8_gemm.blockwise_scales`` then passes it without a copy):
+
+    * ``1x128``: ``[rows, ceil(cols/128)]`` stored group-column by group-column (strides ``(1, rows)``);
+    * ``128x128``: ``[ceil(rows/128), ceil(cols/128)]`` row-major with each row padded to a multiple of 4 groups
+      (16 bytes), the padding set to 1 (a view of the padded buffer; no padding: a plain contiguous tensor).
+
+    Before these layouts each block-scaled GEMM copied or padded both scales first (a few small kernels and ~20 us
+    of host time per GEMM, three GEMMs per linear).
+    """
+    groups = triton.cdiv(cols, BLOCK)
+    if granularity == "1x128":
+        return torch.empty((groups, rows), dtype=torch.float32, device=device).t()
+    block_rows, padded = triton.cdiv(rows, BLOCK), -(-groups // 4) * 4
+    if padded == groups:
+        return torch.empty((block_rows, groups), dtype=torch.float32, device=device)
+    return torch.ones((block_rows, padded), dtype=torch.float32, device=device)[:, :groups]
+
+
 def quantize_blocks(
     x: torch.Tensor, dtype: torch.dtype, granularity: str, *, transpose: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(data, scale)`` of ``x`` or ``x^T`` in ``1x128`` or ``128x128`` groups (see ``quantization.py``)."""
+    """``(data, scale)`` of ``x`` or ``x^T`` in ``1x128`` or ``128x128`` groups (see ``quantization.py``; the scale
+    in :func:`empty_block_scale`'s layout)."""
     rows, cols = (x.shape[1], x.shape[0]) if transpose else x.shape
     square = granularity == "128x128"
     block_r = BLOCK if square else _BLOCK_ROWS_1X128
-    scale_rows = triton.cdiv(rows, BLOCK) if square else rows
     scale_cols = triton.cdiv(cols, BLOCK)
     data = torch.empty((rows, cols), dtype=dtype, device=x.device)
-    scale = torch.empty((scale_rows, scale_cols), dtype=torch.float32, device=x.device)
+    scale = empty_block_scale(rows, cols, granularity, x.device)
     if rows == 0 or cols == 0:
         return data, scale
     grid = (triton.cdiv(rows, block_r), scale_cols)
@@ -246,7 +267,8 @@ def quantize_blocks(
         cols,
         x.stride(0),
         x.stride(1),
-        scale_cols,
+        scale.stride(0),
+        scale.stride(1),
         FMAX=FP8_MAX[dtype],
         **rounding_bits(dtype),
         TRANSPOSED=transpose,
