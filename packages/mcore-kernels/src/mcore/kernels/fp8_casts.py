@@ -50,6 +50,9 @@ from mcore.kernels.quantization import (
 # 1x128: the fused kernel reads each 128 x 128 tile once, but the two single casts (two reads, simpler programs)
 # measured faster (why is not profiled: its column amaxes and fp8 transpose in one program are the suspects).
 # Tensor- and row-wise need a global amax pass first, which the fused kernel shares. Both paths give the same bits.
+# Since native rounding (session 9) 128x128's two single casts replay faster too (session 12: 0.078 vs 0.115 ms),
+# but the 8b4l block-wise step with them was no faster (session 13: 1.164x vs 1.168x; the weights' 128x128 casts
+# are few), so 128x128 stays fused until a step measures the difference.
 DUAL_PATH = {"tensor": "fused", "row": "fused", "1x128": "two_casts", "128x128": "fused"}
 
 
