@@ -61,6 +61,8 @@ CONFIGS: dict[str, list[str]] = {
     # tensor-wise current scaling moved to e4m3 in session 9 and came closer to bf16
     "fp8-delayed-e4m3": ["train.precision=fp8", "fp8.recipe=delayed", "fp8.grad_format=e4m3"],
     "fp8-delayed-first-last-bf16": ["train.precision=fp8", "fp8.recipe=delayed", FIRST_LAST_BF16],
+    # the scale from the previous step's amax alone (Transformer Engine's "most_recent"), not the max of 16
+    "fp8-delayed-most-recent": ["train.precision=fp8", "fp8.recipe=delayed", "fp8.amax_compute=most_recent"],
     "fp8-rowwise": ["train.precision=fp8", "fp8.recipe=rowwise"],
     "fp8-blockwise": ["train.precision=fp8", "fp8.recipe=blockwise"],
     # e5m2 gradients: cuBLAS's block-scaled GEMMs refuse them, mcore's Triton block-scaled GEMM runs them
