@@ -123,17 +123,21 @@ def _native_or_bf16(
     cast to ``out_dtype`` (and copied into ``out``) where it is not already there."""
     native = _native_out_dtype(granularity, out_dtype)
     try:
-        result = run(native, out if out is not None and out.dtype == native else None)
+        result = run(native, _target(out, native))
     except (RuntimeError, ValueError) as exc:
         if native == torch.bfloat16:
             raise
         _OUT_DTYPE_REFUSED.add((granularity, native))
         logger.warning("scaled_matmul: %s GEMM refused %s output (%s); writing bf16, cast", granularity, native, exc)
-        native = torch.bfloat16
-        result = run(native, out if out is not None and out.dtype == native else None)
+        result = run(torch.bfloat16, _target(out, torch.bfloat16))
     if out is not None:
         return _into(out, result)
     return result.to(out_dtype)
+
+
+def _target(out: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
+    """``out`` where a kernel asked for ``dtype`` can write it itself, else ``None``."""
+    return out if out is not None and out.dtype == dtype else None
 
 
 def _rowwise_cuda(
@@ -237,7 +241,7 @@ def _r_major(scale: torch.Tensor) -> torch.Tensor:
 def _padded_blocks_t(scale: torch.Tensor) -> torch.Tensor:
     n_blocks, k_blocks = scale.shape
     padded = -(-k_blocks // 4) * 4
-    if scale.stride() == (padded, 1) or (n_blocks == 1 and scale.stride(1) == 1):
+    if scale.stride() == (padded, 1):
         # a view of a padded row-major buffer: its padding (set to 1 when allocated) is read as the extra rows
         storage = scale.untyped_storage().nbytes() // scale.element_size()
         if storage >= scale.storage_offset() + n_blocks * padded:
