@@ -4,7 +4,7 @@ ZeRO-1 (the distributed optimizer), two gloo ranks, Nemotron-H tiny (Mamba, MLP 
 What forward sees: the three in fp32, equal to the fp32 master bit for bit, and ``in_proj``'s weight in bf16
 (the rest of the layer still computes in bf16). Training: 3 AdamW steps give the losses and the fp32 masters of a
 single-process reference that computes each rank's micro-batch with the bf16 model (the three in fp32) and
-averages the fp32 gradients, within 1e-6; at dp=2 with FSDP's ``auto`` resharding and at dp=1 (units kept gathered,
+averages the fp32 gradients, within 1e-6 (at dp=1 1e-4: the embedding's rows summed in fp32); at dp=2 with FSDP's ``auto`` resharding and at dp=1 (units kept gathered,
 the weight-gradient GEMMs accumulating into the shards). Before, FSDP gathered the three in bf16.
 """
 
@@ -189,7 +189,9 @@ def test_training_equals_the_single_process_reference(results, case):
         got = out[case]
         assert got["losses"] == pytest.approx(got["ref_losses"], rel=1e-6, abs=0), (rank, case)
         if case != "zero1":
-            assert got["param_err"] <= 1e-6, (rank, case)
+            # dp=1: the embedding's lookup adds its rows into the fp32 shard (``embedding_lookup``) where the
+            # reference sums them into a bf16 table gradient first (rounded per add on CPU): 2.5e-5 after 3 steps
+            assert got["param_err"] <= (1e-4 if case == "dp1" else 1e-6), (rank, case, got["param_err"])
 
 
 def test_zero1_keeps_them_fp32_and_updates_them_like_the_reference(results):

@@ -149,9 +149,14 @@ def test_one_rank_gathers_and_reduces_once_per_step(one_rank):
     (out,) = case_result(one_rank, "auto")
     _assert_equal_to_single_process(out)
     assert out["policy"] == ([False] * 4, False)
-    # the linear weights' gradients went into the fp32 shards inside the GEMMs: FSDP reduces the others, and has
-    # nothing left to reduce in the output layer's group
-    assert out["per_step"] == {"gathers": GROUPS, "reductions": GROUPS - 1, "reduced_params": PARAMS - LINEAR_WEIGHTS}
+    # the linear weights' gradients went into the fp32 shards inside the GEMMs and the embedding's rows were added
+    # there by its lookup: FSDP reduces the others, and has nothing left to reduce in the output layer's group and
+    # the embedding's
+    assert out["per_step"] == {
+        "gathers": GROUPS,
+        "reductions": GROUPS - 2,
+        "reduced_params": PARAMS - LINEAR_WEIGHTS - 1,
+    }
 
 
 def test_one_rank_with_zero3_settings_gathers_and_reduces_per_micro_batch(one_rank):

@@ -36,6 +36,7 @@ from mcore.parallel.comm import (
     scatter_to_tp_region,
 )
 from mcore.parallel.cross_entropy import vocab_parallel_cross_entropy
+from mcore.parallel.embedding_lookup import embedding_lookup
 from mcore.parallel.init import InitMethod, normal_init, partition_slice
 from mcore.parallel.param_attrs import (
     mark_vocab_padded,
@@ -381,7 +382,8 @@ class VocabParallelEmbedding(nn.Module):
     """Embedding table split along the vocabulary over the TP group.
 
     Each rank looks up the ids in its row range (others give zeros) and the partial results are summed
-    over TP (reduce-scattered along dim 0 with sequence parallelism). ``vocab_size`` (default
+    over TP (reduce-scattered along dim 0 with sequence parallelism). Under DDP the weight gradient is added
+    into ``main_grad`` at the looked-up rows only (``embedding_lookup``). ``vocab_size`` (default
     ``num_embeddings``) marks rows at or beyond it as padding (``weight.vocab_size``); this keyword is an
     addition to the contract's signature.
     """
@@ -432,11 +434,11 @@ class VocabParallelEmbedding(nn.Module):
         if ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
             raise TypeError(f"VocabParallelEmbedding: expected integer token ids, got dtype {ids.dtype}")
         if self.tp_size == 1:
-            out = F.embedding(ids, self.weight)
+            out = embedding_lookup(ids, self.weight)
         else:
             outside = (ids < self.vocab_start_index) | (ids >= self.vocab_end_index)
             local = (ids - self.vocab_start_index).masked_fill(outside, 0)
-            out = F.embedding(local, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
+            out = embedding_lookup(local, self.weight, outside)
         if self.sequence_parallel:
             return reduce_scatter_to_sequence_parallel_region(out, self.tp_group)
         return reduce_from_tp_region(out, self.tp_group)
