@@ -40,7 +40,7 @@ def test_experts_run_fp8_grouped_gemms_close_to_high_precision(monkeypatch):
     fp8 = copy.deepcopy(high)
     decisions = enable_low_precision(fp8, Recipe("blockwise"), keep=())
     assert [(d.name, d.recipe) for d in decisions] == [("mlp.experts", "rowwise-grouped")]
-    assert fp8["mlp"].experts.low_precision is fp8_grouped_gemm and fp8["mlp"].config.align == 16
+    assert fp8["mlp"].experts.low_precision.gemm is fp8_grouped_gemm and fp8["mlp"].config.align == 16
     import mcore.kernels.fp8_grouped_gemm as module
 
     calls, original = [], module._grouped_2d_3d
