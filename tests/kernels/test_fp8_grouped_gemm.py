@@ -6,9 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+from mcore.kernels.activations import swiglu
 from mcore.kernels.fp8_grouped_gemm import (
     SCALED_GROUPED_MM,
     fp8_grouped_gemm,
+    fp8_grouped_gemm_of_activation,
     jagged_transpose_quantize,
     quantize_expert_weights,
     quantize_expert_weights_dual,
@@ -147,6 +149,62 @@ def test_bad_inputs_are_named():
         fp8_grouped_gemm(x, w, offsets, backend=SCALED_GROUPED_MM)
 
 
+def _gemm_case(with_activation: bool, device="cpu", dtype=torch.float32, seed=10, wgrad_into=None, backend=None):
+    """Forward and backward of a fresh random case (``h`` [ROWS, 2K] through SwiGLU, or ``x``): (y, d input, w)."""
+    gen = torch.Generator().manual_seed(seed)
+    x, w, offsets = _inputs(device, dtype, seed=seed)
+    if with_activation:
+        x = torch.randn(ROWS, 2 * K, generator=gen).to(device, dtype).requires_grad_()
+        y = fp8_grouped_gemm_of_activation(x, w, offsets, swiglu, backend=backend, wgrad_into=wgrad_into)
+    else:
+        y = fp8_grouped_gemm(x, w, offsets, backend=backend, wgrad_into=wgrad_into)
+    y.backward(torch.randn(ROWS, N, generator=gen).to(device, dtype))
+    return y.detach(), x.grad, w
+
+
+@pytest.mark.parametrize("with_activation", [False, True], ids=["gemm", "of_activation"])
+@pytest.mark.parametrize("accumulate", [False, True], ids=["write", "add"])
+def test_weight_gradient_into_a_target_equals_the_returned_one(accumulate, with_activation):
+    """Written: the NaN-filled target ends as the returned gradient, bit for bit (so it is never read, and the
+    empty expert 1 gets zeros); added: target + that gradient. Output and input gradient unchanged."""
+    y0, dx0, w0 = _gemm_case(with_activation)
+    assert torch.any(w0.grad[0] != 0) and torch.all(w0.grad[1] == 0)
+    start = torch.randn(w0.shape, generator=torch.Generator().manual_seed(11)) if accumulate else None
+    target, calls = torch.full(w0.shape, float("nan")) if start is None else start.clone(), []
+    y, dx, w = _gemm_case(with_activation, wgrad_into=lambda: calls.append(1) or (target, accumulate))
+    assert w.grad is None and calls == [1]  # asked once, the gradient is in the target
+    assert torch.equal(y, y0) and torch.equal(dx, dx0)
+    assert torch.equal(target, start + w0.grad if accumulate else w0.grad)
+
+
+def test_wgrad_into_none_returns_the_gradient_and_a_writer_or_a_bad_target_is_named():
+    _, _, w = _gemm_case(False, wgrad_into=lambda: None)
+    assert w.grad is not None and w.grad.shape == w.shape
+    with pytest.raises(ValueError, match=r"fp8_grouped_gemm: wgrad_into gave a writer function"):
+        _gemm_case(False, wgrad_into=lambda: lambda dy, x: None)
+    with pytest.raises(ValueError, match=r"fp8_grouped_gemm: wgrad_into must give a float tensor of w's shape"):
+        _gemm_case(True, wgrad_into=lambda: (torch.zeros(2, 3), False))
+
+
+def test_of_activation_equals_fp8_gemm_of_the_activation_and_keeps_h_only():
+    x, w, offsets = _inputs(seed=12)
+    h = torch.randn(ROWS, 2 * K, generator=torch.Generator().manual_seed(13), requires_grad=True)
+    probe = torch.randn(ROWS, N, generator=torch.Generator().manual_seed(14))
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        fused = fp8_grouped_gemm_of_activation(h, w, offsets, swiglu)
+    # kept: h, the offsets and w^T's fp8 cast with its scales; not the [ROWS, K] activation
+    want = [(ROWS, 2 * K), (len(OFFSETS),), (len(OFFSETS), K, N), (len(OFFSETS), K)]
+    assert sorted(tuple(t.shape) for t in saved) == sorted(want)
+    dh, dw = torch.autograd.grad((fused * probe).sum(), (h, w))
+    plain = fp8_grouped_gemm(swiglu(h), w, offsets)
+    dh0, dw0 = torch.autograd.grad((plain * probe).sum(), (h, w))
+    assert torch.equal(fused, plain) and torch.equal(dh, dh0) and torch.equal(dw, dw0)
+    assert torch.any(dh != 0) and torch.all(dh[OFFSETS[-1] :] == 0)
+    with pytest.raises(ValueError, match="fp8_grouped_gemm_of_activation: h must be a 2-D"):
+        fp8_grouped_gemm_of_activation(h[0], w, offsets, swiglu)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("rows, tail_rows", [(ROWS, None), (104, None), (ROWS, 16)])  # 104: not a multiple of 16
@@ -174,3 +232,18 @@ def test_cuda_fp8_grouped_gemm_needs_no_host_sync(cuda_triton):
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert torch.all(w.grad[1] == 0)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("with_activation", [False, True], ids=["gemm", "of_activation"])
+@pytest.mark.parametrize("accumulate", [False, True], ids=["write", "add"])
+def test_cuda_weight_gradient_into_an_fp32_target_is_the_bf16_product(cuda_triton, accumulate, with_activation):
+    """torch._scaled_grouped_mm's bf16 weight gradient copied (NaN target: not read) or added into fp32."""
+    kw = dict(device="cuda", dtype=torch.bfloat16)
+    y0, dx0, w0 = _gemm_case(with_activation, **kw)
+    start = torch.randn(w0.shape, device="cuda") if accumulate else torch.full(w0.shape, float("nan"), device="cuda")
+    target = start.clone()
+    y, dx, w = _gemm_case(with_activation, wgrad_into=lambda: (target, accumulate), **kw)
+    assert w.grad is None and torch.equal(y, y0) and torch.equal(dx, dx0)
+    assert torch.equal(target, start + w0.grad.float() if accumulate else w0.grad.float())

@@ -1,5 +1,7 @@
 """FP8 experts: ``enable_low_precision`` gives MoE layers row-wise fp8 grouped GEMMs (padded to 16 rows per expert),
-keeps them by pattern, names shape mismatches, and the layer tracks its high-precision self."""
+keeps them by pattern, names shape mismatches, and the layer tracks its high-precision self. Under DDP their weight
+gradients go into ``main_grad`` (``wgrad_into``: written on a step's first micro-batch, so DDP skips its zero-fill,
+added after) and train exactly as when the GEMMs return them and DDP's hook adds them."""
 
 from __future__ import annotations
 
@@ -9,18 +11,25 @@ import dataclasses
 import pytest
 import torch
 
+import mcore.parallel.expert_biases as expert_biases
+import mcore.parallel.expert_parallel as expert_parallel
 from mcore.kernels.fp8_grouped_gemm import fp8_grouped_gemm
 from mcore.kernels.low_precision_linear import Recipe
+from mcore.parallel import DistributedDataParallel
+from mcore.parallel.expert_biases import use_gpt_oss_options
 from mcore.parallel.expert_parallel import MoEConfig, MoELayer
 from mcore.parallel.low_precision import disable_low_precision, enable_low_precision
+from mcore.parallel.param_attrs import wgrad_overwrites_main_grad
 
 H, E, TOPK, F = 64, 4, 2, 96
 
 
-def _model(hidden: int = H) -> torch.nn.ModuleDict:
+def _model(hidden: int = H, gpt_oss: bool = False) -> torch.nn.ModuleDict:
     torch.manual_seed(0)
     config = MoEConfig(hidden_size=hidden, num_experts=E, topk=TOPK, moe_intermediate_size=F, norm_topk_prob=True)
     layer = MoELayer(config)
+    if gpt_oss:  # biased routers and experts, clamped SwiGLU: their own forward (expert_biases.py)
+        use_gpt_oss_options(layer, router_bias=True, expert_biases=True, activation=(1.702, 0.6))
     layer.router.reset_parameters(torch.Generator().manual_seed(1))
     layer.experts.reset_parameters(torch.Generator().manual_seed(2))
     return torch.nn.ModuleDict({"mlp": layer})
@@ -40,7 +49,7 @@ def test_experts_run_fp8_grouped_gemms_close_to_high_precision(monkeypatch):
     fp8 = copy.deepcopy(high)
     decisions = enable_low_precision(fp8, Recipe("blockwise"), keep=())
     assert [(d.name, d.recipe) for d in decisions] == [("mlp.experts", "rowwise-grouped")]
-    assert fp8["mlp"].experts.low_precision is fp8_grouped_gemm and fp8["mlp"].config.align == 16
+    assert fp8["mlp"].experts.low_precision.gemm is fp8_grouped_gemm and fp8["mlp"].config.align == 16
     import mcore.kernels.fp8_grouped_gemm as module
 
     calls, original = [], module._grouped_2d_3d
@@ -77,3 +86,51 @@ def test_a_shape_the_kernel_cannot_take_is_named_or_falls_back():
         enable_low_precision(model, Recipe("tensorwise"), keep=())
     [decision] = enable_low_precision(model, Recipe("tensorwise"), keep=(), on_mismatch="fallback")
     assert decision.recipe is None and model["mlp"].experts.low_precision is None
+
+
+def _ddp_run(monkeypatch, into: bool, gpt_oss: bool) -> dict:
+    """Two SGD steps of two micro-batches (1 token, so top-2 leaves two experts without rows; then 40) through DDP,
+    every gradient buffer NaN-poisoned before each zero_grad_buffer; ``into=False``: no ``wgrad_into`` (the GEMMs
+    return the gradients, DDP zero-fills and adds them: the previous path)."""
+    wrapped = _model(gpt_oss=gpt_oss)
+    enable_low_precision(wrapped, Recipe("rowwise"), keep=())
+    model = wrapped["mlp"]
+    with monkeypatch.context() as patch:
+        if not into:
+            for module in (expert_parallel, expert_biases):  # the plain and the GPT-OSS experts' forward
+                patch.setattr(module, "expert_wgrad_into", lambda w, host_offsets=None: None)
+        ddp = DistributedDataParallel(model, dp_group=None)
+        experts = model.experts
+        out = {"grads": [], "kept": [], "overwrites": []}
+        for step in range(2):
+            for buf in ddp.grad_buffers:
+                buf.grad_data.fill_(float("nan"))
+            ddp.zero_grad_buffer()
+            out["kept"].append([bool(torch.isnan(w.main_grad).all()) for w in (experts.gate_up, experts.down)])
+            for micro, tokens in enumerate((1, 40)):
+                g = torch.Generator().manual_seed(10 * step + micro)
+                x, probe = torch.randn(tokens, H, generator=g), torch.randn(tokens, H, generator=g)
+                with ddp.no_sync() if micro == 0 else torch.enable_grad():
+                    (ddp(x) * probe).sum().backward()
+            ddp.finish_grad_sync()
+            out["grads"].append({name: p.main_grad.clone() for name, p in model.named_parameters()})
+            out["overwrites"].append([wgrad_overwrites_main_grad(w) for w in (experts.gate_up, experts.down)])
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.sub_(0.5 * p.main_grad)
+    out["params"] = {name: p.detach().clone() for name, p in model.named_parameters()}
+    return out
+
+
+@pytest.mark.parametrize("gpt_oss", [False, True], ids=["swiglu", "gpt_oss"])
+def test_fp8_expert_weight_gradients_go_into_main_grad_and_train_as_the_returned_ones(monkeypatch, gpt_oss):
+    previous = _ddp_run(monkeypatch, into=False, gpt_oss=gpt_oss)
+    ours = _ddp_run(monkeypatch, into=True, gpt_oss=gpt_oss)
+    # the previous path: never overwritten, so always zero-filled; ours: written on step 1, so step 2's fill skipped
+    assert previous["overwrites"] == [[False, False]] * 2 and previous["kept"] == [[False, False]] * 2
+    assert ours["overwrites"] == [[True, True]] * 2 and ours["kept"] == [[False, False], [True, True]]
+    # bit-equal: the same fp32 products, copied then added instead of added to zeros then added
+    for got, want in zip([*ours["grads"], ours["params"]], [*previous["grads"], previous["params"]], strict=True):
+        for name, ref in want.items():
+            assert torch.isfinite(got[name]).all() and torch.any(got[name] != 0), name
+            assert torch.equal(got[name], ref), name

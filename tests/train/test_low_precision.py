@@ -79,7 +79,7 @@ def test_moe_experts_train_in_fp8_and_follow_fp32(tmp_path):
     layers = [m for chunk in Trainer(config, init_runtime(config)).chunks for m in chunk.modules()]
     layers = [m for m in layers if isinstance(m, MoELayer)]
     assert len(layers) == 2
-    assert all(m.experts.low_precision is fp8_grouped_gemm and m.config.align == 16 for m in layers)
+    assert all(m.experts.low_precision.gemm is fp8_grouped_gemm and m.config.align == 16 for m in layers)
     ref, _ = train(tmp_path / "fp32", *moe)
     low, _ = train(tmp_path / "fp8", *moe, "train.precision=fp8", "fp8.recipe=rowwise")
     assert low.final_loss != ref.final_loss and abs(low.final_loss - ref.final_loss) / ref.final_loss < 0.02

@@ -18,16 +18,31 @@ with fp8 experts guarantee by padding each expert's rows, ``align=16``) and ``"r
 values and scales, dequantized and multiplied per expert in fp32; it reads the offsets on the host). Both see
 identical quantized operands, so they differ only by accumulation order. Rows at or past ``offsets[-1]``
 belong to no expert: zero output, no gradient.
+
+``wgrad_into`` takes the weight gradient into the caller's tensor (a data-parallel ``main_grad``) as for
+``grouped_gemm``, so the bf16 ``[E, N, K]`` gradient is neither returned nor zero-filled-then-added by DDP; the
+quantization is the same either way. :func:`fp8_grouped_gemm_of_activation` keeps ``h`` instead of ``activation(h)``
+(``grouped_gemm_of_activation``): the down projection of SwiGLU experts then keeps no ``rows x F`` activation.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from mcore.kernels import dispatch
+from mcore.kernels.grouped_gemm import (
+    WgradInto,
+    _check,
+    _store_weight_grad,
+    _tail,
+    _weight_grad_sink,
+    _zero_unused_rows_,
+)
 from mcore.kernels.quantization import E4M3, FP8_MAX, Quantized, quantize_fp8, reference_cast, scale_from_amax
 
-__all__ = ["ALIGN", "SCALED_GROUPED_MM", "fp8_grouped_gemm"]
+__all__ = ["ALIGN", "SCALED_GROUPED_MM", "fp8_grouped_gemm", "fp8_grouped_gemm_of_activation"]
 
 SCALED_GROUPED_MM = "scaled_grouped_mm"
 ALIGN = 16  # rows per expert, K and N: multiples of this for torch's fp8 grouped kernel (16-byte fp8 rows)
@@ -40,17 +55,45 @@ def fp8_grouped_gemm(
     *,
     backend: str | None = None,
     tail_rows: int | None = None,
+    wgrad_into: WgradInto | None = None,
 ) -> torch.Tensor:
     """``y[rows of e] = x[rows of e] @ w[e]^T`` with fp8 operands: ``x`` [T, K], ``w`` [E, N, K] -> [T, N].
 
     ``backend``: ``"scaled_grouped_mm"``, ``"reference"`` or ``None`` (CUDA -> scaled_grouped_mm).
     ``tail_rows``: at most that many last rows lie past ``offsets[-1]`` (``grouped_gemm``'s meaning): only those
     are zeroed in the outputs, not the whole tensor (``None``: any row may).
+    ``wgrad_into``: ``grouped_gemm``'s contract, the writer form excepted: ``(target, accumulate)`` stores the weight
+    gradient there (CUDA: the GEMM's bf16 product copied or added; the reference: each expert's fp32 product written
+    or added; not accumulating, every expert is written, zeros for one without rows, and the target is not read)
+    and returns none, ``None`` returns it. A writer function raises ``ValueError`` in backward: it would replace the
+    fp8 weight-gradient GEMM by the caller's own high-precision GEMMs.
     """
-    from mcore.kernels.grouped_gemm import _check, _tail
-
     _check(x, w, offsets)
-    return _Fp8GroupedGemm.apply(x, w, offsets, _choose(x, w, backend), _tail(tail_rows, x.shape[0]))
+    tail = _tail(tail_rows, x.shape[0])
+    return _Fp8GroupedGemm.apply(x, w, offsets, _choose(x, w, backend), tail, wgrad_into)
+
+
+def fp8_grouped_gemm_of_activation(
+    h: torch.Tensor,
+    w: torch.Tensor,
+    offsets: torch.Tensor,
+    activation: Callable[[torch.Tensor], torch.Tensor],
+    *,
+    backend: str | None = None,
+    tail_rows: int | None = None,
+    wgrad_into: WgradInto | None = None,
+) -> torch.Tensor:
+    """``fp8_grouped_gemm(activation(h), w, offsets)`` (same shapes, backends, ``tail_rows``, ``wgrad_into``) saving
+    ``h``, not the activation's output: backward recomputes it, for the weight gradient's fp8 operand and for the
+    activation's own backward, which gives ``h``'s gradient (``grouped_gemm_of_activation``'s contract)."""
+    if not isinstance(h, torch.Tensor) or h.dim() != 2:
+        got = getattr(h, "shape", h)
+        raise ValueError(f"fp8_grouped_gemm_of_activation: h must be a 2-D [rows, *] tensor, got {got}")
+    with torch.no_grad():
+        a = activation(h)  # quantized in forward, then dropped: only h is kept
+    _check(a, w, offsets)
+    tail = _tail(tail_rows, h.shape[0])
+    return _Fp8GroupedGemmOfActivation.apply(h, w, offsets, activation, _choose(a, w, backend), a, tail, wgrad_into)
 
 
 def _choose(x: torch.Tensor, w: torch.Tensor, backend: str | None) -> str:
@@ -130,12 +173,14 @@ def jagged_transpose_quantize(t: torch.Tensor, offsets: torch.Tensor, groups: to
     return tq.cast_grouped_columns(t, multiplier, groups, E4M3), scale
 
 
+def _expert_rows(offsets: torch.Tensor):
+    """``(expert, start, end)`` of every expert, those without rows included."""
+    ends = offsets.tolist()  # host sync: the reference only
+    return zip(range(len(ends)), [0, *ends[:-1]], ends)
+
+
 def _segments(offsets: torch.Tensor):
-    start = 0
-    for expert, end in enumerate(offsets.tolist()):  # host sync: the reference only
-        if end > start:
-            yield expert, start, end
-        start = end
+    return ((expert, start, end) for expert, start, end in _expert_rows(offsets) if end > start)
 
 
 def _deq(data: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -146,8 +191,6 @@ def _deq(data: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 def _grouped_2d_3d(qa: Quantized, qb: Quantized, offsets: torch.Tensor, backend: str, tail: int) -> torch.Tensor:
     """``out[rows of e] = a[rows of e] @ b[e]^T`` of row-quantized ``a`` [T, K] and ``b`` [E, N, K]: [T, N] fp32
     (reference) or bf16 (CUDA); rows of no expert (among the last ``tail``) are zero."""
-    from mcore.kernels.grouped_gemm import _zero_unused_rows_
-
     rows = qa.data.shape[0]
     if backend == SCALED_GROUPED_MM:
         out = torch._scaled_grouped_mm(
@@ -166,20 +209,70 @@ def _grouped_2d_3d(qa: Quantized, qb: Quantized, offsets: torch.Tensor, backend:
     return out
 
 
-def _weight_grad(dy, x, offsets, experts: int, backend: str) -> torch.Tensor:
-    """``dw[e] = dy[rows of e]^T @ x[rows of e]`` with jagged row-wise fp8 operands: [E, N, K]."""
+def _weight_grad(dy, x, offsets, experts: int, backend: str, into=None) -> torch.Tensor | None:
+    """``dw[e] = dy[rows of e]^T @ x[rows of e]`` with jagged row-wise fp8 operands: [E, N, K] (bf16 on CUDA, fp32
+    in the reference), or ``None`` when ``into`` (``(target, accumulate)``) took it."""
     groups = row_groups(offsets, x.shape[0])
     dy_t, dy_scale = jagged_transpose_quantize(dy, offsets, groups, backend)
     x_t, x_scale = jagged_transpose_quantize(x, offsets, groups, backend)
     if backend == SCALED_GROUPED_MM:  # dy_t [N, T16] and x_t [K, T16]: tokens padded to 16, past offsets[-1]
         scale_a, scale_b = dy_scale[:experts].reshape(-1), x_scale[:experts].reshape(-1)
-        return torch._scaled_grouped_mm(dy_t, x_t.t(), scale_a, scale_b, offs=offsets, out_dtype=torch.bfloat16)
-    dw = torch.zeros(experts, dy.shape[1], x.shape[1], dtype=torch.float32, device=x.device)
-    for expert, start, end in _segments(offsets):
+        dw = torch._scaled_grouped_mm(dy_t, x_t.t(), scale_a, scale_b, offs=offsets, out_dtype=torch.bfloat16)
+        return _store_weight_grad(dw, into)  # an expert without rows got zeros
+    # each expert's fp32 product goes straight where it belongs: the returned gradient or the caller's target
+    shape = (experts, dy.shape[1], x.shape[1])
+    target, accumulate = into or (torch.empty(shape, dtype=torch.float32, device=x.device), False)
+    for expert, start, end in _expert_rows(offsets):
+        if end == start:
+            if not accumulate:  # written, not read: an expert without rows gets zeros
+                target[expert].zero_()
+            continue
         a = dy_t[:, start:end].float() * dy_scale[expert].unsqueeze(1)
         b = x_t[:, start:end].float() * x_scale[expert].unsqueeze(1)
-        dw[expert] = a @ b.t()
-    return dw
+        grad = a @ b.t()
+        target[expert].add_(grad) if accumulate else target[expert].copy_(grad)
+    return None if into is not None else target
+
+
+def _wgrad_sink(ctx):
+    """``ctx.wgrad_into()`` checked: ``(target, accumulate)`` or ``None``; a writer is refused."""
+    into = _weight_grad_sink(ctx.wgrad_into, ctx.needs_input_grad[1], ctx.w_shape, "fp8_grouped_gemm")
+    if callable(into):
+        raise ValueError(
+            "fp8_grouped_gemm: wgrad_into gave a writer function, which would replace the fp8 weight-gradient GEMM "
+            "by the caller's high-precision GEMMs; give (target, accumulate) or None (e.g. expert_wgrad_into(w) "
+            "without host offsets)"
+        )
+    return into
+
+
+def _forward(ctx, keep, a, w, offsets, backend, tail, wgrad_into) -> torch.Tensor:
+    """The forward GEMM of ``a`` (the GEMM's input) and ``w``, saving ``keep`` (what ``a`` is, or is recomputed from),
+    the offsets and ``w^T``'s cast for the input gradient (when ``keep`` needs a gradient)."""
+    if ctx.needs_input_grad[0]:
+        qw, qw_t = quantize_expert_weights_dual(w, backend)
+    else:
+        qw, qw_t = quantize_expert_weights(w, transpose=False, backend=backend), None
+    ctx.save_for_backward(keep, offsets, *((qw_t.data, qw_t.scale) if qw_t is not None else (None, None)))
+    ctx.backend, ctx.tail, ctx.w_shape, ctx.w_dtype, ctx.wgrad_into = backend, tail, w.shape, w.dtype, wgrad_into
+    qa = quantize_fp8(a, E4M3, "row", backend=_cast_backend(backend))
+    return _grouped_2d_3d(qa, qw, offsets, backend, tail).to(a.dtype)
+
+
+def _backward(ctx, dy, a, offsets, wt_data, wt_scale):
+    """``(da, dw)`` of the GEMM whose input was ``a``; ``dw`` is ``None`` when ``wgrad_into`` took it."""
+    backend = ctx.backend
+    # rows past offsets[-1] need no masking here: their da rows are zeroed below and the weight gradient's
+    # jagged operands leave them out (scale group E, past the GEMM's last offset)
+    dy = dy.contiguous()
+    da = dw = None
+    if ctx.needs_input_grad[0]:
+        qdy = quantize_fp8(dy, E4M3, "row", backend=_cast_backend(backend))
+        da = _grouped_2d_3d(qdy, Quantized(wt_data, wt_scale, "row"), offsets, backend, ctx.tail).to(a.dtype)
+    if ctx.needs_input_grad[1]:
+        dw = _weight_grad(dy, a, offsets, ctx.w_shape[0], backend, _wgrad_sink(ctx))
+        dw = dw.to(ctx.w_dtype) if dw is not None else None
+    return da, dw
 
 
 class _Fp8GroupedGemm(torch.autograd.Function):
@@ -187,28 +280,32 @@ class _Fp8GroupedGemm(torch.autograd.Function):
     kept for the input gradient instead of ``w``), ``dy`` row-wise and jagged-transposed in backward."""
 
     @staticmethod
-    def forward(ctx, x, w, offsets, backend, tail):
-        need_w_t = ctx.needs_input_grad[0]
-        if need_w_t:
-            qw, qw_t = quantize_expert_weights_dual(w, backend)
-        else:
-            qw, qw_t = quantize_expert_weights(w, transpose=False, backend=backend), None
-        ctx.save_for_backward(x, offsets, *((qw_t.data, qw_t.scale) if qw_t is not None else (None, None)))
-        ctx.backend, ctx.tail, ctx.w_shape, ctx.w_dtype = backend, tail, w.shape, w.dtype
-        qx = quantize_fp8(x, E4M3, "row", backend=_cast_backend(backend))
-        return _grouped_2d_3d(qx, qw, offsets, backend, tail).to(x.dtype)
+    def forward(ctx, x, w, offsets, backend, tail, wgrad_into):
+        return _forward(ctx, x, x, w, offsets, backend, tail, wgrad_into)
 
     @staticmethod
     def backward(ctx, dy):
         x, offsets, wt_data, wt_scale = ctx.saved_tensors
-        backend = ctx.backend
-        # rows past offsets[-1] need no masking here: their dx rows are zeroed below and the weight gradient's
-        # jagged operands leave them out (scale group E, past the GEMM's last offset)
-        dy = dy.contiguous()
-        dx = dw = None
-        if ctx.needs_input_grad[0]:
-            qdy = quantize_fp8(dy, E4M3, "row", backend=_cast_backend(backend))
-            dx = _grouped_2d_3d(qdy, Quantized(wt_data, wt_scale, "row"), offsets, backend, ctx.tail).to(x.dtype)
-        if ctx.needs_input_grad[1]:
-            dw = _weight_grad(dy, x, offsets, ctx.w_shape[0], backend).to(ctx.w_dtype)
-        return dx, dw, None, None, None
+        dx, dw = _backward(ctx, dy, x, offsets, wt_data, wt_scale)
+        return dx, dw, None, None, None, None
+
+
+class _Fp8GroupedGemmOfActivation(torch.autograd.Function):
+    """``_Fp8GroupedGemm`` of ``activation(h)`` keeping ``h``: backward recomputes the activation (one elementwise
+    pass; bit-equal to forward's, so the same fp8 operand) and differentiates it for ``h``'s gradient."""
+
+    @staticmethod
+    def forward(ctx, h, w, offsets, activation, backend, a, tail, wgrad_into):
+        ctx.activation = activation
+        return _forward(ctx, h, a, w, offsets, backend, tail, wgrad_into)
+
+    @staticmethod
+    def backward(ctx, dy):
+        h, offsets, wt_data, wt_scale = ctx.saved_tensors
+        need_dh = ctx.needs_input_grad[0]
+        with torch.enable_grad():
+            h_leaf = h.detach().requires_grad_(need_dh)
+            a = ctx.activation(h_leaf)
+        da, dw = _backward(ctx, dy, a.detach(), offsets, wt_data, wt_scale)
+        dh = torch.autograd.grad(a, h_leaf, da)[0] if need_dh else None
+        return dh, dw, None, None, None, None, None, None

@@ -164,14 +164,21 @@ def _grouped_mm_backward(dy, x, w, offsets, need_dx, need_dw, tail, into=None):
         into(dy, x)  # the caller's GEMMs take the weight gradient
     elif need_dw:
         dw = torch._grouped_mm(dy.t(), x, offs=offsets)  # [E, M, K]; an expert without rows gets zeros
-        if into is not None:
-            target, accumulate = into
-            target.add_(dw) if accumulate else target.copy_(dw)  # copy: the target is not read
-            dw = None
+        dw = _store_weight_grad(dw, into)
     return dx, dw
 
 
-def _weight_grad_sink(wgrad_into: WgradInto | None, need_dw: bool, w: torch.Tensor):
+def _store_weight_grad(dw: torch.Tensor, into: tuple[torch.Tensor, bool] | None) -> torch.Tensor | None:
+    """``dw`` (every expert's, zeros for one without rows) copied into ``into``'s target (the target is not read) or
+    added to it, then ``None``; ``dw`` itself without a target."""
+    if into is None:
+        return dw
+    target, accumulate = into
+    target.add_(dw) if accumulate else target.copy_(dw)
+    return None
+
+
+def _weight_grad_sink(wgrad_into: WgradInto | None, need_dw: bool, w_shape, caller: str = "grouped_gemm"):
     """``wgrad_into()`` checked (called only when ``w`` needs a gradient): a target tuple, a writer, or ``None``."""
     if wgrad_into is None or not need_dw:
         return None
@@ -179,9 +186,10 @@ def _weight_grad_sink(wgrad_into: WgradInto | None, need_dw: bool, w: torch.Tens
     if into is None or callable(into):
         return into
     target, accumulate = into
-    if not isinstance(target, torch.Tensor) or tuple(target.shape) != tuple(w.shape) or not target.is_floating_point():
+    shape = tuple(w_shape)
+    if not isinstance(target, torch.Tensor) or tuple(target.shape) != shape or not target.is_floating_point():
         got = tuple(target.shape) if isinstance(target, torch.Tensor) else type(target).__name__
-        raise ValueError(f"grouped_gemm: wgrad_into must give a float tensor of w's shape {tuple(w.shape)}, got {got}")
+        raise ValueError(f"{caller}: wgrad_into must give a float tensor of w's shape {shape}, got {got}")
     return target, bool(accumulate)
 
 
@@ -197,7 +205,7 @@ class _GroupedGemm(torch.autograd.Function):
     def backward(ctx, dy):
         x, w, offsets = ctx.saved_tensors
         need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        into = _weight_grad_sink(ctx.wgrad_into, need_dw, w)
+        into = _weight_grad_sink(ctx.wgrad_into, need_dw, w.shape)
         backward_fn = _grouped_mm_backward if ctx.backend == GROUPED_MM else _reference_backward
         dx, dw = backward_fn(dy, x, w, offsets, need_dx, need_dw, ctx.tail, into)
         return dx, dw, None, None, None, None
@@ -242,7 +250,7 @@ class _GroupedGemmOfActivation(torch.autograd.Function):
         with torch.enable_grad():
             h_leaf = h.detach().requires_grad_(need_dh)
             a = ctx.activation(h_leaf)  # the recompute: one elementwise pass over h
-        into = _weight_grad_sink(ctx.wgrad_into, need_dw, w)
+        into = _weight_grad_sink(ctx.wgrad_into, need_dw, w.shape)
         backward_fn = _grouped_mm_backward if ctx.backend == GROUPED_MM else _reference_backward
         da, dw = backward_fn(dy, a.detach(), w, offsets, need_dh, need_dw, ctx.tail, into)
         dh = torch.autograd.grad(a, h_leaf, da)[0] if need_dh else None

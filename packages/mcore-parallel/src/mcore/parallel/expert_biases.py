@@ -129,8 +129,8 @@ class BiasedGroupedExperts(GroupedExperts):
             host = host_offsets or HostOffsets.start(offsets)
             if self.gemm == "per_expert":
                 bounds = host.bounds()  # the host sync of this mode
-        if fp8 is not None:
-            h = fp8(x, self.gate_up, offsets, tail_rows=tail_rows)
+        if fp8 is not None:  # fp8 grouped GEMMs whatever expert_gemm says: the weight gradients as in grouped
+            h = fp8.gemm(x, self.gate_up, offsets, tail_rows=tail_rows, wgrad_into=expert_wgrad_into(self.gate_up))
         elif bounds is not None:
             h = per_expert_linear(x, self.gate_up, bounds)
         else:  # grouped_fp32_wgrad: the weight gradients per expert from ``host`` in backward
@@ -142,7 +142,8 @@ class BiasedGroupedExperts(GroupedExperts):
         activation = swiglu if self.activation is None else partial(clamped_swiglu, alpha=self.activation[0],
                                                                         limit=self.activation[1])  # fmt: skip
         if fp8 is not None:
-            y = fp8(activation(h), self.down, offsets, tail_rows=tail_rows)
+            into = expert_wgrad_into(self.down)
+            y = fp8.of_activation(h, self.down, offsets, activation, tail_rows=tail_rows, wgrad_into=into)
         elif bounds is not None:  # the activation's output ([rows, F/etp]) is recomputed in backward, not kept
             y = per_expert_linear_of_activation(h, self.down, bounds, activation)
         else:

@@ -26,6 +26,7 @@ Rows at or past the last expert's end are zero in the outputs and get no gradien
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -33,12 +34,23 @@ from mcore.parallel.param_attrs import mark_wgrad_in_main_grad, take_wgrad_targe
 from mcore.parallel.tensor_parallel import accumulate_weight_grad_, write_weight_grad_
 
 __all__ = [
+    "ExpertGemms",
     "HostOffsets",
     "expert_bounds",
     "expert_wgrad_into",
     "per_expert_linear",
     "per_expert_linear_of_activation",
 ]
+
+
+@dataclass(frozen=True)
+class ExpertGemms:
+    """A grouped GEMM of the experts and its form that keeps the activation's input (``grouped_gemm`` and
+    ``grouped_gemm_of_activation``'s signatures, ``tail_rows`` and ``wgrad_into`` included): what
+    ``GroupedExperts.low_precision`` holds (``mcore.parallel.low_precision``'s fp8 GEMMs), ``None`` for bf16."""
+
+    gemm: Callable[..., torch.Tensor]
+    of_activation: Callable[..., torch.Tensor]
 
 
 def expert_bounds(offsets: torch.Tensor) -> list[tuple[int, int]]:

@@ -39,6 +39,7 @@ from mcore.kernels.moe import (
 from mcore.parallel.comm import group_rank, group_size
 from mcore.parallel.expert_dispatch import DISPATCHERS, AllGatherDispatcher, AllToAllDispatcher
 from mcore.parallel.expert_gemm import (
+    ExpertGemms,
     HostOffsets,
     expert_wgrad_into,
     per_expert_linear,
@@ -225,8 +226,8 @@ class GroupedExperts(nn.Module):
         set_tensor_parallel_attributes(self.down, tensor_parallel=etp > 1, partition_dim=2)
         for p in (self.input_weight, self.down):
             p.expert_parallel = True
-        # an fp8 grouped GEMM with grouped_gemm's signature, set by mcore.parallel.low_precision (None: bf16)
-        self.low_precision = None
+        # fp8 grouped GEMMs, set by mcore.parallel.low_precision (None: bf16); they replace every expert_gemm mode
+        self.low_precision: ExpertGemms | None = None
 
     @property
     def input_weight(self) -> nn.Parameter:
@@ -258,7 +259,8 @@ class GroupedExperts(nn.Module):
     @property
     def wants_host_offsets(self) -> bool:
         """Whether forward needs the offsets on the host (per-expert GEMMs): the dispatcher then starts their copy
-        early and passes ``host_offsets``."""
+        early and passes ``host_offsets``. Never with fp8 experts: their grouped GEMMs read the offsets on the
+        device."""
         return self.gemm in ("per_expert", PER_EXPERT_WGRAD) and self.low_precision is None
 
     def forward(
@@ -273,9 +275,13 @@ class GroupedExperts(nn.Module):
         here)."""
         w_in, act = self.input_weight, self.activation_fn
         rows = rows.to(w_in.dtype)
-        if self.low_precision is not None:  # fp8 experts (mcore.parallel.low_precision): both GEMMs quantized
-            h = self.low_precision(rows, w_in, offsets, tail_rows=tail_rows)
-            return self.low_precision(act(h), self.down, offsets, tail_rows=tail_rows)
+        if self.low_precision is not None:
+            # fp8 experts (mcore.parallel.low_precision): both GEMMs quantized, weight gradients into main_grad and
+            # the activation recomputed as in the grouped mode below; the expert_gemm mode does not apply (fp8
+            # grouped GEMMs only: no per-expert GEMMs, no host offsets)
+            fp8, into = self.low_precision, expert_wgrad_into(self.down)
+            h = fp8.gemm(rows, w_in, offsets, tail_rows=tail_rows, wgrad_into=expert_wgrad_into(w_in))
+            return fp8.of_activation(h, self.down, offsets, act, tail_rows=tail_rows, wgrad_into=into)
         if self.gemm == "per_expert":
             bounds = (host_offsets or HostOffsets.start(offsets)).bounds()  # the host sync of this mode
             h = per_expert_linear(rows, w_in, bounds)

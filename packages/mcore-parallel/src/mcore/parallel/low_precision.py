@@ -33,10 +33,11 @@ from dataclasses import dataclass
 import torch.distributed as dist
 from torch import nn
 
-from mcore.kernels.fp8_grouped_gemm import ALIGN, fp8_grouped_gemm
+from mcore.kernels.fp8_grouped_gemm import ALIGN, fp8_grouped_gemm, fp8_grouped_gemm_of_activation
 from mcore.kernels.fp8_weight_cache import WeightCastCache
 from mcore.kernels.low_precision_linear import FP8_RECIPES, LowPrecisionLinear, Recipe, recipe_shape_problem
 from mcore.parallel.comm import group_size
+from mcore.parallel.expert_gemm import ExpertGemms
 from mcore.parallel.expert_parallel import MoELayer
 from mcore.parallel.param_attrs import mark_wgrad_in_main_grad, take_wgrad_target
 from mcore.parallel.tensor_parallel import ColumnParallelLinear, RowParallelLinear
@@ -44,6 +45,8 @@ from mcore.parallel.tensor_parallel import ColumnParallelLinear, RowParallelLine
 __all__ = ["LayerDecision", "Recipe", "WeightCastCache", "disable_low_precision", "enable_low_precision", "tp_reduce"]
 
 logger = logging.getLogger("mcore.parallel")
+# the experts' row-wise fp8 GEMMs: the input projection, and the down projection of the activation (recomputed)
+FP8_EXPERT_GEMMS = ExpertGemms(fp8_grouped_gemm, fp8_grouped_gemm_of_activation)
 MISMATCH_POLICIES = ("error", "fallback")
 BACKENDS = ("mcore", "te")
 
@@ -197,7 +200,9 @@ def _enable_fp8_experts(model, recipe, backend, keep, min_features, on_mismatch,
             decisions.append(LayerDecision(name, None, reason))
             logger.info("low precision: %s stays in high precision: %s", name, reason)
             continue
-        layer.experts.low_precision = fp8_grouped_gemm
+        layer.experts.low_precision = FP8_EXPERT_GEMMS
+        if layer.experts.gemm != "grouped":
+            logger.info("low precision: %s runs fp8 grouped GEMMs, not expert_gemm=%s", name, layer.experts.gemm)
         align = math.lcm(layer.config.align, ALIGN)
         if align != layer.config.align:
             layer.config = dataclasses.replace(layer.config, align=align)
