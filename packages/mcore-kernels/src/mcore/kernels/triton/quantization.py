@@ -298,6 +298,10 @@ def _jagged_column_amax_kernel(X, ENDS, AMAX, n_cols, stride_xr, BLOCK_R: tl.con
     tl.store(AMAX + expert.to(tl.int64) * n_cols + cols, amax, mask=cmask)
 
 
+# (rows a step, columns a program, warps) of the jagged column amax: a module constant so that a sweep can time others
+JAGGED_AMAX_TILE = (32, 128, 4)
+
+
 def jagged_column_amax(x: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     """``[E + 1, C]`` fp32: the column amax of each expert's rows of ``x`` [T, C] (row ``E``, no expert: zeros)."""
     rows, cols = x.shape
@@ -307,6 +311,8 @@ def jagged_column_amax(x: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
         return out
     if x.stride(1) != 1:
         x = x.contiguous()
-    grid = (experts, triton.cdiv(cols, 128))
-    _jagged_column_amax_kernel[grid](x, offsets, out, cols, x.stride(0), BLOCK_R=32, BLOCK_C=128, num_warps=4)
+    block_r, block_c, warps = JAGGED_AMAX_TILE
+    grid = (experts, triton.cdiv(cols, block_c))
+    _jagged_column_amax_kernel[grid](x, offsets, out, cols, x.stride(0), BLOCK_R=block_r, BLOCK_C=block_c,
+                                     num_warps=warps)  # fmt: skip
     return out
