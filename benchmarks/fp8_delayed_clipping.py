@@ -5,7 +5,9 @@ Delayed scaling (``fp8.recipe=delayed``) scales each tensor by an amax from earl
 amax is larger, every element above the scale's amax saturates to the fp8 maximum: the cast clips. Current
 scaling never does. This trains one configuration of ``low_precision_convergence.py`` (a delayed one) and counts,
 for the activations ``x``, weights ``w`` and gradients ``g`` of every fp8 linear, the casts that clipped and by how
-much (own amax / scale amax), over the whole run and over its second half.
+much (own amax / scale amax), over the whole run and over its second half. With ``fp8.delayed_overflow=recast``
+(``--config fp8-delayed-recast``) a cast that overflowed is cast again from its own amax: the table counts those
+as ``recast``, and ``clipped`` (what still saturated) must be 0.
 
 The counting wraps ``AmaxHistory.quantize`` (the library has no hook for it); it reads one scalar per cast back to
 the host, so step times here are not the recipe's.
@@ -38,13 +40,15 @@ OPERANDS = ("x", "w", "g")
 
 
 @contextmanager
-def recording_casts() -> Iterator[dict[str, list[tuple[float, float]]]]:
-    """Within the block, every delayed cast appends ``(scale amax, own amax)`` under its operand (``x``, ``w``,
-    ``g``); the first cast of a history (no earlier amax: current scaling) is left out."""
+def recording_casts() -> Iterator[dict[str, list[tuple[float, float, bool]]]]:
+    """Within the block, every delayed cast appends ``(scale amax, own amax, recast)`` under its operand (``x``,
+    ``w``, ``g``); ``recast``: the scale the cast returned is not the one of the history's amax (the recast of
+    ``delayed_overflow=recast`` replaced it). The first cast of a history (current scaling) is left out."""
     from mcore.kernels.fp8_delayed import AmaxHistory
     from mcore.kernels.low_precision_linear import LowPrecisionLinear
+    from mcore.kernels.quantization import FP8_MAX, scale_from_amax
 
-    records: dict[str, list[tuple[float, float]]] = defaultdict(list)
+    records: dict[str, list[tuple[float, float, bool]]] = defaultdict(list)
     original_init, original_quantize = LowPrecisionLinear.__init__, AmaxHistory.quantize
 
     def init(self, *args, **kwargs):
@@ -57,7 +61,9 @@ def recording_casts() -> Iterator[dict[str, list[tuple[float, float]]]]:
         slot = self.count % self.slots  # where this call records its own amax
         pair = original_quantize(self, t, dtype, **kwargs)
         if used is not None:
-            records[getattr(self, "operand", "?")].append((float(used), float(self.history[slot])))
+            # judged from the scale returned, not from the mode: a recast that did not happen counts as a clip
+            recast = float(pair[0].scale) != float(scale_from_amax(used, FP8_MAX[dtype])[1])
+            records[getattr(self, "operand", "?")].append((float(used), float(self.history[slot]), recast))
         return pair
 
     LowPrecisionLinear.__init__, AmaxHistory.quantize = init, quantize
@@ -67,20 +73,24 @@ def recording_casts() -> Iterator[dict[str, list[tuple[float, float]]]]:
         LowPrecisionLinear.__init__, AmaxHistory.quantize = original_init, original_quantize
 
 
-def clipping_stats(pairs: list[tuple[float, float]]) -> dict[str, Any]:
-    """Casts, how many clipped (own amax above the scale's), and the clipped ones' ratios own / scale amax."""
-    ratios = sorted(own / used for used, own in pairs if used > 0 and own > used)
-    casts = sum(1 for used, _ in pairs if used > 0)
+def clipping_stats(records: list[tuple]) -> dict[str, Any]:
+    """Of ``(scale amax, own amax[, recast])`` records: the casts, how many were recast, how many clipped (own
+    amax above the scale's and not recast), and the ratios own / scale amax of the ones that overflowed the
+    history's amax (clipped or recast: with saturation those are the clipped ones)."""
+    records = [(used, own, bool(rest and rest[0])) for used, own, *rest in records if used > 0]
+    ratios = sorted(own / used for used, own, _ in records if own > used)
+    clipped = sum(1 for used, own, recast in records if own > used and not recast)
     return {
-        "casts": casts,
-        "clipped": len(ratios),
-        "clipped_fraction": len(ratios) / casts if casts else 0.0,
+        "casts": len(records),
+        "recast": sum(1 for *_, recast in records if recast),
+        "clipped": clipped,
+        "clipped_fraction": clipped / len(records) if records else 0.0,
         "median_ratio": statistics.median(ratios) if ratios else None,
         "max_ratio": ratios[-1] if ratios else None,
     }
 
 
-def summarize(records: dict[str, list[tuple[float, float]]]) -> dict[str, dict[str, Any]]:
+def summarize(records: dict[str, list[tuple[float, float, bool]]]) -> dict[str, dict[str, Any]]:
     """Per operand: the whole run's statistics and the second half's (the casts in call order)."""
     out = {}
     for operand in OPERANDS:
@@ -96,13 +106,15 @@ def render(data: dict[str, Any]) -> str:
     rows = []
     for operand, parts in data["operands"].items():
         for part, s in parts.items():
-            rows.append([operand, part, s["casts"], s["clipped"], f"{100 * s['clipped_fraction']:.1f}%",
+            rows.append([operand, part, s["casts"], s["recast"], s["clipped"], f"{100 * s['clipped_fraction']:.1f}%",
                          fmt(s["median_ratio"]), fmt(s["max_ratio"])])  # fmt: skip
     head = (
         f"# Delayed fp8 scaling: clipped casts ({data['config']}, model {data['model']}, {data['steps']} steps, "
         f"seed {data['seed']}, {data['device']}; final loss {data['final_loss']:.4f})\n\n"
+        "recast: cast again from the own amax (delayed_overflow=recast); clipped: saturated (own amax above the "
+        "scale's, not recast); ratios: of the casts whose own amax exceeded the history's\n\n"
     )
-    columns = ["operand", "part", "casts", "clipped", "share", "median own/scale amax", "max own/scale amax"]
+    columns = ["operand", "part", "casts", "recast", "clipped", "share", "median own/scale amax", "max own/scale amax"]
     return head + markdown_table(columns, rows) + "\n"
 
 

@@ -63,6 +63,8 @@ CONFIGS: dict[str, list[str]] = {
     "fp8-delayed-first-last-bf16": ["train.precision=fp8", "fp8.recipe=delayed", FIRST_LAST_BF16],
     # the scale from the previous step's amax alone (Transformer Engine's "most_recent"), not the max of 16
     "fp8-delayed-most-recent": ["train.precision=fp8", "fp8.recipe=delayed", "fp8.amax_compute=most_recent"],
+    # a tensor whose amax outgrew its history cast again with its own amax (current scaling) instead of saturating
+    "fp8-delayed-recast": ["train.precision=fp8", "fp8.recipe=delayed", "fp8.delayed_overflow=recast"],
     "fp8-rowwise": ["train.precision=fp8", "fp8.recipe=rowwise"],
     "fp8-blockwise": ["train.precision=fp8", "fp8.recipe=blockwise"],
     # e5m2 gradients: cuBLAS's block-scaled GEMMs refuse them, mcore's Triton block-scaled GEMM runs them

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from mcore.kernels.fp8_casts import quantize_dual
 from mcore.kernels.fp8_delayed import AmaxHistory
 from mcore.kernels.quantization import E4M3, E5M2, FP8_MAX, quantize_fp8, scale_from_amax
 
@@ -76,3 +77,125 @@ def test_bad_history_arguments():
         AmaxHistory(0, "max")
     with pytest.raises(ValueError, match="compute must be one of"):
         AmaxHistory(4, "mean")
+    with pytest.raises(ValueError, match=r"overflow must be one of \('saturate', 'recast'\), got 'clip'"):
+        AmaxHistory(4, "max", "clip")
+
+
+# ------------------------------------------------------------------------------ overflow="recast"
+def _bits(q):
+    return q.data.cpu().view(torch.uint8), q.scale.reshape(()).cpu()
+
+
+def _same(got, want) -> bool:
+    """The same fp8 bytes and scale bits (``None`` matches ``None``: no transpose asked)."""
+    if got is None or want is None:
+        return got is want
+    (data, scale), (ref_data, ref_scale) = _bits(got), _bits(want)
+    return torch.equal(data, ref_data) and torch.equal(scale, ref_scale)
+
+
+def _current(x, dtype, transposed, amax=None):
+    """The current-scaling cast (from ``amax``, default the measured one), on the torch path."""
+    amax = None if amax is None else amax.reshape(()).cpu()
+    return quantize_dual(x.cpu(), dtype, "tensor", transposed=transposed, amax=amax, backend="reference")
+
+
+def _with_amax(gen, shape, amax: float, device) -> torch.Tensor:
+    """Fresh normal values scaled so that their max |x| is exactly ``amax`` (a power of two: exact in bf16)."""
+    x = torch.randn(*shape, generator=gen)
+    return (x / x.abs().max() * amax).to(torch.bfloat16).to(device)
+
+
+def _error(q, x) -> float:
+    """The largest error of the dequantized ``q`` against ``x``."""
+    return (q.data.float().cpu() * q.scale.cpu() - x.float().cpu()).abs().max().item()
+
+
+BACKENDS = [("reference", None), ("triton", "interpreter")]
+
+
+def _device(request, fixture):
+    return torch.device("cpu") if fixture is None else request.getfixturevalue(fixture)
+
+
+@pytest.mark.parametrize("backend, fixture", BACKENDS)
+@pytest.mark.parametrize("transposed", [True, False])
+@pytest.mark.parametrize("dtype, compute", [(E4M3, "max"), (E5M2, "most_recent")])
+def test_recast_of_a_doubling_tensor_is_the_current_scaling_cast(request, backend, fixture, transposed, dtype, compute):
+    """The amax doubles every call, so every delayed cast after the first overflows: saturated, the elements above
+    half the amax clip (errors up to half the amax); recast, none does (every error within half an fp8 step of the
+    top binade), and data and scale are the current-scaling cast's, bit for bit."""
+    device = _device(request, fixture)
+    gen = torch.Generator().manual_seed(int(torch.randint(1 << 30, ())))
+    mbits = {E4M3: 3, E5M2: 2}[dtype]
+    saturate, recast = AmaxHistory(3, compute), AmaxHistory(3, compute, overflow="recast")
+    for i in range(5):
+        amax = 2.0**i
+        x = _with_amax(gen, (70, 90), amax, device)
+        q, q_t = recast.quantize(x, dtype, transposed=transposed, backend=backend)
+        sat, _ = saturate.quantize(x, dtype, transposed=transposed, backend=backend)
+        want, want_t = _current(x, dtype, transposed)
+        assert _same(q, want) and _same(q_t, want_t), i
+        assert _error(q, x) <= amax * 2.0 ** -(mbits + 1) * (1 + 1e-6), i  # rounding only: nothing saturated
+        if i:
+            assert _error(sat, x) > amax / 4, i  # saturated at the history's amax, half of this one
+    assert torch.equal(recast.history, saturate.history)
+
+
+@pytest.mark.parametrize("backend, fixture", BACKENDS)
+@pytest.mark.parametrize("dtype, compute", [(E4M3, "max"), (E5M2, "most_recent"), (E5M2, "max")])
+def test_recast_follows_saturate_where_nothing_overflows_and_keeps_the_ring(request, backend, fixture, dtype, compute):
+    """Amaxes rising and falling: a cast whose own amax stays within the history's is the plain delayed cast, one
+    that exceeds it the current-scaling cast; the ring (history contents and count) is the same in both modes."""
+    device = _device(request, fixture)
+    gen = torch.Generator().manual_seed(int(torch.randint(1 << 30, ())))
+    saturate, recast = AmaxHistory(2, compute), AmaxHistory(2, compute, overflow="recast")
+    overflowed = []
+    # 3, 0, 1: the last one exceeds the most recent amax but not the max of two
+    for i, exponent in enumerate([0, -1, -3, 2, 1, 3, 0, 1, -2, 4]):
+        x = _with_amax(gen, (48, 80), 2.0**exponent, device)
+        used = recast.scale_amax()
+        pair = recast.quantize(x, dtype, transposed=i % 2 == 0, backend=backend)
+        plain = saturate.quantize(x, dtype, transposed=i % 2 == 0, backend=backend)
+        over = used is not None and 2.0**exponent > used.item()
+        want = _current(x, dtype, i % 2 == 0) if over else plain
+        assert all(_same(g, w) for g, w in zip(pair, want, strict=True)), (i, over)
+        assert torch.equal(recast.history, saturate.history) and recast.count == saturate.count == i + 1
+        overflowed.append(over)
+    assert 2 < sum(overflowed) < len(overflowed) - 2  # both kinds of call were tested
+
+
+@pytest.mark.parametrize("backend, fixture", BACKENDS)
+def test_recast_decides_on_the_reduced_amax(request, backend, fixture):
+    """Tensor parallelism: ``reduce`` max-es the record with another rank's amax. A local amax that never grows
+    is recast when the other rank's grows (from the reduced amax); one that grows is not when the other rank's is
+    larger still (the plain delayed cast)."""
+    device = _device(request, fixture)
+    gen = torch.Generator().manual_seed(int(torch.randint(1 << 30, ())))
+
+    other_rank = {}
+    reduce = lambda t: t.clamp_(min=other_rank["amax"])  # noqa: E731  (the MAX all-reduce with that rank's amax)
+    for local, other, recast_expected in (([1.0] * 4, [1.0, 3.0, 9.0, 27.0], True), ([1, 2, 4, 8], [64.0] * 4, False)):
+        history = AmaxHistory(2, "max", overflow="recast")
+        for i, (mine, theirs) in enumerate(zip(local, other, strict=True)):
+            other_rank["amax"] = theirs
+            x = _with_amax(gen, (40, 64), float(mine), device)
+            q, q_t = history.quantize(x, E4M3, transposed=True, reduce=reduce, backend=backend)
+            reduced = torch.tensor(max(mine, theirs))
+            assert history.history[history.count - 1].item() == reduced.item()  # the record holds the reduced amax
+            amax = reduced if recast_expected or i == 0 else torch.tensor(64.0)
+            want, want_t = _current(x, E4M3, True, amax)
+            assert _same(q, want) and _same(q_t, want_t), (recast_expected, i)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("compute", ["max", "most_recent"])
+def test_cuda_recast_is_the_reference_bits(cuda_triton, compute):
+    gen = torch.Generator().manual_seed(7)
+    got_history, want_history = AmaxHistory(4, compute, "recast"), AmaxHistory(4, compute, "recast")
+    for exponent in [0, 1, -1, 3, 2, 5, -4]:
+        x = _with_amax(gen, (300, 520), 2.0**exponent, torch.device("cpu"))
+        got = got_history.quantize(x.to(cuda_triton), E4M3, transposed=True)
+        want = want_history.quantize(x, E4M3, transposed=True, backend="reference")
+        assert all(_same(g, w) for g, w in zip(got, want, strict=True)), exponent
+    assert torch.equal(got_history.history.cpu(), want_history.history)

@@ -218,6 +218,20 @@ def test_delayed_scaling_lags_by_one_call():
     assert err > 0.5
 
 
+def test_delayed_recast_follows_an_input_that_outgrew_its_history():
+    """The same jump with ``delayed_overflow="recast"``: the large input is cast again from its own amax, so the
+    output is the current-scaling one's (fp8 rounding only); every operand's history is told to recast."""
+    layer = LowPrecisionLinear(Recipe("delayed", amax_history_len=1, delayed_overflow="recast"))
+    current = LowPrecisionLinear(Recipe("tensorwise", grad_format="e5m2"))
+    assert {h.overflow for h in layer.histories.values()} == {"recast"}
+    w = torch.randn(16, 32)
+    layer(torch.randn(4, 32), w)
+    big = torch.randn(4, 32) * 1000
+    assert torch.equal(layer(big, w), current(big, w))
+    err = (layer(big, w) - big @ w.t()).norm() / (big @ w.t()).norm()
+    assert err < 0.1
+
+
 @pytest.mark.parametrize(
     "recipe, shape, rule",
     [
@@ -241,6 +255,11 @@ def test_bad_recipe_fields():
         Recipe("rowwise", grad_format="e4m4")
     with pytest.raises(ValueError, match="amax_history_len"):
         Recipe("delayed", amax_history_len=0)
+    with pytest.raises(ValueError, match=r"Recipe.delayed_overflow must be one of \('saturate', 'recast'\), got 'x'"):
+        Recipe("delayed", delayed_overflow="x")
+    with pytest.raises(ValueError, match="delayed_overflow='recast' applies to the 'delayed' recipe only.*'rowwise'"):
+        Recipe("rowwise", delayed_overflow="recast")
+    assert Recipe().delayed_overflow == "saturate"
     # gradient formats by default: e5m2 under a delayed (history) scale, e4m3 where the tensor's own amax scales it
     assert [Recipe(n).grad_format for n in FP8_RECIPES] == ["e4m3", "e5m2", "e4m3", "e4m3"]
     with pytest.raises(ValueError, match="does not match weight"):

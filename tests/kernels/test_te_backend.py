@@ -19,6 +19,15 @@ def test_recipes_without_a_te_counterpart_name_the_alternative():
     check_te_recipe(None)
 
 
+def test_delayed_recast_has_no_te_mode():
+    """TE's delayed scaling always saturates: recast is refused (before TE is imported), naming the key."""
+    recast = Recipe("delayed", delayed_overflow="recast")
+    for call in (check_te_recipe, TELinear):
+        with pytest.raises(ValueError, match="no delayed_overflow='recast' mode \\(fp8.delayed_overflow.*=saturate"):
+            call(recast)
+    check_te_recipe(Recipe("delayed"))
+
+
 @pytest.mark.skipif(te_available(), reason="transformer_engine is installed")
 def test_without_te_the_request_says_how_to_install_it():
     with pytest.raises(RuntimeError, match=r"needs NVIDIA Transformer Engine \(pip install 'mcore-kernels\[te\]'"):

@@ -45,6 +45,20 @@ def test_config_sections_and_their_errors():
         load_config(None, ["fp4.min_features=-1"])
     assert load_config(None, ["fp8.recipe=blockwise", "fp8.grad_format=e5m2"]).fp8.to_recipe().grad_format == "e5m2"
     assert recipe.fast_accum and not load_config(None, ["fp8.fast_accum=false"]).fp8.to_recipe().fast_accum
+    recast = load_config(None, ["fp8.recipe=delayed", "fp8.delayed_overflow=recast"]).fp8.to_recipe()
+    assert recast.delayed_overflow == "recast" and load_config(None, []).fp8.to_recipe().delayed_overflow == "saturate"
+    with pytest.raises(UserError, match="fp8.delayed_overflow"):
+        load_config(None, ["fp8.delayed_overflow=clip"])
+
+
+def test_delayed_overflow_recast_outside_its_recipe_or_on_te_is_one_clear_error():
+    for extra, message in (
+        (["fp8.recipe=tensorwise"], "fp8.recipe=tensorwise: .*delayed_overflow='recast' applies to the 'delayed'"),
+        (["fp8.recipe=delayed", "kernels.backend=te"], "no delayed_overflow='recast' mode \\(fp8.delayed_overflow"),
+    ):
+        config = load_config(None, [*TINY, "train.precision=fp8", "fp8.delayed_overflow=recast", *extra])
+        with pytest.raises(UserError, match=message):
+            Trainer(config, init_runtime(config))
 
 
 def test_trainer_quantizes_the_tp_linears_but_the_kept_ones():
@@ -287,5 +301,7 @@ def test_every_convergence_configuration_is_a_valid_config(capsys):
     first_last = build_spec("fp8-blockwise-first-last-bf16", 6, "cuda", "medium", None)
     keep = load_config(None, first_last.overrides, default_model=first_last.model).fp8.keep
     assert expand_patterns(keep, 8) == ["output", "layers.0.*", "layers.7.*"]
+    recast = load_config(None, [*TINY, *CONFIGS["fp8-delayed-recast"]]).fp8.to_recipe()
+    assert (recast.name, recast.delayed_overflow) == ("delayed", "recast")
     states = load_config(None, [*TINY, *CONFIGS["bf16-optimizer-states"]]).optim
     assert (states.main_grads_dtype, states.exp_avg_dtype, states.exp_avg_sq_dtype) == ("bf16", "bf16", "bf16")

@@ -16,6 +16,13 @@ max, a zeroed scalar, its reset and an indexed copy), host time that left the GP
 The first call has no history: it measures the amax first (current scaling) and records it. Under tensor
 parallelism ``reduce`` (a MAX all-reduce over the ranks sharing the tensor) is applied to the recorded slot in
 place, so every rank's history holds the group's amax (the first call's scale uses the reduced amax as well).
+
+Overflow: where a tensor's own amax exceeds the one its scale came from, every element above the scale's amax
+saturates to the fp8 maximum (``overflow="saturate"``, the default and Transformer Engine's behaviour).
+``overflow="recast"`` casts such a tensor again, after the reduction (every rank decides on the same reduced amax),
+with current scaling from its recorded amax: the same bits as a current-scaling cast from that amax, and the plain
+delayed cast when it did not overflow. On CUDA the decision stays on the device (``quant_fused.delayed_recast``:
+one more pass over the tensor only when it overflowed); the torch path reads the two amaxes back to the host.
 """
 
 from __future__ import annotations
@@ -27,17 +34,20 @@ from mcore.kernels.fp8_casts import quantize_dual
 from mcore.kernels.quantization import AmaxReduce, Quantized
 
 COMPUTES = ("max", "most_recent")
+OVERFLOWS = ("saturate", "recast")
 
 
 class AmaxHistory:
     """Delayed scaling state of one operand: the last ``length`` amaxes, on the device."""
 
-    def __init__(self, length: int, compute: str) -> None:
+    def __init__(self, length: int, compute: str, overflow: str = "saturate") -> None:
         if length < 1:
             raise ValueError(f"AmaxHistory: length must be >= 1, got {length}")
         if compute not in COMPUTES:
             raise ValueError(f"AmaxHistory: compute must be one of {COMPUTES}, got {compute!r}")
-        self.length, self.compute = length, compute
+        if overflow not in OVERFLOWS:
+            raise ValueError(f"AmaxHistory: overflow must be one of {OVERFLOWS}, got {overflow!r}")
+        self.length, self.compute, self.overflow = length, compute, overflow
         self.history: torch.Tensor | None = None  # [length + 2] fp32 ring, created on the first record's device
         self.count = 0
 
@@ -87,27 +97,52 @@ class AmaxHistory:
         backend: str | None = None,
     ) -> tuple[Quantized, Quantized | None]:
         """``(q, q_t)`` of the 2-D ``t`` (``fp8_casts.quantize_dual`` at ``tensor``) scaled by the history, this
-        call's amax recorded (reduced by ``reduce``); the first call measures its own amax first."""
+        call's amax recorded (reduced by ``reduce``); the first call measures its own amax first. With
+        ``overflow="recast"`` a tensor whose (reduced) amax exceeds the history's is cast again from it."""
         history = self._buffer(t.device)
-        slot, nxt, recent = self._ring()
+        slot, nxt, _ = self._ring()
         record = history[slot : slot + 1]
         if self.count == 0:  # no history: current scaling, this amax recorded
             pair = quantize_dual(t, dtype, "tensor", transposed=transposed, reduce_q=reduce, amax_out=record,
                                  backend=backend)  # fmt: skip
             history[nxt] = 0.0
+            _reduce(reduce, record)
         elif t.numel() and dispatch.choose("quantize_fp8", t, backend=backend) == dispatch.TRITON:
-            from mcore.kernels.triton.quant_fused import delayed_dual_cast
-
-            data, scale, data_t = delayed_dual_cast(t, dtype, history, slot, nxt, recent, self.compute == "max",
-                                                    write_t=transposed)  # fmt: skip
-            scale = scale.reshape(())
-            pair = Quantized(data, scale, "tensor"), Quantized(data_t, scale, "tensor") if transposed else None
+            pair = self._triton_delayed(t, dtype, transposed, reduce)
         else:
-            amax = self.scale_amax()
-            pair = quantize_dual(t, dtype, "tensor", transposed=transposed, amax=amax, amax_out=record,
-                                 backend="reference")  # fmt: skip
-            history[nxt] = 0.0
-        if reduce is not None:
-            reduce(record)
+            pair = self._reference_delayed(t, dtype, transposed, reduce)
         self.count += 1
         return pair
+
+    def _triton_delayed(self, t, dtype, transposed, reduce) -> tuple[Quantized, Quantized | None]:
+        """The whole bookkeeping inside the one cast; the recast (if asked for) decides on the device."""
+        from mcore.kernels.triton.quant_fused import delayed_dual_cast, delayed_recast
+
+        slot, nxt, recent = self._ring()
+        ring = (self.history, slot, nxt, recent, self.compute == "max")
+        data, scale, data_t = delayed_dual_cast(t, dtype, *ring, write_t=transposed)
+        _reduce(reduce, self.history[slot : slot + 1])
+        if self.overflow == "recast":
+            delayed_recast(t, *ring, (data, scale, data_t))  # in place, after the reduction
+        scale = scale.reshape(())
+        return Quantized(data, scale, "tensor"), Quantized(data_t, scale, "tensor") if transposed else None
+
+    def _reference_delayed(self, t, dtype, transposed, reduce) -> tuple[Quantized, Quantized | None]:
+        """The same in torch ops; the recast decision reads the two amaxes back (a host sync: this path only)."""
+        slot, nxt, _ = self._ring()
+        record = self.history[slot : slot + 1]
+        used = self.scale_amax()
+        pair = quantize_dual(t, dtype, "tensor", transposed=transposed, amax=used, amax_out=record,
+                             backend="reference")  # fmt: skip
+        self.history[nxt] = 0.0
+        _reduce(reduce, record)
+        own = record.reshape(())
+        # a NaN amax overflows too, as on CUDA (where the cast records NaN as inf): multiplier 1, like current scaling
+        if self.overflow == "recast" and bool((own > used) | own.isnan()):
+            pair = quantize_dual(t, dtype, "tensor", transposed=transposed, amax=own.clone(), backend="reference")
+        return pair
+
+
+def _reduce(fn: AmaxReduce | None, t: torch.Tensor) -> None:
+    if fn is not None:
+        fn(t)

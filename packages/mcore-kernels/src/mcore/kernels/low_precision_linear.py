@@ -39,7 +39,7 @@ import torch
 
 from mcore.kernels.bitnet import bitnet_linear
 from mcore.kernels.fp8_casts import quantize_dual
-from mcore.kernels.fp8_delayed import AmaxHistory
+from mcore.kernels.fp8_delayed import OVERFLOWS, AmaxHistory
 from mcore.kernels.fp8_gemm import scaled_matmul, shape_rule_violation
 from mcore.kernels.fp8_weight_cache import WeightCastCache
 from mcore.kernels.microscaling import MX_BLOCK, NVFP4_BLOCK, fake_quantize
@@ -76,6 +76,9 @@ class Recipe:
     more precision; ``None``: e5m2 for delayed scaling, e4m3 otherwise; block-wise e5m2 runs our Triton
     block-scaled GEMM on CUDA, e4m3 cuBLAS's).
     ``amax_history_len`` / ``amax_compute`` (``max`` or ``most_recent``): delayed scaling.
+    ``delayed_overflow`` (delayed scaling only; another recipe refuses ``recast``): ``saturate`` (a tensor whose
+    own amax exceeds the history's saturates above the scale, Transformer Engine's behaviour) or ``recast`` (such a
+    tensor is cast again with current scaling from its own amax, decided on the device: ``fp8_delayed``).
     ``quantize_grads`` (emulated recipes): also quantize the gradient operands of dgrad and wgrad.
     ``fast_accum``: the forward GEMM (tensor- and row-wise, CUDA) accumulates in the tensor cores' fast mode; the
     gradient GEMMs never do (torchao's defaults: the forward's short K tolerates it, the gradients' long M less).
@@ -85,6 +88,7 @@ class Recipe:
     grad_format: str | None = None
     amax_history_len: int = 16
     amax_compute: str = "max"
+    delayed_overflow: str = "saturate"
     quantize_grads: bool = True
     fast_accum: bool = True
 
@@ -98,6 +102,14 @@ class Recipe:
             raise ValueError(f"Recipe.amax_history_len must be >= 1, got {self.amax_history_len}")
         if self.amax_compute not in ("max", "most_recent"):
             raise ValueError(f"Recipe.amax_compute must be 'max' or 'most_recent', got {self.amax_compute!r}")
+        if self.delayed_overflow not in OVERFLOWS:
+            raise ValueError(f"Recipe.delayed_overflow must be one of {OVERFLOWS}, got {self.delayed_overflow!r}")
+        if self.delayed_overflow == "recast" and self.name != "delayed":
+            # only a delayed scale can be exceeded: a silent no-op would hide a mistyped recipe
+            raise ValueError(
+                f"Recipe.delayed_overflow='recast' applies to the 'delayed' recipe only, got name={self.name!r}: "
+                "use delayed_overflow='saturate' (the default) or name='delayed'"
+            )
 
     @property
     def emulated(self) -> bool:
@@ -148,7 +160,10 @@ class LowPrecisionLinear:
         self.sum_reduce = sum_reduce  # BitNet's weight mean over the shards (a SUM all-reduce)
         self.row_segments = row_segments  # BitNet: one weight scale per fused projection (``bitnet.py``)
         self.weight_cache = weight_cache  # fp8 casts of the weight reused until the owner invalidates them
-        self.histories = {op: AmaxHistory(recipe.amax_history_len, recipe.amax_compute) for op in ("x", "w", "g")}
+        self.histories = {
+            op: AmaxHistory(recipe.amax_history_len, recipe.amax_compute, recipe.delayed_overflow)
+            for op in ("x", "w", "g")
+        }
         # fp8 recipes: ``wgrad_into(weight)`` -> ``(target, accumulate)`` or ``None``: where the weight-gradient
         # GEMM writes (DDP's main_grad, set by mcore.parallel.low_precision); ``None`` returns the gradient
         self.wgrad_into: Callable[[torch.Tensor], tuple[torch.Tensor, bool] | None] | None = None

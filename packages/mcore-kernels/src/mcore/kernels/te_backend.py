@@ -18,7 +18,7 @@ ours            Transformer Engine recipe
 
 ``grad_format: e5m2`` is TE's ``Format.HYBRID`` (e4m3 forward, e5m2 backward), ``e4m3`` its ``Format.E4M3``. TE
 reduces delayed-scaling amaxes over ``amax_group`` (the TP group) itself. Row-wise, MXFP4 and BitNet have no TE
-recipe: asking for them names the recipe and the alternative.
+recipe, nor ``delayed_overflow: recast`` a TE mode: asking for them names the recipe (or key) and the alternative.
 """
 
 from __future__ import annotations
@@ -61,6 +61,12 @@ def check_te_recipe(recipe: Recipe | None) -> None:
         raise ValueError(
             f"Transformer Engine has no {recipe.name!r} recipe (it has {sorted(TE_RECIPES)}); use "
             "kernels.backend=auto for mcore's own implementation"
+        )
+    if recipe is not None and recipe.delayed_overflow != "saturate":
+        # TE's DelayedScaling always saturates a tensor that outgrew its history: no recast to map onto
+        raise ValueError(
+            f"Transformer Engine has no delayed_overflow={recipe.delayed_overflow!r} mode (fp8.delayed_overflow; its "
+            "delayed scaling saturates): use fp8.delayed_overflow=saturate, or kernels.backend=auto for mcore's recast"
         )
 
 

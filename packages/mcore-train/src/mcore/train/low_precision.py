@@ -42,9 +42,12 @@ class Fp8Section(_LowPrecisionSection):
 
     ``recipe``: ``tensorwise`` (current scaling), ``delayed`` (tensor-wise from an amax history of
     ``amax_history_len`` steps, ``amax_compute`` max or most_recent), ``rowwise``, ``blockwise`` (1x128
-    activations and gradients, 128x128 weights) or ``mxfp8`` (emulated). ``grad_format``: e4m3 or e5m2 for
-    the gradient operands (default e5m2 for delayed scaling, e4m3 for the others; block-wise
-    with e5m2 runs mcore's Triton block-scaled GEMM on CUDA, as cuBLAS's takes e4m3 only).
+    activations and gradients, 128x128 weights) or ``mxfp8`` (emulated). ``delayed_overflow`` (delayed recipe
+    only, any other refuses ``recast``): ``saturate`` (a tensor whose amax grew past the history's saturates above
+    it) or ``recast`` (such a tensor is cast again with current scaling from its own amax, decided on the device;
+    Transformer Engine has no such mode). ``grad_format``: e4m3 or e5m2 for the gradient operands (default e5m2
+    for delayed scaling, e4m3 for the others; block-wise with e5m2 runs mcore's Triton block-scaled GEMM on CUDA,
+    as cuBLAS's takes e4m3 only).
     ``keep`` / ``min_features`` / ``on_mismatch``: which linears stay in high precision, and what a linear
     whose shape does not fit the recipe does (``error`` or ``fallback`` to high precision, logged).
     ``weight_cache``: cast each weight once per optimizer step, not once per micro-batch (with one micro-batch
@@ -56,6 +59,7 @@ class Fp8Section(_LowPrecisionSection):
     grad_format: Literal["e4m3", "e5m2"] | None = None
     amax_history_len: int = 16
     amax_compute: Literal["max", "most_recent"] = "max"
+    delayed_overflow: Literal["saturate", "recast"] = "saturate"
     weight_cache: bool = True
     fast_accum: bool = True
 
@@ -66,6 +70,7 @@ class Fp8Section(_LowPrecisionSection):
             grad_format=self.grad_format,
             amax_history_len=history,
             amax_compute=compute,
+            delayed_overflow=self.delayed_overflow,
             fast_accum=self.fast_accum,
         )
 
