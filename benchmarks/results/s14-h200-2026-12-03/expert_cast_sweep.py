@@ -36,7 +36,8 @@ for name, (n, k) in weights.items():
     ideal = w.numel() * (2 + 2 + 1 + 1)  # amax pass read + cast pass read + two fp8 writes
     for const in ("AMAX_TILE", "CAST_TILE"):
         saved = getattr(qf, const)
-        for tile in qf.TILE_CANDIDATES[const]:
+        extra = {"AMAX_TILE": ((256, 32, 256, 8), (512, 32, 256, 8), (256, 16, 512, 8), (1024, 32, 256, 8))}
+        for tile in qf.TILE_CANDIDATES[const] + extra.get(const, ()):
             setattr(qf, const, tile)
             try:
                 t = ms(lambda: quantize_expert_weights_dual(w, "scaled_grouped_mm"))
