@@ -37,7 +37,15 @@ from pathlib import Path
 from typing import Any
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-DEFAULT_HF_BASELINE = REPO_ROOT.parent / "shared" / "bench" / "hf_baseline.py"
+# ../shared beside the checkout (here), or shared/ inside it (the device copy of the checkout)
+DEFAULT_HF_BASELINE = (
+    next(
+        (p for p in (REPO_ROOT.parent / "shared", REPO_ROOT / "shared") if (p / "bench" / "hf_baseline.py").is_file()),
+        REPO_ROOT.parent / "shared",
+    )
+    / "bench"
+    / "hf_baseline.py"
+)
 
 # NVLink SHARP / multicast stay off on the lent machines (see the device notes); every multi-GPU child gets these.
 NVLS_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}

@@ -47,6 +47,8 @@ from _common import SHAPES, RunSpec, markdown_table, run_spec, write_json
 
 GEMM_RECIPES = ("tensorwise", "rowwise", "blockwise")
 TRAIN_RECIPES = ("tensorwise", "delayed", "rowwise", "blockwise")
+# training-row labels beside the recipe names (--train-configs only): their config overrides
+RECIPE_OVERRIDES = {"delayed-recast": ["fp8.recipe=delayed", "fp8.delayed_overflow=recast"]}
 # training rows: a recipe, or a recipe with "+output": the output layer in fp8 too (fp8.keep=[]; it is kept in
 # bf16 by default, and on 8b4l its GEMMs are 37% of the step's GEMM FLOPs)
 TRAIN_CONFIGS = (*TRAIN_RECIPES, "tensorwise+output")
@@ -274,7 +276,7 @@ def train_spec(
         spec.model.update(hidden_size=128, intermediate_size=256)
     if recipe is not None:
         base, _, extra = recipe.partition("+")
-        spec.overrides += ["train.precision=fp8", f"fp8.recipe={base}"]
+        spec.overrides += ["train.precision=fp8", *RECIPE_OVERRIDES.get(base, [f"fp8.recipe={base}"])]
         spec.overrides += ["fp8.keep=[]"] if extra == "output" else []
     return spec
 
@@ -500,7 +502,8 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         parser.error(str(exc))
     configs = [c for c in args.train_configs.split(",") if c]
-    valid = {*TRAIN_RECIPES, *(f"{r}+output" for r in TRAIN_RECIPES)}
+    labels = (*TRAIN_RECIPES, *RECIPE_OVERRIDES)
+    valid = {*labels, *(f"{r}+output" for r in labels)}
     if set(configs) - valid:
         parser.error(f"--train-configs: unknown {sorted(set(configs) - valid)}; expected some of {sorted(valid)}")
     profile_steps = args.profile_steps if args.profile_steps is not None else (0 if args.dry_run else 1)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import pickle
 import tempfile
 import traceback
 from collections.abc import Callable
@@ -37,7 +38,10 @@ def _entry(rank: int, world_size: int, init_file: str, fn: Callable, args: tuple
     torch.set_num_threads(1)
     try:
         dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
-        result = fn(rank, world_size, *args)
+        # pickled to bytes here: a tensor put on the queue as is travels as shared memory that this process
+        # serves, and a rank that exits before the parent reads its result leaves a dangling handle
+        # (FileNotFoundError in the parent's get)
+        result = pickle.dumps(fn(rank, world_size, *args))
         queue.put((rank, True, result))
     except BaseException:  # noqa: BLE001 - reported to the parent with its traceback
         queue.put((rank, False, traceback.format_exc()))
@@ -61,7 +65,7 @@ def run_workers(world_size: int, fn: Callable, *args: Any, timeout: float = 900.
     try:
         for _ in range(world_size):
             rank, ok, value = queue.get(timeout=timeout)
-            (results if ok else failures)[rank] = value
+            (results if ok else failures)[rank] = pickle.loads(value) if ok else value  # our own workers' bytes
             if failures:
                 break
     except Exception as exc:  # queue.Empty: some rank hung

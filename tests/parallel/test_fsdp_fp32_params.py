@@ -4,8 +4,9 @@ ZeRO-1 (the distributed optimizer), two gloo ranks, Nemotron-H tiny (Mamba, MLP 
 What forward sees: the three in fp32, equal to the fp32 master bit for bit, and ``in_proj``'s weight in bf16
 (the rest of the layer still computes in bf16). Training: 3 AdamW steps give the losses and the fp32 masters of a
 single-process reference that computes each rank's micro-batch with the bf16 model (the three in fp32) and
-averages the fp32 gradients, within 1e-6 (at dp=1 1e-4: the embedding's rows summed in fp32); at dp=2 with FSDP's ``auto`` resharding and at dp=1 (units kept gathered,
-the weight-gradient GEMMs accumulating into the shards). Before, FSDP gathered the three in bf16.
+averages the fp32 gradients, within 1e-6 (at dp=1 1e-4: the embedding's rows summed in fp32); at dp=2 with
+FSDP's ``auto`` resharding and at dp=1 (units kept gathered, the weight-gradient GEMMs accumulating into the
+shards). Before, FSDP gathered the three in bf16.
 """
 
 from __future__ import annotations
