@@ -37,15 +37,16 @@ from pathlib import Path
 from typing import Any
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-# ../shared beside the checkout (here), or shared/ inside it (the device copy of the checkout)
-DEFAULT_HF_BASELINE = (
-    next(
-        (p for p in (REPO_ROOT.parent / "shared", REPO_ROOT / "shared") if (p / "bench" / "hf_baseline.py").is_file()),
-        REPO_ROOT.parent / "shared",
-    )
-    / "bench"
-    / "hf_baseline.py"
-)
+
+
+def shared_bench(name: str) -> Path:
+    """``bench/<name>`` of the shared folder: ``../shared`` beside the checkout (the dev machine's), or ``shared/``
+    inside it (the GPU machine's copy of the checkout); the first path when neither holds it."""
+    homes = (REPO_ROOT.parent / "shared", REPO_ROOT / "shared")
+    return next((p / "bench" / name for p in homes if (p / "bench" / name).is_file()), homes[0] / "bench" / name)
+
+
+DEFAULT_HF_BASELINE = shared_bench("hf_baseline.py")
 
 # NVLink SHARP / multicast stay off on the lent machines (see the device notes); every multi-GPU child gets these.
 NVLS_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}

@@ -47,7 +47,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from _common import RunSpec, check_spec, child_env, run_one_launch, run_spec, write_json
+from _common import RunSpec, check_spec, child_env, run_one_launch, run_spec, shared_bench, write_json
 from gpt_oss_bench import DRY_RUN_SHAPES as GPT_OSS_DRY_RUN
 from gpt_oss_bench import GPT_OSS_SHAPES, gpt_oss_model
 from gpt_oss_bench import SHAPES as GPT_OSS_BENCH_SHAPES
@@ -55,16 +55,7 @@ from moe_micro import run_micro
 from moe_profile import moe_time_breakdown, render_moe_breakdowns
 from train_throughput import ratios, render
 
-# ../shared beside a checkout (the lead's), or shared/ inside it (the GPU machine's copy)
-_ROOT = Path(__file__).resolve().parents[1]
-HF_MOE_BASELINE = (
-    next(
-        (p for p in (_ROOT.parent / "shared", _ROOT / "shared") if (p / "bench" / "hf_moe_baseline.py").is_file()),
-        _ROOT.parent / "shared",
-    )
-    / "bench"
-    / "hf_moe_baseline.py"
-)
+HF_MOE_BASELINE = shared_bench("hf_moe_baseline.py")
 GPU_SHAPES = ("mixtral2l", "qwen3moe4l", "moonlight8l")
 DRY_RUN_SHAPES = ("tiny", "tiny_mla")
 BASELINES = {"hf": [], "hf-compile": ["--compile"]}

@@ -35,11 +35,11 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import torch
-from _common import RunSpec, child_env, launch_workers, report_launch, run_spec, write_json
+from _common import RunSpec, child_env, launch_workers, report_launch, run_spec, shared_bench, write_json
 from ssm_sweep import ssd_kernel_calls, sweep
 
 ROOT = Path(__file__).resolve().parents[1]
-HF_BASELINE = ROOT.parent / "shared" / "bench" / "hf_hybrid_baseline.py"
+HF_BASELINE = shared_bench("hf_hybrid_baseline.py")
 PEAK_FLOPS = 989.4e12
 COPY_BYTES = 4.03e12  # measured H200 copy bandwidth (benchmarks/results/calibration-h200-2026-12-01)
 
