@@ -21,7 +21,7 @@ Overflow: where a tensor's own amax exceeds the one its scale came from, every e
 saturates to the fp8 maximum (``overflow="saturate"``, the default and Transformer Engine's behaviour).
 ``overflow="recast"`` casts such a tensor again, after the reduction (every rank decides on the same reduced amax),
 with current scaling from its recorded amax: the same bits as a current-scaling cast from that amax, and the plain
-delayed cast when it did not overflow. On CUDA the decision stays on the device (``quant_fused.delayed_recast``:
+delayed cast when it did not overflow. On CUDA the decision stays on the device (``triton.delayed_recast``:
 one more pass over the tensor only when it overflowed); the torch path reads the two amaxes back to the host.
 """
 
@@ -116,7 +116,8 @@ class AmaxHistory:
 
     def _triton_delayed(self, t, dtype, transposed, reduce) -> tuple[Quantized, Quantized | None]:
         """The whole bookkeeping inside the one cast; the recast (if asked for) decides on the device."""
-        from mcore.kernels.triton.quant_fused import delayed_dual_cast, delayed_recast
+        from mcore.kernels.triton.delayed_recast import delayed_recast
+        from mcore.kernels.triton.quant_fused import delayed_dual_cast
 
         slot, nxt, recent = self._ring()
         ring = (self.history, slot, nxt, recent, self.compute == "max")

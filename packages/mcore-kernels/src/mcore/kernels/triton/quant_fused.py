@@ -12,8 +12,8 @@ scales, from one read of the source per pass:
   ``q = x * m_row`` and ``q^T = (x * m_col)^T`` written from the same tile; tensor-wise both use one multiplier.
   With a given amax it also measures this tensor's amax in the same pass; delayed scaling's ring of past amaxes
   (``fp8_delayed``) is read, recorded into and advanced inside it as well (``HISTORY``).
-* ``_delayed_recast_kernel``: delayed scaling's ``overflow="recast"``: on the same grid, each program returns at
-  once unless the recorded amax exceeds the window's, else casts its tile again from the recorded amax.
+* delayed scaling's ``overflow="recast"`` pass lives beside, in ``delayed_recast.py`` (it reads the ring through
+  :func:`_scale_amax`, as the dual cast does).
 * ``_block_dual_kernel``: block-wise needs no global pass: one 128 x 128 tile gives the ``1x128`` scales of its
   rows (``q``) and of its columns (``q^T``, the 1x128 groups of the transposed tensor), or the one ``128x128``
   scale both share; amax, scales and both casts from one read of the tile from memory (swept twice, the second
@@ -189,53 +189,6 @@ def _dual_cast_kernel(
         tl.store(YT + c64[:, None] * n_rows + r64[None, :], qt, mask=mask_t)
 
 
-@triton.jit(do_not_specialize=["hist_len", "slot", "next_slot", "recent_slot"])
-def _delayed_recast_kernel(
-    X,
-    AMAX,
-    Y,
-    YT,
-    SCALE,
-    n_rows,
-    n_cols,
-    stride_r,
-    stride_c,
-    hist_len,
-    slot,
-    next_slot,
-    recent_slot,
-    FMAX: tl.constexpr,
-    MBITS: tl.constexpr,
-    MIN_EXP: tl.constexpr,
-    WRITE_YT: tl.constexpr,
-    HISTORY: tl.constexpr,  # 1 or 2: the window of the dual cast's HISTORY
-    HIST_P2: tl.constexpr,
-    BLOCK_R: tl.constexpr,
-    BLOCK_C: tl.constexpr,
-):
-    """Delayed scaling's overflow recast, on the dual cast's grid: every program compares the recorded (reduced)
-    amax ``AMAX[slot]`` with the window the cast was scaled by and, only when it is larger (or NaN: the torch
-    path's NaN amax; this cast records NaN as inf), casts its tile again from it; program 0 writes the scale. The
-    decision comes from the ring, which no program writes here, never from ``SCALE``, which one program rewrites."""
-    own = tl.load(AMAX + slot)
-    used = _scale_amax(AMAX, hist_len, slot, next_slot, recent_slot, HISTORY, HIST_P2)
-    if (own > used) | (own != own):
-        pid_r = tl.program_id(0)
-        pid_c = tl.program_id(1)
-        rows = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
-        cols = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
-        x, mask, rmask, r64 = _load_tile(X, rows, cols, n_rows, n_cols, stride_r, stride_c)
-        mult, scale = multiplier_and_scale(own, FMAX)
-        if (pid_r == 0) & (pid_c == 0):
-            tl.store(SCALE, scale)
-        c64 = cols.to(tl.int64)
-        q = _round_to_fp8(x * mult, FMAX, MBITS, MIN_EXP).to(Y.dtype.element_ty)
-        tl.store(Y + r64[:, None] * n_cols + c64[None, :], q, mask=mask)
-        if WRITE_YT:
-            mask_t = (cols < n_cols)[:, None] & rmask[None, :]
-            tl.store(YT + c64[:, None] * n_rows + r64[None, :], tl.trans(q), mask=mask_t)
-
-
 @triton.jit
 def _block_dual_kernel(
     X,
@@ -363,52 +316,6 @@ def delayed_dual_cast(
     y, scale, yt, _ = _launch_dual(x, dtype, (history, history), rowwise=False, write_t=write_t, amax_out=history,
                                    history=(slot, next_slot, recent_slot, 1 if window_max else 2))  # fmt: skip
     return y, scale, yt
-
-
-def delayed_recast(
-    x: torch.Tensor,
-    history: torch.Tensor,
-    slot: int,
-    next_slot: int,
-    recent_slot: int,
-    window_max: bool,
-    outputs: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None],
-) -> None:
-    """Delayed scaling's ``overflow="recast"``, after :func:`delayed_dual_cast` (and the reduction of
-    ``history[slot]``) with the same ring arguments: where the recorded ``history[slot]`` exceeds the amax that
-    cast was scaled by, ``outputs`` ``(q, scale [1], q^T or None)`` are rewritten in place as the current-scaling
-    cast from ``history[slot]``; otherwise nothing is written. No host sync: the programs decide on the device and
-    return at once when there was no overflow (one more pass over ``x`` only when it clipped)."""
-    y, scale, yt = outputs
-    rows, cols = x.shape
-    if not (rows and cols):
-        return
-    hist_len = history.numel()
-    tile_r, tile_c, warps = CAST_TILE
-    grid = (triton.cdiv(rows, tile_r), triton.cdiv(cols, tile_c))
-    _delayed_recast_kernel[grid](
-        x,
-        history,
-        y,
-        yt if yt is not None else y,
-        scale,
-        rows,
-        cols,
-        x.stride(0),
-        x.stride(1),
-        hist_len,
-        slot,
-        next_slot,
-        recent_slot,
-        FMAX=FP8_MAX[y.dtype],
-        **rounding_bits(y.dtype),
-        WRITE_YT=yt is not None,
-        HISTORY=1 if window_max else 2,
-        HIST_P2=triton.next_power_of_2(hist_len),
-        BLOCK_R=tile_r,
-        BLOCK_C=tile_c,
-        num_warps=warps,
-    )
 
 
 def _launch_dual(x, dtype, amaxes, *, rowwise, write_t, amax_out, history, outputs=None):
