@@ -28,6 +28,7 @@ quantization is the same either way. :func:`fp8_grouped_gemm_of_activation` keep
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -70,7 +71,7 @@ def fp8_grouped_gemm(
     """
     _check(x, w, offsets)
     tail = _tail(tail_rows, x.shape[0])
-    return _Fp8GroupedGemm.apply(x, w, offsets, _choose(x, w, backend), tail, wgrad_into)
+    return _Fp8GroupedGemm.apply(x, w, offsets, ROWWISE, _choose(x, w, backend), tail, wgrad_into)
 
 
 def fp8_grouped_gemm_of_activation(
@@ -93,7 +94,8 @@ def fp8_grouped_gemm_of_activation(
         a = activation(h)  # quantized in forward, then dropped: only h is kept
     _check(a, w, offsets)
     tail = _tail(tail_rows, h.shape[0])
-    return _Fp8GroupedGemmOfActivation.apply(h, w, offsets, activation, _choose(a, w, backend), a, tail, wgrad_into)
+    chosen = _choose(a, w, backend)
+    return _Fp8GroupedGemmOfActivation.apply(h, w, offsets, activation, ROWWISE, chosen, a, tail, wgrad_into)
 
 
 def _choose(x: torch.Tensor, w: torch.Tensor, backend: str | None) -> str:
@@ -219,17 +221,24 @@ def _weight_grad(dy, x, offsets, experts: int, backend: str, into=None) -> torch
         scale_a, scale_b = dy_scale[:experts].reshape(-1), x_scale[:experts].reshape(-1)
         dw = torch._scaled_grouped_mm(dy_t, x_t.t(), scale_a, scale_b, offs=offsets, out_dtype=torch.bfloat16)
         return _store_weight_grad(dw, into)  # an expert without rows got zeros
-    # each expert's fp32 product goes straight where it belongs: the returned gradient or the caller's target
-    shape = (experts, dy.shape[1], x.shape[1])
-    target, accumulate = into or (torch.empty(shape, dtype=torch.float32, device=x.device), False)
+    # dequantized with each column's expert scale (the rows of no expert: scale 1, never read)
+    a_t = dy_t.float() * dy_scale[groups].t()
+    b_t = x_t.float() * x_scale[groups].t()
+    return reference_expert_wgrad(a_t, b_t, offsets, into)
+
+
+def reference_expert_wgrad(a_t: torch.Tensor, b_t: torch.Tensor, offsets: torch.Tensor, into=None):
+    """``dw[e] = a_t[:, rows of e] @ b_t[:, rows of e]^T`` of dequantized ``a_t`` [N, T] and ``b_t`` [K, T] in fp32:
+    ``[E, N, K]``, or ``None`` when ``into`` (``(target, accumulate)``) took it. Each expert's product goes straight
+    where it belongs; not accumulating, an expert without rows gets zeros and the target is not read."""
+    shape = (offsets.shape[0], a_t.shape[0], b_t.shape[0])
+    target, accumulate = into or (torch.empty(shape, dtype=torch.float32, device=a_t.device), False)
     for expert, start, end in _expert_rows(offsets):
         if end == start:
-            if not accumulate:  # written, not read: an expert without rows gets zeros
+            if not accumulate:
                 target[expert].zero_()
             continue
-        a = dy_t[:, start:end].float() * dy_scale[expert].unsqueeze(1)
-        b = x_t[:, start:end].float() * x_scale[expert].unsqueeze(1)
-        grad = a @ b.t()
+        grad = a_t[:, start:end] @ b_t[:, start:end].t()
         target[expert].add_(grad) if accumulate else target[expert].copy_(grad)
     return None if into is not None else target
 
@@ -246,31 +255,57 @@ def _wgrad_sink(ctx):
     return into
 
 
-def _forward(ctx, keep, a, w, offsets, backend, tail, wgrad_into) -> torch.Tensor:
+@dataclass(frozen=True)
+class Fp8ExpertOps:
+    """One scale layout of the fp8 expert GEMMs: its casts and GEMMs, which :class:`_Fp8GroupedGemm` runs.
+
+    ``weights(w, backend, need_t)`` -> ``(qw [E, N, K], qw_t [E, K, N] or None)``; ``rows(t, backend)``: ``t`` [T, C]
+    quantized along C (``x`` forward, ``dy`` dgrad); ``gemm(qa, qb, offsets, backend, tail)``: the 2-D x 3-D
+    grouped GEMM, rows of no expert zero; ``wgrad(dy, a, offsets, experts, backend, into)``: ``[E, N, K]`` or
+    ``None`` when ``into`` took it. ``weight_granularity`` rebuilds the saved ``w^T`` cast in backward."""
+
+    weights: Callable
+    rows: Callable
+    gemm: Callable
+    wgrad: Callable
+    weight_granularity: str
+
+
+def _rowwise_weights(w: torch.Tensor, backend: str, need_t: bool) -> tuple[Quantized, Quantized | None]:
+    if need_t:
+        return quantize_expert_weights_dual(w, backend)
+    return quantize_expert_weights(w, transpose=False, backend=backend), None
+
+
+def _rowwise_rows(t: torch.Tensor, backend: str) -> Quantized:
+    return quantize_fp8(t, E4M3, "row", backend=_cast_backend(backend))
+
+
+ROWWISE = Fp8ExpertOps(_rowwise_weights, _rowwise_rows, _grouped_2d_3d, _weight_grad, "row")
+
+
+def _forward(ctx, keep, a, w, offsets, ops, backend, tail, wgrad_into) -> torch.Tensor:
     """The forward GEMM of ``a`` (the GEMM's input) and ``w``, saving ``keep`` (what ``a`` is, or is recomputed from),
     the offsets and ``w^T``'s cast for the input gradient (when ``keep`` needs a gradient)."""
-    if ctx.needs_input_grad[0]:
-        qw, qw_t = quantize_expert_weights_dual(w, backend)
-    else:
-        qw, qw_t = quantize_expert_weights(w, transpose=False, backend=backend), None
+    qw, qw_t = ops.weights(w, backend, ctx.needs_input_grad[0])
     ctx.save_for_backward(keep, offsets, *((qw_t.data, qw_t.scale) if qw_t is not None else (None, None)))
-    ctx.backend, ctx.tail, ctx.w_shape, ctx.w_dtype, ctx.wgrad_into = backend, tail, w.shape, w.dtype, wgrad_into
-    qa = quantize_fp8(a, E4M3, "row", backend=_cast_backend(backend))
-    return _grouped_2d_3d(qa, qw, offsets, backend, tail).to(a.dtype)
+    ctx.ops, ctx.backend, ctx.tail, ctx.w_shape, ctx.w_dtype = ops, backend, tail, w.shape, w.dtype
+    ctx.wgrad_into = wgrad_into
+    return ops.gemm(ops.rows(a, backend), qw, offsets, backend, tail).to(a.dtype)
 
 
 def _backward(ctx, dy, a, offsets, wt_data, wt_scale):
     """``(da, dw)`` of the GEMM whose input was ``a``; ``dw`` is ``None`` when ``wgrad_into`` took it."""
-    backend = ctx.backend
+    ops, backend = ctx.ops, ctx.backend
     # rows past offsets[-1] need no masking here: their da rows are zeroed below and the weight gradient's
-    # jagged operands leave them out (scale group E, past the GEMM's last offset)
+    # operands leave them out (row-wise: scale group E, past the GEMM's last offset; block-wise: own token blocks)
     dy = dy.contiguous()
     da = dw = None
     if ctx.needs_input_grad[0]:
-        qdy = quantize_fp8(dy, E4M3, "row", backend=_cast_backend(backend))
-        da = _grouped_2d_3d(qdy, Quantized(wt_data, wt_scale, "row"), offsets, backend, ctx.tail).to(a.dtype)
+        qw_t = Quantized(wt_data, wt_scale, ops.weight_granularity)
+        da = ops.gemm(ops.rows(dy, backend), qw_t, offsets, backend, ctx.tail).to(a.dtype)
     if ctx.needs_input_grad[1]:
-        dw = _weight_grad(dy, a, offsets, ctx.w_shape[0], backend, _wgrad_sink(ctx))
+        dw = ops.wgrad(dy, a, offsets, ctx.w_shape[0], backend, _wgrad_sink(ctx))
         dw = dw.to(ctx.w_dtype) if dw is not None else None
     return da, dw
 
@@ -280,14 +315,14 @@ class _Fp8GroupedGemm(torch.autograd.Function):
     kept for the input gradient instead of ``w``), ``dy`` row-wise and jagged-transposed in backward."""
 
     @staticmethod
-    def forward(ctx, x, w, offsets, backend, tail, wgrad_into):
-        return _forward(ctx, x, x, w, offsets, backend, tail, wgrad_into)
+    def forward(ctx, x, w, offsets, ops, backend, tail, wgrad_into):
+        return _forward(ctx, x, x, w, offsets, ops, backend, tail, wgrad_into)
 
     @staticmethod
     def backward(ctx, dy):
         x, offsets, wt_data, wt_scale = ctx.saved_tensors
         dx, dw = _backward(ctx, dy, x, offsets, wt_data, wt_scale)
-        return dx, dw, None, None, None, None
+        return dx, dw, None, None, None, None, None
 
 
 class _Fp8GroupedGemmOfActivation(torch.autograd.Function):
@@ -295,9 +330,9 @@ class _Fp8GroupedGemmOfActivation(torch.autograd.Function):
     pass; bit-equal to forward's, so the same fp8 operand) and differentiates it for ``h``'s gradient."""
 
     @staticmethod
-    def forward(ctx, h, w, offsets, activation, backend, a, tail, wgrad_into):
+    def forward(ctx, h, w, offsets, activation, ops, backend, a, tail, wgrad_into):
         ctx.activation = activation
-        return _forward(ctx, h, a, w, offsets, backend, tail, wgrad_into)
+        return _forward(ctx, h, a, w, offsets, ops, backend, tail, wgrad_into)
 
     @staticmethod
     def backward(ctx, dy):
@@ -308,4 +343,4 @@ class _Fp8GroupedGemmOfActivation(torch.autograd.Function):
             a = ctx.activation(h_leaf)
         da, dw = _backward(ctx, dy, a.detach(), offsets, wt_data, wt_scale)
         dh = torch.autograd.grad(a, h_leaf, da)[0] if need_dh else None
-        return dh, dw, None, None, None, None, None, None
+        return dh, dw, None, None, None, None, None, None, None

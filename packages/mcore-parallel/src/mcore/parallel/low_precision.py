@@ -9,11 +9,13 @@
   ``on_mismatch="error"`` this raises one ``ValueError`` naming the layer and the rule; with ``"fallback"`` the
   layer stays in high precision and the log says why.
 
-The experts of every MoE layer (``MoELayer.experts``) get row-wise FP8 grouped GEMMs under any fp8 recipe
-(``mcore.kernels.fp8_grouped_gemm``: torch's fp8 grouped kernel on sm90 takes row-wise scales), with the same
-``keep`` / ``min_features`` / mismatch rules; their layer then pads each expert's rows to 16 (the kernel's
-alignment). Expert tensor parallelism (etp > 1) keeps them in high precision: row-wise scales along the
-etp-sharded FFN dimension would differ from the single-process run.
+The experts of every MoE layer (``MoELayer.experts``) get FP8 grouped GEMMs, with the same ``keep`` /
+``min_features`` / mismatch rules: block-wise under ``blockwise`` (``mcore.kernels.fp8_block_grouped_gemm``,
+DeepSeek-V3's 1x128 / 128x128 tiles; hidden and expert FFN multiples of 128, each expert's rows padded to 128),
+row-wise under the other fp8 recipes (``mcore.kernels.fp8_grouped_gemm``: torch's fp8 grouped kernel on sm90
+takes row-wise scales; multiples of 16, rows padded to 16). Both quantize gradients in e4m3 (``grad_format`` is
+the linears'). Expert tensor parallelism (etp > 1) keeps them in high precision: scales along the etp-sharded
+FFN dimension would differ from the single-process run.
 
 The weights are untouched (fp32 masters stay with the optimizer; checkpoints stay in high precision). The
 amax reduction is a MAX all-reduce over ``tp_group`` (BitNet's weight mean a SUM): a column-parallel layer shards
@@ -33,6 +35,7 @@ from dataclasses import dataclass
 import torch.distributed as dist
 from torch import nn
 
+from mcore.kernels import fp8_block_grouped_gemm as block
 from mcore.kernels.fp8_grouped_gemm import ALIGN, fp8_grouped_gemm, fp8_grouped_gemm_of_activation
 from mcore.kernels.fp8_weight_cache import WeightCastCache
 from mcore.kernels.low_precision_linear import FP8_RECIPES, LowPrecisionLinear, Recipe, recipe_shape_problem
@@ -45,8 +48,9 @@ from mcore.parallel.tensor_parallel import ColumnParallelLinear, RowParallelLine
 __all__ = ["LayerDecision", "Recipe", "WeightCastCache", "disable_low_precision", "enable_low_precision", "tp_reduce"]
 
 logger = logging.getLogger("mcore.parallel")
-# the experts' row-wise fp8 GEMMs: the input projection, and the down projection of the activation (recomputed)
+# the experts' fp8 GEMMs: the input projection, and the down projection of the activation (recomputed)
 FP8_EXPERT_GEMMS = ExpertGemms(fp8_grouped_gemm, fp8_grouped_gemm_of_activation)
+BLOCK_FP8_EXPERT_GEMMS = ExpertGemms(block.fp8_block_grouped_gemm, block.fp8_block_grouped_gemm_of_activation)
 MISMATCH_POLICIES = ("error", "fallback")
 BACKENDS = ("mcore", "te")
 
@@ -167,6 +171,21 @@ def enable_low_precision(
     return decisions
 
 
+@dataclass(frozen=True)
+class _ExpertScheme:
+    """The experts' fp8 GEMMs under one recipe: the decision's name, the GEMMs, the rows / K / N multiple."""
+
+    name: str
+    gemms: ExpertGemms
+    align: int
+
+
+def _expert_scheme(recipe) -> _ExpertScheme:
+    if recipe.name == "blockwise":  # DeepSeek-V3's tiles, as the recipe's linears
+        return _ExpertScheme("blockwise-grouped", BLOCK_FP8_EXPERT_GEMMS, block.ALIGN)
+    return _ExpertScheme("rowwise-grouped", FP8_EXPERT_GEMMS, ALIGN)  # torch's row-wise grouped kernel
+
+
 def _expert_reason(layer: MoELayer, recipe, backend, min_features: int) -> tuple[str, bool]:
     """Why ``layer``'s experts stay in high precision (empty: they do not), and whether it is a shape mismatch."""
     hidden, local_ffn = layer.experts.down.shape[1], layer.experts.down.shape[2]
@@ -177,13 +196,16 @@ def _expert_reason(layer: MoELayer, recipe, backend, min_features: int) -> tuple
         return "expert tensor parallelism (etp > 1) splits the FFN dimension the row-wise scales run along", False
     if min(hidden, local_ffn) < min_features:
         return f"hidden {hidden} or expert FFN {local_ffn} is below min_features={min_features}", False
-    if hidden % ALIGN or local_ffn % ALIGN:
-        return f"hidden {hidden} and expert FFN {local_ffn} must be multiples of {ALIGN} for fp8 expert GEMMs", True
+    scheme = _expert_scheme(recipe)
+    if hidden % scheme.align or local_ffn % scheme.align:
+        rule = f"must be multiples of {scheme.align} for {scheme.name} fp8 expert GEMMs"
+        return f"hidden {hidden} and expert FFN {local_ffn} {rule}", True
     return "", False
 
 
 def _enable_fp8_experts(model, recipe, backend, keep, min_features, on_mismatch, prefix) -> list[LayerDecision]:
-    """Row-wise FP8 grouped GEMMs for the experts of every MoE layer under ``model`` (see the module docstring)."""
+    """FP8 grouped GEMMs for the experts of every MoE layer under ``model``, block- or row-wise by ``recipe`` (see
+    the module docstring)."""
     decisions = []
     for layer_name, layer in model.named_modules(prefix=prefix):
         if not isinstance(layer, MoELayer):
@@ -200,14 +222,16 @@ def _enable_fp8_experts(model, recipe, backend, keep, min_features, on_mismatch,
             decisions.append(LayerDecision(name, None, reason))
             logger.info("low precision: %s stays in high precision: %s", name, reason)
             continue
-        layer.experts.low_precision = FP8_EXPERT_GEMMS
+        scheme = _expert_scheme(recipe)
+        layer.experts.low_precision = scheme.gemms
         if layer.experts.gemm != "grouped":
             logger.info("low precision: %s runs fp8 grouped GEMMs, not expert_gemm=%s", name, layer.experts.gemm)
-        align = math.lcm(layer.config.align, ALIGN)
+        align = math.lcm(layer.config.align, scheme.align)
         if align != layer.config.align:
             layer.config = dataclasses.replace(layer.config, align=align)
-            logger.info("low precision: %s pads each expert's rows to %d (fp8 grouped GEMM alignment)", name, align)
-        decisions.append(LayerDecision(name, "rowwise-grouped"))
+            logger.info("low precision: %s pads each expert's rows to %d (%s alignment)", name, align, scheme.name)
+        logger.info("low precision: %s runs %s fp8 GEMMs", name, scheme.name)
+        decisions.append(LayerDecision(name, scheme.name))
     return decisions
 
 
