@@ -66,6 +66,8 @@ _WGRAD_GRANULARITY = {**_GRANULARITY, "blockwise": ("1x128", "1x128")}
 _DEFAULT_GRAD_FORMAT = {"delayed": "e5m2"}
 _EMULATED_BLOCK = {"mxfp8": MX_BLOCK, "mxfp4": MX_BLOCK, "nvfp4": NVFP4_BLOCK}
 AmaxReduce = Callable[[torch.Tensor], None]
+# ``defer(param, compute) -> bool``: queue ``compute`` (the weight gradient of ``param``) for later, or say no
+Defer = Callable[[torch.Tensor, Callable[[], "torch.Tensor | None"]], bool]
 
 
 @dataclass(frozen=True)
@@ -168,7 +170,14 @@ class LowPrecisionLinear:
         # GEMM writes (DDP's main_grad, set by mcore.parallel.low_precision); ``None`` returns the gradient
         self.wgrad_into: Callable[[torch.Tensor], tuple[torch.Tensor, bool] | None] | None = None
 
-    def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    def __call__(
+        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, defer: Defer | None = None
+    ) -> torch.Tensor:
+        """``x @ weight^T + bias`` at the recipe's precision. ``defer(param, compute) -> bool`` (optional; a
+        zero-bubble schedule's ``WeightGradStore.defer``): asked in backward whether to queue the weight-gradient
+        closure ``compute`` for later instead of running it now (then the weight's gradient is ``None`` for now);
+        ``compute()`` returns the gradient or ``None`` when it went into ``wgrad_into``'s target. BitNet ignores it
+        (its weight gradient is computed at once)."""
         if x.shape[-1] != weight.shape[1]:
             raise ValueError(
                 f"LowPrecisionLinear {self.name}: input [..., {x.shape[-1]}] does not match weight "
@@ -185,8 +194,8 @@ class LowPrecisionLinear:
                 row_segments=self.row_segments,
             )
         if self.recipe.emulated:
-            return _EmulatedLinearFunction.apply(x, weight, bias, self)
-        return _Fp8LinearFunction.apply(x, weight, bias, self, torch.is_grad_enabled())
+            return _EmulatedLinearFunction.apply(x, weight, bias, self, defer)
+        return _Fp8LinearFunction.apply(x, weight, bias, self, torch.is_grad_enabled(), defer)
 
     def __repr__(self) -> str:
         return f"LowPrecisionLinear({self.recipe.name}, sharded={self.sharded}, name={self.name!r})"
@@ -255,12 +264,23 @@ class LowPrecisionLinear:
         return None
 
 
+def _now_or_deferred(
+    defer: Defer | None, param: torch.Tensor, compute: Callable[[], torch.Tensor | None]
+) -> torch.Tensor | None:
+    """The weight gradient for autograd: ``compute()`` now, or ``None`` when ``defer`` queued ``compute`` (it then
+    puts the gradient where this return would have: returned to the queue's owner, or into ``wgrad_into``'s
+    target)."""
+    if defer is not None and defer(param, compute):
+        return None
+    return compute()
+
+
 class _Fp8LinearFunction(torch.autograd.Function):
     """The three GEMMs in fp8: each of x, W and grad quantized once for both GEMMs it takes part in; backward
     keeps only the fp8 ``x^T`` and ``W^T`` (not the high-precision tensors)."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, layer: LowPrecisionLinear, grad_enabled: bool):
+    def forward(ctx, x, weight, bias, layer: LowPrecisionLinear, grad_enabled: bool, defer: Defer | None = None):
         x2 = x.reshape(-1, x.shape[-1])
         need_x_t = grad_enabled and ctx.needs_input_grad[1]  # x^T: the weight gradient's operand
         need_w_t = grad_enabled and ctx.needs_input_grad[0]  # W^T: the input gradient's operand
@@ -269,7 +289,7 @@ class _Fp8LinearFunction(torch.autograd.Function):
         saved = [qx_t, qw_t]
         ctx.granularities = [q.granularity if q is not None else None for q in saved]
         ctx.save_for_backward(*(t for q in saved for t in ((q.data, q.scale) if q is not None else (None, None))))
-        ctx.layer, ctx.has_bias = layer, bias is not None
+        ctx.layer, ctx.has_bias, ctx.defer = layer, bias is not None, defer
         ctx.x_shape, ctx.param = x.shape, weight  # the Parameter: its main_grad may take the weight gradient
         y = layer.matmul(qx, qw, x.dtype, fast_accum=layer.recipe.fast_accum)
         if bias is not None:
@@ -287,11 +307,13 @@ class _Fp8LinearFunction(torch.autograd.Function):
             qw_t = Quantized(wt_data, wt_scale, ctx.granularities[1])
             grad_x = layer.matmul(qg, qw_t, grad_out.dtype).reshape(ctx.x_shape)
         if ctx.needs_input_grad[1]:
-            # the kernels accumulate in fp32 whatever they write: main_grad's dtype or the weight's
-            grad_w = layer.weight_grad(ctx.param, qg_t, Quantized(xt_data, xt_scale, ctx.granularities[0]))
+            # the kernels accumulate in fp32 whatever they write: main_grad's dtype or the weight's. Deferred, the
+            # closure keeps the fp8 grad^T and x^T (already cast: grad's amax history advanced now, as undeferred)
+            param, qx_t = ctx.param, Quantized(xt_data, xt_scale, ctx.granularities[0])
+            grad_w = _now_or_deferred(ctx.defer, param, lambda: layer.weight_grad(param, qg_t, qx_t))
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_b = g2.sum(0)
-        return grad_x, grad_w, grad_b, None, None
+        return grad_x, grad_w, grad_b, None, None, None
 
 
 def _fake(layer: LowPrecisionLinear, fmt: str, t: torch.Tensor, tensor: str, dim: str, along_rows: bool):
@@ -313,11 +335,12 @@ class _EmulatedLinearFunction(torch.autograd.Function):
     input's dtype."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, layer: LowPrecisionLinear):
+    def forward(ctx, x, weight, bias, layer: LowPrecisionLinear, defer: Defer | None = None):
         fmt = layer.recipe.name
         x2 = x.reshape(-1, x.shape[-1])
         ctx.save_for_backward(x2, weight)
-        ctx.layer, ctx.fmt, ctx.has_bias, ctx.x_shape = layer, fmt, bias is not None, x.shape
+        ctx.layer, ctx.fmt, ctx.has_bias, ctx.x_shape, ctx.defer = layer, fmt, bias is not None, x.shape, defer
+        ctx.param = weight  # the Parameter itself: a deferred gradient is given to its owner
         y = _fake(layer, fmt, x2, "x", "k", True) @ _fake(layer, fmt, weight, "w", "k", True).to(x.dtype).t()
         if bias is not None:
             y = y + bias
@@ -334,8 +357,12 @@ class _EmulatedLinearFunction(torch.autograd.Function):
             g = _fake(layer, fmt, g2, "g", "n", True) if quantize_grads else g2
             grad_x = (g @ _fake(layer, fmt, weight, "w", "n", False).to(g2.dtype)).reshape(ctx.x_shape)
         if ctx.needs_input_grad[1]:
+            # the operands are fake-quantized now (NVFP4's amax all-reduce stays in backward's order on every
+            # rank); only the GEMM may be deferred
             g_t = _fake(layer, fmt, g2, "g", "m", False).t() if quantize_grads else g2.t()
-            grad_w = (g_t.float() @ _fake(layer, fmt, x2, "x", "m", False).float()).to(weight.dtype)
+            x_t = _fake(layer, fmt, x2, "x", "m", False)
+            wdtype = weight.dtype
+            grad_w = _now_or_deferred(ctx.defer, ctx.param, lambda: (g_t.float() @ x_t.float()).to(wdtype))
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_b = g2.sum(0)
-        return grad_x, grad_w, grad_b, None
+        return grad_x, grad_w, grad_b, None, None

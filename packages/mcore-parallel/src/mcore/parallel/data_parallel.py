@@ -157,7 +157,7 @@ class DistributedDataParallel(nn.Module):
             # (WeightGradStore; the parameter is ready only once it has been computed) or one the linear layer
             # accumulated straight into main_grad (then it said so, see param_attrs). A parameter used by such a
             # linear and elsewhere (tied embeddings) gets both: the rest arrives in p.grad.
-            fused = take_wgrad_in_main_grad(p)
+            fused = take_wgrad_in_main_grad(p, grad_arrived=p.grad is not None)
             if p.grad is None and not fused:
                 return
             if p.grad is not None:

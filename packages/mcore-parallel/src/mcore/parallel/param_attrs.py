@@ -292,11 +292,14 @@ def mark_wgrad_in_main_grad(param: torch.Tensor) -> None:
     setattr(param, _WGRAD_IN_MAIN_GRAD, True)
 
 
-def take_wgrad_in_main_grad(param: torch.Tensor) -> bool:
+def take_wgrad_in_main_grad(param: torch.Tensor, *, grad_arrived: bool = True) -> bool:
     """Whether this backward's weight gradient went into ``main_grad``; resets the flag for the next one. DDP's
     gradient hook calls it after every backward of ``param``, which may then add ``param.grad`` into ``main_grad``:
-    from here on ``main_grad`` is no longer known to be zero."""
-    setattr(param, _MAIN_GRAD_ZEROED, False)
+    from here on ``main_grad`` is no longer known to be zero. ``grad_arrived=False`` (``param.grad`` is empty):
+    nothing will be added, so a zeroed ``main_grad`` stays known zero, and a weight gradient deferred into a
+    ``WeightGradStore`` may still overwrite it as the step's first (as it would have undeferred)."""
+    if grad_arrived:
+        setattr(param, _MAIN_GRAD_ZEROED, False)
     fused = bool(getattr(param, _WGRAD_IN_MAIN_GRAD, False))
     if fused:
         setattr(param, _WGRAD_IN_MAIN_GRAD, False)

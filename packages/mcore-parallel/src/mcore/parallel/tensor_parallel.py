@@ -25,6 +25,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from mcore.kernels.low_precision_linear import LowPrecisionLinear
 from mcore.parallel.comm import (
     copy_to_tp_region,
     gather_from_sequence_parallel_region,
@@ -190,6 +191,8 @@ def _linear(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, store: WeightGradStore | None, low_precision=None
 ) -> torch.Tensor:
     if low_precision is not None:  # an FP8/FP4 linear installed by mcore.parallel.low_precision
+        if store is not None and isinstance(low_precision, LowPrecisionLinear):  # TE's linears cannot defer
+            return low_precision(x, weight, bias, defer=store.defer)
         return low_precision(x, weight, bias)
     return _LinearWithDeferrableWeightGrad.apply(x, weight, bias, store)
 

@@ -54,6 +54,15 @@ class WeightGradStore:
             raise RuntimeError("WeightGradStore.put called outside WeightGradStore.deferring()")
         self._batches[-1].append((param, compute))
 
+    def defer(self, param: torch.nn.Parameter, compute: Callable[[], torch.Tensor | None]) -> bool:
+        """Queue ``compute`` (see :meth:`put`) when a ``deferring()`` block is open; return whether it was queued
+        (``False``: the caller runs it now). The hook the kernels layer's linears take (``LowPrecisionLinear``'s
+        ``defer``), which cannot import this class."""
+        if not self._active:
+            return False
+        self.put(param, compute)
+        return True
+
     def pending(self) -> int:
         """Number of queued batches (one per ``deferring()`` block)."""
         return len(self._batches)
