@@ -37,9 +37,9 @@ from mcore.kernels.fp8_grouped_gemm import (
     WgradInto,
     _cast_backend,
     _Fp8GroupedGemm,
-    _Fp8GroupedGemmOfActivation,
     _segments,
     _store_weight_grad,
+    apply_of_activation,
     reference_expert_wgrad,
 )
 from mcore.kernels.grouped_gemm import _check, _tail
@@ -82,15 +82,8 @@ def fp8_block_grouped_gemm_of_activation(
 ) -> torch.Tensor:
     """``fp8_block_grouped_gemm(activation(h), w, offsets)`` saving ``h``, not the activation's output (backward
     recomputes it): ``fp8_grouped_gemm_of_activation``'s contract with block-wise scales."""
-    if not isinstance(h, torch.Tensor) or h.dim() != 2:
-        got = getattr(h, "shape", h)
-        raise ValueError(f"fp8_block_grouped_gemm_of_activation: h must be a 2-D [rows, *] tensor, got {got}")
-    with torch.no_grad():
-        a = activation(h)  # quantized in forward, then dropped: only h is kept
-    _check_blocks(a, w, offsets)
-    tail = _tail(tail_rows, h.shape[0])
-    chosen = _choose(a, w, backend)
-    return _Fp8GroupedGemmOfActivation.apply(h, w, offsets, activation, BLOCKWISE, chosen, a, tail, wgrad_into)
+    return apply_of_activation("fp8_block_grouped_gemm_of_activation", BLOCKWISE, _check_blocks, _choose, h, w,
+                               offsets, activation, backend, tail_rows, wgrad_into)  # fmt: skip
 
 
 def _check_blocks(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> None:

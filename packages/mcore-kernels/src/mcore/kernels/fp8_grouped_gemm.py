@@ -87,15 +87,22 @@ def fp8_grouped_gemm_of_activation(
     """``fp8_grouped_gemm(activation(h), w, offsets)`` (same shapes, backends, ``tail_rows``, ``wgrad_into``) saving
     ``h``, not the activation's output: backward recomputes it, for the weight gradient's fp8 operand and for the
     activation's own backward, which gives ``h``'s gradient (``grouped_gemm_of_activation``'s contract)."""
+    return apply_of_activation("fp8_grouped_gemm_of_activation", ROWWISE, _check, _choose, h, w, offsets, activation,
+                               backend, tail_rows, wgrad_into)  # fmt: skip
+
+
+def apply_of_activation(name, ops, check, choose, h, w, offsets, activation, backend, tail_rows, wgrad_into):
+    """The ``*_of_activation`` entry of one scale layout ``ops``: ``h`` checked (``name`` in the message),
+    ``activation(h)`` computed without a graph and checked by ``check``, the backend picked by ``choose``."""
     if not isinstance(h, torch.Tensor) or h.dim() != 2:
         got = getattr(h, "shape", h)
-        raise ValueError(f"fp8_grouped_gemm_of_activation: h must be a 2-D [rows, *] tensor, got {got}")
+        raise ValueError(f"{name}: h must be a 2-D [rows, *] tensor, got {got}")
     with torch.no_grad():
         a = activation(h)  # quantized in forward, then dropped: only h is kept
-    _check(a, w, offsets)
+    check(a, w, offsets)
     tail = _tail(tail_rows, h.shape[0])
-    chosen = _choose(a, w, backend)
-    return _Fp8GroupedGemmOfActivation.apply(h, w, offsets, activation, ROWWISE, chosen, a, tail, wgrad_into)
+    chosen = choose(a, w, backend)
+    return _Fp8GroupedGemmOfActivation.apply(h, w, offsets, activation, ops, chosen, a, tail, wgrad_into)
 
 
 def _choose(x: torch.Tensor, w: torch.Tensor, backend: str | None) -> str:
