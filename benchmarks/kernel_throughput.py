@@ -9,7 +9,7 @@ vocabulary also reports peak memory against ``F.cross_entropy(logits.float(), y)
 
 The forward is timed with inputs that require grad (as in training: the graph is recorded). Usage::
 
-    python benchmarks/kernels.py [--json results.json] [--quick]
+    python benchmarks/kernel_throughput.py [--json results.json] [--quick]
 """
 
 from __future__ import annotations
@@ -318,7 +318,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print(
-            "benchmarks/kernels.py needs a CUDA GPU (torch.cuda.is_available() is False); nothing was measured.",
+            "benchmarks/kernel_throughput.py needs a CUDA GPU (torch.cuda.is_available() is False); nothing was measured.",
             file=sys.stderr,
         )
         return 2
