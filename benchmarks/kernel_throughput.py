@@ -318,7 +318,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print(
-            "benchmarks/kernel_throughput.py needs a CUDA GPU (torch.cuda.is_available() is False); nothing was measured.",
+            "benchmarks/kernel_throughput.py needs a CUDA GPU (torch.cuda.is_available() is False); "
+            "nothing was measured.",
             file=sys.stderr,
         )
         return 2
