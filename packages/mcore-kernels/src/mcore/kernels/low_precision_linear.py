@@ -169,6 +169,10 @@ class LowPrecisionLinear:
         # fp8 recipes: ``wgrad_into(weight)`` -> ``(target, accumulate)`` or ``None``: where the weight-gradient
         # GEMM writes (DDP's main_grad, set by mcore.parallel.low_precision); ``None`` returns the gradient
         self.wgrad_into: Callable[[torch.Tensor], tuple[torch.Tensor, bool] | None] | None = None
+        # ``weight_provider(weight, transposed)`` -> ``(W, W^T)`` in fp8 made elsewhere (the distributed optimizer's
+        # fp8 parameter all-gather, ``mcore.parallel.fp8_param_gather``): then the high-precision weight may be
+        # stale on this rank and is never cast here
+        self.weight_provider: Callable[[torch.Tensor, bool], tuple[Quantized, Quantized | None]] | None = None
 
     def __call__(
         self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, defer: Defer | None = None
@@ -236,11 +240,19 @@ class LowPrecisionLinear:
 
     def weight_operands(self, weight: torch.Tensor, transposed: bool) -> tuple[Quantized, Quantized | None]:
         """``W`` along K and ``W^T`` along N: from the weight cast cache when this layer has one and the weight
-        did not change since (a weight is cast once per optimizer step, not once per micro-batch)."""
+        did not change since (a weight is cast once per optimizer step, not once per micro-batch), or from the
+        ``weight_provider`` when one is set."""
+        if self.weight_provider is not None:
+            return self.weight_provider(weight, transposed)
         make = lambda: self.quantize_operands(weight, "w", ("k", "n"), transposed=transposed)  # noqa: E731
         if self.weight_cache is None:
             return make()
         return self.weight_cache.get(self, weight, transposed, make)
+
+    @property
+    def weight_amax_reduce(self) -> AmaxReduce | None:
+        """The reduction a tensor-wise weight amax needs (over the TP ranks holding its shards), or ``None``."""
+        return self._reduce_fn("w", "k", "tensor")
 
     def matmul(
         self, a: Quantized, b: Quantized, out_dtype: torch.dtype, fast_accum: bool = False, out=None

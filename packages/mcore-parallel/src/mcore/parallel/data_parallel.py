@@ -34,6 +34,7 @@ import torch.distributed as dist
 from torch import nn
 
 from mcore.parallel.comm import group_rank, group_size
+from mcore.parallel.fp8_param_gather import Fp8GatherBuffer, fp8_gathered_layers
 from mcore.parallel.grad_buffer import GradBuffer
 from mcore.parallel.param_attrs import (
     attach_gradient_plumbing,
@@ -58,7 +59,11 @@ class DistributedDataParallel(nn.Module):
     ``zero_grad_buffer`` does not zero-fill the ``main_grad`` of parameters whose first weight gradient of a step
     overwrites it (the tensor-parallel linears' and the experts' GEMMs: ``param_attrs.take_wgrad_target``), one
     pass over most of the gradient memory less per step, the rest zeroed in one multi-tensor launch; off, every
-    gradient is zero-filled (the results are the same bit for bit).
+    gradient is zero-filled (the results are the same bit for bit). ``fp8_param_gather`` (with
+    ``use_distributed_optimizer``; the model's fp8 recipe installed first, tensor-wise or delayed): the fp8
+    linears' weights are all-gathered as their fp8 casts, 1 byte per element (``fp8_param_gather.py``); their
+    bf16 values are then complete only after ``finish_param_sync()``, and ``params_replaced()`` must follow any
+    write of the parameters outside the optimizer.
     """
 
     def __init__(
@@ -74,6 +79,7 @@ class DistributedDataParallel(nn.Module):
         gradient_accumulation_fusion: bool = True,
         expert_dp_group: dist.ProcessGroup | None | str = "dense",
         skip_overwritten_fill: bool = True,
+        fp8_param_gather: bool = False,
     ) -> None:
         super().__init__()
         if not isinstance(module, nn.Module):
@@ -88,6 +94,11 @@ class DistributedDataParallel(nn.Module):
             raise ValueError(
                 "DistributedDataParallel: overlap_param_gather=True needs use_distributed_optimizer=True "
                 "(only the distributed optimizer all-gathers parameters)"
+            )
+        if fp8_param_gather and not use_distributed_optimizer:
+            raise ValueError(
+                "DistributedDataParallel: fp8_param_gather=True needs use_distributed_optimizer=True (it all-gathers "
+                "the fp8 casts of the parameter shards the distributed optimizer updates)"
             )
         self.module = module
         self.dp_group = dp_group
@@ -105,21 +116,22 @@ class DistributedDataParallel(nn.Module):
         # Expert parameters (``expert_parallel``, see expert_parallel.py) get their own buffers, reduced over
         # ``expert_dp_group`` and scaled by 1 / dense dp size; "dense" treats them like the rest (ep = etp = 1).
         separate_experts = not (isinstance(expert_dp_group, str) and expert_dp_group == "dense")
-        by_key: dict[tuple[torch.dtype, torch.device, bool], list[nn.Parameter]] = {}
+        # fp8 linears' weights gather their fp8 casts (fp8_param_gather.py): a buffer of their own
+        fp8_layers = fp8_gathered_layers(module) if fp8_param_gather else {}
+        by_key: dict[tuple[torch.dtype, torch.device, bool, bool], list[nn.Parameter]] = {}
         for p in reversed(params):  # backward order
             expert = separate_experts and getattr(p, "expert_parallel", False)
-            by_key.setdefault((p.dtype, p.device, expert), []).append(p)
-        self._grad_buffers: list[GradBuffer] = [
-            GradBuffer(
-                group,
-                dp_group=expert_dp_group if expert else dp_group,
-                bucket_size=bucket_size,
-                grad_dtype=grad_dtype,
-                use_distributed_optimizer=use_distributed_optimizer,
-                grad_scale=1.0 / self.dp_size if expert else None,
-            )
-            for (_, _, expert), group in by_key.items()
-        ]
+            by_key.setdefault((p.dtype, p.device, expert, p in fp8_layers), []).append(p)
+        self._grad_buffers: list[GradBuffer] = []
+        for (_, _, expert, fp8), group in by_key.items():
+            common = {"dp_group": expert_dp_group if expert else dp_group, "bucket_size": bucket_size}
+            common |= {"grad_dtype": grad_dtype, "grad_scale": 1.0 / self.dp_size if expert else None}
+            if fp8:
+                self._grad_buffers.append(Fp8GatherBuffer(group, layers=fp8_layers, **common))
+            else:
+                self._grad_buffers.append(
+                    GradBuffer(group, use_distributed_optimizer=use_distributed_optimizer, **common)
+                )
         self._buffer_of = {p: buf for buf in self._grad_buffers for p in buf.ranges}
 
         self._hook_handles = []
@@ -218,12 +230,23 @@ class DistributedDataParallel(nn.Module):
         for buf in self._grad_buffers:
             buf.start_param_gather()
         if force_sync or not self.overlap_param_gather:
-            self.finish_param_sync()
+            for buf in self._grad_buffers:
+                buf.finish_param_gather()
 
     def finish_param_sync(self) -> None:
-        """Wait for every parameter all-gather in flight (before reading parameters outside forward)."""
+        """Wait for every parameter all-gather in flight (before reading parameters outside forward); with
+        ``fp8_param_gather`` also all-gather the fp8 linears' weights in their own dtype (collective over dp)."""
         for buf in self._grad_buffers:
             buf.finish_param_gather()
+            if isinstance(buf, Fp8GatherBuffer):
+                buf.gather_high_precision()
+
+    def params_replaced(self) -> None:
+        """Say that the parameters were written whole on every rank outside the optimizer (a loaded checkpoint):
+        with ``fp8_param_gather`` the fp8 copies of the old values are dropped and cast afresh at their next use."""
+        for buf in self._grad_buffers:
+            if isinstance(buf, Fp8GatherBuffer):
+                buf.params_replaced()
 
     # Parameter names and state dicts are the wrapped module's: no "module." prefix.
     def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):
@@ -239,4 +262,6 @@ class DistributedDataParallel(nn.Module):
                 "DistributedDataParallel.load_state_dict: assign=True would detach the parameters from the buffers"
             )
         self.finish_param_sync()
-        return self.module.load_state_dict(state_dict, strict=strict)
+        result = self.module.load_state_dict(state_dict, strict=strict)
+        self.params_replaced()
+        return result

@@ -65,6 +65,13 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
         for chunk in self.chunks:
             chunk.start_param_sync()
 
+    def _load_params(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Every rank sets its whole parameters from the loaded masters; the wrappers then drop fp8 copies cast from
+        the old values (``fp8_param_gather``)."""
+        super()._load_params(tensors)
+        for chunk in self.chunks:
+            chunk.params_replaced()
+
     def _full_states(self) -> dict[nn.Parameter, dict[str, torch.Tensor]]:
         """Gather every bucket's shards of master/exp_avg/exp_avg_sq over dp (collective over the dp group)."""
         by_param: dict[int, list[MasterPiece]] = {}

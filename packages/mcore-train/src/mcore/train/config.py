@@ -30,7 +30,7 @@ from mcore.models.recompute import check_recompute_modules
 from mcore.train.config_checks import non_negative as _non_negative
 from mcore.train.config_checks import positive as _positive
 from mcore.train.errors import UserError
-from mcore.train.low_precision import BitNetSection, Fp4Section, Fp8Section, KernelsSection
+from mcore.train.low_precision import BitNetSection, Fp4Section, Fp8Section, KernelsSection, check_fp8_param_gather
 from mcore.train.lr import LRSchedule
 from mcore.train.output_config import CheckpointSection, LogSection
 from mcore.train.parallel_config import ParallelSection, check_context_parallel
@@ -271,6 +271,7 @@ class Config:
                 f"({self.data.seq_length}) must be a multiple of {self.parallel.tp}"
             )
         check_context_parallel(self.parallel, self.model, self.data.seq_length)
+        check_fp8_param_gather(self)
         if self.data.seq_length > self.model.max_position_embeddings:
             raise ValueError(
                 f"data.seq_length ({self.data.seq_length}) exceeds model.max_position_embeddings "

@@ -19,6 +19,7 @@ from typing import Literal
 
 import torch
 
+from mcore.parallel.fp8_param_gather import PER_TENSOR_RECIPES
 from mcore.parallel.low_precision import LayerDecision, Recipe, WeightCastCache, enable_low_precision
 from mcore.train.errors import UserError
 
@@ -53,6 +54,9 @@ class Fp8Section(_LowPrecisionSection):
     ``weight_cache``: cast each weight once per optimizer step, not once per micro-batch (with one micro-batch
     per step and no recompute there is nothing to reuse: no cache). ``fast_accum``: the
     forward GEMM of tensor- and row-wise recipes accumulates in the tensor cores' fast mode (gradients never).
+    ``param_gather`` (Megatron's ``--fp8-param-gather``; with ``parallel.distributed_optimizer``, tensor-wise or
+    delayed): the distributed optimizer all-gathers the fp8 linears' updated weights as their fp8 casts, 1 byte
+    per element instead of 2, each rank casting only its shard (``mcore.parallel.fp8_param_gather``).
     """
 
     recipe: Literal["tensorwise", "delayed", "rowwise", "blockwise", "mxfp8"] = "tensorwise"
@@ -62,6 +66,7 @@ class Fp8Section(_LowPrecisionSection):
     delayed_overflow: Literal["saturate", "recast"] = "saturate"
     weight_cache: bool = True
     fast_accum: bool = True
+    param_gather: bool = False
 
     def to_recipe(self) -> Recipe:
         history, compute = self.amax_history_len, self.amax_compute
@@ -102,6 +107,23 @@ class KernelsSection:
     through NVIDIA Transformer Engine, with the fp8 recipe when ``train.precision: fp8``; it must import)."""
 
     backend: Literal["auto", "te"] = "auto"
+
+
+def check_fp8_param_gather(config) -> None:
+    """``fp8.param_gather`` needs the fp8 linears it gathers and the distributed optimizer that shards them."""
+    if not config.fp8.param_gather:
+        return
+    problems = []
+    if config.train.precision != "fp8" or config.train.quant != "none":
+        problems.append(f"train.precision=fp8 (got {config.train.precision}, quant {config.train.quant})")
+    if config.fp8.recipe not in PER_TENSOR_RECIPES:
+        problems.append(f"fp8.recipe tensorwise or delayed (got {config.fp8.recipe})")
+    if not config.parallel.distributed_optimizer:
+        problems.append("parallel.distributed_optimizer=true (it gathers the shards that optimizer updates)")
+    if config.kernels.backend != "auto":
+        problems.append(f"kernels.backend=auto (got {config.kernels.backend}: Transformer Engine casts its own)")
+    if problems:
+        raise ValueError(f"fp8.param_gather=true needs {'; '.join(problems)}; or set fp8.param_gather=false")
 
 
 def base_precision(precision: str, device: torch.device) -> str:

@@ -234,6 +234,12 @@ class Trainer:
         )
 
     def _data_parallel_chunks(self) -> list[DistributedDataParallel]:
+        try:
+            return self._wrap_data_parallel()
+        except ValueError as exc:  # fp8.param_gather on a model whose linears all stay in high precision
+            raise UserError(str(exc)) from None
+
+    def _wrap_data_parallel(self) -> list[DistributedDataParallel]:
         cfg, groups = self.config, self.groups
         return [
             DistributedDataParallel(
@@ -246,6 +252,7 @@ class Trainer:
                 grad_dtype=STATE_DTYPES[cfg.optim.main_grads_dtype],  # bf16: Megatron's --main-grads-dtype
                 gradient_accumulation_fusion=cfg.parallel.gradient_accumulation_fusion,
                 expert_dp_group=groups.expert_dp,  # MoE experts: reduced over the expert grid's dp
+                fp8_param_gather=cfg.fp8.param_gather,  # checked: fp8 recipe and distributed optimizer
             )
             for chunk in self.chunks
         ]
@@ -432,6 +439,9 @@ class Trainer:
         ``optimizer``: the optimizer's ``state_dict()`` (``step``, ``tensors`` keyed ``"<name>/<kind>"``,
         ``loss_scaler``), or ``None`` without an optimizer.
         """
+        for chunk in self.ddp_chunks:
+            if isinstance(chunk, DistributedDataParallel):
+                chunk.finish_param_sync()  # complete parameters (fp8_param_gather leaves other ranks' shards stale)
         return {
             "iteration": self.iteration,
             "consumed_samples": self.consumed_samples,
@@ -453,6 +463,9 @@ class Trainer:
             for name, param, _ in self.named_local_parameters() + self.named_local_buffers():
                 if name in tensors:
                     param.copy_(tensors[name])
+            for chunk in self.ddp_chunks:
+                if isinstance(chunk, DistributedDataParallel):
+                    chunk.params_replaced()  # fp8 copies of the old weights are stale now
         if state.get("optimizer") is not None:
             if self.optimizer is None:
                 raise ValueError("Trainer.load_state_dict: optimizer state given, but the trainer has no optimizer")
