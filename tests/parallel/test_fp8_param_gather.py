@@ -15,9 +15,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from mcore.kernels.fp8_casts import quantize_dual
 from mcore.kernels.low_precision_linear import Recipe
-from mcore.kernels.quantization import E4M3
 from mcore.parallel import ColumnParallelLinear, RowParallelLinear, fp8_param_gather, grad_buffer
 from mcore.parallel.comm import group_rank, group_size
 from mcore.parallel.data_parallel import DistributedDataParallel
@@ -30,6 +28,7 @@ from tests.parallel._helpers import case_result, run_cases
 
 M, H, FFN = 32, 256, 512
 STEPS = 4
+RECIPES = ("tensorwise", "delayed", "blockwise")
 
 
 class _Net(nn.Module):
@@ -118,20 +117,16 @@ def _operands_equal_own_cast(recipe, tp, dp) -> dict:
     for name in ("up", "down"):
         layer, ref_layer = getattr(got.module, name), getattr(ref.module, name)
         w, w_t = layer.low_precision.weight_operands(layer.weight, transposed=True)
-        if recipe == "tensorwise":
-            e, e_t = quantize_dual(
-                ref_layer.weight.detach(), E4M3, "tensor", reduce_q=ref_layer.low_precision.weight_amax_reduce
-            )
-        else:  # delayed: the reference layer's own cast advances its history as the gathered one's did
-            e, e_t = ref_layer.low_precision.weight_operands(ref_layer.weight, transposed=True)
+        # the reference layer's own cast (delayed: it advances its history as the gathered one's did)
+        e, e_t = ref_layer.low_precision.weight_operands(ref_layer.weight, transposed=True)
         for a, b in ((w, e), (w_t, e_t)):
             same = torch.equal(a.data.view(torch.uint8), b.data.view(torch.uint8)) and torch.equal(a.scale, b.scale)
             mismatches += [] if same else [name]
     return {"mismatches": mismatches}
 
 
-def _wrong_group(tp, dp) -> dict:
-    """The dp MAX all-reduce of the shard amaxes skipped: each rank scales its shard by its own amax."""
+def _wrong_group(recipe, tp, dp) -> dict:
+    """The dp MAX all-reduce of the shard amaxes skipped: each rank scales its shard by its own amaxes."""
 
     class _NoReduce:
         ReduceOp = dist.ReduceOp
@@ -140,10 +135,10 @@ def _wrong_group(tp, dp) -> dict:
         def all_reduce(*args, **kwargs):
             return None
 
-    _, _, ref_losses = _train("tensorwise", tp, dp, gather=False)
+    _, _, ref_losses = _train(recipe, tp, dp, gather=False)
     real, fp8_param_gather.dist = fp8_param_gather.dist, _NoReduce
     try:
-        _, _, losses = _train("tensorwise", tp, dp, gather=True)
+        _, _, losses = _train(recipe, tp, dp, gather=True)
     finally:
         fp8_param_gather.dist = real
     return {"rel_diff": ((losses - ref_losses).abs() / ref_losses.abs()).max().item()}
@@ -234,12 +229,13 @@ def _cases(rank: int, world_size: int):
     layouts = {"dp4": (singles[rank], whole), "tp2dp2": (tp_groups[rank // 2], dp_groups[rank % 2])}
     cases = {}
     for layout, (tp, dp) in layouts.items():
-        for recipe in ("tensorwise", "delayed"):
+        for recipe in RECIPES:
             cases[f"same-{recipe}-{layout}"] = lambda r=recipe, tp=tp, dp=dp: _same_training(r, tp, dp)
             cases[f"operands-{recipe}-{layout}"] = lambda r=recipe, tp=tp, dp=dp: _operands_equal_own_cast(r, tp, dp)
     tp, dp = layouts["tp2dp2"]
     cases["same-overlap-tp2dp2"] = lambda: _same_training("tensorwise", tp, dp, overlap=True)
-    cases["wrong-group-dp4"] = lambda: _wrong_group(*layouts["dp4"])
+    for recipe in ("tensorwise", "blockwise"):
+        cases[f"wrong-group-{recipe}-dp4"] = lambda r=recipe: _wrong_group(r, *layouts["dp4"])
     cases["stale-dp4"] = lambda: _stale_high_precision_unread(*layouts["dp4"])
     cases["checkpoint-tp2dp2"] = lambda: _checkpoint_round_trip(tp, dp)
     cases["bytes-dp4"] = lambda: _gathered_bytes(*layouts["dp4"])
@@ -252,7 +248,7 @@ def results():
 
 
 @pytest.mark.parametrize("layout", ["dp4", "tp2dp2"])
-@pytest.mark.parametrize("recipe", ["tensorwise", "delayed"])
+@pytest.mark.parametrize("recipe", RECIPES)
 def test_fp8_gather_trains_exactly_as_the_bf16_gather(results, recipe, layout):
     for r in case_result(results, f"same-{recipe}-{layout}"):
         assert r["fp8_buffers"] == 1 and r["fp8_params"] == sorted(
@@ -263,7 +259,7 @@ def test_fp8_gather_trains_exactly_as_the_bf16_gather(results, recipe, layout):
 
 
 @pytest.mark.parametrize("layout", ["dp4", "tp2dp2"])
-@pytest.mark.parametrize("recipe", ["tensorwise", "delayed"])
+@pytest.mark.parametrize("recipe", RECIPES)
 def test_gathered_operands_are_the_layers_own_cast_bit_for_bit(results, recipe, layout):
     for r in case_result(results, f"operands-{recipe}-{layout}"):
         assert r["mismatches"] == [], r
@@ -274,8 +270,9 @@ def test_overlapped_fp8_gather_trains_exactly_as_the_bf16_gather(results):
         assert r["loss_diff"] == 0.0 and r["weight_diff"] == 0.0, r
 
 
-def test_without_the_dp_amax_reduction_training_diverges(results):
-    assert max(r["rel_diff"] for r in case_result(results, "wrong-group-dp4")) > 1e-3
+@pytest.mark.parametrize("recipe", ["tensorwise", "blockwise"])
+def test_without_the_dp_amax_reduction_training_diverges(results, recipe):
+    assert max(r["rel_diff"] for r in case_result(results, f"wrong-group-{recipe}-dp4")) > 1e-3
 
 
 def test_stale_high_precision_values_are_never_read(results):
@@ -302,7 +299,7 @@ def test_bad_configurations_raise_one_clear_error():
     with pytest.raises(ValueError, match="has no fp8 linear"):
         DistributedDataParallel(_Net(), None, use_distributed_optimizer=True, fp8_param_gather=True)
     enable_low_precision(net, Recipe("rowwise"), keep=())
-    with pytest.raises(ValueError, match=r"layer 'up' runs the fp8 recipe 'rowwise'"):
+    with pytest.raises(ValueError, match=r"layer 'up' runs the fp8 recipe 'rowwise'; the recipes"):
         DistributedDataParallel(net, None, use_distributed_optimizer=True, fp8_param_gather=True)
 
 

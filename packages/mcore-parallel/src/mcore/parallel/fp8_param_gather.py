@@ -7,21 +7,23 @@ each rank casts only its shard (``1/dp`` of the cast work) instead of the whole 
 
 After the optimizer step, per buffer:
 
-1. each rank takes ``max |w|`` of its shard of every weight; one MAX all-reduce over dp (then each layer's TP
-   reduction) gives every rank every whole weight's amax, the amax the layer would measure on the gathered weight;
-2. tensor-wise: the scale comes from it; delayed: from the layer's weight amax history, which records it (and,
-   with ``delayed_overflow: recast``, from the amax itself when it exceeds the history's), as the layer's own cast;
-3. each rank casts its shard (``cast(clamp(w * 448 / amax))``, elementwise) and the fp8 bytes are all-gathered,
-   bucket by bucket (asynchronously with ``overlap_param_gather``);
+1. each rank takes ``max |w|`` of its shard of every weight (block-wise: of every 128x128 block its shard
+   touches); one MAX all-reduce over dp of all of them (then, per tensor, each layer's TP reduction) gives every
+   rank the amaxes the layer would measure on the gathered weight;
+2. tensor-wise and block-wise: the scales come from them; delayed: from the layer's weight amax history, which
+   records the amax (and, with ``delayed_overflow: recast``, from the amax itself when it exceeds the history's),
+   as the layer's own cast;
+3. each rank casts its shard (``cast(clamp(w * 448 / amax))``, elementwise, with its block's amax block-wise) and
+   the fp8 bytes are all-gathered, bucket by bucket (asynchronously with ``overlap_param_gather``);
 4. on arrival the fp8 ``W`` (a view of the gathered bytes) and ``W^T`` (transposed once, when the backward first
    asks) are handed to the layer through ``LowPrecisionLinear.weight_provider``.
 
-Since the cast is elementwise and the amax is the whole weight's, the fp8 operands are bit for bit those the
+Since the cast is elementwise and the amaxes are the whole weight's, the fp8 operands are bit for bit those the
 layer casts from the bf16 weight after the ordinary gather (tested), so training is unchanged.
 
-Per-tensor recipes only (``tensorwise``, ``delayed``): their one scale serves ``W`` and ``W^T``, so one fp8 copy
-is gathered. Row-wise scales differ between ``W`` (per row) and ``W^T`` (per column): two fp8 copies are as many
-bytes as the bf16 weight; block-wise is not implemented (128x128 block amaxes across shard boundaries).
+Recipes: ``tensorwise``, ``delayed`` (one scale serves ``W`` and ``W^T``) and ``blockwise`` (128x128 blocks: ``W^T``
+has the same blocks, transposed), so one fp8 copy is gathered. Row-wise scales differ between ``W`` (per row) and
+``W^T`` (per column): two fp8 copies would be as many bytes as the bf16 weight, so it is refused.
 
 The bf16 weights of these layers are then current on each rank only in its own shard. Whatever reads them outside
 the fp8 forward must first call ``DistributedDataParallel.finish_param_sync()``, which all-gathers them in bf16
@@ -34,6 +36,7 @@ tied output layer) is gathered in bf16 as before: the other module reads it in h
 from __future__ import annotations
 
 import logging
+import math
 from collections import Counter
 from collections.abc import Sequence
 
@@ -42,32 +45,42 @@ import torch.distributed as dist
 from torch import nn
 
 from mcore.kernels.low_precision_linear import FP8_RECIPES, LowPrecisionLinear
-from mcore.kernels.quantization import E4M3, FP8_MAX, Quantized, abs_max, reference_cast, scale_from_amax
+from mcore.kernels.quantization import (
+    BLOCK,
+    E4M3,
+    FP8_MAX,
+    Quantized,
+    abs_max,
+    block_amax,
+    expand_scale,
+    reference_cast,
+    scale_from_amax,
+)
 from mcore.parallel.comm import all_gather_into
 from mcore.parallel.grad_buffer import Bucket, GradBuffer
 
-__all__ = ["PER_TENSOR_RECIPES", "Fp8GatherBuffer", "fp8_gathered_layers"]
+__all__ = ["GATHERED_RECIPES", "Fp8GatherBuffer", "fp8_gathered_layers"]
 
 logger = logging.getLogger("mcore.parallel")
-PER_TENSOR_RECIPES = ("tensorwise", "delayed")
+GATHERED_RECIPES = ("tensorwise", "delayed", "blockwise")
 
 
 def fp8_gathered_layers(module: nn.Module) -> dict[nn.Parameter, LowPrecisionLinear]:
     """The weights under ``module`` whose fp8 cast can be all-gathered, each with the fp8 linear that reads it.
 
     Raises ``ValueError`` when ``module`` has no fp8 linear (``enable_low_precision`` first) or one whose recipe
-    is not per-tensor. A weight that another module also holds (tied) is left out, with a log line."""
+    is row-wise. A weight that another module also holds (tied) is left out, with a log line."""
     holders = Counter(id(p) for m in module.modules() for p in m.parameters(recurse=False))
     out: dict[nn.Parameter, LowPrecisionLinear] = {}
     for name, m in module.named_modules():
         layer = getattr(m, "low_precision", None)
         if not isinstance(layer, LowPrecisionLinear) or layer.recipe.name not in FP8_RECIPES:
             continue
-        if layer.recipe.name not in PER_TENSOR_RECIPES:
+        if layer.recipe.name not in GATHERED_RECIPES:
             raise ValueError(
-                f"fp8 parameter all-gather: layer {name!r} runs the fp8 recipe {layer.recipe.name!r}; only the "
-                f"per-tensor recipes {PER_TENSOR_RECIPES} gather one fp8 copy that serves W and W^T (row-wise needs "
-                "two, as many bytes as bf16; block-wise is not implemented): turn fp8 parameter all-gather off"
+                f"fp8 parameter all-gather: layer {name!r} runs the fp8 recipe {layer.recipe.name!r}; the recipes "
+                f"{GATHERED_RECIPES} gather one fp8 copy that serves W and W^T, row-wise would need two (one scale "
+                "per row for W, per column for W^T: as many bytes as bf16): turn fp8 parameter all-gather off"
             )
         weight = m.weight
         if not weight.requires_grad:
@@ -82,6 +95,10 @@ def fp8_gathered_layers(module: nn.Module) -> dict[nn.Parameter, LowPrecisionLin
             "recipe with enable_low_precision before wrapping the model, or turn fp8 parameter all-gather off"
         )
     return out
+
+
+def _block_grid(p: nn.Parameter) -> tuple[int, int]:
+    return -(-p.shape[0] // BLOCK), -(-p.shape[1] // BLOCK)
 
 
 class Fp8GatherBuffer(GradBuffer):
@@ -119,9 +136,17 @@ class Fp8GatherBuffer(GradBuffer):
         for bucket in reversed(self.buckets):  # forward order, as the bf16 gather
             for p in bucket.params:
                 a, b = self._shard_part(p, bucket)
-                if a < b:
-                    # torch's cast: the bits of the Triton cast (native rounding), on 1/dp of the weight
-                    fp8[a:b].copy_(reference_cast(self.param_data[a:b], self._multipliers[id(p)], E4M3))
+                if a >= b:
+                    continue
+                # torch's cast: the bits of the Triton casts (native rounding), on 1/dp of the weight
+                multiplier = self._multipliers[id(p)]
+                if multiplier.dim() == 0:
+                    fp8[a:b].copy_(reference_cast(self.param_data[a:b], multiplier, E4M3))
+                else:  # 128x128 blocks: the block rows this shard touches, each element by its block's multiplier
+                    top, start, tile = self._shard_tile(p, a, b)
+                    rows = multiplier[top // BLOCK : top // BLOCK + -(-tile.shape[0] // BLOCK)]
+                    cast = reference_cast(tile, expand_scale(rows, "128x128", tile.shape), E4M3)
+                    fp8[a:b].copy_(cast.view(-1)[start : start + b - a])
             full = self.fp8_data[bucket.start : bucket.end]
             bucket.param_handle = all_gather_into(
                 full, self.shard_view(self.fp8_data, bucket), self.dp_group, async_op=True
@@ -131,28 +156,56 @@ class Fp8GatherBuffer(GradBuffer):
         lo, hi = self.ranges[p]
         return max(lo, bucket.shard_start), min(hi, bucket.shard_end)
 
+    def _shard_tile(self, p: nn.Parameter, a: int, b: int) -> tuple[int, int, torch.Tensor]:
+        """This rank's elements ``[a, b)`` of the 2-D weight ``p`` in whole rows from a 128-row boundary, zeros
+        elsewhere (never another rank's stale values): ``(first row, offset of a in the tile, tile [rows, K])``."""
+        lo, k = self.ranges[p][0], p.shape[1]
+        top = (a - lo) // k // BLOCK * BLOCK
+        end = (b - lo - 1) // k + 1
+        tile = torch.zeros((end - top) * k, dtype=self.param_data.dtype, device=self.device)
+        start = a - lo - top * k
+        tile[start : start + b - a] = self.param_data[a:b]
+        return top, start, tile.view(end - top, k)
+
     def _set_scales(self) -> None:
-        """Each weight's dequantization scale from its whole amax: shard amaxes, MAX over dp, then over TP."""
+        """Each weight's scales from its whole amaxes: this rank's shard amaxes (one per tensor, or per 128x128
+        block), one MAX all-reduce over dp of all of them, then each per-tensor amax over the layer's TP group (block
+        scales never span TP shards: the recipe's shape rule)."""
         params = list(self.ranges)
-        amax = torch.zeros(len(params), dtype=torch.float32, device=self.device)
-        for i, p in enumerate(params):
+        sizes = [math.prod(_block_grid(p)) if self._blockwise(p) else 1 for p in params]
+        amax = torch.zeros(sum(sizes), dtype=torch.float32, device=self.device)
+        views = dict(zip(params, amax.split(sizes), strict=True))
+        for p in params:
             a, b = self._shard_part(p, self.bucket_of[p])
-            if a < b:
-                amax[i] = abs_max(self.param_data[a:b])
+            if a >= b:
+                continue
+            if not self._blockwise(p):
+                views[p][0] = abs_max(self.param_data[a:b])
+                continue
+            top, _, tile = self._shard_tile(p, a, b)
+            local = block_amax(tile, "128x128")
+            views[p].view(_block_grid(p))[top // BLOCK : top // BLOCK + local.shape[0]] = local
         dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=self.dp_group)
         by_reduce: dict[int, tuple] = {}  # the layers of one enable_low_precision call share one TP reduction
-        for i, p in enumerate(params):
+        for p in params:
             fn = self.layers[p].weight_amax_reduce
-            if fn is not None:
-                by_reduce.setdefault(id(fn), (fn, []))[1].append(i)
-        for fn, indices in by_reduce.values():
-            part = amax[indices]
+            if fn is not None and not self._blockwise(p):
+                by_reduce.setdefault(id(fn), (fn, []))[1].append(p)
+        for fn, members in by_reduce.values():
+            part = torch.cat([views[p] for p in members])
             fn(part)
-            amax[indices] = part
-        for i, p in enumerate(params):
-            used = self._scale_amax(self.layers[p], amax[i])
+            for p, value in zip(members, part, strict=True):
+                views[p].copy_(value.reshape(1))
+        for p in params:
+            if self._blockwise(p):
+                used = views[p].view(_block_grid(p))
+            else:
+                used = self._scale_amax(self.layers[p], views[p][0])
             # the multiplier itself, not 1 / scale: the reciprocal of a reciprocal need not round back to it
-            self._multipliers[id(p)], self._scales[id(p)] = scale_from_amax(used.reshape(()), FP8_MAX[E4M3])
+            self._multipliers[id(p)], self._scales[id(p)] = scale_from_amax(used, FP8_MAX[E4M3])
+
+    def _blockwise(self, p: nn.Parameter) -> bool:
+        return self.layers[p].recipe.name == "blockwise"
 
     @staticmethod
     def _scale_amax(layer: LowPrecisionLinear, amax: torch.Tensor) -> torch.Tensor:
@@ -176,7 +229,8 @@ class Fp8GatherBuffer(GradBuffer):
         fp8 = self.fp8_data.view(E4M3)
         for p in bucket.params:
             lo, hi = self.ranges[p]
-            w = Quantized(fp8[lo:hi].view(p.shape), self._scales[id(p)], "tensor")
+            granularity = "128x128" if self._blockwise(p) else "tensor"
+            w = Quantized(fp8[lo:hi].view(p.shape), self._scales[id(p)], granularity)
             self._operands[id(p)] = [w, None, None]
 
     # ---- what the layers read -------------------------------------------------------------------------------
@@ -205,9 +259,10 @@ class Fp8GatherBuffer(GradBuffer):
                 finally:
                     layer.weight_provider = saved
                 entry = self._operands[id(param)] = [w, w_t, param._version]
-            if transposed and entry[1] is None:
+            if transposed and entry[1] is None:  # the same scales serve W^T: one per tensor, or the blocks'
                 w = entry[0]
-                entry[1] = Quantized(w.data.t().contiguous(), w.scale, "tensor")  # one scale serves both
+                scale = w.scale.t().contiguous() if w.granularity == "128x128" else w.scale
+                entry[1] = Quantized(w.data.t().contiguous(), scale, w.granularity)
             return entry[0], entry[1] if transposed else None
 
         return operands

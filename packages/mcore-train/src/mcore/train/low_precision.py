@@ -19,7 +19,7 @@ from typing import Literal
 
 import torch
 
-from mcore.parallel.fp8_param_gather import PER_TENSOR_RECIPES
+from mcore.parallel.fp8_param_gather import GATHERED_RECIPES
 from mcore.parallel.low_precision import LayerDecision, Recipe, WeightCastCache, enable_low_precision
 from mcore.train.errors import UserError
 
@@ -54,8 +54,8 @@ class Fp8Section(_LowPrecisionSection):
     ``weight_cache``: cast each weight once per optimizer step, not once per micro-batch (with one micro-batch
     per step and no recompute there is nothing to reuse: no cache). ``fast_accum``: the
     forward GEMM of tensor- and row-wise recipes accumulates in the tensor cores' fast mode (gradients never).
-    ``param_gather`` (Megatron's ``--fp8-param-gather``; with ``parallel.distributed_optimizer``, tensor-wise or
-    delayed): the distributed optimizer all-gathers the fp8 linears' updated weights as their fp8 casts, 1 byte
+    ``param_gather`` (Megatron's ``--fp8-param-gather``; with ``parallel.distributed_optimizer``, tensor-wise,
+    delayed or block-wise): the distributed optimizer all-gathers the fp8 linears' updated weights as their fp8 casts, 1 byte
     per element instead of 2, each rank casting only its shard (``mcore.parallel.fp8_param_gather``).
     """
 
@@ -116,8 +116,8 @@ def check_fp8_param_gather(config) -> None:
     problems = []
     if config.train.precision != "fp8" or config.train.quant != "none":
         problems.append(f"train.precision=fp8 (got {config.train.precision}, quant {config.train.quant})")
-    if config.fp8.recipe not in PER_TENSOR_RECIPES:
-        problems.append(f"fp8.recipe tensorwise or delayed (got {config.fp8.recipe})")
+    if config.fp8.recipe not in GATHERED_RECIPES:
+        problems.append(f"fp8.recipe tensorwise, delayed or blockwise (got {config.fp8.recipe})")
     if not config.parallel.distributed_optimizer:
         problems.append("parallel.distributed_optimizer=true (it gathers the shards that optimizer updates)")
     if config.kernels.backend != "auto":
