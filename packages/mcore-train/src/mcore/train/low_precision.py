@@ -55,8 +55,8 @@ class Fp8Section(_LowPrecisionSection):
     per step and no recompute there is nothing to reuse: no cache). ``fast_accum``: the
     forward GEMM of tensor- and row-wise recipes accumulates in the tensor cores' fast mode (gradients never).
     ``param_gather`` (Megatron's ``--fp8-param-gather``; with ``parallel.distributed_optimizer``, tensor-wise,
-    delayed or block-wise): the distributed optimizer all-gathers the fp8 linears' updated weights as their fp8 casts, 1 byte
-    per element instead of 2, each rank casting only its shard (``mcore.parallel.fp8_param_gather``).
+    delayed or block-wise): the distributed optimizer all-gathers the fp8 linears' updated weights as their fp8
+    casts, 1 byte per element instead of 2, each rank casting only its shard (``mcore.parallel.fp8_param_gather``).
     """
 
     recipe: Literal["tensorwise", "delayed", "rowwise", "blockwise", "mxfp8"] = "tensorwise"
