@@ -93,5 +93,5 @@ def test_a_model_without_fp8_linears_is_one_clear_error(tmp_path):
 
     keep_all = [*FP8[:-1], "fp8.keep=['*']", "fp8.param_gather=true"]
     config = load_config(None, [*TINY, f"log.run_dir={tmp_path}", *keep_all])
-    with pytest.raises(UserError, match="has no fp8 linear"):
+    with pytest.raises(UserError, match="every linear stays in high precision"):
         Trainer(config, init_runtime(config))

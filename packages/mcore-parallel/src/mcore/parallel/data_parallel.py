@@ -60,7 +60,7 @@ class DistributedDataParallel(nn.Module):
     overwrites it (the tensor-parallel linears' and the experts' GEMMs: ``param_attrs.take_wgrad_target``), one
     pass over most of the gradient memory less per step, the rest zeroed in one multi-tensor launch; off, every
     gradient is zero-filled (the results are the same bit for bit). ``fp8_param_gather`` (with
-    ``use_distributed_optimizer``; the model's fp8 recipe installed first, tensor-wise or delayed): the fp8
+    ``use_distributed_optimizer``; the model's fp8 recipe installed first: tensor-wise, delayed or block-wise): the fp8
     linears' weights are all-gathered as their fp8 casts, 1 byte per element (``fp8_param_gather.py``); their
     bf16 values are then complete only after ``finish_param_sync()``, and ``params_replaced()`` must follow any
     write of the parameters outside the optimizer.

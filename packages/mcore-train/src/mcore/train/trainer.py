@@ -171,9 +171,16 @@ class Trainer:
         )
         # fp8 weight casts reused by a step's micro-batches, dropped before each optimizer step
         self.weight_casts = weight_cast_cache(config, config.num_microbatches(groups.dp_size))
+        fp8_linears = 0
         for chunk in self.chunks:
-            apply_low_precision(config, chunk, groups.tp, self.weight_casts)
+            decisions = apply_low_precision(config, chunk, groups.tp, self.weight_casts)
+            fp8_linears += sum(d.recipe == config.fp8.recipe for d in decisions)
             chunk.mtp_loss_weight = config.train.mtp_loss_weight
+        if config.fp8.param_gather and not fp8_linears and groups.pp_size == 1:  # a pp stage may hold none: fine
+            raise UserError(
+                "fp8.param_gather=true, but every linear stays in high precision (fp8.keep / fp8.min_features): "
+                "nothing to gather in fp8; set fp8.param_gather=false or quantize some linears"
+            )
         self.activation_offload = None
         if config.train.activation_offload:
             from mcore.train.activation_offload import attach_activation_offload
@@ -234,12 +241,6 @@ class Trainer:
         )
 
     def _data_parallel_chunks(self) -> list[DistributedDataParallel]:
-        try:
-            return self._wrap_data_parallel()
-        except ValueError as exc:  # fp8.param_gather on a model whose linears all stay in high precision
-            raise UserError(str(exc)) from None
-
-    def _wrap_data_parallel(self) -> list[DistributedDataParallel]:
         cfg, groups = self.config, self.groups
         return [
             DistributedDataParallel(
