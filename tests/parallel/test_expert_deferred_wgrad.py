@@ -8,6 +8,7 @@ the later ones adding) equals the undeferred run bit for bit. CPU: the reference
 from __future__ import annotations
 
 import contextlib
+import importlib
 from dataclasses import replace
 
 import pytest
@@ -23,12 +24,14 @@ from tests.parallel._moe import BASE
 from tests.parallel.test_fp8_deferred_wgrad import _counting_store, _grad_state, _same
 from tests.parallel.test_fp8_wgrad import _MLP
 
+grouped_gemm_module = importlib.import_module("mcore.kernels.grouped_gemm")  # mcore.kernels has a function so named
 TOKENS = (3, 12, 7)  # per micro-batch; 3 tokens x top-2 leave most of the 8 experts without rows
 STEPS = 2
 _TAKE_WGRAD_TARGET = expert_gemm.take_wgrad_target  # the real one (each run records through its own wrapper)
 # name -> (expert_gemm mode, fp8 recipe of the experts or None, hidden, expert FFN)
 EXPERTS = {
     "grouped": ("grouped", None, 16, 24),
+    "grouped_mm": ("grouped", None, 16, 24),  # torch._grouped_mm forced (CUDA's choice for bf16)
     "per_expert": ("per_expert", None, 16, 24),
     "grouped_fp32_wgrad": ("grouped_fp32_wgrad", None, 16, 24),
     "fp8-rowwise": ("grouped", "rowwise", 32, 48),  # multiples of 16
@@ -66,6 +69,10 @@ def _batch(hidden: int, step: int, micro: int):
 
 
 def _run(kind: str, *, defer: bool, ddp: bool, monkeypatch):
+    if kind == "grouped_mm":
+        if not hasattr(torch, "_grouped_mm"):
+            pytest.skip("torch._grouped_mm is not in this torch")
+        monkeypatch.setattr(grouped_gemm_module, "_choose", lambda x, w, backend: grouped_gemm_module.GROUPED_MM)
     """STEPS steps of len(TOKENS) micro-batches; returns per backward (dx, whether it changed each weight's gradient),
     each step's weight gradients (main_grad under DDP), the queued parameter names and, per weight-gradient GEMM
     that took main_grad, whether it overwrote it."""
@@ -85,6 +92,13 @@ def _run(kind: str, *, defer: bool, ddp: bool, monkeypatch):
 
     monkeypatch.setattr(expert_gemm, "take_wgrad_target", recording_take)
     wrapper = DistributedDataParallel(model, dp_group=None, gradient_accumulation_fusion=True) if ddp else model
+    ready: list[tuple[str, torch.Tensor]] = []  # (weight, its main_grad) whenever DDP's hook declared it complete
+    for buffer in wrapper.grad_buffers if ddp else ():
+        mark = buffer.mark_ready
+        buffer.mark_ready = lambda p, mark=mark: (
+            ready.append((names[id(p)], p.main_grad.clone())) if id(p) in names else None,
+            mark(p),
+        )
     last = len(TOKENS) - 1
 
     def sync(micro: int):  # a zero-bubble schedule's: gradient sync on for the last micro-batch's B and W only
@@ -112,6 +126,12 @@ def _run(kind: str, *, defer: bool, ddp: bool, monkeypatch):
         if ddp:
             wrapper.finish_grad_sync()
         per_step.append({name: (w.main_grad if ddp else w.grad).clone() for name, w in weights.items()})
+        # DDP may reduce a weight's bucket once its hook said ready: by then its main_grad must be the step's
+        # (a deferred gradient calls the hook after it is in place, not the B pass before it)
+        assert sorted(name for name, _ in ready) == (sorted(weights) if ddp else [])
+        for name, at_ready in ready:
+            assert torch.equal(at_ready, per_step[-1][name]), (kind, step, name)
+        ready.clear()
     return per_backward, per_step, queued, taken
 
 
