@@ -12,6 +12,7 @@ parallelism the weight's mean is over the full tensor (``sum_reduce`` adds ``[su
 ranks) and a token's absmax is over its full hidden vector when the input is sharded along it (``max_reduce``).
 ``row_segments`` (int64, one id per weight row) gives each segment of a fused weight its own mean, as the
 separate projections it fuses have (q, k, v in a fused qkv; gate and up): ``[sum |W|, numel]`` per segment.
+``defer`` (a zero-bubble schedule's, ``wgrad_defer``) may queue the weight-gradient GEMM ``dy^T x_q`` for later.
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
+
+from mcore.kernels.wgrad_defer import Defer, now_or_deferred
 
 EPS = 1e-5
 Reduce = Callable[[torch.Tensor], None]
@@ -65,12 +68,13 @@ class BitNetLinearFunction(torch.autograd.Function):
     """``y = int8_per_token(x) @ ternary_weight(W)^T + b`` with straight-through gradients."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, sum_reduce, max_reduce, row_segments=None):
+    def forward(ctx, x, weight, bias, sum_reduce, max_reduce, row_segments=None, defer: Defer | None = None):
         x_q = int8_per_token(x, max_reduce=max_reduce)
         w_q = ternary_weight(weight, sum_reduce=sum_reduce, row_segments=row_segments)
         ctx.save_for_backward(x_q, w_q)
         ctx.dtypes = (x.dtype, weight.dtype)
         ctx.has_bias = bias is not None
+        ctx.param, ctx.defer = weight, defer  # the Parameter itself: a deferred gradient is given to its owner
         y = (x_q @ w_q.t()).to(x.dtype)
         return y if bias is None else y + bias
 
@@ -82,9 +86,15 @@ class BitNetLinearFunction(torch.autograd.Function):
         grad_x = (g @ w_q).to(x_dtype) if ctx.needs_input_grad[0] else None
         grad_w = None
         if ctx.needs_input_grad[1]:
-            grad_w = (g.reshape(-1, g.shape[-1]).t() @ x_q.reshape(-1, x_q.shape[-1])).to(w_dtype)
+            # deferred, the closure keeps the output gradient as it came (its fp32 copy is made again then: the
+            # same values) and the int8-rounded input that forward saved
+            def compute() -> torch.Tensor:
+                g = grad_out.float()
+                return (g.reshape(-1, g.shape[-1]).t() @ x_q.reshape(-1, x_q.shape[-1])).to(w_dtype)
+
+            grad_w = now_or_deferred(ctx.defer, ctx.param, compute)
         grad_b = grad_out.reshape(-1, grad_out.shape[-1]).sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
-        return grad_x, grad_w, grad_b, None, None, None
+        return grad_x, grad_w, grad_b, None, None, None, None
 
 
 def bitnet_linear(
@@ -95,9 +105,11 @@ def bitnet_linear(
     sum_reduce: Reduce | None = None,
     max_reduce: Reduce | None = None,
     row_segments: torch.Tensor | None = None,
+    defer: Defer | None = None,
 ) -> torch.Tensor:
     """BitNet b1.58 ``F.linear``: ternary weight (one scale per ``row_segments`` segment, or one), int8 per-token
-    activations, straight-through gradients."""
+    activations, straight-through gradients; ``defer``: asked in backward whether to queue the weight gradient
+    (``wgrad_defer``)."""
     if x.shape[-1] != weight.shape[-1]:
         raise ValueError(f"bitnet_linear: input [..., {x.shape[-1]}] does not match weight {tuple(weight.shape)}")
-    return BitNetLinearFunction.apply(x, weight, bias, sum_reduce, max_reduce, row_segments)
+    return BitNetLinearFunction.apply(x, weight, bias, sum_reduce, max_reduce, row_segments, defer)

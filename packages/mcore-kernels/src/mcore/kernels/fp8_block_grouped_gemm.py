@@ -44,6 +44,7 @@ from mcore.kernels.fp8_grouped_gemm import (
 )
 from mcore.kernels.grouped_gemm import _check, _tail
 from mcore.kernels.quantization import BLOCK, E4M3, Quantized, quantize_fp8
+from mcore.kernels.wgrad_defer import Defer
 
 __all__ = ["ALIGN", "fp8_block_grouped_gemm", "fp8_block_grouped_gemm_of_activation"]
 
@@ -58,16 +59,17 @@ def fp8_block_grouped_gemm(
     backend: str | None = None,
     tail_rows: int | None = None,
     wgrad_into: WgradInto | None = None,
+    defer: Defer | None = None,
 ) -> torch.Tensor:
     """``y[rows of e] = x[rows of e] @ w[e]^T`` with block-scaled fp8 operands: ``x`` [T, K], ``w`` [E, N, K] -> [T, N].
 
-    ``backend``: ``"triton"``, ``"reference"`` or ``None`` (CUDA -> triton). ``tail_rows`` and ``wgrad_into``:
+    ``backend``: ``"triton"``, ``"reference"`` or ``None`` (CUDA -> triton). ``tail_rows``, ``wgrad_into``, ``defer``:
     ``fp8_grouped_gemm``'s contracts (a writer function is refused). Raises ``ValueError`` when K, N or an
     expert's row count is not a multiple of 128.
     """
     _check_blocks(x, w, offsets)
     tail = _tail(tail_rows, x.shape[0])
-    return _Fp8GroupedGemm.apply(x, w, offsets, BLOCKWISE, _choose(x, w, backend), tail, wgrad_into)
+    return _Fp8GroupedGemm.apply(x, w, offsets, BLOCKWISE, _choose(x, w, backend), tail, wgrad_into, defer)
 
 
 def fp8_block_grouped_gemm_of_activation(
@@ -79,11 +81,12 @@ def fp8_block_grouped_gemm_of_activation(
     backend: str | None = None,
     tail_rows: int | None = None,
     wgrad_into: WgradInto | None = None,
+    defer: Defer | None = None,
 ) -> torch.Tensor:
     """``fp8_block_grouped_gemm(activation(h), w, offsets)`` saving ``h``, not the activation's output (backward
     recomputes it): ``fp8_grouped_gemm_of_activation``'s contract with block-wise scales."""
     return apply_of_activation("fp8_block_grouped_gemm_of_activation", BLOCKWISE, _check_blocks, _choose, h, w,
-                               offsets, activation, backend, tail_rows, wgrad_into)  # fmt: skip
+                               offsets, activation, backend, tail_rows, wgrad_into, defer)  # fmt: skip
 
 
 def _check_blocks(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> None:

@@ -23,6 +23,8 @@ belong to no expert: zero output, no gradient.
 ``grouped_gemm``, so the bf16 ``[E, N, K]`` gradient is neither returned nor zero-filled-then-added by DDP; the
 quantization is the same either way. :func:`fp8_grouped_gemm_of_activation` keeps ``h`` instead of ``activation(h)``
 (``grouped_gemm_of_activation``): the down projection of SwiGLU experts then keeps no ``rows x F`` activation.
+``defer`` queues the weight gradient for later as for ``grouped_gemm``: its operands are cast when it runs (the
+row-wise and block-wise casts keep no state, so the values are those of the undeferred run).
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ from mcore.kernels.grouped_gemm import (
     _zero_unused_rows_,
 )
 from mcore.kernels.quantization import E4M3, FP8_MAX, Quantized, quantize_fp8, reference_cast, scale_from_amax
+from mcore.kernels.wgrad_defer import Defer, now_or_deferred
 
 __all__ = ["ALIGN", "SCALED_GROUPED_MM", "fp8_grouped_gemm", "fp8_grouped_gemm_of_activation"]
 
@@ -57,6 +60,7 @@ def fp8_grouped_gemm(
     backend: str | None = None,
     tail_rows: int | None = None,
     wgrad_into: WgradInto | None = None,
+    defer: Defer | None = None,
 ) -> torch.Tensor:
     """``y[rows of e] = x[rows of e] @ w[e]^T`` with fp8 operands: ``x`` [T, K], ``w`` [E, N, K] -> [T, N].
 
@@ -67,11 +71,11 @@ def fp8_grouped_gemm(
     gradient there (CUDA: the GEMM's bf16 product copied or added; the reference: each expert's fp32 product written
     or added; not accumulating, every expert is written, zeros for one without rows, and the target is not read)
     and returns none, ``None`` returns it. A writer function raises ``ValueError`` in backward: it would replace the
-    fp8 weight-gradient GEMM by the caller's own high-precision GEMMs.
+    fp8 weight-gradient GEMM by the caller's own high-precision GEMMs. ``defer``: ``grouped_gemm``'s.
     """
     _check(x, w, offsets)
     tail = _tail(tail_rows, x.shape[0])
-    return _Fp8GroupedGemm.apply(x, w, offsets, ROWWISE, _choose(x, w, backend), tail, wgrad_into)
+    return _Fp8GroupedGemm.apply(x, w, offsets, ROWWISE, _choose(x, w, backend), tail, wgrad_into, defer)
 
 
 def fp8_grouped_gemm_of_activation(
@@ -83,15 +87,17 @@ def fp8_grouped_gemm_of_activation(
     backend: str | None = None,
     tail_rows: int | None = None,
     wgrad_into: WgradInto | None = None,
+    defer: Defer | None = None,
 ) -> torch.Tensor:
-    """``fp8_grouped_gemm(activation(h), w, offsets)`` (same shapes, backends, ``tail_rows``, ``wgrad_into``) saving
+    """``fp8_grouped_gemm(activation(h), w, offsets)`` (same shapes, backends, ``tail_rows``, ``wgrad_into``,
+    ``defer``) saving
     ``h``, not the activation's output: backward recomputes it, for the weight gradient's fp8 operand and for the
     activation's own backward, which gives ``h``'s gradient (``grouped_gemm_of_activation``'s contract)."""
     return apply_of_activation("fp8_grouped_gemm_of_activation", ROWWISE, _check, _choose, h, w, offsets, activation,
-                               backend, tail_rows, wgrad_into)  # fmt: skip
+                               backend, tail_rows, wgrad_into, defer)  # fmt: skip
 
 
-def apply_of_activation(name, ops, check, choose, h, w, offsets, activation, backend, tail_rows, wgrad_into):
+def apply_of_activation(name, ops, check, choose, h, w, offsets, activation, backend, tail_rows, wgrad_into, defer):
     """The ``*_of_activation`` entry of one scale layout ``ops``: ``h`` checked (``name`` in the message),
     ``activation(h)`` computed without a graph and checked by ``check``, the backend picked by ``choose``."""
     if not isinstance(h, torch.Tensor) or h.dim() != 2:
@@ -102,7 +108,7 @@ def apply_of_activation(name, ops, check, choose, h, w, offsets, activation, bac
     check(a, w, offsets)
     tail = _tail(tail_rows, h.shape[0])
     chosen = choose(a, w, backend)
-    return _Fp8GroupedGemmOfActivation.apply(h, w, offsets, activation, ops, chosen, a, tail, wgrad_into)
+    return _Fp8GroupedGemmOfActivation.apply(h, w, offsets, activation, ops, chosen, a, tail, wgrad_into, defer)
 
 
 def _choose(x: torch.Tensor, w: torch.Tensor, backend: str | None) -> str:
@@ -250,9 +256,9 @@ def reference_expert_wgrad(a_t: torch.Tensor, b_t: torch.Tensor, offsets: torch.
     return None if into is not None else target
 
 
-def _wgrad_sink(ctx):
-    """``ctx.wgrad_into()`` checked: ``(target, accumulate)`` or ``None``; a writer is refused."""
-    into = _weight_grad_sink(ctx.wgrad_into, ctx.needs_input_grad[1], ctx.w_shape, "fp8_grouped_gemm")
+def _wgrad_sink(wgrad_into: WgradInto | None, w_shape):
+    """``wgrad_into()`` checked: ``(target, accumulate)`` or ``None``; a writer is refused."""
+    into = _weight_grad_sink(wgrad_into, True, w_shape, "fp8_grouped_gemm")
     if callable(into):
         raise ValueError(
             "fp8_grouped_gemm: wgrad_into gave a writer function, which would replace the fp8 weight-gradient GEMM "
@@ -291,18 +297,20 @@ def _rowwise_rows(t: torch.Tensor, backend: str) -> Quantized:
 ROWWISE = Fp8ExpertOps(_rowwise_weights, _rowwise_rows, _grouped_2d_3d, _weight_grad, "row")
 
 
-def _forward(ctx, keep, a, w, offsets, ops, backend, tail, wgrad_into) -> torch.Tensor:
+def _forward(ctx, keep, a, w, offsets, ops, backend, tail, wgrad_into, defer) -> torch.Tensor:
     """The forward GEMM of ``a`` (the GEMM's input) and ``w``, saving ``keep`` (what ``a`` is, or is recomputed from),
     the offsets and ``w^T``'s cast for the input gradient (when ``keep`` needs a gradient)."""
     qw, qw_t = ops.weights(w, backend, ctx.needs_input_grad[0])
     ctx.save_for_backward(keep, offsets, *((qw_t.data, qw_t.scale) if qw_t is not None else (None, None)))
     ctx.ops, ctx.backend, ctx.tail, ctx.w_shape, ctx.w_dtype = ops, backend, tail, w.shape, w.dtype
-    ctx.wgrad_into = wgrad_into
+    ctx.wgrad_into, ctx.defer = wgrad_into, defer
+    ctx.param = w  # the Parameter itself (a recompute's saved w is another tensor): a deferred gradient's owner
     return ops.gemm(ops.rows(a, backend), qw, offsets, backend, tail).to(a.dtype)
 
 
 def _backward(ctx, dy, a, offsets, wt_data, wt_scale):
-    """``(da, dw)`` of the GEMM whose input was ``a``; ``dw`` is ``None`` when ``wgrad_into`` took it."""
+    """``(da, dw)`` of the GEMM whose input was ``a``; ``dw`` is ``None`` when ``wgrad_into`` took it or ``ctx.defer``
+    queued it (the closure keeps ``dy`` and ``a``, casts them and asks ``wgrad_into`` where to write when it runs)."""
     ops, backend = ctx.ops, ctx.backend
     # rows past offsets[-1] need no masking here: their da rows are zeroed below and the weight gradient's
     # operands leave them out (row-wise: scale group E, past the GEMM's last offset; block-wise: own token blocks)
@@ -312,8 +320,13 @@ def _backward(ctx, dy, a, offsets, wt_data, wt_scale):
         qw_t = Quantized(wt_data, wt_scale, ops.weight_granularity)
         da = ops.gemm(ops.rows(dy, backend), qw_t, offsets, backend, ctx.tail).to(a.dtype)
     if ctx.needs_input_grad[1]:
-        dw = ops.wgrad(dy, a, offsets, ctx.w_shape[0], backend, _wgrad_sink(ctx))
-        dw = dw.to(ctx.w_dtype) if dw is not None else None
+        wgrad_into, w_shape, w_dtype = ctx.wgrad_into, ctx.w_shape, ctx.w_dtype
+
+        def compute() -> torch.Tensor | None:
+            dw = ops.wgrad(dy, a, offsets, w_shape[0], backend, _wgrad_sink(wgrad_into, w_shape))
+            return dw.to(w_dtype) if dw is not None else None
+
+        dw = now_or_deferred(ctx.defer, ctx.param, compute)
     return da, dw
 
 
@@ -322,14 +335,14 @@ class _Fp8GroupedGemm(torch.autograd.Function):
     kept for the input gradient instead of ``w``), ``dy`` row-wise and jagged-transposed in backward."""
 
     @staticmethod
-    def forward(ctx, x, w, offsets, ops, backend, tail, wgrad_into):
-        return _forward(ctx, x, x, w, offsets, ops, backend, tail, wgrad_into)
+    def forward(ctx, x, w, offsets, ops, backend, tail, wgrad_into, defer=None):
+        return _forward(ctx, x, x, w, offsets, ops, backend, tail, wgrad_into, defer)
 
     @staticmethod
     def backward(ctx, dy):
         x, offsets, wt_data, wt_scale = ctx.saved_tensors
         dx, dw = _backward(ctx, dy, x, offsets, wt_data, wt_scale)
-        return dx, dw, None, None, None, None, None
+        return dx, dw, None, None, None, None, None, None
 
 
 class _Fp8GroupedGemmOfActivation(torch.autograd.Function):
@@ -337,9 +350,9 @@ class _Fp8GroupedGemmOfActivation(torch.autograd.Function):
     pass; bit-equal to forward's, so the same fp8 operand) and differentiates it for ``h``'s gradient."""
 
     @staticmethod
-    def forward(ctx, h, w, offsets, activation, ops, backend, a, tail, wgrad_into):
+    def forward(ctx, h, w, offsets, activation, ops, backend, a, tail, wgrad_into, defer=None):
         ctx.activation = activation
-        return _forward(ctx, h, a, w, offsets, ops, backend, tail, wgrad_into)
+        return _forward(ctx, h, a, w, offsets, ops, backend, tail, wgrad_into, defer)
 
     @staticmethod
     def backward(ctx, dy):
@@ -350,4 +363,4 @@ class _Fp8GroupedGemmOfActivation(torch.autograd.Function):
             a = ctx.activation(h_leaf)
         da, dw = _backward(ctx, dy, a.detach(), offsets, wt_data, wt_scale)
         dh = torch.autograd.grad(a, h_leaf, da)[0] if need_dh else None
-        return dh, dw, None, None, None, None, None, None, None
+        return dh, dw, None, None, None, None, None, None, None, None

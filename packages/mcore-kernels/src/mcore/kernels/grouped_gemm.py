@@ -25,7 +25,11 @@ then not run.
 
 :func:`grouped_gemm_of_activation` is ``grouped_gemm(activation(h), w, offsets)`` that keeps ``h`` for backward
 and recomputes ``activation(h)`` there instead of keeping it: for an MoE's SwiGLU experts the activation output is
-``rows x F`` (half of ``h``), one elementwise pass to recompute, and it is live only inside the backward.
+``rows x F`` (half of ``h``), one elementwise pass to recompute, and it is live only inside the backward (until the
+deferred weight gradient ran, when deferred).
+
+``defer`` (a zero-bubble schedule's ``WeightGradStore.defer``, see ``wgrad_defer``): asked in backward whether to
+queue the weight gradient for later; queued, ``wgrad_into`` is called when the queued work runs, not in backward.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ from collections.abc import Callable
 import torch
 
 from mcore.kernels import dispatch
+from mcore.kernels.wgrad_defer import Defer, now_or_deferred
 
 __all__ = ["GROUPED_MM", "WgradInto", "WgradWriter", "grouped_gemm", "grouped_gemm_of_activation"]
 
@@ -54,6 +59,7 @@ def grouped_gemm(
     backend: str | None = None,
     tail_rows: int | None = None,
     wgrad_into: WgradInto | None = None,
+    defer: Defer | None = None,
 ) -> torch.Tensor:
     """``x`` [N, K] rows grouped by expert, ``w`` [E, M, K] (each expert's ``[out, in]`` weight, as
     ``nn.Linear``), ``offsets`` [E] int32 cumulative segment ends (``offsets[-1] <= N``): returns [N, M].
@@ -61,11 +67,11 @@ def grouped_gemm(
     ``backend`` is ``"grouped_mm"``, ``"reference"`` or ``None`` (CUDA bf16 -> grouped_mm, else reference);
     ``MCORE_KERNELS_BACKEND=reference`` forces the loop. ``tail_rows``: at most that many last rows can lie past
     ``offsets[-1]`` (the caller's plan knows; ``None``: any row): only those are zeroed, not the whole output.
-    ``wgrad_into``: where backward puts ``w``'s gradient (see the module docstring).
+    ``wgrad_into``: where backward puts ``w``'s gradient; ``defer``: whether it does so later (the module docstring).
     """
     _check(x, w, offsets)
     chosen = _choose(x, w, backend)
-    return _GroupedGemm.apply(x, w, offsets, chosen, _tail(tail_rows, x.shape[0]), wgrad_into)
+    return _GroupedGemm.apply(x, w, offsets, chosen, _tail(tail_rows, x.shape[0]), wgrad_into, defer)
 
 
 def _tail(tail_rows: int | None, rows: int) -> int:
@@ -125,27 +131,33 @@ def _reference_forward(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, 
     return y
 
 
-def _reference_backward(dy, x, w, offsets, need_dx, need_dw, tail=None, into=None):  # zero-initialised: no tail
-    """``into``: ``(target, accumulate)`` to write ``w``'s fp32 per-expert gradients into, or a writer given ``(dy, x)``
-    (``dw`` is then ``None``)."""
-    dx = torch.zeros_like(x) if need_dx else None
-    dw = torch.zeros_like(w) if need_dw and into is None else None
+def _reference_dx(dy, x, w, offsets, tail=None):  # zero-initialised: no tail
+    dx = torch.zeros_like(x)
     start = 0
     for g, end in enumerate(offsets.tolist()):
         if end > start:
-            dyg = dy[start:end].float()
-            if need_dx:
-                dx[start:end] = torch.mm(dyg, w[g].float()).to(x.dtype)
-            if dw is not None:
-                dw[g] = torch.mm(dyg.t(), x[start:end].float()).to(w.dtype)
-        if isinstance(into, tuple):
+            dx[start:end] = torch.mm(dy[start:end].float(), w[g].float()).to(x.dtype)
+        start = end
+    return dx
+
+
+def _reference_dw(dy, x, w, offsets, into=None):
+    """``w``'s gradient (zero-initialised: an expert without rows gets zeros), or ``None`` when ``into`` took it:
+    ``(target, accumulate)`` to write the fp32 per-expert gradients into, or a writer given ``(dy, x)``."""
+    if callable(into):
+        into(dy, x)
+        return None
+    dw = torch.zeros_like(w) if into is None else None
+    start = 0
+    for g, end in enumerate(offsets.tolist()):
+        if dw is not None and end > start:
+            dw[g] = torch.mm(dy[start:end].float().t(), x[start:end].float()).to(w.dtype)
+        if into is not None:
             target, accumulate = into[0][g], into[1]
             grad = torch.mm(dy[start:end].float().t(), x[start:end].float())  # zeros for an expert without rows
             target.add_(grad) if accumulate else target.copy_(grad)
         start = end
-    if callable(into):
-        into(dy, x)
-    return dx, dw
+    return dw
 
 
 def _grouped_mm_forward(x, w, offsets, tail):
@@ -154,18 +166,17 @@ def _grouped_mm_forward(x, w, offsets, tail):
     return _zero_unused_rows_(y, offsets, tail)
 
 
-def _grouped_mm_backward(dy, x, w, offsets, need_dx, need_dw, tail, into=None):
+def _grouped_mm_dx(dy, x, w, offsets, tail):
     # dy's rows past offsets[-1] belong to no group: neither GEMM reads them, so dy is used as it is (no copy)
-    dy = dy.contiguous()
-    dx = dw = None
-    if need_dx:
-        dx = _zero_unused_rows_(torch._grouped_mm(dy, w, offs=offsets), offsets, tail)
-    if need_dw and callable(into):
+    return _zero_unused_rows_(torch._grouped_mm(dy, w, offs=offsets), offsets, tail)
+
+
+def _grouped_mm_dw(dy, x, w, offsets, into=None):
+    if callable(into):
         into(dy, x)  # the caller's GEMMs take the weight gradient
-    elif need_dw:
-        dw = torch._grouped_mm(dy.t(), x, offs=offsets)  # [E, M, K]; an expert without rows gets zeros
-        dw = _store_weight_grad(dw, into)
-    return dx, dw
+        return None
+    dw = torch._grouped_mm(dy.t(), x, offs=offsets)  # [E, M, K]; an expert without rows gets zeros
+    return _store_weight_grad(dw, into)
 
 
 def _store_weight_grad(dw: torch.Tensor, into: tuple[torch.Tensor, bool] | None) -> torch.Tensor | None:
@@ -193,22 +204,34 @@ def _weight_grad_sink(wgrad_into: WgradInto | None, need_dw: bool, w_shape, call
     return target, bool(accumulate)
 
 
+def _backward(ctx, dy, x, w, offsets, need_dx: bool, need_dw: bool):
+    """``(dx, dw)`` of the GEMM of input ``x``; ``dw`` is ``None`` when ``wgrad_into`` took it or ``ctx.defer``
+    queued it (the queued closure keeps ``dy`` and ``x``, and asks ``wgrad_into`` where to write when it runs)."""
+    grouped = ctx.backend == GROUPED_MM
+    if grouped:
+        dy = dy.contiguous()
+    dx = (_grouped_mm_dx if grouped else _reference_dx)(dy, x, w, offsets, ctx.tail) if need_dx else None
+    if not need_dw:
+        return dx, None
+    dw_fn, wgrad_into = (_grouped_mm_dw if grouped else _reference_dw), ctx.wgrad_into
+    compute = lambda: dw_fn(dy, x, w, offsets, _weight_grad_sink(wgrad_into, True, w.shape))  # noqa: E731
+    return dx, now_or_deferred(ctx.defer, ctx.param, compute)
+
+
 class _GroupedGemm(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, w, offsets, backend, tail, wgrad_into):
+    def forward(ctx, x, w, offsets, backend, tail, wgrad_into, defer=None):
         ctx.save_for_backward(x, w, offsets)
-        ctx.backend, ctx.tail, ctx.wgrad_into = backend, tail, wgrad_into
+        ctx.backend, ctx.tail, ctx.wgrad_into, ctx.defer = backend, tail, wgrad_into, defer
+        ctx.param = w  # the Parameter itself (a recompute's saved w is another tensor): a deferred gradient's owner
         forward_fn = _grouped_mm_forward if backend == GROUPED_MM else _reference_forward
         return forward_fn(x, w, offsets, tail)
 
     @staticmethod
     def backward(ctx, dy):
         x, w, offsets = ctx.saved_tensors
-        need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        into = _weight_grad_sink(ctx.wgrad_into, need_dw, w.shape)
-        backward_fn = _grouped_mm_backward if ctx.backend == GROUPED_MM else _reference_backward
-        dx, dw = backward_fn(dy, x, w, offsets, need_dx, need_dw, ctx.tail, into)
-        return dx, dw, None, None, None, None
+        dx, dw = _backward(ctx, dy, x, w, offsets, ctx.needs_input_grad[0], ctx.needs_input_grad[1])
+        return dx, dw, None, None, None, None, None
 
 
 def grouped_gemm_of_activation(
@@ -220,11 +243,12 @@ def grouped_gemm_of_activation(
     backend: str | None = None,
     tail_rows: int | None = None,
     wgrad_into: WgradInto | None = None,
+    defer: Defer | None = None,
 ) -> torch.Tensor:
     """``grouped_gemm(activation(h), w, offsets)`` (same shapes and backends) saving ``h``, not the activation's
     output: backward recomputes it. ``activation`` is any differentiable ``[N, *] -> [N, K]`` row-wise function
-    (e.g. :func:`mcore.kernels.swiglu`); its own backward gives ``h``'s gradient. ``tail_rows``, ``wgrad_into``: as
-    in :func:`grouped_gemm`."""
+    (e.g. :func:`mcore.kernels.swiglu`); its own backward gives ``h``'s gradient. ``tail_rows``, ``wgrad_into``,
+    ``defer``: as in :func:`grouped_gemm`."""
     if not isinstance(h, torch.Tensor) or h.dim() != 2:
         raise ValueError(f"grouped_gemm_of_activation: h must be a 2-D [rows, *] tensor, got {getattr(h, 'shape', h)}")
     with torch.no_grad():
@@ -232,14 +256,15 @@ def grouped_gemm_of_activation(
     _check(a, w, offsets)
     tail = _tail(tail_rows, h.shape[0])
     chosen = _choose(a, w, backend)
-    return _GroupedGemmOfActivation.apply(h, w, offsets, activation, chosen, a, tail, wgrad_into)
+    return _GroupedGemmOfActivation.apply(h, w, offsets, activation, chosen, a, tail, wgrad_into, defer)
 
 
 class _GroupedGemmOfActivation(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, h, w, offsets, activation, backend, a, tail, wgrad_into):
+    def forward(ctx, h, w, offsets, activation, backend, a, tail, wgrad_into, defer=None):
         ctx.save_for_backward(h, w, offsets)
-        ctx.activation, ctx.backend, ctx.tail, ctx.wgrad_into = activation, backend, tail, wgrad_into
+        ctx.activation, ctx.backend, ctx.tail, ctx.wgrad_into, ctx.defer = activation, backend, tail, wgrad_into, defer
+        ctx.param = w
         forward_fn = _grouped_mm_forward if backend == GROUPED_MM else _reference_forward
         return forward_fn(a, w, offsets, tail)
 
@@ -250,8 +275,6 @@ class _GroupedGemmOfActivation(torch.autograd.Function):
         with torch.enable_grad():
             h_leaf = h.detach().requires_grad_(need_dh)
             a = ctx.activation(h_leaf)  # the recompute: one elementwise pass over h
-        into = _weight_grad_sink(ctx.wgrad_into, need_dw, w.shape)
-        backward_fn = _grouped_mm_backward if ctx.backend == GROUPED_MM else _reference_backward
-        da, dw = backward_fn(dy, a.detach(), w, offsets, need_dh, need_dw, ctx.tail, into)
+        da, dw = _backward(ctx, dy, a.detach(), w, offsets, need_dh, need_dw)
         dh = torch.autograd.grad(a, h_leaf, da)[0] if need_dh else None
-        return dh, dw, None, None, None, None, None, None
+        return dh, dw, None, None, None, None, None, None, None

@@ -44,6 +44,7 @@ from mcore.kernels.fp8_gemm import scaled_matmul, shape_rule_violation
 from mcore.kernels.fp8_weight_cache import WeightCastCache
 from mcore.kernels.microscaling import MX_BLOCK, NVFP4_BLOCK, fake_quantize
 from mcore.kernels.quantization import E4M3, Quantized, fp8_dtype
+from mcore.kernels.wgrad_defer import Defer, now_or_deferred
 
 FP8_RECIPES = ("tensorwise", "delayed", "rowwise", "blockwise")
 FP4_RECIPES = ("mxfp4", "nvfp4")
@@ -66,8 +67,6 @@ _WGRAD_GRANULARITY = {**_GRANULARITY, "blockwise": ("1x128", "1x128")}
 _DEFAULT_GRAD_FORMAT = {"delayed": "e5m2"}
 _EMULATED_BLOCK = {"mxfp8": MX_BLOCK, "mxfp4": MX_BLOCK, "nvfp4": NVFP4_BLOCK}
 AmaxReduce = Callable[[torch.Tensor], None]
-# ``defer(param, compute) -> bool``: queue ``compute`` (the weight gradient of ``param``) for later, or say no
-Defer = Callable[[torch.Tensor, Callable[[], "torch.Tensor | None"]], bool]
 
 
 @dataclass(frozen=True)
@@ -180,8 +179,8 @@ class LowPrecisionLinear:
         """``x @ weight^T + bias`` at the recipe's precision. ``defer(param, compute) -> bool`` (optional; a
         zero-bubble schedule's ``WeightGradStore.defer``): asked in backward whether to queue the weight-gradient
         closure ``compute`` for later instead of running it now (then the weight's gradient is ``None`` for now);
-        ``compute()`` returns the gradient or ``None`` when it went into ``wgrad_into``'s target. BitNet ignores it
-        (its weight gradient is computed at once)."""
+        ``compute()`` returns the gradient or ``None`` when it went into ``wgrad_into``'s target
+        (``wgrad_defer``)."""
         if x.shape[-1] != weight.shape[1]:
             raise ValueError(
                 f"LowPrecisionLinear {self.name}: input [..., {x.shape[-1]}] does not match weight "
@@ -196,6 +195,7 @@ class LowPrecisionLinear:
                 sum_reduce=self.sum_reduce if sharded else None,
                 max_reduce=self.amax_reduce if self.sharded == "k" else None,
                 row_segments=self.row_segments,
+                defer=defer,
             )
         if self.recipe.emulated:
             return _EmulatedLinearFunction.apply(x, weight, bias, self, defer)
@@ -276,15 +276,8 @@ class LowPrecisionLinear:
         return None
 
 
-def _now_or_deferred(
-    defer: Defer | None, param: torch.Tensor, compute: Callable[[], torch.Tensor | None]
-) -> torch.Tensor | None:
-    """The weight gradient for autograd: ``compute()`` now, or ``None`` when ``defer`` queued ``compute`` (it then
-    puts the gradient where this return would have: returned to the queue's owner, or into ``wgrad_into``'s
-    target)."""
-    if defer is not None and defer(param, compute):
-        return None
-    return compute()
+# the one step where the linears defer (a module global: tests count the weight gradients through it)
+_now_or_deferred = now_or_deferred
 
 
 class _Fp8LinearFunction(torch.autograd.Function):

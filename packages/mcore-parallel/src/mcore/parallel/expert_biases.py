@@ -124,18 +124,20 @@ class BiasedGroupedExperts(GroupedExperts):
         get no bias. ``host_offsets``: as in :meth:`GroupedExperts.forward`."""
         x = rows.to(self.gate_up.dtype)
         fp8 = self.low_precision  # fp8 experts (mcore.parallel.low_precision): both GEMMs quantized
+        defer = self.defer  # the GEMMs' weight gradients may wait for a zero-bubble W pass (the biases' do not)
         bounds = host = None
         if self.wants_host_offsets:
             host = host_offsets or HostOffsets.start(offsets)
             if self.gemm == "per_expert":
                 bounds = host.bounds()  # the host sync of this mode
         if fp8 is not None:  # fp8 grouped GEMMs whatever expert_gemm says: the weight gradients as in grouped
-            h = fp8.gemm(x, self.gate_up, offsets, tail_rows=tail_rows, wgrad_into=expert_wgrad_into(self.gate_up))
+            into = expert_wgrad_into(self.gate_up)
+            h = fp8.gemm(x, self.gate_up, offsets, tail_rows=tail_rows, wgrad_into=into, defer=defer)
         elif bounds is not None:
-            h = per_expert_linear(x, self.gate_up, bounds)
+            h = per_expert_linear(x, self.gate_up, bounds, defer)
         else:  # grouped_fp32_wgrad: the weight gradients per expert from ``host`` in backward
             into = expert_wgrad_into(self.gate_up, host)
-            h = grouped_gemm(x, self.gate_up, offsets, tail_rows=tail_rows, wgrad_into=into)
+            h = grouped_gemm(x, self.gate_up, offsets, tail_rows=tail_rows, wgrad_into=into, defer=defer)
         if self.gate_up_bias is not None:
             expert = _row_experts(offsets, x.shape[0])
             h = _AddExpertBias.apply(h, self.gate_up_bias, expert, True)
@@ -143,12 +145,13 @@ class BiasedGroupedExperts(GroupedExperts):
                                                                         limit=self.activation[1])  # fmt: skip
         if fp8 is not None:
             into = expert_wgrad_into(self.down)
-            y = fp8.of_activation(h, self.down, offsets, activation, tail_rows=tail_rows, wgrad_into=into)
+            y = fp8.of_activation(h, self.down, offsets, activation, tail_rows=tail_rows, wgrad_into=into, defer=defer)
         elif bounds is not None:  # the activation's output ([rows, F/etp]) is recomputed in backward, not kept
-            y = per_expert_linear_of_activation(h, self.down, bounds, activation)
+            y = per_expert_linear_of_activation(h, self.down, bounds, activation, defer)
         else:
             into = expert_wgrad_into(self.down, host)
-            y = grouped_gemm_of_activation(h, self.down, offsets, activation, tail_rows=tail_rows, wgrad_into=into)
+            y = grouped_gemm_of_activation(h, self.down, offsets, activation, tail_rows=tail_rows, wgrad_into=into,
+                                           defer=defer)  # fmt: skip
         if self.down_bias is not None:
             y = _AddExpertBias.apply(y, self.down_bias, expert, self.etp_rank == 0)
         return y

@@ -21,6 +21,10 @@ without rows) instead of adding to a zero-filled one, so the target is not read.
 target's dtype is read from the target (fp32 ``main_grad``, or a bf16 one).
 
 Rows at or past the last expert's end are zero in the outputs and get no gradient, as with ``grouped_gemm``.
+
+Zero-bubble schedules: ``defer`` (the experts' ``WeightGradStore.defer``) may queue the per-expert weight-gradient
+GEMMs for the W pass, as ``grouped_gemm``'s does; :func:`expert_wgrad_into` is then asked when they run, so the
+step's first of them still overwrites ``main_grad``.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from dataclasses import dataclass
 
 import torch
 
+from mcore.kernels.wgrad_defer import Defer, now_or_deferred
 from mcore.parallel.param_attrs import mark_wgrad_in_main_grad, take_wgrad_target
 from mcore.parallel.tensor_parallel import accumulate_weight_grad_, write_weight_grad_
 
@@ -46,7 +51,7 @@ __all__ = [
 @dataclass(frozen=True)
 class ExpertGemms:
     """A grouped GEMM of the experts and its form that keeps the activation's input (``grouped_gemm`` and
-    ``grouped_gemm_of_activation``'s signatures, ``tail_rows`` and ``wgrad_into`` included): what
+    ``grouped_gemm_of_activation``'s signatures, ``tail_rows``, ``wgrad_into`` and ``defer`` included): what
     ``GroupedExperts.low_precision`` holds (``mcore.parallel.low_precision``'s fp8 GEMMs), ``None`` for bf16."""
 
     gemm: Callable[..., torch.Tensor]
@@ -127,17 +132,24 @@ def _per_expert_weight_grads_(target, accumulate: bool, bounds, dy: torch.Tensor
             target[g].zero_()
 
 
-def per_expert_linear(x: torch.Tensor, w: torch.Tensor, bounds: list[tuple[int, int]]) -> torch.Tensor:
-    """``y[rows of g] = x[rows of g] @ w[g].T`` for ``x`` [N, K], ``w`` [E, M, K] (a parameter)."""
-    return _PerExpertLinear.apply(x, w, bounds)
+def per_expert_linear(
+    x: torch.Tensor, w: torch.Tensor, bounds: list[tuple[int, int]], defer: Defer | None = None
+) -> torch.Tensor:
+    """``y[rows of g] = x[rows of g] @ w[g].T`` for ``x`` [N, K], ``w`` [E, M, K] (a parameter); ``defer``: see the
+    module docstring."""
+    return _PerExpertLinear.apply(x, w, bounds, defer)
 
 
 def per_expert_linear_of_activation(
-    h: torch.Tensor, w: torch.Tensor, bounds: list[tuple[int, int]], activation: Callable[[torch.Tensor], torch.Tensor]
+    h: torch.Tensor,
+    w: torch.Tensor,
+    bounds: list[tuple[int, int]],
+    activation: Callable[[torch.Tensor], torch.Tensor],
+    defer: Defer | None = None,
 ) -> torch.Tensor:
     """``per_expert_linear(activation(h), w, bounds)`` keeping ``h``, not the activation: backward recomputes it
     (as ``grouped_gemm_of_activation``)."""
-    return _PerExpertLinearOfActivation.apply(h, w, bounds, activation)
+    return _PerExpertLinearOfActivation.apply(h, w, bounds, activation, defer)
 
 
 def _forward(a: torch.Tensor, w: torch.Tensor, bounds: list[tuple[int, int]]) -> torch.Tensor:
@@ -151,52 +163,60 @@ def _forward(a: torch.Tensor, w: torch.Tensor, bounds: list[tuple[int, int]]) ->
     return y
 
 
-def _backward(dy, a, w, bounds, need_da: bool, need_dw: bool, wgrad_into):
-    """(da, dw): ``dw`` is ``None`` when it went into ``w``'s ``main_grad`` (``wgrad_into``: the forward's
+def _backward(ctx, dy, a, w, need_da: bool, need_dw: bool):
+    """(da, dw): ``dw`` is ``None`` when it went into ``w``'s ``main_grad`` (``ctx.wgrad_into``: the forward's
     :func:`expert_wgrad_into` of the parameter itself; under non-reentrant recompute the saved ``w`` comes back as
-    another tensor object, without the parameter's attributes)."""
-    dy = dy.contiguous()
+    another tensor object, without the parameter's attributes) or ``ctx.defer`` queued it."""
+    dy, bounds = dy.contiguous(), ctx.bounds
     # every row of an expert is written by its GEMM: only the rows of no expert (and the weight gradients of
     # experts without rows) are zero-filled, not the whole [rows, K] / [E, M, K] outputs
-    da = torch.empty_like(a) if need_da else None
-    if da is not None:
+    da = None
+    if need_da:
+        da = torch.empty_like(a)
         da[bounds[-1][1] :].zero_()
-    into = wgrad_into() if need_dw else None
-    dw = torch.empty_like(w) if need_dw and into is None else None
-    for g, (lo, hi) in enumerate(bounds):
-        if hi <= lo:
-            if dw is not None:
-                dw[g].zero_()
-            continue
-        if da is not None:
-            torch.mm(dy[lo:hi], w[g], out=da[lo:hi])
-        if dw is not None:
-            torch.mm(dy[lo:hi].t(), a[lo:hi], out=dw[g])
+        for g, (lo, hi) in enumerate(bounds):
+            if hi > lo:
+                torch.mm(dy[lo:hi], w[g], out=da[lo:hi])
+    if not need_dw:
+        return da, None
+    wgrad_into = ctx.wgrad_into
+    return da, now_or_deferred(ctx.defer, ctx.param, lambda: _weight_grads(dy, a, w, bounds, wgrad_into()))
+
+
+def _weight_grads(dy, a, w, bounds, into) -> torch.Tensor | None:
+    """Every expert's weight gradient (zeros for one without rows), or ``None`` when ``into`` took it."""
     if into is not None:
         _per_expert_weight_grads_(into[0], into[1], bounds, dy, a)
-    return da, dw
+        return None
+    dw = torch.empty_like(w)
+    for g, (lo, hi) in enumerate(bounds):
+        if hi > lo:
+            torch.mm(dy[lo:hi].t(), a[lo:hi], out=dw[g])
+        else:
+            dw[g].zero_()
+    return dw
 
 
 class _PerExpertLinear(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, w, bounds):
+    def forward(ctx, x, w, bounds, defer=None):
         ctx.save_for_backward(x, w)
-        ctx.bounds, ctx.wgrad_into = bounds, expert_wgrad_into(w)
+        ctx.bounds, ctx.wgrad_into, ctx.defer, ctx.param = bounds, expert_wgrad_into(w), defer, w
         return _forward(x, w, bounds)
 
     @staticmethod
     def backward(ctx, dy):
         x, w = ctx.saved_tensors
-        need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        dx, dw = _backward(dy, x, w, ctx.bounds, need_dx, need_dw, ctx.wgrad_into)
-        return dx, dw, None
+        dx, dw = _backward(ctx, dy, x, w, ctx.needs_input_grad[0], ctx.needs_input_grad[1])
+        return dx, dw, None, None
 
 
 class _PerExpertLinearOfActivation(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, h, w, bounds, activation):
+    def forward(ctx, h, w, bounds, activation, defer=None):
         ctx.save_for_backward(h, w)
         ctx.bounds, ctx.activation, ctx.wgrad_into = bounds, activation, expert_wgrad_into(w)
+        ctx.defer, ctx.param = defer, w
         return _forward(activation(h), w, bounds)  # no graph inside forward: the activation's output is not kept
 
     @staticmethod
@@ -206,6 +226,6 @@ class _PerExpertLinearOfActivation(torch.autograd.Function):
         with torch.enable_grad():
             h_leaf = h.detach().requires_grad_(need_dh)
             a = ctx.activation(h_leaf)
-        da, dw = _backward(dy, a.detach(), w, ctx.bounds, need_dh, ctx.needs_input_grad[1], ctx.wgrad_into)
+        da, dw = _backward(ctx, dy, a.detach(), w, need_dh, ctx.needs_input_grad[1])
         dh = torch.autograd.grad(a, h_leaf, da)[0] if need_dh else None
-        return dh, dw, None, None
+        return dh, dw, None, None, None

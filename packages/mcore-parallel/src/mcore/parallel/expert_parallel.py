@@ -48,6 +48,7 @@ from mcore.parallel.expert_gemm import (
 from mcore.parallel.grid import ProcessGroups
 from mcore.parallel.moe_aux_losses import moe_aux_losses
 from mcore.parallel.tensor_parallel import set_tensor_parallel_attributes
+from mcore.parallel.weight_grad_store import DefersWeightGrads, WeightGradStore
 
 __all__ = ["GroupedExperts", "MoEConfig", "MoELayer", "Router", "moe_metrics", "update_expert_biases"]
 
@@ -180,7 +181,7 @@ class Router(nn.Module):
         return router_logits(tokens, self.weight)
 
 
-class GroupedExperts(nn.Module):
+class GroupedExperts(DefersWeightGrads, nn.Module):
     """``E_local`` experts as two stacked weights run with one grouped GEMM each: the input projection, then the
     activation, then ``down`` [E_local, H, F/etp].
 
@@ -228,6 +229,9 @@ class GroupedExperts(nn.Module):
             p.expert_parallel = True
         # fp8 grouped GEMMs, set by mcore.parallel.low_precision (None: bf16); they replace every expert_gemm mode
         self.low_precision: ExpertGemms | None = None
+        # set by attach_weight_grad_store (a zero-bubble schedule's queue of deferred weight gradients); the GEMMs
+        # ask self.defer in backward whether to queue their weight gradients there
+        self.weight_grad_store: WeightGradStore | None = None
 
     @property
     def input_weight(self) -> nn.Parameter:
@@ -273,26 +277,28 @@ class GroupedExperts(nn.Module):
         """``tail_rows``: at most that many last rows lie past ``offsets[-1]`` (``None``: unknown), see
         ``grouped_gemm``; ``host_offsets``: ``offsets`` on their way to the host (per-expert GEMMs; ``None``: copied
         here)."""
-        w_in, act = self.input_weight, self.activation_fn
+        w_in, act, defer = self.input_weight, self.activation_fn, self.defer
         rows = rows.to(w_in.dtype)
         if self.low_precision is not None:
             # fp8 experts (mcore.parallel.low_precision): both GEMMs quantized, weight gradients into main_grad and
             # the activation recomputed as in the grouped mode below; the expert_gemm mode does not apply (fp8
             # grouped GEMMs only: no per-expert GEMMs, no host offsets)
             fp8, into = self.low_precision, expert_wgrad_into(self.down)
-            h = fp8.gemm(rows, w_in, offsets, tail_rows=tail_rows, wgrad_into=expert_wgrad_into(w_in))
-            return fp8.of_activation(h, self.down, offsets, act, tail_rows=tail_rows, wgrad_into=into)
+            h = fp8.gemm(rows, w_in, offsets, tail_rows=tail_rows, wgrad_into=expert_wgrad_into(w_in), defer=defer)
+            return fp8.of_activation(h, self.down, offsets, act, tail_rows=tail_rows, wgrad_into=into, defer=defer)
         if self.gemm == "per_expert":
             bounds = (host_offsets or HostOffsets.start(offsets)).bounds()  # the host sync of this mode
-            h = per_expert_linear(rows, w_in, bounds)
-            return per_expert_linear_of_activation(h, self.down, bounds, act)
+            h = per_expert_linear(rows, w_in, bounds, defer)
+            return per_expert_linear_of_activation(h, self.down, bounds, act, defer)
         # weight gradients go into main_grad (written on a step's first micro-batch, added after), not returned;
         # grouped_fp32_wgrad: by one fp32-accumulating GEMM per expert, from offsets copied to the host meanwhile
         host = (host_offsets or HostOffsets.start(offsets)) if self.gemm == PER_EXPERT_WGRAD else None
-        h = grouped_gemm(rows, w_in, offsets, tail_rows=tail_rows, wgrad_into=expert_wgrad_into(w_in, host))
+        into = expert_wgrad_into(w_in, host)
+        h = grouped_gemm(rows, w_in, offsets, tail_rows=tail_rows, wgrad_into=into, defer=defer)
         # the activation's output ([rows, F/etp]) is recomputed in backward rather than kept
         into = expert_wgrad_into(self.down, host)
-        return grouped_gemm_of_activation(h, self.down, offsets, act, tail_rows=tail_rows, wgrad_into=into)
+        return grouped_gemm_of_activation(h, self.down, offsets, act, tail_rows=tail_rows, wgrad_into=into,
+                                          defer=defer)  # fmt: skip
 
 
 class _RouterLogits(torch.autograd.Function):

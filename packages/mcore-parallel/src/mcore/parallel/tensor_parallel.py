@@ -46,7 +46,7 @@ from mcore.parallel.param_attrs import (
     take_wgrad_target,
 )
 from mcore.parallel.random import RNGStatesTracker, get_rng_tracker
-from mcore.parallel.weight_grad_store import WeightGradStore
+from mcore.parallel.weight_grad_store import DefersWeightGrads, WeightGradStore, attach_weight_grad_store
 
 __all__ = [
     "ColumnParallelLinear",
@@ -197,24 +197,12 @@ def _linear(
     return _LinearWithDeferrableWeightGrad.apply(x, weight, bias, store)
 
 
-def attach_weight_grad_store(modules: Sequence[nn.Module], store: WeightGradStore | None) -> int:
-    """Let every tensor-parallel linear inside ``modules`` queue its weight gradients in ``store`` while that is
-    deferring (``None`` detaches); returns how many linears were attached."""
-    count = 0
-    for module in modules:
-        for sub in module.modules():
-            if isinstance(sub, ColumnParallelLinear | RowParallelLinear):
-                sub.weight_grad_store = store
-                count += 1
-    return count
-
-
 def _check_last_dim(x: torch.Tensor, expected: int, layer: str, hint: str) -> None:
     if x.dim() == 0 or x.shape[-1] != expected:
         raise ValueError(f"{layer}: expected input [..., {expected}] ({hint}), got shape {tuple(x.shape)}")
 
 
-class ColumnParallelLinear(nn.Module):
+class ColumnParallelLinear(DefersWeightGrads, nn.Module):
     """``y = x W^T + b`` with ``W`` split along its output rows over the TP group.
 
     ``partition_blocks`` describes a fused weight (e.g. ``(intermediate, intermediate)`` for ``[gate; up]``):
@@ -304,7 +292,7 @@ class ColumnParallelLinear(nn.Module):
         )
 
 
-class RowParallelLinear(nn.Module):
+class RowParallelLinear(DefersWeightGrads, nn.Module):
     """``y = x W^T + b`` with ``W`` split along its input columns over the TP group; the output is summed
     over TP (reduce-scattered along dim 0 with sequence parallelism). The bias is replicated and added
     after the reduction; under sequence parallelism it sees a sequence shard, so it carries

@@ -1,10 +1,11 @@
 """Deferred weight gradients for zero-bubble pipeline schedules.
 
 A :class:`WeightGradStore` belongs to one schedule (``ZeroBubbleH1`` makes its own), and
-:func:`~mcore.parallel.tensor_parallel.attach_weight_grad_store` hands it to the tensor-parallel linears of the
-schedule's model chunks. Inside ``with store.deferring():`` those linears compute only the input gradient in
-backward (what the previous pipeline stage waits for) and queue the weight-gradient GEMM in the store. A later
-``store.flush()`` runs the queued work: each weight gradient is accumulated into ``param.grad`` (or, for
+:func:`attach_weight_grad_store` hands it to the layers of the schedule's model chunks that can defer
+(:class:`DefersWeightGrads`: the tensor-parallel linears, bf16 and fp8 / emulated / BitNet, and the MoE experts'
+grouped or per-expert GEMMs, bf16 and fp8). Inside ``with store.deferring():`` those layers compute only the input
+gradient in backward (what the previous pipeline stage waits for) and queue the weight-gradient GEMM in the store. A
+later ``store.flush()`` runs the queued work: each weight gradient is accumulated into ``param.grad`` (or, for
 parameters of a ``DistributedDataParallel``, straight into its ``main_grad``) and then the parameter's
 grad-ready hook is called when it has one (the DDP wrapper sets it to the same hook autograd would have
 triggered; see :mod:`mcore.parallel.param_attrs`).
@@ -18,13 +19,14 @@ from __future__ import annotations
 
 import contextlib
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
+from torch import nn
 
 from mcore.parallel.param_attrs import grad_ready_hook
 
-__all__ = ["WeightGradStore"]
+__all__ = ["DefersWeightGrads", "WeightGradStore", "attach_weight_grad_store"]
 
 
 class WeightGradStore:
@@ -91,3 +93,29 @@ class WeightGradStore:
     def clear(self) -> None:
         """Drop every queued batch without running it."""
         self._batches.clear()
+
+
+class DefersWeightGrads:
+    """Mixin of the modules whose backward can queue their weight-gradient GEMMs in an attached store (a class, not
+    a list of module types here: the layers live in modules that build on this one)."""
+
+    # set by attach_weight_grad_store (a zero-bubble schedule's queue of deferred weight gradients)
+    weight_grad_store: WeightGradStore | None = None
+
+    @property
+    def defer(self) -> Callable[[torch.Tensor, Callable[[], torch.Tensor | None]], bool] | None:
+        """The ``defer`` hook the kernels take (``mcore.kernels.wgrad_defer``), ``None`` without a store."""
+        return self.weight_grad_store.defer if self.weight_grad_store is not None else None
+
+
+def attach_weight_grad_store(modules: Sequence[nn.Module], store: WeightGradStore | None) -> int:
+    """Let every :class:`DefersWeightGrads` module inside ``modules`` (the tensor-parallel linears, the MoE layers'
+    experts) queue its weight gradients in ``store`` while that is deferring (``None`` detaches); returns how many
+    modules were attached."""
+    count = 0
+    for module in modules:
+        for sub in module.modules():
+            if isinstance(sub, DefersWeightGrads):
+                sub.weight_grad_store = store
+                count += 1
+    return count
