@@ -129,6 +129,34 @@ def test_weight_casts_are_reused_within_a_step_and_renewed_by_the_optimizer_step
     assert Trainer(one, init_runtime(one)).weight_casts is None
 
 
+def test_fp8_expert_weight_casts_are_reused_within_a_step(tmp_path, monkeypatch):
+    """mixtral-tiny, two micro-batches per step: the experts' fp8 weights are cast once per step too (the linears'
+    cache), and training with the cache is training without it."""
+    import mcore.train.low_precision as train_low_precision
+    from mcore.parallel.expert_parallel import MoELayer
+
+    caches = []
+
+    class RecordingCache(train_low_precision.WeightCastCache):
+        def __init__(self):
+            super().__init__()
+            caches.append(self)
+
+    monkeypatch.setattr(train_low_precision, "WeightCastCache", RecordingCache)
+    fp8 = ["model=mixtral-tiny", "train.precision=fp8", "fp8.recipe=rowwise", "train.steps=3"]
+    config = load_config(None, [*TINY, *fp8])
+    trainer = Trainer(config, init_runtime(config))
+    moe = [m for chunk in trainer.chunks for m in chunk.modules() if isinstance(m, MoELayer)]
+    assert moe and all(m.experts.low_precision.weight_casts is caches[0] for m in moe)
+    linears = sum(getattr(m, "low_precision", None) is not None for m in _linears(trainer).values())
+    train(tmp_path / "cached", *fp8)
+    per_step = linears + 2 * len(moe)  # each expert layer: gate_up and down
+    assert (caches[-1].misses, caches[-1].hits) == (3 * per_step, 3 * per_step)
+    train(tmp_path / "uncached", *fp8, "fp8.weight_cache=false")
+    cached = [r["loss"] for r in train_records(tmp_path / "cached").values()]
+    assert len(cached) == 3 and cached == [r["loss"] for r in train_records(tmp_path / "uncached").values()]
+
+
 @pytest.fixture(scope="module")
 def fp32_run(tmp_path_factory):
     return train(tmp_path_factory.mktemp("fp32"))[0]

@@ -42,6 +42,7 @@ from mcore.kernels.fp8_grouped_gemm import (
     apply_of_activation,
     reference_expert_wgrad,
 )
+from mcore.kernels.fp8_weight_cache import WeightCastCache
 from mcore.kernels.grouped_gemm import _check, _tail
 from mcore.kernels.quantization import BLOCK, E4M3, Quantized, quantize_fp8
 from mcore.kernels.wgrad_defer import Defer
@@ -60,16 +61,18 @@ def fp8_block_grouped_gemm(
     tail_rows: int | None = None,
     wgrad_into: WgradInto | None = None,
     defer: Defer | None = None,
+    weight_casts: WeightCastCache | None = None,
 ) -> torch.Tensor:
     """``y[rows of e] = x[rows of e] @ w[e]^T`` with block-scaled fp8 operands: ``x`` [T, K], ``w`` [E, N, K] -> [T, N].
 
-    ``backend``: ``"triton"``, ``"reference"`` or ``None`` (CUDA -> triton). ``tail_rows``, ``wgrad_into``, ``defer``:
-    ``fp8_grouped_gemm``'s contracts (a writer function is refused). Raises ``ValueError`` when K, N or an
-    expert's row count is not a multiple of 128.
+    ``backend``: ``"triton"``, ``"reference"`` or ``None`` (CUDA -> triton). ``tail_rows``, ``wgrad_into``, ``defer``,
+    ``weight_casts``: ``fp8_grouped_gemm``'s contracts (a writer function is refused). Raises ``ValueError`` when K,
+    N or an expert's row count is not a multiple of 128.
     """
     _check_blocks(x, w, offsets)
     tail = _tail(tail_rows, x.shape[0])
-    return _Fp8GroupedGemm.apply(x, w, offsets, BLOCKWISE, _choose(x, w, backend), tail, wgrad_into, defer)
+    chosen = _choose(x, w, backend)
+    return _Fp8GroupedGemm.apply(x, w, offsets, BLOCKWISE, chosen, tail, wgrad_into, defer, weight_casts)
 
 
 def fp8_block_grouped_gemm_of_activation(
@@ -82,11 +85,12 @@ def fp8_block_grouped_gemm_of_activation(
     tail_rows: int | None = None,
     wgrad_into: WgradInto | None = None,
     defer: Defer | None = None,
+    weight_casts: WeightCastCache | None = None,
 ) -> torch.Tensor:
     """``fp8_block_grouped_gemm(activation(h), w, offsets)`` saving ``h``, not the activation's output (backward
     recomputes it): ``fp8_grouped_gemm_of_activation``'s contract with block-wise scales."""
     return apply_of_activation("fp8_block_grouped_gemm_of_activation", BLOCKWISE, _check_blocks, _choose, h, w,
-                               offsets, activation, backend, tail_rows, wgrad_into, defer)  # fmt: skip
+                               offsets, activation, backend, tail_rows, wgrad_into, defer, weight_casts)  # fmt: skip
 
 
 def _check_blocks(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> None:

@@ -35,6 +35,7 @@ from dataclasses import dataclass
 import torch
 
 from mcore.kernels import dispatch
+from mcore.kernels.fp8_weight_cache import WeightCastCache
 from mcore.kernels.grouped_gemm import (
     WgradInto,
     _check,
@@ -61,6 +62,7 @@ def fp8_grouped_gemm(
     tail_rows: int | None = None,
     wgrad_into: WgradInto | None = None,
     defer: Defer | None = None,
+    weight_casts: WeightCastCache | None = None,
 ) -> torch.Tensor:
     """``y[rows of e] = x[rows of e] @ w[e]^T`` with fp8 operands: ``x`` [T, K], ``w`` [E, N, K] -> [T, N].
 
@@ -72,10 +74,14 @@ def fp8_grouped_gemm(
     or added; not accumulating, every expert is written, zeros for one without rows, and the target is not read)
     and returns none, ``None`` returns it. A writer function raises ``ValueError`` in backward: it would replace the
     fp8 weight-gradient GEMM by the caller's own high-precision GEMMs. ``defer``: ``grouped_gemm``'s.
+    ``weight_casts``: ``w``'s fp8 casts (``w`` and ``w^T``) reused from this cache while ``w`` is unchanged (the
+    micro-batches of a step and activation recompute cast the weights once; the owner invalidates it when the
+    weights change, see ``fp8_weight_cache``).
     """
     _check(x, w, offsets)
     tail = _tail(tail_rows, x.shape[0])
-    return _Fp8GroupedGemm.apply(x, w, offsets, ROWWISE, _choose(x, w, backend), tail, wgrad_into, defer)
+    chosen = _choose(x, w, backend)
+    return _Fp8GroupedGemm.apply(x, w, offsets, ROWWISE, chosen, tail, wgrad_into, defer, weight_casts)
 
 
 def fp8_grouped_gemm_of_activation(
@@ -88,16 +94,19 @@ def fp8_grouped_gemm_of_activation(
     tail_rows: int | None = None,
     wgrad_into: WgradInto | None = None,
     defer: Defer | None = None,
+    weight_casts: WeightCastCache | None = None,
 ) -> torch.Tensor:
     """``fp8_grouped_gemm(activation(h), w, offsets)`` (same shapes, backends, ``tail_rows``, ``wgrad_into``,
-    ``defer``) saving
+    ``defer``, ``weight_casts``) saving
     ``h``, not the activation's output: backward recomputes it, for the weight gradient's fp8 operand and for the
     activation's own backward, which gives ``h``'s gradient (``grouped_gemm_of_activation``'s contract)."""
     return apply_of_activation("fp8_grouped_gemm_of_activation", ROWWISE, _check, _choose, h, w, offsets, activation,
-                               backend, tail_rows, wgrad_into, defer)  # fmt: skip
+                               backend, tail_rows, wgrad_into, defer, weight_casts)  # fmt: skip
 
 
-def apply_of_activation(name, ops, check, choose, h, w, offsets, activation, backend, tail_rows, wgrad_into, defer):
+def apply_of_activation(
+    name, ops, check, choose, h, w, offsets, activation, backend, tail_rows, wgrad_into, defer, weight_casts=None
+):
     """The ``*_of_activation`` entry of one scale layout ``ops``: ``h`` checked (``name`` in the message),
     ``activation(h)`` computed without a graph and checked by ``check``, the backend picked by ``choose``."""
     if not isinstance(h, torch.Tensor) or h.dim() != 2:
@@ -108,7 +117,9 @@ def apply_of_activation(name, ops, check, choose, h, w, offsets, activation, bac
     check(a, w, offsets)
     tail = _tail(tail_rows, h.shape[0])
     chosen = choose(a, w, backend)
-    return _Fp8GroupedGemmOfActivation.apply(h, w, offsets, activation, ops, chosen, a, tail, wgrad_into, defer)
+    return _Fp8GroupedGemmOfActivation.apply(
+        h, w, offsets, activation, ops, chosen, a, tail, wgrad_into, defer, weight_casts
+    )
 
 
 def _choose(x: torch.Tensor, w: torch.Tensor, backend: str | None) -> str:
@@ -297,10 +308,13 @@ def _rowwise_rows(t: torch.Tensor, backend: str) -> Quantized:
 ROWWISE = Fp8ExpertOps(_rowwise_weights, _rowwise_rows, _grouped_2d_3d, _weight_grad, "row")
 
 
-def _forward(ctx, keep, a, w, offsets, ops, backend, tail, wgrad_into, defer) -> torch.Tensor:
+def _forward(ctx, keep, a, w, offsets, ops, backend, tail, wgrad_into, defer, weight_casts) -> torch.Tensor:
     """The forward GEMM of ``a`` (the GEMM's input) and ``w``, saving ``keep`` (what ``a`` is, or is recomputed from),
-    the offsets and ``w^T``'s cast for the input gradient (when ``keep`` needs a gradient)."""
-    qw, qw_t = ops.weights(w, backend, ctx.needs_input_grad[0])
+    the offsets and ``w^T``'s cast for the input gradient (when ``keep`` needs a gradient); the weight casts from
+    ``weight_casts`` when it holds them for this ``w``."""
+    need_t = ctx.needs_input_grad[0]
+    make = lambda: ops.weights(w, backend, need_t)  # noqa: E731
+    qw, qw_t = make() if weight_casts is None else weight_casts.get_for(w, need_t, make)
     ctx.save_for_backward(keep, offsets, *((qw_t.data, qw_t.scale) if qw_t is not None else (None, None)))
     ctx.ops, ctx.backend, ctx.tail, ctx.w_shape, ctx.w_dtype = ops, backend, tail, w.shape, w.dtype
     ctx.wgrad_into, ctx.defer = wgrad_into, defer
@@ -335,14 +349,14 @@ class _Fp8GroupedGemm(torch.autograd.Function):
     kept for the input gradient instead of ``w``), ``dy`` row-wise and jagged-transposed in backward."""
 
     @staticmethod
-    def forward(ctx, x, w, offsets, ops, backend, tail, wgrad_into, defer=None):
-        return _forward(ctx, x, x, w, offsets, ops, backend, tail, wgrad_into, defer)
+    def forward(ctx, x, w, offsets, ops, backend, tail, wgrad_into, defer=None, weight_casts=None):
+        return _forward(ctx, x, x, w, offsets, ops, backend, tail, wgrad_into, defer, weight_casts)
 
     @staticmethod
     def backward(ctx, dy):
         x, offsets, wt_data, wt_scale = ctx.saved_tensors
         dx, dw = _backward(ctx, dy, x, offsets, wt_data, wt_scale)
-        return dx, dw, None, None, None, None, None, None
+        return dx, dw, None, None, None, None, None, None, None
 
 
 class _Fp8GroupedGemmOfActivation(torch.autograd.Function):
@@ -350,9 +364,9 @@ class _Fp8GroupedGemmOfActivation(torch.autograd.Function):
     pass; bit-equal to forward's, so the same fp8 operand) and differentiates it for ``h``'s gradient."""
 
     @staticmethod
-    def forward(ctx, h, w, offsets, activation, ops, backend, a, tail, wgrad_into, defer=None):
+    def forward(ctx, h, w, offsets, activation, ops, backend, a, tail, wgrad_into, defer=None, weight_casts=None):
         ctx.activation = activation
-        return _forward(ctx, h, a, w, offsets, ops, backend, tail, wgrad_into, defer)
+        return _forward(ctx, h, a, w, offsets, ops, backend, tail, wgrad_into, defer, weight_casts)
 
     @staticmethod
     def backward(ctx, dy):
@@ -363,4 +377,4 @@ class _Fp8GroupedGemmOfActivation(torch.autograd.Function):
             a = ctx.activation(h_leaf)
         da, dw = _backward(ctx, dy, a.detach(), offsets, wt_data, wt_scale)
         dh = torch.autograd.grad(a, h_leaf, da)[0] if need_dh else None
-        return dh, dw, None, None, None, None, None, None, None, None
+        return dh, dw, None, None, None, None, None, None, None, None, None

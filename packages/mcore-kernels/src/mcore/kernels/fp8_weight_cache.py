@@ -40,9 +40,28 @@ class WeightCastCache:
         self._entries[owner] = (stamp, value)
         return value
 
+    def get_for(self, weight: torch.Tensor, transposed: bool, make: Callable[[], Any]) -> Any:
+        """:meth:`get` keyed by ``weight`` itself (for callers without a layer object: the experts' grouped GEMMs)."""
+        return self.get(_owner_of(weight), weight, transposed, make)
+
     def invalidate(self) -> None:
         """Forget every cast (the weights are about to change)."""
         self._entries.clear()
 
     def __len__(self) -> int:
         return len(self._entries)
+
+
+class _WeightKey:
+    """A weakly referenced stand-in for a weight as a cache key: a tensor cannot be one (its ``==`` is elementwise,
+    which a dictionary lookup would call); held by the weight, it lives as long as the weight does."""
+
+    __slots__ = ("__weakref__",)
+
+
+def _owner_of(weight: torch.Tensor) -> _WeightKey:
+    key = getattr(weight, "_mcore_weight_cast_key", None)
+    if key is None:
+        key = _WeightKey()
+        weight._mcore_weight_cast_key = key
+    return key

@@ -132,7 +132,8 @@ class BiasedGroupedExperts(GroupedExperts):
                 bounds = host.bounds()  # the host sync of this mode
         if fp8 is not None:  # fp8 grouped GEMMs whatever expert_gemm says: the weight gradients as in grouped
             into = expert_wgrad_into(self.gate_up)
-            h = fp8.gemm(x, self.gate_up, offsets, tail_rows=tail_rows, wgrad_into=into, defer=defer)
+            h = fp8.gemm(x, self.gate_up, offsets, tail_rows=tail_rows, wgrad_into=into, defer=defer,
+                         weight_casts=fp8.weight_casts)  # fmt: skip
         elif bounds is not None:
             h = per_expert_linear(x, self.gate_up, bounds, defer)
         else:  # grouped_fp32_wgrad: the weight gradients per expert from ``host`` in backward
@@ -145,7 +146,8 @@ class BiasedGroupedExperts(GroupedExperts):
                                                                         limit=self.activation[1])  # fmt: skip
         if fp8 is not None:
             into = expert_wgrad_into(self.down)
-            y = fp8.of_activation(h, self.down, offsets, activation, tail_rows=tail_rows, wgrad_into=into, defer=defer)
+            y = fp8.of_activation(h, self.down, offsets, activation, tail_rows=tail_rows, wgrad_into=into, defer=defer,
+                                  weight_casts=fp8.weight_casts)  # fmt: skip
         elif bounds is not None:  # the activation's output ([rows, F/etp]) is recomputed in backward, not kept
             y = per_expert_linear_of_activation(h, self.down, bounds, activation, defer)
         else:

@@ -34,6 +34,7 @@ from dataclasses import dataclass
 
 import torch
 
+from mcore.kernels.fp8_weight_cache import WeightCastCache
 from mcore.kernels.wgrad_defer import Defer, now_or_deferred
 from mcore.parallel.param_attrs import mark_wgrad_in_main_grad, take_wgrad_target
 from mcore.parallel.tensor_parallel import accumulate_weight_grad_, write_weight_grad_
@@ -52,10 +53,13 @@ __all__ = [
 class ExpertGemms:
     """A grouped GEMM of the experts and its form that keeps the activation's input (``grouped_gemm`` and
     ``grouped_gemm_of_activation``'s signatures, ``tail_rows``, ``wgrad_into`` and ``defer`` included): what
-    ``GroupedExperts.low_precision`` holds (``mcore.parallel.low_precision``'s fp8 GEMMs), ``None`` for bf16."""
+    ``GroupedExperts.low_precision`` holds (``mcore.parallel.low_precision``'s fp8 GEMMs), ``None`` for bf16.
+    ``weight_casts``: the cache both GEMMs reuse their weight casts from within a step (their ``weight_casts=``),
+    ``None``: cast each call."""
 
     gemm: Callable[..., torch.Tensor]
     of_activation: Callable[..., torch.Tensor]
+    weight_casts: WeightCastCache | None = None
 
 
 def expert_bounds(offsets: torch.Tensor) -> list[tuple[int, int]]:

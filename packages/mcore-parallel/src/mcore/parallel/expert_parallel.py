@@ -284,8 +284,9 @@ class GroupedExperts(DefersWeightGrads, nn.Module):
             # the activation recomputed as in the grouped mode below; the expert_gemm mode does not apply (fp8
             # grouped GEMMs only: no per-expert GEMMs, no host offsets)
             fp8, into = self.low_precision, expert_wgrad_into(self.down)
-            h = fp8.gemm(rows, w_in, offsets, tail_rows=tail_rows, wgrad_into=expert_wgrad_into(w_in), defer=defer)
-            return fp8.of_activation(h, self.down, offsets, act, tail_rows=tail_rows, wgrad_into=into, defer=defer)
+            kw = {"tail_rows": tail_rows, "defer": defer, "weight_casts": fp8.weight_casts}
+            h = fp8.gemm(rows, w_in, offsets, wgrad_into=expert_wgrad_into(w_in), **kw)
+            return fp8.of_activation(h, self.down, offsets, act, wgrad_into=into, **kw)
         if self.gemm == "per_expert":
             bounds = (host_offsets or HostOffsets.start(offsets)).bounds()  # the host sync of this mode
             h = per_expert_linear(rows, w_in, bounds, defer)

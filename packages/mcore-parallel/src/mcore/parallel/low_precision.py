@@ -107,7 +107,7 @@ def enable_low_precision(
 
     ``backend="te"`` runs them through Transformer Engine instead (``mcore.kernels.te_backend``; ``recipe=None``:
     TE's high-precision GEMMs), which reduces amaxes over ``tp_group`` itself. ``weight_cache``: the fp8 linears
-    reuse their weight casts through it until its owner invalidates it (``fp8_weight_cache.py``).
+    and experts reuse their weight casts through it until its owner invalidates it (``fp8_weight_cache.py``).
     """
     if on_mismatch not in MISMATCH_POLICIES:
         raise ValueError(f"enable_low_precision: on_mismatch must be one of {MISMATCH_POLICIES}, got {on_mismatch!r}")
@@ -164,7 +164,7 @@ def enable_low_precision(
         if recipe.name in FP8_RECIPES:
             module.low_precision.wgrad_into = fp8_wgrad_into
         decisions.append(LayerDecision(name, recipe.name))
-    decisions += _enable_fp8_experts(model, recipe, backend, keep, min_features, on_mismatch, prefix)
+    decisions += _enable_fp8_experts(model, recipe, backend, keep, min_features, on_mismatch, prefix, weight_cache)
     converted = sum(d.recipe is not None for d in decisions)
     what = f"{backend}:{recipe.name if recipe else 'high precision'}"
     logger.info("low precision: %d of %d linears and expert groups use %s", converted, len(decisions), what)
@@ -203,9 +203,11 @@ def _expert_reason(layer: MoELayer, recipe, backend, min_features: int) -> tuple
     return "", False
 
 
-def _enable_fp8_experts(model, recipe, backend, keep, min_features, on_mismatch, prefix) -> list[LayerDecision]:
+def _enable_fp8_experts(
+    model, recipe, backend, keep, min_features, on_mismatch, prefix, weight_cache
+) -> list[LayerDecision]:
     """FP8 grouped GEMMs for the experts of every MoE layer under ``model``, block- or row-wise by ``recipe`` (see
-    the module docstring)."""
+    the module docstring), reusing their weight casts through ``weight_cache`` when given."""
     decisions = []
     for layer_name, layer in model.named_modules(prefix=prefix):
         if not isinstance(layer, MoELayer):
@@ -223,7 +225,7 @@ def _enable_fp8_experts(model, recipe, backend, keep, min_features, on_mismatch,
             logger.info("low precision: %s stays in high precision: %s", name, reason)
             continue
         scheme = _expert_scheme(recipe)
-        layer.experts.low_precision = scheme.gemms
+        layer.experts.low_precision = dataclasses.replace(scheme.gemms, weight_casts=weight_cache)
         if layer.experts.gemm != "grouped":
             logger.info("low precision: %s runs fp8 grouped GEMMs, not expert_gemm=%s", name, layer.experts.gemm)
         align = math.lcm(layer.config.align, scheme.align)

@@ -138,9 +138,9 @@ def expand_patterns(patterns: list[str], num_layers: int) -> list[str]:
 
 
 def weight_cast_cache(config, num_microbatches: int) -> WeightCastCache | None:
-    """The cache of fp8 weight casts the trainer invalidates each optimizer step; ``None`` when not fp8, off, or
-    nothing would reuse a cast (one micro-batch per step and no recompute: the cache would only keep the forward's
-    fp8 weights alive through the backward, 1 byte per weight element)."""
+    """The cache of fp8 weight casts (linears and experts) the trainer invalidates each optimizer step; ``None`` when
+    not fp8, off, or nothing would reuse a cast (one micro-batch per step and no recompute: the cache would only keep
+    the forward's fp8 weights alive through the backward, 1 byte per weight element)."""
     fp8 = config.train.precision == "fp8" and config.train.quant != "bitnet" and config.kernels.backend != "te"
     reused = num_microbatches > 1 or config.train.recompute != "none"
     return WeightCastCache() if fp8 and config.fp8.weight_cache and reused else None
