@@ -20,7 +20,9 @@
 4. **Experts**: the ``mixtral2l`` expert GEMMs (8 experts, 2 x 4096 x 2 routed rows, gate_up [8, 28672, 4096] and
    down [8, 4096, 14336], balanced) forward + backward through ``grouped_gemm`` (bf16) and ``fp8_grouped_gemm``
    (row-wise fp8, every cast included); then ``mixtral2l`` training (``moe_throughput.py``'s spec) in bf16 and
-   with ``train.precision=fp8 fp8.recipe=rowwise`` (fp8 attention linears and experts).
+   with ``train.precision=fp8 fp8.recipe=rowwise`` (fp8 attention linears and experts; ``--moe-recipes`` for
+   others), at one micro-batch per step or at each count of ``--moe-micro-batches`` (e.g. ``1,8``: gradient
+   accumulation, where the experts' weight casts are made once per step).
 
 The parts run in the order casts, training (saved row by row), linears, GEMMs, experts, MoE training. Timing:
 CUDA events, the median over windows of ``--iters`` back-to-back calls after ``--warmup`` (and CUDA-graph
@@ -29,6 +31,7 @@ Writes ``OUT/fp8.json`` and ``OUT/fp8.md`` (rewritten after each part and each t
 
     python benchmarks/fp8.py --out $OUT/fp8          # one H200, ~4 minutes
     python benchmarks/fp8.py --out $OUT/fp8 --skip gemms,experts,moe_training   # casts, linears, 8b4l: ~2.5 min
+    python benchmarks/fp8.py --out $OUT/fp8 --skip gemms,linears,casts,training,experts --moe-micro-batches 1,8
     python benchmarks/fp8.py --dry-run --out /tmp/fp8
 """
 
@@ -373,29 +376,43 @@ def bench_expert_gemms(dry_run: bool, device, dtype, iters: int, warmup: int) ->
     return out
 
 
-def bench_moe_training(dry_run: bool, iters: int, warmup: int) -> list[dict[str, Any]]:
-    """``mixtral2l`` (``moe_throughput.py``'s spec) in bf16 and with fp8 row-wise linears and experts."""
+def bench_moe_training(
+    dry_run: bool,
+    iters: int,
+    warmup: int,
+    micro_batches: tuple[int, ...] = (1,),
+    recipes: tuple[str, ...] = ("rowwise",),
+) -> list[dict[str, Any]]:
+    """``mixtral2l`` (``moe_throughput.py``'s spec) in bf16 and with fp8 linears and experts (``recipes``), at each
+    count of ``micro_batches`` per step (gradient accumulation: the experts' weight casts are made once per step and
+    reused, ``fp8.weight_cache``); each row's speedup is against the bf16 row of the same micro-batch count."""
     sys.path.insert(0, str(Path(__file__).parent))
+    from moe_throughput import SHAPES as MOE_SHAPES
     from moe_throughput import build_spec
 
     keys = ("precision", "tokens_per_s", "step_s", "tflops_per_gpu", "mfu", "peak_mem_gb", "final_loss")
+    shape = "tiny" if dry_run else "mixtral2l"
     rows = []
-    for recipe in (None, "rowwise"):
-        spec = build_spec("tiny" if dry_run else "mixtral2l", iters=iters, warmup=warmup, dry_run=dry_run)
-        spec.name = f"mixtral2l-{recipe or 'bf16'}"
-        if recipe is not None:
-            spec.overrides += ["train.precision=fp8", f"fp8.recipe={recipe}"]
-        try:
-            result, runtime = run_spec(spec)
-        except Exception as exc:  # noqa: BLE001 - a failing run is a row of the table
-            rows.append({"config": spec.name, "recipe": recipe or "bf16", "error": _first_line(exc)})
-            continue
-        runtime.shutdown()
-        rows.append({"config": spec.name, "recipe": recipe or "bf16", **{k: result[k] for k in keys}})
-    base = rows[0].get("tokens_per_s")
-    for row in rows:
-        if base and "tokens_per_s" in row:
-            row["speedup"] = row["tokens_per_s"] / base
+    for count in micro_batches:
+        batch = [f"train.global_batch_size={MOE_SHAPES[shape]['mbs'] * count}"]
+        first = len(rows)
+        for recipe in (None, *recipes):
+            spec = build_spec(shape, iters=iters, warmup=warmup, dry_run=dry_run, extra_overrides=batch)
+            spec.name = f"mixtral2l-{recipe or 'bf16'}" + (f"-mb{count}" if count != 1 else "")
+            if recipe is not None:
+                spec.overrides += ["train.precision=fp8", f"fp8.recipe={recipe}"]
+            row = {"config": spec.name, "recipe": recipe or "bf16", "micro_batches": count}
+            try:
+                result, runtime = run_spec(spec)
+            except Exception as exc:  # noqa: BLE001 - a failing run is a row of the table
+                rows.append({**row, "error": _first_line(exc)})
+                continue
+            runtime.shutdown()
+            rows.append({**row, **{k: result[k] for k in keys}})
+        base = rows[first].get("tokens_per_s")
+        for row in rows[first:]:
+            if base and "tokens_per_s" in row:
+                row["speedup"] = row["tokens_per_s"] / base
     return rows
 
 
@@ -430,7 +447,8 @@ def render(data: dict[str, Any]) -> str:
         keys = ["gemm", "impl", "rows", "n", "k", "ms", "tflops", "speedup", "error"]
         parts.append(markdown_table(keys, [[r.get(k, "") for k in keys] for r in data["experts"]]))
     if data.get("moe_training"):
-        keys = ["config", "tokens_per_s", "speedup", "step_s", "mfu", "peak_mem_gb", "final_loss", "error"]
+        keys = ["config", "micro_batches", "tokens_per_s", "speedup", "step_s", "mfu", "peak_mem_gb", "final_loss"]
+        keys.append("error")
         parts.append(markdown_table(keys, [[r.get(k, "") for k in keys] for r in data["moe_training"]]))
     return "\n\n".join(parts) + "\n"
 
@@ -492,6 +510,14 @@ def main(argv: list[str] | None = None) -> int:
         help="override fp8_casts.DUAL_PATH for this run, e.g. '128x128=two_casts' (granularity=fused|two_casts,...)",
     )
     parser.add_argument(
+        "--moe-micro-batches",
+        default="1",
+        help="micro-batches per step of the mixtral2l training rows, comma-separated (e.g. 1,8: one row set each)",
+    )
+    parser.add_argument(
+        "--moe-recipes", default="rowwise", help="fp8 recipes of the mixtral2l training rows after bf16 (comma list)"
+    )
+    parser.add_argument(
         "--train-configs",
         default=",".join(TRAIN_CONFIGS),
         help="fp8 training rows after bf16 (recipes; '+output': the output layer in fp8 too)",
@@ -502,6 +528,15 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         parser.error(str(exc))
     configs = [c for c in args.train_configs.split(",") if c]
+    try:
+        moe_micro_batches = tuple(int(c) for c in args.moe_micro_batches.split(",") if c)
+    except ValueError:
+        parser.error(f"--moe-micro-batches: comma-separated positive ints, got {args.moe_micro_batches!r}")
+    if not moe_micro_batches or min(moe_micro_batches) < 1:
+        parser.error(f"--moe-micro-batches: comma-separated positive ints, got {args.moe_micro_batches!r}")
+    moe_recipes = tuple(r for r in args.moe_recipes.split(",") if r)
+    if not moe_recipes or set(moe_recipes) - set(TRAIN_RECIPES):
+        parser.error(f"--moe-recipes: some of {list(TRAIN_RECIPES)}, got {args.moe_recipes!r}")
     labels = (*TRAIN_RECIPES, *RECIPE_OVERRIDES)
     valid = {*labels, *(f"{r}+output" for r in labels)}
     if set(configs) - valid:
@@ -566,7 +601,8 @@ def main(argv: list[str] | None = None) -> int:
         save()
     if "moe_training" not in skip:
         steps = dict(iters=3, warmup=0) if args.dry_run else dict(iters=10, warmup=3)
-        data["moe_training"] = bench_moe_training(args.dry_run, **steps)
+        data["moe_training"] = bench_moe_training(args.dry_run, **steps, micro_batches=moe_micro_batches,
+                                                  recipes=moe_recipes)  # fmt: skip
         save()
     print(render(data))
     return 0

@@ -173,3 +173,26 @@ def test_dual_path_override_is_parsed_checked_and_applied(monkeypatch):
     for bad in ("128x128=fast", "2x2=fused", "128x128"):
         with pytest.raises(ValueError, match="granularity=path"):
             parse_dual_path(bad)
+
+
+def test_moe_rows_per_micro_batch_count(tmp_path):
+    """``--moe-micro-batches 1,2``: a bf16 and an fp8 row per count, each speedup against its own count's bf16 row,
+    the 2-micro-batch rows training twice the tokens per step; bad values are one parser error."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
+    script = str(ROOT / "benchmarks" / "fp8.py")
+    skip = "gemms,linears,casts,training,experts"
+    cmd = [sys.executable, script, "--dry-run", "--skip", skip, "--moe-micro-batches", "1,2", "--out", str(tmp_path)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = {
+        (r["recipe"], r["micro_batches"]): r for r in json.loads((tmp_path / "fp8.json").read_text())["moe_training"]
+    }
+    assert set(rows) == {(r, n) for r in ("bf16", "rowwise") for n in (1, 2)}
+    assert all("error" not in r and r["tokens_per_s"] > 0 for r in rows.values()), rows
+    assert rows[("bf16", 1)]["speedup"] == rows[("bf16", 2)]["speedup"] == 1.0
+    assert rows[("rowwise", 2)]["config"] == "mixtral2l-rowwise-mb2"
+    assert rows[("rowwise", 2)]["final_loss"] != rows[("rowwise", 1)]["final_loss"]  # another batch: really ran
+    assert "| mixtral2l-rowwise-mb2 | 2 |" in (tmp_path / "fp8.md").read_text()
+    for bad in (["--moe-micro-batches", "0"], ["--moe-micro-batches", "x"], ["--moe-recipes", "int8"]):
+        proc = subprocess.run([*cmd, *bad], capture_output=True, text=True, env=env, timeout=120)
+        assert proc.returncode == 2 and "--moe-" in proc.stderr, proc.stderr[-500:]
