@@ -66,6 +66,32 @@ def test_stopped_and_resumed_equals_the_straight_run(records):
     assert _curve(records["resumed"]) == _curve(records["fp8-gather-clipped"])
 
 
+def _pipeline_runs(rank: int, world: int, root: str) -> dict | None:
+    """4 ranks, pp 2 x dp 2 (llama-tiny's 2 layers, one per stage; the last stage's output layer kept in bf16):
+    1F1B and zero bubble (the fp8 linears' weight gradients deferred), each with the ordinary and the fp8 gather."""
+    pp = ["parallel.pp=2", "train.global_batch_size=8", "optim.clip_grad=0", *FP8]
+    out = {}
+    for schedule in ("1f1b", "zero-bubble"):
+        for gather in ("false", "true"):
+            name = f"{schedule}-{gather}"
+            train(f"{root}/{name}", *pp, f"parallel.schedule={schedule}", f"fp8.param_gather={gather}")
+            out[name] = train_records(f"{root}/{name}") if rank == 0 else None
+    return out if rank == 0 else None
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zero-bubble"])
+def test_fp8_gather_under_pipeline_parallelism_trains_as_the_ordinary_gather(schedule, pipeline_records):
+    reference = _curve(pipeline_records[f"{schedule}-false"])
+    assert len(reference) == 12 and reference[-1][0] < reference[0][0]
+    for got, ref in zip(_curve(pipeline_records[f"{schedule}-true"]), reference, strict=True):
+        assert got[0] == ref[0] and abs(got[1] - ref[1]) <= 1e-6 * ref[1], (got, ref)
+
+
+@pytest.fixture(scope="module")
+def pipeline_records(tmp_path_factory):
+    return run_workers(4, _pipeline_runs, str(tmp_path_factory.mktemp("fp8_gather_pp")))[0]
+
+
 @pytest.mark.parametrize(
     "overrides, match",
     [
