@@ -89,3 +89,19 @@ def test_activation_estimate_is_close_to_what_autograd_saves():
     measured = _saved_bytes(layer, hidden, rope)
     estimate = activation_bytes_per_layer(config, tp=1, dtype_bytes=4)
     assert 0.7 * measured <= estimate <= 1.3 * measured, (estimate, measured)
+
+
+def test_low_precision_is_said_to_be_planned_as_bf16():
+    """fp8 / fp4 / BitNet runs are planned at bf16 rates: the report says so (and what it leaves out), a bf16
+    config's report has no such note."""
+    from mcore.train.plan_report import format_plan, plan_to_dict
+
+    base = ["model=llama-tiny", "data.seq_length=32", "parallel.distributed_optimizer=true"]
+    fp8 = make_plan(load_config(None, [*base, "train.precision=fp8", "fp8.param_gather=true"]), 1, 80)
+    assert len(fp8.notes) == 1 and "train.precision=fp8 is planned as bf16" in fp8.notes[0]
+    assert "fp8.param_gather" in fp8.notes[0] and f"note: {fp8.notes[0]}" in format_plan(fp8)
+    assert plan_to_dict(fp8)["notes"] == list(fp8.notes)
+    bitnet = make_plan(load_config(None, [*base, "train.quant=bitnet"]), 1, 80)
+    assert "train.quant=bitnet is planned as bf16" in bitnet.notes[0]
+    bf16 = make_plan(load_config(None, [*base, "train.precision=bf16"]), 1, 80)
+    assert bf16.notes == () and "note:" not in format_plan(bf16)

@@ -123,6 +123,7 @@ class Plan:
     cp: int = 1
     ep_traffic: tuple[EPTraffic, ...] = field(default=())  # all-to-all bytes per step per pp rank (MoE, ep > 1)
     states: str = "fp32 gradients and optimizer states"  # optim.main_grads_dtype / exp_avg_dtype / exp_avg_sq_dtype
+    notes: tuple[str, ...] = field(default=())  # what the plan does not model about this config, said in the report
 
     @property
     def worst(self) -> StageMemory:
@@ -281,7 +282,21 @@ def make_plan(config: Config, world_size: int, gpu_memory_gb: float, network: Ne
         modes=_modes(shape, layout, gpu_memory_gb, network),
         states=_states(layout),
         ep_traffic=ep_traffic(shape, layout, micro),
+        notes=_unmodelled(config),
     )
+
+
+def _unmodelled(config: Config) -> tuple[str, ...]:
+    """What the plan leaves out of this config: said, so that a prediction is not read as covering it."""
+    precision = config.train.precision
+    if precision in ("fp8", "fp4") or config.train.quant == "bitnet":
+        what = "train.quant=bitnet" if config.train.quant == "bitnet" else f"train.precision={precision}"
+        extra = ", nor fp8.param_gather's 1-byte gather" if precision == "fp8" and config.fp8.param_gather else ""
+        return (
+            f"{what} is planned as bf16: bf16 GEMM rates and bf16 parameters; neither the quantized GEMMs' speed, "
+            f"their casts nor the weight casts' memory are modelled{extra}",
+        )
+    return ()
 
 
 def default_world_size(config: Config) -> int:

@@ -90,7 +90,8 @@ def format_plan(plan: Plan, peak_flops_per_gpu: float | None = None) -> str:
     elif peak_flops_per_gpu:
         at = plan.flops_per_step / plan.world_size / (0.4 * peak_flops_per_gpu)
         lines.append(f"step time at 40% MFU: {at:.2f} s")
-    return "\n".join(lines + _all_to_all_lines(plan) + _memory_lines(plan) + _mode_lines(plan))
+    notes = [f"note: {n}" for n in plan.notes]
+    return "\n".join(lines + _all_to_all_lines(plan) + _memory_lines(plan) + _mode_lines(plan) + notes)
 
 
 def plan_to_dict(plan: Plan) -> dict:
@@ -99,6 +100,7 @@ def plan_to_dict(plan: Plan) -> dict:
         "world_size": plan.world_size,
         "layout": {"tp": plan.tp, "pp": plan.pp, "dp": plan.dp, "vpp": plan.vpp},
         "precision": plan.precision,
+        "notes": list(plan.notes),
         "parameters": plan.total_parameters,
         "flops_per_step": plan.flops_per_step,
         "tokens_per_step": plan.tokens_per_step,
