@@ -99,19 +99,25 @@ def test_moe_experts_train_in_fp8_and_follow_fp32(tmp_path):
     assert low.final_loss != ref.final_loss and abs(low.final_loss - ref.final_loss) / ref.final_loss < 0.02
 
 
-def test_weight_casts_are_reused_within_a_step_and_renewed_by_the_optimizer_step(tmp_path, monkeypatch):
-    """Two micro-batches per step: the second reuses the first's weight casts; the trainer drops them before the
-    update, so training with the cache is training without it, step for step (a stale cast would differ)."""
+@pytest.fixture
+def caches(monkeypatch) -> list:
+    """Every ``WeightCastCache`` the trainer makes from here on, in order."""
     import mcore.train.low_precision as train_low_precision
 
-    caches = []
+    made = []
 
     class RecordingCache(train_low_precision.WeightCastCache):
         def __init__(self):
             super().__init__()
-            caches.append(self)
+            made.append(self)
 
     monkeypatch.setattr(train_low_precision, "WeightCastCache", RecordingCache)
+    return made
+
+
+def test_weight_casts_are_reused_within_a_step_and_renewed_by_the_optimizer_step(tmp_path, caches):
+    """Two micro-batches per step: the second reuses the first's weight casts; the trainer drops them before the
+    update, so training with the cache is training without it, step for step (a stale cast would differ)."""
     fp8 = ["train.precision=fp8", "fp8.recipe=rowwise", "train.steps=4"]
     config = load_config(None, [*TINY, *fp8])
     trainer = Trainer(config, init_runtime(config))
@@ -129,20 +135,11 @@ def test_weight_casts_are_reused_within_a_step_and_renewed_by_the_optimizer_step
     assert Trainer(one, init_runtime(one)).weight_casts is None
 
 
-def test_fp8_expert_weight_casts_are_reused_within_a_step(tmp_path, monkeypatch):
+def test_fp8_expert_weight_casts_are_reused_within_a_step(tmp_path, caches):
     """mixtral-tiny, two micro-batches per step: the experts' fp8 weights are cast once per step too (the linears'
     cache), and training with the cache is training without it."""
-    import mcore.train.low_precision as train_low_precision
     from mcore.parallel.expert_parallel import MoELayer
 
-    caches = []
-
-    class RecordingCache(train_low_precision.WeightCastCache):
-        def __init__(self):
-            super().__init__()
-            caches.append(self)
-
-    monkeypatch.setattr(train_low_precision, "WeightCastCache", RecordingCache)
     fp8 = ["model=mixtral-tiny", "train.precision=fp8", "fp8.recipe=rowwise", "train.steps=3"]
     config = load_config(None, [*TINY, *fp8])
     trainer = Trainer(config, init_runtime(config))
