@@ -14,12 +14,11 @@ from dataclasses import replace
 import pytest
 import torch
 
-import mcore.parallel.expert_gemm as expert_gemm
 from mcore.kernels.low_precision_linear import Recipe
 from mcore.parallel import DistributedDataParallel, MoELayer
 from mcore.parallel.low_precision import enable_low_precision
 from mcore.parallel.weight_grad_store import WeightGradStore, attach_weight_grad_store
-from tests.helpers.main_grad import start_step
+from tests.helpers.main_grad import record_wgrad_targets, start_step
 from tests.parallel._moe import BASE
 from tests.parallel.test_fp8_deferred_wgrad import _counting_store, _grad_state, _same
 from tests.parallel.test_fp8_wgrad import _MLP
@@ -27,7 +26,6 @@ from tests.parallel.test_fp8_wgrad import _MLP
 grouped_gemm_module = importlib.import_module("mcore.kernels.grouped_gemm")  # mcore.kernels has a function so named
 TOKENS = (3, 12, 7)  # per micro-batch; 3 tokens x top-2 leave most of the 8 experts without rows
 STEPS = 2
-_TAKE_WGRAD_TARGET = expert_gemm.take_wgrad_target  # the real one (each run records through its own wrapper)
 # name -> (expert_gemm mode, fp8 recipe of the experts or None, hidden, expert FFN)
 EXPERTS = {
     "grouped": ("grouped", None, 16, 24),
@@ -82,15 +80,7 @@ def _run(kind: str, *, defer: bool, ddp: bool, monkeypatch):
     store = _counting_store(queued, names)
     if defer:
         assert attach_weight_grad_store([model], store) == (2 if kind == "bitnet" else 1)
-    taken: list[bool] = []
-
-    def recording_take(w):
-        target, overwrite = _TAKE_WGRAD_TARGET(w)
-        if target is not None:
-            taken.append(overwrite)
-        return target, overwrite
-
-    monkeypatch.setattr(expert_gemm, "take_wgrad_target", recording_take)
+    taken = record_wgrad_targets(monkeypatch)
     wrapper = DistributedDataParallel(model, dp_group=None, gradient_accumulation_fusion=True) if ddp else model
     ready: list[tuple[str, torch.Tensor]] = []  # (weight, its main_grad) whenever DDP's hook declared it complete
     for buffer in wrapper.grad_buffers if ddp else ():

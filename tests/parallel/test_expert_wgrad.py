@@ -21,7 +21,7 @@ import mcore.parallel.expert_gemm as expert_gemm
 from mcore.parallel import DistributedDataParallel, MoELayer
 from mcore.parallel.expert_biases import use_gpt_oss_options
 from mcore.parallel.expert_gemm import HostOffsets
-from tests.helpers.main_grad import start_step
+from tests.helpers.main_grad import record_wgrad_targets, start_step
 from tests.parallel._moe import BASE
 from tests.parallel._moe import full_weights as _full_weights
 
@@ -92,16 +92,7 @@ def test_first_micro_batch_writes_main_grad_and_the_rest_add(gemm, gpt_oss, reco
     if gemm.startswith("grouped_mm"):
         _force_torch_grouped_mm(monkeypatch)
     mode = MODES.get(gemm, "grouped")
-    taken = []  # in order, for every expert weight-gradient GEMM that took main_grad: whether it overwrote it
-    real_take = expert_gemm.take_wgrad_target
-
-    def recording_take(w):
-        target, overwrite = real_take(w)
-        if target is not None:
-            taken.append(overwrite)
-        return target, overwrite
-
-    monkeypatch.setattr(expert_gemm, "take_wgrad_target", recording_take)
+    taken = record_wgrad_targets(monkeypatch)  # for every expert wgrad GEMM that took main_grad: overwrote it?
     previous = _train(_layer(mode, gpt_oss), fuse=False, recompute=recompute)
     assert taken == []  # without the fusion the GEMMs return their gradients (the previous path)
     ours = _train(_layer(mode, gpt_oss), fuse=True, poison=True, recompute=recompute)

@@ -244,6 +244,11 @@ class LowPrecisionLinear:
         ``weight_provider`` when one is set."""
         if self.weight_provider is not None:
             return self.weight_provider(weight, transposed)
+        return self.cast_weight_operands(weight, transposed)
+
+    def cast_weight_operands(self, weight: torch.Tensor, transposed: bool) -> tuple[Quantized, Quantized | None]:
+        """This layer's own cast of ``weight`` (through its weight cast cache when it has one), provider or not: what
+        a provider falls back to while the high-precision weight is complete."""
         make = lambda: self.quantize_operands(weight, "w", ("k", "n"), transposed=transposed)  # noqa: E731
         if self.weight_cache is None:
             return make()

@@ -250,12 +250,8 @@ class Fp8GatherBuffer(GradBuffer):
                         "are current only in this rank's shard; call start_param_sync() after the optimizer step, or "
                         "finish_param_sync() + params_replaced() after writing the parameters"
                     )
-                layer = self.layers[param]
-                saved, layer.weight_provider = layer.weight_provider, None
-                try:  # the layer's own cast of its complete bf16 weight (first step, after a load, dp = 1)
-                    w, w_t = layer.weight_operands(weight, transposed=True)
-                finally:
-                    layer.weight_provider = saved
+                # the layer's own cast of its complete bf16 weight (first step, after a load, dp = 1)
+                w, w_t = self.layers[param].cast_weight_operands(weight, transposed=True)
                 entry = self._operands[id(param)] = [w, w_t, param._version]
             if transposed and entry[1] is None:  # the same scales serve W^T: one per tensor, or the blocks'
                 w = entry[0]
