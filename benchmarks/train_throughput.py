@@ -13,6 +13,11 @@ median of ``--iters`` CUDA-event-timed steps after the first step and ``--warmup
 the dispatcher's measured choice: SDPA for one plain document, our Triton kernel for packed documents); several,
 comma-separated, are each a run of their own; each record lists the backends the dispatcher logged it used.
 
+``--grads fp32,bf16`` measures ours with each dtype of the gradient buffer (``optim.main_grads_dtype``; fp32, the
+default, is Megatron's for bf16 training). With one micro-batch per step at dp=1 (these runs) a bf16 buffer holds
+what the baseline's fp32 ``.grad`` holds: autocast's weight-gradient GEMM writes bf16, which is then upcast; the
+moments and master weights stay fp32 either way. The MoE comparisons (``moe_throughput.py``) use that policy.
+
 ``--variants standard,packed`` adds a packed-documents run of each shape (``<shape>-packed``): rows filled with
 documents whose lengths follow a cited real-corpus distribution (FinePDFs-Edu's mean document length,
 log-normal; ``packed_documents.py``) or the user's (``--doc-lengths``), read through mcore-train's own packed data
@@ -70,6 +75,7 @@ from step_profile import render_breakdown
 GPU_SHAPES = ("1b", "8b4l")
 VARIANTS = ("standard", "packed")
 ATTENTION_BACKENDS = ("auto", "sdpa", "flex", "triton", "reference")  # mcore.kernels.attention's, "auto" first
+GRAD_DTYPES = ("fp32", "bf16")  # optim.main_grads_dtype of the mcore runs
 HF_PACKED_BASELINE = Path(__file__).resolve().parent / "hf_packed_baseline.py"
 # result file stem -> extra arguments of hf_baseline.py
 BASELINES = {"hf": [], "hf-compile": ["--compile"]}
@@ -83,10 +89,13 @@ def build_spec(
     dry_run: bool,
     profile_steps: int = 0,
     corpus: Path | None = None,
+    grads: str = "fp32",
 ) -> RunSpec:
     """The mcore run of one shape: one micro-batch per step (the baseline's tokens per step), dp=1; ``profile_steps``
     more steps after the timed ones under the CUDA profiler; with ``corpus`` (a ``.bin/.idx`` prefix) its documents
-    packed into the rows instead of mock tokens."""
+    packed into the rows instead of mock tokens; ``grads`` the gradient buffer's dtype (``GRAD_DTYPES``)."""
+    if grads not in GRAD_DTYPES:
+        raise ValueError(f"build_spec: grads must be one of {GRAD_DTYPES}, got {grads!r}")
     shape = SHAPES[shape_name]
     steps = 1 + warmup + iters + profile_steps
     overrides = [
@@ -101,8 +110,9 @@ def build_spec(
         "lr.max_lr=1e-4",
         "lr.min_lr=1e-4",
         "lr.warmup_steps=0",
+        f"optim.main_grads_dtype={grads}",
     ]
-    name = f"mcore_{shape_name}"
+    name = f"mcore_{shape_name}" + ("" if grads == "fp32" else f"-{grads}grads")
     if corpus is not None:
         overrides += data_overrides(corpus)
         name += "-packed"
@@ -137,6 +147,7 @@ def run_ours(args: argparse.Namespace) -> int:
         dry_run=args.dry_run,
         profile_steps=args.profile_steps,
         corpus=args.corpus,
+        grads=args.grads,
     )
     result, runtime = run_spec(spec)
     runtime.shutdown()
@@ -155,7 +166,8 @@ def run_ours(args: argparse.Namespace) -> int:
         "gpu": result["gpu"],
         "torch": result["torch"],
         "precision": result["precision"],
-        "optimizer": "DistributedOptimizer (dp=1), fp32 master weights and AdamW states",
+        "optimizer": f"DistributedOptimizer (dp=1), fp32 master weights and AdamW states, {args.grads} gradients",
+        "grads": args.grads,
         "variant": "standard" if args.corpus is None else "packed",
         "attention_backend": args.attention_backend,
         "attention_backends_used": backend_log.lines,
@@ -222,6 +234,7 @@ def _row(shape: str, res: dict[str, Any]) -> list[Any]:
         note = f"{res['documents_per_row']:.2f} docs/row, attention {res['attention_work_vs_unpacked']:.3f}x; {note}"
     numbers = [res["tokens_per_s"], 1000 * res["step_s"], res["tflops_per_gpu"], 100 * res["mfu"]]
     impl = res["impl"] + (f" [{res['attention_backend']}]" if res.get("attention_backend", "auto") != "auto" else "")
+    impl += f" [{res['grads']} grads]" if res.get("grads", "fp32") != "fp32" else ""
     return [shape, impl, *numbers, res["peak_mem_gb"], res["first_step_s"], note]
 
 
@@ -241,21 +254,26 @@ def render(summary: dict[str, Any]) -> str:
     return "\n".join([markdown_table(headers, rows), "", *ratio_lines])
 
 
-def _labels(args: argparse.Namespace) -> dict[str, str]:
-    """Result label -> attention backend of each mcore run (``mcore`` alone when one backend is asked for)."""
-    if len(args.attention_backend) == 1:
-        return {"mcore": args.attention_backend[0]}
-    return {f"mcore-{b}": b for b in args.attention_backend}
+def _labels(args: argparse.Namespace) -> dict[str, tuple[str, str]]:
+    """Result label -> (attention backend, gradient dtype) of each mcore run (``mcore`` alone when one of each is
+    asked for; else ``mcore-<backend>`` / ``mcore-<dtype>grads`` where several are)."""
+    labels = {}
+    for backend in args.attention_backend:
+        for grads in args.grads:
+            label = "mcore" + (f"-{backend}" if len(args.attention_backend) > 1 else "")
+            labels[label + (f"-{grads}grads" if len(args.grads) > 1 else "")] = (backend, grads)
+    return labels
 
 
 def _runs(args: argparse.Namespace, shape: str, entry: str, packed: dict[str, Path] | None) -> list[tuple[str, list]]:
     """(label, script and arguments) of each run of ``entry`` (``shape`` or ``shape-packed``): ours, then the
     baselines; the JSON of each goes to ``--runs-dir``."""
     runs = []
-    for label, backend in _labels(args).items():
+    for label, (backend, grads) in _labels(args).items():
         ours = [str(Path(__file__).resolve()), "--only", "mcore", "--shape", shape, "--iters", str(args.iters)]
         ours += ["--warmup", str(args.warmup), "--profile-steps", str(args.profile_steps)]
-        ours += ["--attention-backend", backend, "--json", str(args.runs_dir / f"{label}_{entry}.json")]
+        ours += ["--attention-backend", backend, "--grads", grads]
+        ours += ["--json", str(args.runs_dir / f"{label}_{entry}.json")]
         ours += ["--corpus", str(packed["corpus"])] if packed else []
         runs.append((label, ours + (["--dry-run"] if args.dry_run else [])))
     if args.skip_baseline or (args.dry_run and not packed):  # hf_baseline.py needs CUDA; ours runs on CPU too
@@ -374,6 +392,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default="auto",
         help=f"comma-separated, one mcore run each: {', '.join(ATTENTION_BACKENDS)} (auto: the dispatcher's choice)",
     )
+    ap.add_argument(
+        "--grads",
+        default="fp32",
+        help=f"comma-separated, one mcore run each: the gradient buffer's dtype, {', '.join(GRAD_DTYPES)} (fp32)",
+    )
     ap.add_argument("--doc-lengths", type=Path, help="lengths file (one per line) or a .bin/.idx prefix to draw from")
     ap.add_argument("--doc-mean", type=float, default=None, help="log-normal mean (FinePDFs-Edu's 4990 tokens)")
     ap.add_argument("--doc-sigma", type=float, default=None, help="log-normal sigma (1.4, assumed)")
@@ -418,6 +441,7 @@ def _resolve(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     args.shape = list(GPU_SHAPES) if shapes == ["all"] else shapes
     args.variants = _names(args.variants, VARIANTS, "--variants", ap)
     backends = _names(args.attention_backend, ATTENTION_BACKENDS, "--attention-backend", ap)
+    grads = _names(args.grads, GRAD_DTYPES, "--grads", ap)
     if args.doc_lengths is not None and (args.doc_mean is not None or args.doc_sigma is not None):
         ap.error("--doc-lengths draws from a file; --doc-mean / --doc-sigma shape the log-normal instead")
     try:
@@ -429,11 +453,11 @@ def _resolve(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     except ValueError as exc:
         ap.error(str(exc))
     if args.only:
-        if args.json is None or len(args.shape) != 1 or len(backends) != 1:
-            ap.error("--only mcore needs --json FILE, one --shape and one --attention-backend")
-        args.shape, args.attention_backend = args.shape[0], backends[0]
+        if args.json is None or len(args.shape) != 1 or len(backends) != 1 or len(grads) != 1:
+            ap.error("--only mcore needs --json FILE, one --shape, one --attention-backend and one --grads")
+        args.shape, args.attention_backend, args.grads = args.shape[0], backends[0], grads[0]
         return
-    args.attention_backend = backends
+    args.attention_backend, args.grads = backends, grads
     if "tiny" in args.shape and not args.dry_run:
         ap.error("--shape tiny is the dry-run shape; use --dry-run")
     if args.json_dir is None:

@@ -166,6 +166,32 @@ def test_throughput_ratios_are_ours_over_the_baselines(throughput_run, bench):
     assert ratios["tokens_per_s_vs_hf_compile"] is None and ratios["peak_mem_vs_hf_compile"] is None
 
 
+def test_throughput_grads_option_runs_ours_once_per_gradient_dtype(bench, tmp_path):
+    tt = bench["throughput"]
+    argv = ["--shape", "8b4l", "--grads", "fp32,bf16", "--skip-baseline", "--json-dir", str(tmp_path)]
+    args = tt.parse_args(argv)
+    args.runs_dir = tmp_path
+    runs = dict(tt._runs(args, "8b4l", "8b4l", None))
+    assert list(runs) == ["mcore-fp32grads", "mcore-bf16grads"]
+    for label, grads in (("mcore-fp32grads", "fp32"), ("mcore-bf16grads", "bf16")):
+        child = tt.parse_args(runs[label][1:])  # what the child process parses
+        assert child.only == "mcore" and child.grads == grads and child.json.name == f"{label}_8b4l.json"
+        config = tt.spec_config(tt.build_spec("8b4l", iters=1, warmup=0, dry_run=False, grads=child.grads))
+        assert config.optim.main_grads_dtype == grads  # the buffer's dtype is the one asked for
+        assert config.optim.exp_avg_dtype == "fp32" and config.optim.exp_avg_sq_dtype == "fp32"
+    default = tt.parse_args(["--shape", "8b4l", "--skip-baseline", "--json-dir", str(tmp_path)])
+    default.runs_dir = tmp_path
+    ((label, child_argv),) = tt._runs(default, "8b4l", "8b4l", None)  # one dtype: the label stays "mcore"
+    assert label == "mcore" and tt.parse_args(child_argv[1:]).grads == "fp32"
+    with pytest.raises(SystemExit):
+        tt.parse_args(["--grads", "fp16"])
+    with pytest.raises(ValueError, match="grads must be one of"):
+        tt.build_spec("8b4l", iters=1, warmup=0, dry_run=False, grads="fp16")
+    row = tt._row("8b4l", {"impl": "mcore", "grads": "bf16", "tokens_per_s": 1.0, "step_s": 1.0,
+                           "tflops_per_gpu": 1.0, "mfu": 0.5, "peak_mem_gb": 1.0, "first_step_s": 1.0})  # fmt: skip
+    assert row[1] == "mcore [bf16 grads]"
+
+
 # ------------------------------------------------------------------------------------------ multi_gpu
 def test_multi_gpu_dry_run_matches_the_single_process_run_in_every_layout(multi_run, bench):
     _, report = multi_run
