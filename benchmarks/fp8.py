@@ -350,11 +350,13 @@ def bench_training(
 
 
 def bench_expert_gemms(dry_run: bool, device, dtype, iters: int, warmup: int) -> list[dict[str, Any]]:
-    """Forward + backward of the two expert GEMMs in bf16 and row-wise fp8, every cast included."""
+    """Forward + backward of the two expert GEMMs in bf16, row-wise fp8 and block-wise fp8 (``triton`` on CUDA: the
+    own block-scaled grouped kernel; the rows per expert are multiples of 128), every cast included."""
+    from mcore.kernels.fp8_block_grouped_gemm import fp8_block_grouped_gemm
     from mcore.kernels.fp8_grouped_gemm import fp8_grouped_gemm
     from mcore.kernels.grouped_gemm import grouped_gemm
 
-    experts, hidden, ffn, rows = (4, 64, 96, 128) if dry_run else (8, 4096, 14336, 2 * 4096 * 2)
+    experts, hidden, ffn, rows = (2, 128, 128, 256) if dry_run else (8, 4096, 14336, 2 * 4096 * 2)
     offsets = torch.arange(1, experts + 1, device=device, dtype=torch.int32) * (rows // experts)
     shapes = {"gate_up": (2 * ffn, hidden), "down": (hidden, ffn)}
     out = []
@@ -363,7 +365,8 @@ def bench_expert_gemms(dry_run: bool, device, dtype, iters: int, warmup: int) ->
         w = (torch.randn(experts, n, k, device=device, dtype=dtype) * 0.02).requires_grad_()
         g = torch.randn(rows, n, device=device, dtype=dtype)
         base = None
-        for impl, fn in (("bf16", grouped_gemm), ("fp8-rowwise", fp8_grouped_gemm)):
+        impls = (("bf16", grouped_gemm), ("fp8-rowwise", fp8_grouped_gemm), ("fp8-blockwise", fp8_block_grouped_gemm))
+        for impl, fn in impls:
             row = dict(gemm=name, impl=impl, rows=rows, n=n, k=k)
             try:
                 step = lambda fn=fn, x=x, w=w, g=g: fn(x, w, offsets).backward(g)  # noqa: E731

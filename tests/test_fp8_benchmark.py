@@ -54,7 +54,7 @@ def test_fp8_benchmark_dry_run(tmp_path):
     assert training["tensorwise+output"]["losses"] != training["tensorwise"]["losses"]  # the output layer too
     assert "| 8b4l-blockwise |" in (tmp_path / "fp8.md").read_text()
     experts = {(r["gemm"], r["impl"]): r for r in data["experts"]}
-    assert set(experts) == {(g, i) for g in ("gate_up", "down") for i in ("bf16", "fp8-rowwise")}
+    assert set(experts) == {(g, i) for g in ("gate_up", "down") for i in ("bf16", "fp8-rowwise", "fp8-blockwise")}
     assert all(r["ms"] > 0 and "error" not in r for r in experts.values())
     moe = {r["recipe"]: r for r in data["moe_training"]}
     assert set(moe) == {"bf16", "rowwise"} and moe["rowwise"]["precision"] == "fp8" and "error" not in moe["rowwise"]
