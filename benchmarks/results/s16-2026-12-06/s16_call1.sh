@@ -3,7 +3,7 @@
 # fp8 expert weight-cast reuse) beside the fp8 expert tests; the 8b4l and 1b step with fp32 and with bf16
 # gradient buffers (optim.main_grads_dtype), HF eager in the same call (hf_baseline.py from shared/); then (#19)
 # the mixtral2l expert GEMMs in bf16 / row-wise / block-wise fp8 and mixtral2l training at 8 micro-batches per step
-# (the experts' weight casts made once per step and reused)
+# (the experts' weight casts made once per step and reused); if time is left, 1b with packed documents vs HF eager
 set -u
 export PYTHONPATH=$(ls -d $PWD/packages/*/src | paste -sd:)
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader > $OUT/gpu.txt
@@ -22,4 +22,9 @@ s=$SECONDS; (cd benchmarks && timeout 150 python fp8.py --skip gemms,linears,cas
   --moe-micro-batches 8 --moe-recipes rowwise,blockwise --out $OUT/moe > $OUT/moe.log 2>&1)
 echo "moe rc=$? $((SECONDS-s))s" >> $OUT/stages.txt; grep "fp8.py:" $OUT/moe.log | cut -c1-220 | tail -12
 cat $OUT/moe/fp8.md 2>/dev/null | tail -16
+if [ $SECONDS -lt 450 ]; then  # #18's missing row: 1b with packed documents beside HF eager (session 8 ran out)
+  s=$SECONDS; timeout $((575-SECONDS)) python benchmarks/train_throughput.py --shape 1b --variants packed \
+    --json-dir $OUT/packed --runs-dir /tmp/runs_packed > $OUT/packed.log 2>&1
+  echo "packed rc=$? $((SECONDS-s))s" >> $OUT/stages.txt; tail -6 $OUT/packed.log | cut -c1-250
+fi
 cat $OUT/stages.txt
