@@ -12,7 +12,7 @@ nvidia-smi --query-gpu=name,driver_version --format=csv,noheader > $OUT/gpu.txt
 python -c "import torch, triton; print(torch.__version__, triton.__version__)" >> $OUT/gpu.txt
 cat $OUT/gpu.txt
 echo "${C:-unknown}" > $OUT/commit.txt
-s=$SECONDS; timeout 100 python -m pytest -q -p no:cacheprovider -m gpu tests/kernels/test_fp8_block_grouped_gemm.py \
+s=$SECONDS; timeout 75 python -m pytest -q -p no:cacheprovider -m gpu tests/kernels/test_fp8_block_grouped_gemm.py \
   tests/kernels/test_grouped_wgrad_defer.py tests/kernels/test_fp8_grouped_gemm.py tests/parallel/test_fp8_experts.py \
   tests/kernels/test_low_precision_linear.py tests/kernels/test_fp8_expert_weight_casts.py > $OUT/tests.log 2>&1
 echo "tests rc=$? $((SECONDS-s))s" >> $OUT/stages.txt; grep -E "passed|failed|FAILED|Error" $OUT/tests.log | tail -15
