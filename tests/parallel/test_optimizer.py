@@ -183,6 +183,25 @@ def test_clip_grad_norm_matches_torch_in_one_process():
         assert rel_err(p.grad, q.grad) <= TOL
 
 
+def test_grad_norm_of_mixed_dtype_gradients_matches_float64():
+    """fp32, bf16 and fp16 gradients together (bf16 ``main_grad`` buffers beside fp32 ones): one multi-tensor
+    norm per dtype, low-precision ones summed in fp32, against the float64 norm of the same stored values."""
+    from mcore.parallel.grad_clip import total_grad_norm
+
+    torch.manual_seed(3)
+    grads = [torch.randn(n, dtype=dt) * s for n, dt, s in
+             ((4099, torch.float32, 1e-3), (70000, torch.bfloat16, 2.0), (513, torch.float16, 0.5),
+              (9, torch.bfloat16, 30.0), (1000, torch.float32, 1.0))]  # fmt: skip
+    params = [nn.Parameter(torch.zeros(g.shape)) for g in grads]
+    expected = torch.sqrt(sum(g.double().square().sum() for g in grads))
+    got = total_grad_norm(zip(params, grads))
+    assert got.dtype == torch.float32 and rel_err(got.double(), expected) <= 1e-5
+    # bf16 alone: a norm returned in bf16 is rounded (up to 2**-9 relative); fp32 sums are ~1e-6 off
+    bf16 = [g for g in grads if g.dtype == torch.bfloat16]
+    got = total_grad_norm(zip(params, bf16))
+    assert rel_err(got.double(), torch.sqrt(sum(g.double().square().sum() for g in bf16))) <= 1e-5
+
+
 def test_loss_scaler_growth_backoff_hysteresis_and_state():
     s = DynamicLossScaler(initial_scale=8.0, growth_factor=2.0, backoff_factor=0.5, growth_interval=3, hysteresis=2)
     s.update(found_inf=True)

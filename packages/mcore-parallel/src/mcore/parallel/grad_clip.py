@@ -76,15 +76,21 @@ def total_grad_norm(
 
 
 def _sum_of_squares(grads: list[torch.Tensor], device: torch.device | str | None = None) -> torch.Tensor:
+    """Sum of the squared L2 norms (fp32 0-d tensor), one multi-tensor norm launch per gradient dtype; bf16/fp16
+    gradients (``optim.main_grads_dtype=bf16``) are summed in fp32 (``_foreach_norm(dtype=)``), not one
+    ``vector_norm`` per tensor: a 1b-shape model has ~150 gradient tensors, each otherwise three launches."""
     if device is None:
         device = grads[0].device if grads else "cpu"
     total = torch.zeros((), dtype=torch.float32, device=device)
-    fp32 = [g for g in grads if g.dtype == torch.float32]
-    if fp32:
-        total = total + torch.stack(torch._foreach_norm(fp32)).square().sum()
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
     for g in grads:
-        if g.dtype != torch.float32:
-            total = total + torch.linalg.vector_norm(g, dtype=torch.float32).square()
+        by_dtype.setdefault(g.dtype, []).append(g)
+    for dtype, group in by_dtype.items():
+        if dtype.itemsize >= 4:  # fp32 (and fp64) in their own precision, then the fp32 sum
+            norms = torch._foreach_norm(group)
+        else:
+            norms = torch._foreach_norm(group, 2, dtype=torch.float32)
+        total = total + torch.stack(norms).float().square().sum()
     return total
 
 
