@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# session 16, the one call the device budget still allowed after nine refused starts (344 s left): the 8b4l step
+# session 16, the one call the device budget still allowed after eleven refused starts (344 s left; itself refused: too little time to start): the 8b4l step
 # with fp32 and with bf16 gradient buffers (optim.main_grads_dtype) beside HF eager (hf_baseline.py from shared/)
 set -u
 export PYTHONPATH=$(ls -d $PWD/packages/*/src | paste -sd:)
