@@ -78,7 +78,7 @@ def total_grad_norm(
 def _sum_of_squares(grads: list[torch.Tensor], device: torch.device | str | None = None) -> torch.Tensor:
     """Sum of the squared L2 norms (fp32 0-d tensor), one multi-tensor norm launch per gradient dtype; bf16/fp16
     gradients (``optim.main_grads_dtype=bf16``) are summed in fp32 (``_foreach_norm(dtype=)``), not one
-    ``vector_norm`` per tensor: a 1b-shape model has ~150 gradient tensors, each otherwise three launches."""
+    ``vector_norm`` per tensor: the 1b shape has 99 gradient tensors, each otherwise three launches."""
     if device is None:
         device = grads[0].device if grads else "cpu"
     total = torch.zeros((), dtype=torch.float32, device=device)
